@@ -1,0 +1,356 @@
+"""Generation with ParVL / InternVL3.5: a gpt-fast style engine and the `generate.py` command.
+
+    python generate.py image.png "Describe the image." --model path/to/InternVL3_5-1B
+    python generate.py a.png b.png "Image-1: <image>\\nImage-2: <image>\\nWhat differs?" --model DIR
+    python generate.py "A text-only question" --model DIR
+    python generate.py image.png --chat --model DIR   # interactive multi-turn session
+
+The engine: the prompt is prefilled once into a static KV cache (allocated once, written in
+place), then `decode_one_token` runs one step at a time, compiled with torch.compile
+(mode="reduce-overhead", so CUDA graphs on GPU). Sampling runs on the device (no multinomial,
+no .item()), so the decode loop needs no host synchronisation except where the caller streams
+tokens or every `check_every` steps to see whether every sequence has stopped. Several prompts
+of different lengths and tile counts are generated as one left-padded batch; each prompt's
+positions start at 0 and its padding is masked out of every attention.
+
+Shape legend: B batch, T prompt tokens (padded), S cache slots, V vocabulary.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from llm import causal_mask
+from parvl import CheckpointError, ParVL, config_from_json, read_json
+from processor import ImageError, Tokenizer, build_multi_image_question, build_prompt, load_image
+
+
+@dataclass
+class GenerateConfig:
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    ignore_eos: bool = False  # force exactly max_new_tokens (the profiling protocol)
+    compile: bool = False  # compile decode_one_token
+    check_every: int = 16  # decode steps between host checks for "all sequences stopped"
+
+
+@dataclass
+class Result:
+    tokens: list[list[int]]  # generated ids per prompt, stop token excluded
+    prefill_s: float = 0.0  # time to first token (ViT + connector + LLM prefill + first sample)
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    metrics: dict = field(default_factory=dict)
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """[B,V] fp32 logits -> [B] token ids, on the device, with no host synchronisation."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # [B,1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B,V]
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    # Gumbel-style draw: argmax(p / Exp(1)) samples from p without torch.multinomial's sync
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+
+
+# -- prefill and one decode step --------------------------------------------------------------
+
+
+@torch.no_grad()
+def prefill(model: ParVL, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
+            valid: torch.Tensor, padded: bool) -> torch.Tensor:
+    """Run the prompt ([B,T], left-padded where valid is False) into cache slots 0..T-1; return the
+    fp32 logits of the last position [B,V]."""
+    B, T = input_ids.shape
+    x = model.embed(input_ids, pixel_values)  # [B,T,D] with image features in place
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B,T], 0 at each prompt's first token
+    slots = torch.arange(T, device=x.device)
+    mask = causal_mask(valid, slots) if padded else None  # None: fused causal kernels
+    h = model.hidden(x, positions, mask, slots)  # [B,T,D]
+    return model.language_model.lm_head(h[:, -1]).float()
+
+
+def decode_one_token(model: ParVL, token: torch.Tensor, input_pos: torch.Tensor,
+                     positions: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """One step: token [B,1] at cache slot input_pos [1], rotary positions [B,1]; key_valid [B,S]
+    marks the cache slots that are not padding. Returns fp32 logits [B,V]. Static shapes only."""
+    x = model.language_model.model.embed_tokens(token)  # [B,1,D]
+    mask = causal_mask(key_valid, input_pos)  # [B,1,1,S]
+    h = model.hidden(x, positions, mask, input_pos)  # [B,1,D]
+    return model.language_model.lm_head(h[:, -1]).float()
+
+
+class Engine:
+    """Holds the model, its static cache and the (compiled) decode step across generate calls."""
+
+    def __init__(self, model: ParVL, compile: bool = False):
+        self.model = model
+        self.device = model.language_model.lm_head.weight.device
+        self.cache_shape: tuple[int, int] | None = None
+        self.compile_s = 0.0
+        self.decode = decode_one_token
+        if compile:
+            cuda = self.device.type == "cuda"
+            self.decode = torch.compile(decode_one_token, mode="reduce-overhead" if cuda else None, fullgraph=True)
+
+    def setup(self, batch: int, slots: int) -> int:
+        """(Re)allocate the cache only when it is too small or the batch changed; sizes are rounded
+        up to 256 slots so a chat session keeps one cache (and one compiled graph)."""
+        slots = -(-slots // 256) * 256
+        if self.cache_shape is None or self.cache_shape[0] != batch or self.cache_shape[1] < slots:
+            self.model.language_model.setup_cache(batch, slots)
+            self.cache_shape = (batch, slots)
+        return self.cache_shape[1]
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], pixel_values: torch.Tensor | None, cfg: GenerateConfig,
+                 stop_ids: list[int], pad_id: int = 0, callback=None) -> Result:
+        """Generate for a batch of prompts (token id lists); pixel_values holds every prompt's tiles
+        in order. callback(step, tokens [B] on host) streams tokens as they come (syncs each step)."""
+        model, dev = self.model, self.device
+        B, T = len(prompts), max(len(p) for p in prompts)
+        context_check(T, cfg.max_new_tokens, model.cfg.llm.max_position_embeddings)
+        S = self.setup(B, T + cfg.max_new_tokens)
+        ids = torch.full((B, T), pad_id, dtype=torch.long)
+        valid = torch.zeros(B, T, dtype=torch.bool)
+        for b, p in enumerate(prompts):  # left padding: every prompt ends at slot T-1
+            ids[b, T - len(p):] = torch.tensor(p)
+            valid[b, T - len(p):] = True
+        ids, valid = ids.to(dev), valid.to(dev)
+        padded = any(len(p) < T for p in prompts)
+        key_valid = torch.ones(B, S, dtype=torch.bool, device=dev)  # slots past T are valid once written
+        key_valid[:, :T] = valid
+        stops = torch.tensor(stop_ids, device=dev)
+        out = torch.full((B, cfg.max_new_tokens), pad_id, dtype=torch.long, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+
+        sync(dev)
+        t0 = time.perf_counter()
+        if pixel_values is not None:
+            pixel_values = pixel_values.to(dev)
+        logits = prefill(model, ids, pixel_values, valid, padded)
+        token = sample(logits, cfg.temperature, cfg.top_k, cfg.top_p)  # [B]
+        sync(dev)
+        result = Result(tokens=[], prefill_s=time.perf_counter() - t0)
+
+        input_pos = torch.tensor([T], device=dev)  # cache slot of the token being fed
+        positions = valid.long().sum(-1, keepdim=True)  # [B,1] its rotary position
+        steps = 0
+        t0 = time.perf_counter()
+        for i in range(cfg.max_new_tokens):
+            out[:, i] = torch.where(done, pad_id, token)
+            if not cfg.ignore_eos:
+                done |= torch.isin(token, stops)
+            steps = i + 1
+            if callback is not None:
+                callback(i, out[:, i].tolist())
+            if i + 1 == cfg.max_new_tokens:
+                break
+            if not cfg.ignore_eos and (i + 1) % cfg.check_every == 0 and bool(done.all()):
+                break
+            logits = self.decode(model, token.view(B, 1), input_pos, positions, key_valid)
+            token = sample(logits, cfg.temperature, cfg.top_k, cfg.top_p).clone()  # clone: graph outputs are reused
+            input_pos += 1
+            positions += 1
+        sync(dev)
+        result.decode_s, result.decode_steps = time.perf_counter() - t0, steps
+        for row in out[:, :steps].tolist():
+            cut = next((j for j, t in enumerate(row) if t in stop_ids), len(row)) if not cfg.ignore_eos else len(row)
+            result.tokens.append(row[:cut])
+        return result
+
+
+def context_check(prompt_len: int, max_new_tokens: int, limit: int | Path) -> None:
+    """Refuse a prompt whose tokens plus the token budget exceed the model context (positions)."""
+    if isinstance(limit, Path):
+        limit = config_from_json(read_json(limit / "config.json"), limit).llm.max_position_embeddings
+    if prompt_len + max_new_tokens > limit:
+        raise ValueError(f"prompt of {prompt_len} tokens (image tokens included) + {max_new_tokens} new tokens "
+                         f"exceeds the model context of {limit}")
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+# -- the command ------------------------------------------------------------------------------
+
+
+def resolve_model(name: str | None) -> Path:
+    """A local folder, or a hub name fetched with huggingface_hub when it is installed."""
+    if not name:
+        raise ValueError("no model: pass --model DIR or set $PARVL_MODEL")
+    if Path(name).is_dir():
+        return Path(name)
+    if Path(name).exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise CheckpointError(f"{name}: not a checkpoint folder")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CheckpointError(
+            f"{name}: not a local folder; download it first (pip install huggingface_hub; "
+            f"huggingface-cli download {name} --local-dir DIR) and pass --model DIR"
+        ) from None
+    return Path(snapshot_download(name))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Answer a question about images (or text) with ParVL / InternVL3.5.")
+    p.add_argument("inputs", nargs="+", help="zero or more image paths, then the question (with --chat: images only)")
+    p.add_argument("--model", default=os.environ.get("PARVL_MODEL"), help="checkpoint folder (default: $PARVL_MODEL)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="token budget for the answer (default 512)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (default 1.0)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens, 0 = off (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
+    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights and activations (default bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (default cuda if available, else cpu)")
+    p.add_argument("--max-tiles", type=int, default=12, help="448 px tiles per image, thumbnail excluded (default 12)")
+    p.add_argument("--system", default=None, help="system message (default: InternVL's own)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the decode step (default: on for CUDA, off for CPU)")
+    p.add_argument("--chat", action="store_true", help="interactive multi-turn session; images enter the first turn")
+    p.add_argument("--json", action="store_true", help="print one JSON line with the answer and metrics instead of text")
+    args = p.parse_args(argv)
+    for name, ok in [("--max-new-tokens", args.max_new_tokens >= 1), ("--temperature", args.temperature >= 0),
+                     ("--top-p", 0 < args.top_p <= 1), ("--top-k", args.top_k >= 0), ("--max-tiles", args.max_tiles >= 1)]:
+        if not ok:
+            p.error(f"{name} out of range: {getattr(args, name[2:].replace('-', '_'))}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+        args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    images, question = (args.inputs, None) if args.chat else (args.inputs[:-1], args.inputs[-1])
+    try:
+        pixel_list = [load_image(path, max_tiles=args.max_tiles) for path in images]  # bad images fail early
+        num_tiles = [pv.shape[0] for pv in pixel_list]
+        folder = resolve_model(args.model)
+        t0 = time.perf_counter()
+        tok = Tokenizer.from_pretrained(folder)
+        prompt = None
+        if not args.chat:
+            if len(num_tiles) > 1 and "<image>" not in question:
+                question = build_multi_image_question(question, len(num_tiles))
+            prompt = build_prompt(question, num_tiles, system=args.system)
+            # a prompt that cannot fit is refused before the weights are read
+            context_check(len(tok.encode(prompt)), args.max_new_tokens, folder)
+        model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
+        load_s = time.perf_counter() - t0
+        log(f"loaded {folder} in {load_s:.2f} s ({dtype}, {device})")
+        engine = Engine(model, compile=args.compile if args.compile is not None else device.type == "cuda")
+        cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             top_k=args.top_k, top_p=args.top_p)
+        pixel_values = torch.cat(pixel_list).to(dtype) if pixel_list else None
+        if args.chat:
+            chat(engine, tok, pixel_values, num_tiles, cfg, args)
+        else:
+            answer(engine, tok, prompt, pixel_values, cfg, args, load_s)
+    except (ImageError, CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def answer(engine: Engine, tok: Tokenizer, prompt: str, pixel_values, cfg: GenerateConfig,
+           args: argparse.Namespace, load_s: float = 0.0) -> str:
+    """Generate one answer, streaming text to stdout (unless --json); metrics to stderr."""
+    torch.manual_seed(args.seed)
+    ids = tok.encode(prompt)
+    streamed = Streamer(tok, enabled=not args.json)
+    res = engine.generate([ids], pixel_values, cfg, stop_ids=tok.eos_ids, callback=streamed)
+    text = tok.decode(res.tokens[0]).strip()
+    streamed.finish()
+    n = len(res.tokens[0])
+    metrics = {
+        "load_s": round(load_s, 3), "ttft_s": round(res.prefill_s, 4), "new_tokens": n,
+        "decode_tok_s": round((res.decode_steps - 1) / res.decode_s, 2) if res.decode_steps > 1 else None,
+        "peak_gib": round(peak_memory_gib(engine.device), 3), "prompt_tokens": len(ids),
+    }
+    if args.json:
+        print(json.dumps({"answer": text, **metrics}, ensure_ascii=False))
+    else:
+        log(" ".join(f"{k}={v}" for k, v in metrics.items()))
+    return text
+
+
+def chat(engine, tok, pixel_values, num_tiles, cfg, args) -> int:
+    history: list[tuple[str, str]] = []
+    while True:
+        try:
+            question = input("> " if sys.stdin.isatty() else "").strip()
+        except EOFError:
+            return 0
+        if not question:
+            continue
+        if not history and num_tiles and "<image>" not in question:  # as the official chat() stores it
+            question = build_multi_image_question(question, len(num_tiles)) if len(num_tiles) > 1 else "<image>\n" + question
+        # the whole history is re-sent each turn; its image tokens stay in the first turn
+        prompt = build_prompt(question, num_tiles, history=history, system=args.system)
+        history.append((question, answer(engine, tok, prompt, pixel_values, cfg, args)))
+
+
+class Streamer:
+    """Streams the answer as tokens arrive: decodes everything so far and writes what is new, holding
+    back an incomplete UTF-8 character (decoded as U+FFFD) and trailing white space (the answer is
+    stripped), so the pieces written concatenate to exactly the final answer."""
+
+    def __init__(self, tok: Tokenizer, enabled: bool = True, write=None):
+        self.tok, self.enabled, self.write = tok, enabled, write or sys.stdout.write
+        self.ids: list[int] = []
+        self.shown, self.stopped = "", False
+
+    def __call__(self, step: int, tokens: list[int]) -> None:
+        if self.stopped or tokens[0] in self.tok.eos_ids:
+            self.stopped = True
+            return
+        self.ids.append(tokens[0])
+        text = self.tok.decode(self.ids).strip()
+        if self.enabled and not text.endswith("\ufffd") and len(text) > len(self.shown):
+            self.write(text[len(self.shown):])
+            self.shown = text
+            sys.stdout.flush()
+
+    def finish(self) -> None:
+        if self.enabled:  # whatever was held back (a dangling partial character) goes out now
+            text = self.tok.decode(self.ids).strip()
+            self.write(text[len(self.shown):] + "\n")
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,283 @@
+"""Turn images and chat turns into the pixel tensors and token ids InternVL3.5 expects.
+
+Implements spec §5 (dynamic tiling and ImageNet normalisation) and §4 (special tokens and the
+"internvl2_5" chat template that the official `chat()` uses), with only PIL, numpy, torch and the
+`tokenizers` library, so the model side never imports transformers or torchvision.
+
+    pixels = load_image("cat.jpg", max_tiles=12)                 # [N, 3, 448, 448] float32
+    tok = Tokenizer.from_pretrained("/ckpt/InternVL3_5-1B")
+    prompt = build_prompt("Describe the image.", [pixels.shape[0]])
+    ids = tok.encode(prompt)        # <IMG_CONTEXT> appears 256 * N times; see tok.img_context_id
+
+Test: python -m pytest tests/test_processor.py -q
+"""
+
+import json
+import os
+
+import numpy as np
+import torch
+from PIL import Image
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
+from tokenizers import Tokenizer as _BackendTokenizer
+
+IMG_START = "<img>"
+IMG_END = "</img>"
+IMG_CONTEXT = "<IMG_CONTEXT>"
+IMAGE_PLACEHOLDER = "<image>"  # what users write; expanded by build_prompt
+IMAGE_SIZE = 448  # tile side in pixels, the ViT input size
+NUM_IMAGE_TOKENS = 256  # (448 / 14)^2 patches, pixel-shuffled by 0.5 -> 16 x 16 tokens per tile
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+DEFAULT_SYSTEM_MESSAGE = (
+    "你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位"
+    "联合开发的多模态大语言模型。"
+)
+
+# Chat template "internvl2_5": MPT-style turns separated by "<|im_end|>\n" (spec §4.3).
+IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
+_SEP = IM_END + "\n"
+_USER, _ASSISTANT = IM_START + "user\n", IM_START + "assistant\n"
+
+# Qwen2-family pre-tokenizer split (shared by Qwen2.5 and Qwen3).
+_QWEN2_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+class ImageError(ValueError):
+    """An image file is missing, unreadable, not an image, or truncated."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Images (spec §5)
+
+
+def tile_grid(width: int, height: int, max_tiles: int = 12, min_tiles: int = 1,
+              image_size: int = IMAGE_SIZE) -> tuple[int, int]:
+    """Pick the (cols, rows) grid whose aspect ratio is closest to width / height.
+
+    Candidates are all grids with min_tiles <= cols * rows <= max_tiles, visited in increasing
+    tile count. A strictly smaller aspect error wins; on an exact tie the later (larger) grid wins
+    only if the image covers more than half of that grid's canvas, so small images stay small.
+    """
+    if not 1 <= min_tiles <= max_tiles:
+        raise ValueError(f"need 1 <= min_tiles <= max_tiles, got min_tiles={min_tiles}, "
+                         f"max_tiles={max_tiles}")
+    if width < 1 or height < 1:
+        raise ValueError(f"image size must be positive, got {width}x{height}")
+    # The official code builds a Python set and stably sorts it by tile count, so grids with the
+    # same count keep the set's iteration order. That order decides some exact ties, so we build
+    # the set with the same insertion sequence instead of choosing our own order.
+    grids = {(c, r) for n in range(min_tiles, max_tiles + 1)
+             for c in range(1, n + 1) for r in range(1, n + 1)
+             if min_tiles <= c * r <= max_tiles}
+    grids = sorted(grids, key=lambda g: g[0] * g[1])
+
+    aspect = width / height
+    best, best_err = (1, 1), float("inf")
+    for cols, rows in grids:
+        err = abs(aspect - cols / rows)
+        if err < best_err:
+            best, best_err = (cols, rows), err
+        elif err == best_err and width * height > 0.5 * image_size * image_size * cols * rows:
+            best = (cols, rows)
+    return best
+
+
+def tile_image(img: Image.Image, max_tiles: int = 12, image_size: int = IMAGE_SIZE,
+               use_thumbnail: bool = True) -> list[Image.Image]:
+    """Split an (RGB) image into grid tiles, row-major, plus a whole-image thumbnail last."""
+    cols, rows = tile_grid(img.width, img.height, max_tiles, 1, image_size)
+    # Stretch the original (no letterboxing) to the grid canvas. PIL's default filter is bicubic
+    # for RGB, which is what the official code relies on by not passing one.
+    canvas = img.resize((cols * image_size, rows * image_size))
+    tiles = [canvas.crop((c * image_size, r * image_size, (c + 1) * image_size, (r + 1) * image_size))
+             for r in range(rows) for c in range(cols)]
+    # A single tile already shows the whole image, so only multi-tile grids get a thumbnail.
+    if use_thumbnail and len(tiles) != 1:
+        tiles.append(img.resize((image_size, image_size)))
+    return tiles
+
+
+def _open_rgb(path_or_pil) -> Image.Image:
+    """Decode fully and convert to RGB, turning every decoder failure into an ImageError."""
+    name = "<PIL image>" if isinstance(path_or_pil, Image.Image) else os.fspath(path_or_pil)
+    try:
+        if isinstance(path_or_pil, Image.Image):
+            return path_or_pil.convert("RGB")
+        with Image.open(name) as f:
+            # Image.open only reads the header; load() decodes every byte, so a truncated file
+            # fails here instead of silently yielding grey pixels later.
+            f.load()
+            return f.convert("RGB")
+    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as e:
+        detail = " ".join(str(e).split())  # decoder messages may span lines; keep one line
+        raise ImageError(f"cannot read image {name}: {type(e).__name__}: {detail}") from e
+
+
+def load_image(path_or_pil, max_tiles: int = 12, use_thumbnail: bool = True) -> torch.Tensor:
+    """Load an image into normalised tiles: float32 [N, 3, 448, 448], N = tiles (+ thumbnail)."""
+    img = _open_rgb(path_or_pil)
+    tiles = tile_image(img, max_tiles, IMAGE_SIZE, use_thumbnail)
+    x = torch.from_numpy(np.stack([np.asarray(t) for t in tiles]))  # [N, 448, 448, 3] uint8
+    # Same float32 ops, in the same order, as torchvision's ToTensor then Normalize, so the
+    # result is bit-identical: x / 255, then (x - mean) / std with [3, 1, 1] float32 stats.
+    x = x.permute(0, 3, 1, 2).contiguous().float().div(255)  # [N, 3, 448, 448]
+    mean = torch.tensor(IMAGENET_MEAN, dtype=torch.float32).view(3, 1, 1)
+    std = torch.tensor(IMAGENET_STD, dtype=torch.float32).view(3, 1, 1)
+    return x.sub(mean).div(std)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer (spec §4.1)
+
+
+def _qwen2_pipeline(tok: _BackendTokenizer) -> _BackendTokenizer:
+    """Normalizer, pre-tokenizer and decoder of the Qwen2 family (what tokenizer.json holds)."""
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def _read_json(path: str):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _from_vocab_files(folder: str) -> _BackendTokenizer:
+    """Rebuild a Qwen tokenizer from vocab.json + merges.txt + added tokens."""
+    tok = _qwen2_pipeline(_BackendTokenizer(models.BPE.from_file(
+        os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt"))))
+    # Added tokens: tokenizer_config.json carries the special flags; added_tokens.json only ids.
+    # Tokens known only from added_tokens.json count as special (InternVL adds its tags that way).
+    added = {}  # id -> AddedToken
+    config_path = os.path.join(folder, "tokenizer_config.json")
+    if os.path.isfile(config_path):
+        for i, t in _read_json(config_path).get("added_tokens_decoder", {}).items():
+            added[int(i)] = AddedToken(t["content"], special=t.get("special", True),
+                                       normalized=t.get("normalized", False),
+                                       lstrip=t.get("lstrip", False), rstrip=t.get("rstrip", False),
+                                       single_word=t.get("single_word", False))
+    added_path = os.path.join(folder, "added_tokens.json")
+    if os.path.isfile(added_path):
+        for content, i in _read_json(added_path).items():
+            added.setdefault(int(i), AddedToken(content, special=True, normalized=False))
+    # The backend numbers new tokens consecutively, so add them in id order and check each id.
+    for i in sorted(added):
+        tok.add_tokens([added[i]])
+        if tok.token_to_id(added[i].content) != i:
+            raise ValueError(f"added token {added[i].content!r} should have id {i} but got "
+                             f"{tok.token_to_id(added[i].content)}; ids must be contiguous")
+    return tok
+
+
+class Tokenizer:
+    """A Qwen byte-level BPE tokenizer (Qwen2.5 or Qwen3 plus InternVL's image tags)."""
+
+    def __init__(self, backend: _BackendTokenizer, folder: str = ""):
+        self.backend = backend
+        self.folder = folder
+
+    @classmethod
+    def from_pretrained(cls, folder) -> "Tokenizer":
+        """Load tokenizer.json if present, else vocab.json + merges.txt (+ added tokens)."""
+        folder = os.fspath(folder)
+        json_path = os.path.join(folder, "tokenizer.json")
+        try:
+            if os.path.isfile(json_path):
+                backend = _BackendTokenizer.from_file(json_path)
+            elif os.path.isfile(os.path.join(folder, "vocab.json")):
+                backend = _from_vocab_files(folder)
+            else:
+                raise ValueError("found neither tokenizer.json nor vocab.json + merges.txt")
+        # The Rust backend reports bad files as a plain Exception, so catch broadly but re-raise
+        # as one clear line that names the folder.
+        except Exception as e:
+            raise ValueError(f"cannot load tokenizer from {folder}: {type(e).__name__}: {e}") from e
+        return cls(backend, folder)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are recognised; no BOS."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    def _required_id(self, token: str) -> int:
+        i = self.token_to_id(token)
+        if i is None:
+            raise ValueError(f"tokenizer in {self.folder or '<memory>'} has no {token} token")
+        return i
+
+    @property
+    def img_context_id(self) -> int:
+        return self._required_id(IMG_CONTEXT)
+
+    @property
+    def im_end_id(self) -> int:
+        return self._required_id(IM_END)
+
+    @property
+    def eos_ids(self) -> list[int]:
+        """Stop ids: <|im_end|> ends a chat turn; <|endoftext|> ends a document (spec §4.4)."""
+        ids = (self.token_to_id(IM_END), self.token_to_id(ENDOFTEXT))
+        return [i for i in ids if i is not None]
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens including added ones; the model's embedding table may be larger (spec §4.1)."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prompts (spec §4.2, §4.3)
+
+
+def build_multi_image_question(question: str, n_images: int) -> str:
+    """Prefix "Image-1: <image>\\n...Image-n: <image>\\n" unless the question places images itself."""
+    if IMAGE_PLACEHOLDER in question:
+        return question
+    return "".join(f"Image-{k + 1}: {IMAGE_PLACEHOLDER}\n" for k in range(n_images)) + question
+
+
+def build_prompt(question: str, num_tiles: list[int] = (), history: list[tuple[str, str]] = (),
+                 system: str | None = None) -> str:
+    """The prompt string of the official `chat()`, with every <image> expanded to its tokens.
+
+    num_tiles has one entry per image, in order of the <image> placeholders across the history
+    and the question; image i becomes <img> + <IMG_CONTEXT> * 256 * num_tiles[i] + </img>.
+    """
+    num_tiles = list(num_tiles)
+    # Like chat(): a first-turn question with images but no placeholder gets one in front.
+    if not history and num_tiles and IMAGE_PLACEHOLDER not in question:
+        question = IMAGE_PLACEHOLDER + "\n" + question
+    system = DEFAULT_SYSTEM_MESSAGE if system is None else system
+
+    # The system turn is always emitted, even when empty. A turn whose text is empty (or the final
+    # assistant slot) contributes only its role header, because the template tests truthiness.
+    parts = [IM_START + "system\n" + system + _SEP]
+    turns = [m for q, a in history for m in ((_USER, q), (_ASSISTANT, a))]
+    for role, text in turns + [(_USER, question), (_ASSISTANT, None)]:
+        parts.append(role + text + _SEP if text else role)
+    prompt = "".join(parts)
+
+    n_slots = prompt.count(IMAGE_PLACEHOLDER)
+    if n_slots != len(num_tiles):
+        raise ValueError(f"prompt has {n_slots} {IMAGE_PLACEHOLDER} placeholders but num_tiles "
+                         f"lists {len(num_tiles)} images")
+    for n in num_tiles:
+        if n < 1:
+            raise ValueError(f"each image needs at least one tile, got num_tiles={num_tiles}")
+        # Replace the first remaining placeholder, so images fill the slots in reading order.
+        image = IMG_START + IMG_CONTEXT * (NUM_IMAGE_TOKENS * n) + IMG_END
+        prompt = prompt.replace(IMAGE_PLACEHOLDER, image, 1)
+    return prompt

@@ -1,0 +1,193 @@
+"""InternViT, the vision encoder of InternVL3.5, in plain PyTorch.
+
+InternViT-300M-448px-V2_5: a 14x14 patch embedding with a class token and learned position
+embeddings, 24 pre-norm blocks (fused qkv attention, exact-erf GELU MLP, layer scale on both
+branch outputs) and no final norm. The InternViT-6B style (RMSNorm, q/k normalisation over the
+whole width, no qkv bias) is a config away. ParVL (paper, "Method") runs Pv branches of this
+encoder folded into the batch dimension, each with learned key/value prefixes in every layer.
+
+Parameter names mirror the official `vision_model.*` checkpoint keys, so an InternVL checkpoint
+loads with no renaming. Shape legend: N tiles (times branches), T tokens (1 + patches),
+C width, H heads, D head dim, Lp prefix length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ViTConfig:
+    hidden_size: int = 1024
+    intermediate_size: int = 4096
+    num_layers: int = 24
+    num_heads: int = 16
+    patch_size: int = 14
+    image_size: int = 448  # the size the position embedding was trained at
+    qkv_bias: bool = True
+    qk_norm: bool = False  # InternViT-6B: RMSNorm over the full width of q and k
+    norm_type: str = "layer_norm"  # or "rms_norm" (InternViT-6B)
+    norm_eps: float = 1e-6
+    drop_path_rate: float = 0.0  # stochastic depth, linearly increasing per layer, training only
+
+    def __post_init__(self):
+        assert self.hidden_size % self.num_heads == 0, (self.hidden_size, self.num_heads)
+        assert self.image_size % self.patch_size == 0, (self.image_size, self.patch_size)
+        if self.norm_type not in ("layer_norm", "rms_norm"):
+            raise ValueError(f"vision norm_type must be layer_norm or rms_norm, got {self.norm_type!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def grid(self) -> int:
+        return self.image_size // self.patch_size
+
+
+class RMSNorm(nn.Module):
+    """InternViT-6B's RMSNorm: normalise in fp32, cast back, then scale."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def make_norm(cfg: ViTConfig, dim: int) -> nn.Module:
+    return nn.LayerNorm(dim, eps=cfg.norm_eps) if cfg.norm_type == "layer_norm" else RMSNorm(dim, cfg.norm_eps)
+
+
+def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Stochastic depth: drop the whole residual branch per sample, rescale the survivors."""
+    if p == 0.0 or not training:
+        return x
+    keep = x.new_empty((x.shape[0],) + (1,) * (x.ndim - 1)).bernoulli_(1.0 - p)
+    return x * keep / (1.0 - p)
+
+
+class Embeddings(nn.Module):
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.cfg = cfg
+        C = cfg.hidden_size
+        # bare parameters, as in the checkpoint: `class_embedding`, `position_embedding` (no .weight)
+        self.class_embedding = nn.Parameter(torch.zeros(1, 1, C))
+        self.patch_embedding = nn.Conv2d(3, C, kernel_size=cfg.patch_size, stride=cfg.patch_size)
+        self.position_embedding = nn.Parameter(torch.zeros(1, 1 + cfg.grid**2, C))
+
+    def position_for(self, h: int, w: int) -> torch.Tensor:
+        """Position embedding for an h x w patch grid: [1, 1 + h*w, C]."""
+        pos = self.position_embedding
+        g = self.cfg.grid
+        if (h, w) == (g, g):  # bicubic resize to the same grid is the identity (checked: max diff 0)
+            return pos
+        # the official encoder resizes the patch part in fp32, bicubic, align_corners=False
+        patch = pos[:, 1:].reshape(1, g, g, -1).permute(0, 3, 1, 2).float()  # [1,C,g,g]
+        patch = F.interpolate(patch, size=(h, w), mode="bicubic", align_corners=False)
+        patch = patch.flatten(2).transpose(1, 2).to(pos.dtype)  # [1,h*w,C]
+        return torch.cat([pos[:, :1], patch], dim=1)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        x = self.patch_embedding(pixel_values.to(self.patch_embedding.weight.dtype))  # [N,C,h,w]
+        h, w = x.shape[-2:]
+        x = x.flatten(2).transpose(1, 2)  # [N,h*w,C], row-major patches
+        cls = self.class_embedding.to(x.dtype).expand(x.shape[0], 1, -1)  # [N,1,C]
+        x = torch.cat([cls, x], dim=1)  # [N,T,C]
+        return x + self.position_for(h, w).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Bidirectional self-attention with a fused qkv projection (rows ordered q | k | v)."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        C = cfg.hidden_size
+        self.qkv = nn.Linear(C, 3 * C, bias=cfg.qkv_bias)
+        self.proj = nn.Linear(C, C)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(C, cfg.norm_eps)
+            self.k_norm = RMSNorm(C, cfg.norm_eps)
+        self.qk_norm = cfg.qk_norm
+
+    def forward(self, x: torch.Tensor, prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        N, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=-1)  # 3 x [N,T,C]
+        if self.qk_norm:  # over the whole width, all heads jointly (InternViT-6B)
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.view(N, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [N,H,T,D]
+        if prefix_kv is not None:
+            # ParVL: per-branch learned keys/values prepended, queries unchanged, no mask (bidirectional)
+            pk, pv = prefix_kv  # [N,H,Lp,D] each
+            k, v = torch.cat([pk.to(k.dtype), k], dim=2), torch.cat([pv.to(v.dtype), v], dim=2)  # [N,H,Lp+T,D]
+        out = F.scaled_dot_product_attention(q, k, v)  # [N,H,T,D]
+        return self.proj(out.transpose(1, 2).reshape(N, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))  # exact erf GELU, as the checkpoint was trained
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ViTConfig, drop_path_rate: float):
+        super().__init__()
+        C = cfg.hidden_size
+        self.norm1 = make_norm(cfg, C)
+        self.attn = Attention(cfg)
+        self.norm2 = make_norm(cfg, C)
+        self.mlp = MLP(cfg)
+        self.ls1 = nn.Parameter(torch.ones(C))  # layer scale: multiplies the branch output
+        self.ls2 = nn.Parameter(torch.ones(C))
+        self.drop_path_rate = drop_path_rate
+
+    def forward(self, x: torch.Tensor, prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        p = self.drop_path_rate
+        x = x + drop_path(self.attn(self.norm1(x).to(x.dtype), prefix_kv) * self.ls1, p, self.training)
+        x = x + drop_path(self.mlp(self.norm2(x).to(x.dtype)) * self.ls2, p, self.training)
+        return x
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        n = cfg.num_layers
+        rates = [cfg.drop_path_rate * i / max(n - 1, 1) for i in range(n)]  # linspace(0, rate, n)
+        self.layers = nn.ModuleList(Block(cfg, r) for r in rates)
+
+
+class ViT(nn.Module):
+    """InternViT. `forward` returns hidden state number `num_layers` (0 = embeddings), no final norm."""
+
+    def __init__(self, cfg: ViTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embeddings = Embeddings(cfg)
+        self.encoder = Encoder(cfg)
+
+    def forward(
+        self,
+        pixel_values: torch.Tensor,  # [N,3,S,S]
+        num_layers: int | None = None,  # run only the first num_layers blocks (select_layer)
+        prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,  # per layer, [N,H,Lp,D] each
+    ) -> torch.Tensor:  # [N,T,C]
+        x = self.embeddings(pixel_values)
+        layers = self.encoder.layers[: self.cfg.num_layers if num_layers is None else num_layers]
+        for i, layer in enumerate(layers):
+            x = layer(x, None if prefix_kv is None else prefix_kv[i])
+        return x
+
