@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from llm import causal_mask
-from parvl import CheckpointError, ParVL, config_from_json, read_json
+from checkpoint import CheckpointError, read_json
+from parvl import ParVL, config_from_json
 from processor import ImageError, Tokenizer, build_multi_image_question, build_prompt, load_image
 
 
@@ -78,35 +79,41 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -
 
 
 @torch.no_grad()
-def prefill(model: ParVL, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-            valid: torch.Tensor, padded: bool) -> torch.Tensor:
-    """Run the prompt ([B,T], left-padded where valid is False) into cache slots 0..T-1; return the
-    fp32 logits of the last position [B,V]."""
+def prefill(model: ParVL, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, valid: torch.Tensor,
+            padded: bool, vision_branch: int | None = None, language_branch: int | None = None) -> torch.Tensor:
+    """Run the prompt ([B,T], left-padded where valid is False) into token slots 0..T-1 of the cache
+    (the branch prefixes sit in front of them); return the fp32 logits of the last position [B,V]."""
     B, T = input_ids.shape
-    x = model.embed(input_ids, pixel_values)  # [B,T,D] with image features in place
+    x, _ = model.embed(input_ids, pixel_values, vision_branch)  # [B,T,D] with image features in place
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B,T], 0 at each prompt's first token
     slots = torch.arange(T, device=x.device)
     mask = causal_mask(valid, slots) if padded else None  # None: fused causal kernels
-    h = model.hidden(x, positions, mask, slots)  # [B,T,D]
+    h, _ = model.hidden(x, positions, mask, slots, language_branch)  # [B,T,D] branches fused
     return model.language_model.lm_head(h[:, -1]).float()
 
 
-def decode_one_token(model: ParVL, token: torch.Tensor, input_pos: torch.Tensor,
-                     positions: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
-    """One step: token [B,1] at cache slot input_pos [1], rotary positions [B,1]; key_valid [B,S]
-    marks the cache slots that are not padding. Returns fp32 logits [B,V]. Static shapes only."""
+def decode_one_token(model: ParVL, token: torch.Tensor, input_pos: torch.Tensor, positions: torch.Tensor,
+                     key_valid: torch.Tensor, branch: int | None = None) -> torch.Tensor:
+    """One step: token [B,1] at token slot input_pos [1], rotary positions [B,1]; key_valid [B,S]
+    marks the token slots that are not padding. Returns fp32 logits [B,V]. Static shapes only."""
     x = model.language_model.model.embed_tokens(token)  # [B,1,D]
     mask = causal_mask(key_valid, input_pos)  # [B,1,1,S]
-    h = model.hidden(x, positions, mask, input_pos)  # [B,1,D]
+    h, _ = model.hidden(x, positions, mask, input_pos, branch)  # [B,1,D] branches fused
     return model.language_model.lm_head(h[:, -1]).float()
 
 
 class Engine:
-    """Holds the model, its static cache and the (compiled) decode step across generate calls."""
+    """Holds the model, its static cache and the (compiled) decode step across generate calls.
 
-    def __init__(self, model: ParVL, compile: bool = False):
+    shared_kv: keep one mean-reduced token K/V per sample instead of one per language branch
+    (ParVL Appendix C.2; an approximation that saves memory). vision_branch / language_branch:
+    run one chosen branch pair only."""
+
+    def __init__(self, model: ParVL, compile: bool = False, shared_kv: bool = False,
+                 vision_branch: int | None = None, language_branch: int | None = None):
         self.model = model
         self.device = model.language_model.lm_head.weight.device
+        self.shared_kv, self.vision_branch, self.language_branch = shared_kv, vision_branch, language_branch
         self.cache_shape: tuple[int, int] | None = None
         self.compile_s = 0.0
         self.decode = decode_one_token
@@ -118,9 +125,12 @@ class Engine:
         """(Re)allocate the cache only when it is too small or the batch changed; sizes are rounded
         up to 256 slots so a chat session keeps one cache (and one compiled graph)."""
         slots = -(-slots // 256) * 256
+        lm = self.model.language_model
         if self.cache_shape is None or self.cache_shape[0] != batch or self.cache_shape[1] < slots:
-            self.model.language_model.setup_cache(batch, slots)
+            lm.setup_cache(batch, slots, self.language_branch, self.shared_kv)
             self.cache_shape = (batch, slots)
+        else:
+            lm.seed_prefixes()  # the prefixes may have been trained since the cache was filled
         return self.cache_shape[1]
 
     @torch.no_grad()
@@ -149,7 +159,7 @@ class Engine:
         t0 = time.perf_counter()
         if pixel_values is not None:
             pixel_values = pixel_values.to(dev)
-        logits = prefill(model, ids, pixel_values, valid, padded)
+        logits = prefill(model, ids, pixel_values, valid, padded, self.vision_branch, self.language_branch)
         token = sample(logits, cfg.temperature, cfg.top_k, cfg.top_p)  # [B]
         sync(dev)
         result = Result(tokens=[], prefill_s=time.perf_counter() - t0)
@@ -169,7 +179,7 @@ class Engine:
                 break
             if not cfg.ignore_eos and (i + 1) % cfg.check_every == 0 and bool(done.all()):
                 break
-            logits = self.decode(model, token.view(B, 1), input_pos, positions, key_valid)
+            logits = self.decode(model, token.view(B, 1), input_pos, positions, key_valid, self.language_branch)
             token = sample(logits, cfg.temperature, cfg.top_k, cfg.top_p).clone()  # clone: graph outputs are reused
             input_pos += 1
             positions += 1

@@ -22,29 +22,52 @@ Shape legend: B batch, T tokens, N tiles, C ViT width, D LLM width, V vocabulary
 from __future__ import annotations
 
 import json
-import re
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from aggregate import Aggregator
+from checkpoint import TOKENIZER_FILES, CheckpointError, check_keys, read_checkpoint, read_json
 from llm import LLM, LLMConfig, causal_mask
 from processor import IMG_CONTEXT, Tokenizer, load_image  # noqa: F401  (load_image is public API)
 from vit import ViT, ViTConfig
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder that cannot be loaded; the message names the file or key."""
+@dataclass
+class ParConfig:
+    """The ParVL branches. Pv = Pl = 1 adds nothing: the model is exactly InternVL3.5."""
+
+    pv: int = 1  # vision branches (the paper studies 1, 2, 4)
+    pl: int = 1  # language branches
+    vit_prefix_len: int = 96  # learned key/value prefix tokens per ViT layer and branch
+    llm_prefix_len: int = 48  # ... per LLM layer and branch
+    lambda_v: float = 0.0  # smoothing of the vision branch weights toward uniform
+    lambda_l: float = 0.1  # ... of the language branch weights
+    aggregation: str = "mlp"  # "mlp" (Eq. 2) or "mean" (Appendix D.1 ablation)
+
+    def __post_init__(self):
+        for name in ("pv", "pl"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        for name in ("vit_prefix_len", "llm_prefix_len"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("lambda_v", "lambda_l"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        if self.aggregation not in ("mlp", "mean"):
+            raise ValueError(f"aggregation must be 'mlp' or 'mean', got {self.aggregation!r}")
 
 
 @dataclass
 class ParVLConfig:
-    vit: ViTConfig = field(default_factory=ViTConfig)
+    vit: ViTConfig | None = field(default_factory=ViTConfig)  # None: language-only (ParScale)
     llm: LLMConfig = field(default_factory=LLMConfig)
+    par: ParConfig = field(default_factory=ParConfig)
     downsample_ratio: float = 0.5  # pixel shuffle: 2x2 neighbouring patches -> one token
     ps_version: str = "v2"  # v1 leaves the token grid transposed (older checkpoints)
     select_layer: int = -1  # which ViT hidden state feeds the connector (-1 = last)
@@ -55,7 +78,9 @@ class ParVLConfig:
 
     def __post_init__(self):
         r = round(1 / self.downsample_ratio)
-        assert r * self.downsample_ratio == 1.0 and self.vit.grid % r == 0, (self.downsample_ratio, self.vit.grid)
+        assert self.vit is None or (r * self.downsample_ratio == 1.0 and self.vit.grid % r == 0), self.downsample_ratio
+        if self.vit is None and self.par.pv != 1:
+            raise ValueError("a language-only model has no vision branches: pv must be 1")
         if self.ps_version not in ("v1", "v2"):
             raise ValueError(f"ps_version must be v1 or v2, got {self.ps_version!r}")
 
@@ -99,59 +124,87 @@ def pixel_shuffle(x: torch.Tensor, ratio: float = 0.5, version: str = "v2") -> t
 
 
 class ParVL(nn.Module):
+    """InternVL3.5 with Pv prefix-conditioned ViT branches and Pl prefix-conditioned LLM branches.
+    Vision branches are fused (vision_aggregator) before CLS removal and pixel shuffle; the fused
+    image features enter every language branch; language branches are fused (language_aggregator)
+    after the final norm, before the shared lm_head. `vision_branch` / `language_branch` run one
+    chosen branch alone (no aggregation), skipping the other branches' compute."""
+
     def __init__(self, cfg: ParVLConfig):
         super().__init__()
         self.cfg = cfg
-        C, D = cfg.vit.hidden_size, cfg.llm.hidden_size
-        Cs = C * round(1 / cfg.downsample_ratio) ** 2
-        self.vision_model = ViT(cfg.vit)
-        # `mlp1` with the checkpoint's Sequential indices (2 is the parameter-free GELU)
-        self.mlp1 = nn.Sequential(nn.LayerNorm(Cs), nn.Linear(Cs, D), nn.GELU(), nn.Linear(D, D))
-        self.language_model = LLM(cfg.llm)
+        par, D = cfg.par, cfg.llm.hidden_size
+        if cfg.vit is not None:
+            C = cfg.vit.hidden_size
+            Cs = C * round(1 / cfg.downsample_ratio) ** 2
+            self.vision_model = ViT(cfg.vit, par.pv, par.vit_prefix_len)
+            # `mlp1` with the checkpoint's Sequential indices (2 is the parameter-free GELU)
+            self.mlp1 = nn.Sequential(nn.LayerNorm(Cs), nn.Linear(Cs, D), nn.GELU(), nn.Linear(D, D))
+        self.language_model = LLM(cfg.llm, par.pl, par.llm_prefix_len)
+        self.vision_aggregator = Aggregator(par.pv, C, par.lambda_v, par.aggregation) if par.pv > 1 else None
+        self.language_aggregator = Aggregator(par.pl, D, par.lambda_l, par.aggregation) if par.pl > 1 else None
 
     # -- forward -------------------------------------------------------------------------------
 
-    def extract_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Connector output for a batch of tiles: [N,3,S,S] -> [N,tokens_per_tile,D]."""
-        x = self.vision_model(pixel_values, num_layers=self.cfg.vit_layers)  # [N,1+h*w,C]
+    def vision(self, pixel_values: torch.Tensor, branch: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Connector output for a batch of tiles, [N,3,S,S] -> [N,tokens_per_tile,D], and the vision
+        branch weights [N,1+h*w,Pv] (None with one active branch)."""
+        x = self.vision_model(pixel_values, num_layers=self.cfg.vit_layers, branch=branch)  # [Pv*N,1+h*w,C]
+        weights = None
+        if self.vision_aggregator is not None and branch is None:
+            x, weights = self.vision_aggregator(x)  # [N,1+h*w,C], fused before CLS removal
         x = x[:, 1:]  # drop CLS
         N, L, C = x.shape
         g = int(L**0.5)
         x = pixel_shuffle(x.reshape(N, g, g, C), self.cfg.downsample_ratio, self.cfg.ps_version)
-        return self.mlp1(x)  # [N,256,D]
+        return self.mlp1(x), weights  # [N,256,D]
 
-    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None) -> torch.Tensor:
-        """Token embeddings with the image features written, in order, into the <IMG_CONTEXT> slots."""
+    def extract_features(self, pixel_values: torch.Tensor, branch: int | None = None) -> torch.Tensor:
+        """Connector output for a batch of tiles: [N,3,S,S] -> [N,tokens_per_tile,D]."""
+        return self.vision(pixel_values, branch)[0]
+
+    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
+              vision_branch: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Token embeddings [B,T,D] with the image features written, in order, into the <IMG_CONTEXT>
+        slots, and the vision branch weights (None without images or with one branch)."""
         x = self.language_model.model.embed_tokens(input_ids)  # [B,T,D]
         is_img = input_ids == self.cfg.image_token_id  # [B,T]
         if pixel_values is None:
             if is_img.any():
                 raise ValueError("input_ids hold <IMG_CONTEXT> tokens but no pixel_values were given")
-            return x
-        feats = self.extract_features(pixel_values)  # [N,256,D]
+            return x, None
+        if self.cfg.vit is None:
+            raise ValueError("this language-only model takes no pixel_values")
+        feats, weights = self.vision(pixel_values, vision_branch)  # [N,256,D]
         n_slots, n_feats = int(is_img.sum()), feats.shape[0] * feats.shape[1]
         if n_slots != n_feats:
             raise ValueError(
                 f"prompt has {n_slots} <IMG_CONTEXT> tokens but {feats.shape[0]} tiles give {n_feats} features"
             )
-        return x.masked_scatter(is_img[..., None], feats.to(x.dtype))
+        return x.masked_scatter(is_img[..., None], feats.to(x.dtype)), weights
 
     def hidden(
         self,
         x: torch.Tensor,  # [B,T,D] input embeddings
         positions: torch.Tensor,  # [B,T] rotary positions
-        mask: torch.Tensor | None = None,  # [B,1,T,S] bool, None = causal without padding
-        input_pos: torch.Tensor | None = None,  # [T] KV-cache slots, None = no cache
-    ) -> torch.Tensor:  # [B,T,D] final-normed hidden states, ready for lm_head
-        return self.language_model(x, positions, mask, input_pos)
+        mask: torch.Tensor | None = None,  # [B,1,T,S] bool over token slots, None = causal without padding
+        input_pos: torch.Tensor | None = None,  # [T] KV-cache token slots, None = no cache
+        branch: int | None = None,  # one language branch alone (None: all Pl, fused)
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B,T,D] fused final-normed states, weights [B,T,Pl]
+        h = self.language_model(x, positions, mask, input_pos, branch)  # [Pl*B,T,D]
+        if self.language_aggregator is not None and branch is None:
+            return self.language_aggregator(h)
+        return h, None
 
-    def forward(
+    def forward_with_weights(
         self,
         input_ids: torch.Tensor,  # [B,T]
         pixel_values: torch.Tensor | None = None,  # [N,3,448,448], tiles of all samples in order
         attention_mask: torch.Tensor | None = None,  # [B,T], 1 = token, 0 = (left) padding
-    ) -> torch.Tensor:  # [B,T,V] logits
-        x = self.embed(input_ids, pixel_values)
+        vision_branch: int | None = None,
+        language_branch: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # logits [B,T,V], weights
+        x, w_vision = self.embed(input_ids, pixel_values, vision_branch)
         B, T = input_ids.shape
         if attention_mask is None:
             positions = torch.arange(T, device=x.device).expand(B, T)
@@ -160,7 +213,26 @@ class ParVL(nn.Module):
             valid = attention_mask.bool()
             positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # every prompt starts at position 0
             mask = causal_mask(valid, torch.arange(T, device=x.device))
-        return self.language_model.lm_head(self.hidden(x, positions, mask))
+        h, w_language = self.hidden(x, positions, mask, branch=language_branch)
+        return self.language_model.lm_head(h), w_vision, w_language
+
+    def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, vision_branch: int | None = None,
+                language_branch: int | None = None) -> torch.Tensor:  # [B,T,V] logits
+        return self.forward_with_weights(input_ids, pixel_values, attention_mask, vision_branch, language_branch)[0]
+
+    @torch.no_grad()
+    def init_branches(self, std: float = 0.02) -> None:
+        """Initialise the ParVL tensors of a model started from an InternVL3.5 checkpoint.
+        Prefixes ~ N(0, std^2), as ParScale does: random prefixes are enough to make the branches
+        diverge, and small ones start every branch close to the pretrained model. The aggregators
+        start uniform (zero last layer), so the first step sees the mean of the branches."""
+        for name, p in self.named_parameters():
+            if name.endswith(("prefix_k", "prefix_v")):
+                nn.init.normal_(p, std=std)
+        for agg in (self.vision_aggregator, self.language_aggregator):
+            if agg is not None:
+                agg.reset_parameters()
 
     # -- loading and saving ---------------------------------------------------------------------
 
@@ -178,38 +250,59 @@ class ParVL(nn.Module):
         return model.to(dtype)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device="cpu") -> ParVL:
-        """Load a local InternVL3.5 / InternVL3 checkpoint folder (original or -HF layout, sharded or
-        not). dtype None keeps the stored dtype (bf16 checkpoints stay bf16)."""
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype | None = None, device="cpu",
+                        pv: int | None = None, pl: int | None = None, par: ParConfig | None = None) -> ParVL:
+        """Load a local checkpoint folder: InternVL3.5 / InternVL3 (original or -HF layout, sharded or
+        not), a ParVL checkpoint saved by `save`, or a ParScale checkpoint (language-only). dtype None
+        keeps the stored dtype (bf16 stays bf16). pv / pl (or a whole ParConfig) start ParVL
+        branches from a plain InternVL checkpoint: the new tensors are set by `init_branches`."""
         folder = Path(path)
         raw = read_json(folder / "config.json")
-        state = read_checkpoint(folder, dtype, device)
+        parscale = int(raw.get("parscale_n", 0)) if "parscale_n" in raw else 0
+        state = read_checkpoint(folder, dtype, device, parscale_branches=parscale)
         cfg = config_from_json(raw, folder, tied="language_model.lm_head.weight" not in state)
+        saved = cfg.par
+        if par is not None or pv is not None or pl is not None:
+            par = replace(par or saved, **{k: v for k, v in (("pv", pv), ("pl", pl)) if v is not None})
+            if (saved.pv, saved.pl) != (1, 1) and (saved.pv, saved.pl) != (par.pv, par.pl):
+                raise CheckpointError(f"{folder}: holds Pv:Pl = {saved.pv}:{saved.pl} branches, cannot load as {par.pv}:{par.pl}")
+            cfg = replace(cfg, par=par)
         with torch.device("meta"):
             model = cls(cfg)
         expected = set(model.state_dict().keys())
         if cfg.llm.tie_word_embeddings:
             expected.discard("language_model.lm_head.weight")
-        check_keys(expected, set(state), folder)
+        new = {k for k in expected if is_branch_tensor(k)}
+        fresh = not any(is_branch_tensor(k) for k in state)  # a plain InternVL checkpoint: start branches
+        check_keys(expected - new if fresh else expected, set(state), folder)
         for key, p in model.state_dict().items():
             if key in state and state[key].shape != p.shape:
                 raise CheckpointError(f"{folder}: {key} has shape {list(state[key].shape)}, the config needs {list(p.shape)}")
         model.load_state_dict(state, strict=False, assign=True)
         if cfg.llm.tie_word_embeddings:
             model.language_model.lm_head.weight = model.language_model.model.embed_tokens.weight
+        if fresh and new:
+            like = model.language_model.model.embed_tokens.weight
+            for name in new:  # materialise the meta tensors the checkpoint does not have
+                owner, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+                setattr(owner, attr, nn.Parameter(torch.empty_like(getattr(owner, attr), device=like.device, dtype=like.dtype)))
+            model.init_branches()
         model.language_model.model.init_rope(device)
         model.source_dir = folder
         return model.eval()
 
     def save(self, path: str | Path) -> None:
-        """Write config.json and model.safetensors in the original InternVL layout (plus the tokenizer
-        files of the folder the model came from), so InternVL's own code loads the result."""
+        """Write config.json and model.safetensors in the original InternVL layout plus the ParVL
+        tensors (prefixes, aggregators) and the tokenizer files of the folder the model came from.
+        At Pv = Pl = 1 the result is a plain InternVL checkpoint."""
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         if self.cfg.llm.tie_word_embeddings:  # safetensors refuses shared storage; the tie is in config
             state.pop("language_model.lm_head.weight")
-        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        tmp = folder / "model.safetensors.tmp"  # write, then rename: a crash never leaves half a file
+        save_file(state, str(tmp), metadata={"format": "pt"})
+        tmp.replace(folder / "model.safetensors")
         (folder / "config.json").write_text(json.dumps(config_to_json(self.cfg), indent=2))
         src = getattr(self, "source_dir", None)
         for name in TOKENIZER_FILES:
@@ -217,33 +310,18 @@ class ParVL(nn.Module):
                 shutil.copy(src / name, folder / name)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-                   "added_tokens.json", "special_tokens_map.json", "generation_config.json")
-
-
-def read_json(path: Path) -> dict:
-    if not path.is_file():
-        raise CheckpointError(f"{path}: not found (is {path.parent} a checkpoint folder?)")
-    try:
-        return json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+def is_branch_tensor(key: str) -> bool:
+    """The ParVL tensors on top of InternVL: per-layer prefixes and the two aggregators."""
+    return key.endswith((".prefix_k", ".prefix_v")) or key.startswith(("vision_aggregator.", "language_aggregator."))
 
 
 # -- config.json: original (InternVLChatConfig) and -HF (InternVLConfig) spellings ---------------
 
 
-def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = None) -> ParVLConfig:
-    hf = "text_config" in raw
-    t = raw.get("text_config") if hf else raw.get("llm_config")
-    v = raw.get("vision_config")
-    if t is None or v is None:
-        raise CheckpointError("config.json: needs llm_config (or text_config) and vision_config")
-    family = (t.get("model_type") or "").lower()
-    if family not in ("qwen3", "qwen2"):
-        raise CheckpointError(f"config.json: unsupported language model type {family!r} (qwen3, qwen2)")
+def llm_config_from_json(t: dict, family: str, tied: bool | None) -> LLMConfig:
+    """A Qwen3 / Qwen2 config dict (InternVL's llm_config, -HF text_config, or ParScale's) -> LLMConfig."""
     rope_theta = t.get("rope_theta", (t.get("rope_parameters") or {}).get("rope_theta", 1e6))
-    llm = LLMConfig(
+    return LLMConfig(
         vocab_size=t["vocab_size"],
         hidden_size=t["hidden_size"],
         intermediate_size=t["intermediate_size"],
@@ -259,8 +337,30 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
         # the checkpoint decides: a stored lm_head is used, a missing one means tied embeddings
         tie_word_embeddings=tied if tied is not None else bool(t.get("tie_word_embeddings", False)),
     )
-    size = v.get("image_size", 448)
-    patch = v.get("patch_size", 14)
+
+
+def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = None) -> ParVLConfig:
+    """config.json in any supported spelling -> ParVLConfig: original InternVLChatConfig (with this
+    project's "parvl" block when saved here), -HF InternVLConfig, or ParScale's Qwen2 config."""
+    if "parscale_n" in raw:  # ParScale: a language-only model with Pl branches
+        par = ParConfig(pl=int(raw["parscale_n"]), llm_prefix_len=int(raw.get("parscale_n_tokens", 48)),
+                        lambda_l=float(raw.get("parscale_attn_smooth", 0.01)))
+        return ParVLConfig(vit=None, llm=llm_config_from_json(raw, "qwen2", tied), par=par, image_token_id=-1)
+    hf = "text_config" in raw
+    t = raw.get("text_config") if hf else raw.get("llm_config")
+    v = raw.get("vision_config")
+    extra = raw.get("parvl", {})
+    language_only = bool(extra.get("language_only", False))
+    if t is None or (v is None and not language_only):
+        raise CheckpointError("config.json: needs llm_config (or text_config) and vision_config")
+    family = (t.get("model_type") or "").lower()
+    if family not in ("qwen3", "qwen2"):
+        raise CheckpointError(f"config.json: unsupported language model type {family!r} (qwen3, qwen2)")
+    llm = llm_config_from_json(t, family, tied)
+    par = ParConfig(**extra["par"]) if "par" in extra else ParConfig()
+    if language_only:
+        return ParVLConfig(vit=None, llm=llm, par=par, image_token_id=-1)
+    size, patch = v.get("image_size", 448), v.get("patch_size", 14)
     vit = ViTConfig(
         hidden_size=v["hidden_size"],
         intermediate_size=v["intermediate_size"],
@@ -283,6 +383,7 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
     return ParVLConfig(
         vit=vit,
         llm=llm,
+        par=par,
         downsample_ratio=raw.get("downsample_ratio", 0.5),
         ps_version="v2" if hf else raw.get("ps_version", "v1"),  # -HF always uses v2; original class default v1
         select_layer=raw.get("vision_feature_layer" if hf else "select_layer", -1),
@@ -294,13 +395,28 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
 
 
 def config_to_json(cfg: ParVLConfig) -> dict:
-    """The original InternVLChatConfig layout, which InternVL's own code reads."""
+    """The original InternVLChatConfig layout, which InternVL's own code reads, plus a "parvl" block
+    with the branch configuration (ignored by InternVL, read back by config_from_json)."""
     v, t = cfg.vit, cfg.llm
     family = "qwen3" if t.qk_norm else "qwen2"
     arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
-    return {
+    out = {
         "architectures": ["InternVLChatModel"],
         "model_type": "internvl_chat",
+        "tie_word_embeddings": t.tie_word_embeddings,
+        "llm_config": {
+            "architectures": [arch], "model_type": family, "vocab_size": t.vocab_size,
+            "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
+            "num_hidden_layers": t.num_layers, "num_attention_heads": t.num_heads,
+            "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim, "rms_norm_eps": t.rms_norm_eps,
+            "rope_theta": t.rope_theta, "max_position_embeddings": t.max_position_embeddings,
+            "attention_bias": t.qkv_bias, "hidden_act": "silu", "tie_word_embeddings": t.tie_word_embeddings,
+        },
+        "parvl": {"par": asdict(cfg.par), "language_only": v is None},
+    }
+    if v is None:
+        return out
+    return out | {
         "downsample_ratio": cfg.downsample_ratio,
         "ps_version": cfg.ps_version,
         "select_layer": cfg.select_layer,
@@ -311,15 +427,6 @@ def config_to_json(cfg: ParVLConfig) -> dict:
         "max_dynamic_patch": cfg.max_dynamic_patch,
         "use_thumbnail": cfg.use_thumbnail,
         "image_token_id": cfg.image_token_id,
-        "tie_word_embeddings": t.tie_word_embeddings,
-        "llm_config": {
-            "architectures": [arch], "model_type": family, "vocab_size": t.vocab_size,
-            "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
-            "num_hidden_layers": t.num_layers, "num_attention_heads": t.num_heads,
-            "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim, "rms_norm_eps": t.rms_norm_eps,
-            "rope_theta": t.rope_theta, "max_position_embeddings": t.max_position_embeddings,
-            "attention_bias": t.qkv_bias, "hidden_act": "silu", "tie_word_embeddings": t.tie_word_embeddings,
-        },
         "vision_config": {
             "architectures": ["InternVisionModel"], "model_type": "intern_vit_6b",
             "hidden_size": v.hidden_size, "intermediate_size": v.intermediate_size,
@@ -328,87 +435,4 @@ def config_to_json(cfg: ParVLConfig) -> dict:
             "qkv_bias": v.qkv_bias, "qk_normalization": v.qk_norm, "norm_type": v.norm_type,
             "layer_norm_eps": v.norm_eps, "hidden_act": "gelu", "drop_path_rate": v.drop_path_rate,
         },
-        "parvl": {"vit": asdict(v), "llm": asdict(t)},
     }
-
-
-# -- safetensors: shards, key spellings ---------------------------------------------------------
-
-# -HF key -> original key (after stripping a leading "model."); q/k/v are fused separately below.
-HF_RENAMES = [
-    (r"^vision_tower\.embeddings\.cls_token$", "vision_model.embeddings.class_embedding"),
-    (r"^vision_tower\.embeddings\.patch_embeddings\.projection\.", "vision_model.embeddings.patch_embedding."),
-    (r"^vision_tower\.embeddings\.position_embeddings$", "vision_model.embeddings.position_embedding"),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.projection_layer\.", r"vision_model.encoder.layers.\1.attn.proj."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.([qk])_norm\.", r"vision_model.encoder.layers.\1.attn.\2_norm."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.([qkv])_proj\.", r"vision_model.encoder.layers.\1.attn.qkv.\2."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.layernorm_before\.", r"vision_model.encoder.layers.\1.norm1."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.layernorm_after\.", r"vision_model.encoder.layers.\1.norm2."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.lambda_1$", r"vision_model.encoder.layers.\1.ls1"),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.lambda_2$", r"vision_model.encoder.layers.\1.ls2"),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.mlp\.", r"vision_model.encoder.layers.\1.mlp."),
-    (r"^multi_modal_projector\.layer_norm\.", "mlp1.0."),
-    (r"^multi_modal_projector\.linear_1\.", "mlp1.1."),
-    (r"^multi_modal_projector\.linear_2\.", "mlp1.3."),
-    (r"^lm_head\.", "language_model.lm_head."),
-    (r"^language_model\.(?!model\.|lm_head\.)", "language_model.model."),  # new-style -HF spelling
-]
-
-
-def canonical_key(key: str) -> str:
-    """Any official spelling -> this module tree's (= the original InternVL) key."""
-    if key.startswith(("vision_model.", "mlp1.", "language_model.model.", "language_model.lm_head.")):
-        return key  # already the original layout
-    key = key.removeprefix("model.")
-    for pattern, repl in HF_RENAMES:
-        key, n = re.subn(pattern, repl, key)
-        if n:
-            break
-    return key
-
-
-def checkpoint_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(read_json(index).get("weight_map", {}).values()))
-        if not names:
-            raise CheckpointError(f"{index}: empty weight_map")
-    elif (folder / "model.safetensors").is_file():
-        names = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-    for name in names:
-        if not (folder / name).is_file():
-            raise CheckpointError(f"{folder / name}: checkpoint shard is missing")
-    return [folder / name for name in names]
-
-
-def read_checkpoint(folder: Path, dtype: torch.dtype | None, device) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint under canonical keys, read shard by shard straight to `device`
-    (one copy in memory), cast to `dtype` if given; -HF q/k/v rows fused back into qkv."""
-    state: dict[str, torch.Tensor] = {}
-    for file in checkpoint_files(folder):
-        try:
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
-                for key in f.keys():
-                    t = f.get_tensor(key)
-                    state[canonical_key(key)] = t if dtype is None else t.to(dtype)
-        except Exception as e:  # a truncated or non-safetensors file: name it, keep one line
-            if isinstance(e, CheckpointError):
-                raise
-            raise CheckpointError(f"{file}: unreadable safetensors file ({type(e).__name__}: {e})") from None
-    for key in [k for k in state if ".attn.qkv.q." in k]:
-        parts = [state.pop(key.replace(".qkv.q.", f".qkv.{x}.")) for x in "qkv"]
-        state[key.replace(".qkv.q.", ".qkv.")] = torch.cat(parts, dim=0)  # rows [q | k | v]
-    return state
-
-
-def check_keys(expected: set[str], found: set[str], folder: Path) -> None:
-    missing, unexpected = sorted(expected - found), sorted(found - expected)
-    if missing or unexpected:
-        what = []
-        if missing:
-            what.append(f"missing {len(missing)} keys (e.g. {', '.join(missing[:3])})")
-        if unexpected:
-            what.append(f"unexpected {len(unexpected)} keys (e.g. {', '.join(unexpected[:3])})")
-        raise CheckpointError(f"{folder}: checkpoint does not match the config: {'; '.join(what)}")

@@ -106,9 +106,11 @@ class Embeddings(nn.Module):
 
 
 class Attention(nn.Module):
-    """Bidirectional self-attention with a fused qkv projection (rows ordered q | k | v)."""
+    """Bidirectional self-attention with a fused qkv projection (rows ordered q | k | v). With P > 1
+    branches each branch has learned key/value prefixes [P,H,Lp,D] prepended to its keys and values
+    (queries are not prefixed, no mask: the ViT stays bidirectional)."""
 
-    def __init__(self, cfg: ViTConfig):
+    def __init__(self, cfg: ViTConfig, branches: int = 1, prefix_len: int = 0):
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         C = cfg.hidden_size
@@ -118,17 +120,25 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(C, cfg.norm_eps)
             self.k_norm = RMSNorm(C, cfg.norm_eps)
         self.qk_norm = cfg.qk_norm
+        if branches > 1 and prefix_len > 0:
+            self.prefix_k = nn.Parameter(torch.zeros(branches, cfg.num_heads, prefix_len, cfg.head_dim))
+            self.prefix_v = nn.Parameter(torch.zeros(branches, cfg.num_heads, prefix_len, cfg.head_dim))
+        else:
+            self.prefix_k = self.prefix_v = None
 
-    def forward(self, x: torch.Tensor, prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        N, T, C = x.shape
+    def forward(self, x: torch.Tensor, branch: int | None = None) -> torch.Tensor:
+        N, T, C = x.shape  # N = active branches x tiles, branch-major
         q, k, v = self.qkv(x).split(C, dim=-1)  # 3 x [N,T,C]
         if self.qk_norm:  # over the whole width, all heads jointly (InternViT-6B)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.view(N, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [N,H,T,D]
-        if prefix_kv is not None:
-            # ParVL: per-branch learned keys/values prepended, queries unchanged, no mask (bidirectional)
-            pk, pv = prefix_kv  # [N,H,Lp,D] each
-            k, v = torch.cat([pk.to(k.dtype), k], dim=2), torch.cat([pv.to(v.dtype), v], dim=2)  # [N,H,Lp+T,D]
+        if self.prefix_k is not None:
+            pk, pv = self.prefix_k, self.prefix_v  # [P,H,Lp,D]
+            if branch is not None:
+                pk, pv = pk[branch : branch + 1], pv[branch : branch + 1]  # [1,H,Lp,D]
+            n = N // pk.shape[0]  # tiles per branch
+            pk, pv = pk.to(k.dtype).repeat_interleave(n, 0), pv.to(v.dtype).repeat_interleave(n, 0)  # [N,H,Lp,D]
+            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)  # [N,H,Lp+T,D]
         out = F.scaled_dot_product_attention(q, k, v)  # [N,H,T,D]
         return self.proj(out.transpose(1, 2).reshape(N, T, C))
 
@@ -144,50 +154,52 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ViTConfig, drop_path_rate: float):
+    def __init__(self, cfg: ViTConfig, drop_path_rate: float, branches: int = 1, prefix_len: int = 0):
         super().__init__()
         C = cfg.hidden_size
         self.norm1 = make_norm(cfg, C)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, branches, prefix_len)
         self.norm2 = make_norm(cfg, C)
         self.mlp = MLP(cfg)
         self.ls1 = nn.Parameter(torch.ones(C))  # layer scale: multiplies the branch output
         self.ls2 = nn.Parameter(torch.ones(C))
         self.drop_path_rate = drop_path_rate
 
-    def forward(self, x: torch.Tensor, prefix_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, branch: int | None = None) -> torch.Tensor:
         p = self.drop_path_rate
-        x = x + drop_path(self.attn(self.norm1(x).to(x.dtype), prefix_kv) * self.ls1, p, self.training)
+        x = x + drop_path(self.attn(self.norm1(x).to(x.dtype), branch) * self.ls1, p, self.training)
         x = x + drop_path(self.mlp(self.norm2(x).to(x.dtype)) * self.ls2, p, self.training)
         return x
 
 
 class Encoder(nn.Module):
-    def __init__(self, cfg: ViTConfig):
+    def __init__(self, cfg: ViTConfig, branches: int = 1, prefix_len: int = 0):
         super().__init__()
         n = cfg.num_layers
         rates = [cfg.drop_path_rate * i / max(n - 1, 1) for i in range(n)]  # linspace(0, rate, n)
-        self.layers = nn.ModuleList(Block(cfg, r) for r in rates)
+        self.layers = nn.ModuleList(Block(cfg, r, branches, prefix_len) for r in rates)
 
 
 class ViT(nn.Module):
-    """InternViT. `forward` returns hidden state number `num_layers` (0 = embeddings), no final norm."""
+    """InternViT, optionally with P prefix-conditioned branches. `forward` returns hidden state number
+    `num_layers` (0 = the embeddings; no final norm) of every active branch, branch-major."""
 
-    def __init__(self, cfg: ViTConfig):
+    def __init__(self, cfg: ViTConfig, branches: int = 1, prefix_len: int = 0):
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.branches = cfg, branches
         self.embeddings = Embeddings(cfg)
-        self.encoder = Encoder(cfg)
+        self.encoder = Encoder(cfg, branches, prefix_len)
 
     def forward(
         self,
         pixel_values: torch.Tensor,  # [N,3,S,S]
         num_layers: int | None = None,  # run only the first num_layers blocks (select_layer)
-        prefix_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,  # per layer, [N,H,Lp,D] each
-    ) -> torch.Tensor:  # [N,T,C]
-        x = self.embeddings(pixel_values)
+        branch: int | None = None,  # run only this branch (None: all P)
+    ) -> torch.Tensor:  # [P*N,T,C], or [N,T,C] for one branch
+        x = self.embeddings(pixel_values)  # [N,T,C]: identical for every branch, computed once
+        if self.branches > 1 and branch is None:
+            x = x.repeat(self.branches, 1, 1)  # [P*N,T,C] branch-major: row p*N + n
         layers = self.encoder.layers[: self.cfg.num_layers if num_layers is None else num_layers]
-        for i, layer in enumerate(layers):
-            x = layer(x, None if prefix_kv is None else prefix_kv[i])
+        for layer in layers:
+            x = layer(x, branch)
         return x
-

@@ -65,11 +65,11 @@ def test_cached_decode_equals_full_recompute(qwen3):
     tokens = engine.generate([ids], pv, GenerateConfig(max_new_tokens=NEW, ignore_eos=True), tok.eos_ids).tokens[0]
     # full recompute: the whole sequence (prompt with image features + generated tokens) every step
     with torch.no_grad():
-        prompt = model.embed(torch.tensor([ids]), pv)
+        prompt, _ = model.embed(torch.tensor([ids]), pv)
         for i, t in enumerate(tokens):
             gen = model.language_model.model.embed_tokens(torch.tensor([tokens[:i]], dtype=torch.long))
             x = torch.cat([prompt, gen], dim=1)
-            logits = model.language_model.lm_head(model.hidden(x, torch.arange(x.shape[1])[None]))[0, -1]
+            logits = model.language_model.lm_head(model.hidden(x, torch.arange(x.shape[1])[None])[0])[0, -1]
             assert int(logits.argmax()) == t, f"step {i}"
             if i > 0:  # decode step i-1 produced the logits for token i
                 # fp32, same ops in a different order (SDPA over a masked cache vs causal kernel): ~1e-6

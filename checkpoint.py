@@ -1,0 +1,137 @@
+"""Checkpoint files: safetensors shards and the official key spellings.
+
+Reads a local checkpoint folder (model.safetensors, or shards listed in model.safetensors.index.json)
+shard by shard straight to the target device, and renames every official spelling to this
+project's module tree, which is the original InternVL layout:
+- original InternVLChatModel keys (`vision_model.*`, `mlp1.*`, `language_model.*`): as they are;
+- transformers-native "-HF" keys, new style (`model.vision_tower.*`, `model.multi_modal_projector.*`,
+  `model.language_model.*`, `lm_head.*`) or legacy (`vision_tower.*`, `language_model.model.*`, ...),
+  with the split q/k/v of the ViT fused back into `attn.qkv` (rows q | k | v);
+- ParScale's Qwen2 checkpoints (`model.layers.*.self_attn.prefix_k`, `model.aggregate_layer.*`),
+  whose aggregator concatenates branch states hidden-major, (h p), where ParVL writes them
+  branch-major, (p h): its first layer's columns are permuted once here.
+Only safetensors and JSON are read: nothing is unpickled.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message names the file or key."""
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
+                   "added_tokens.json", "special_tokens_map.json", "generation_config.json")
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not found (is {path.parent} a checkpoint folder?)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
+# -- safetensors: shards, key spellings ---------------------------------------------------------
+
+# -HF key -> original key (after stripping a leading "model."); q/k/v are fused separately below.
+HF_RENAMES = [
+    (r"^vision_tower\.embeddings\.cls_token$", "vision_model.embeddings.class_embedding"),
+    (r"^vision_tower\.embeddings\.patch_embeddings\.projection\.", "vision_model.embeddings.patch_embedding."),
+    (r"^vision_tower\.embeddings\.position_embeddings$", "vision_model.embeddings.position_embedding"),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.projection_layer\.", r"vision_model.encoder.layers.\1.attn.proj."),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.([qk])_norm\.", r"vision_model.encoder.layers.\1.attn.\2_norm."),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.([qkv])_proj\.", r"vision_model.encoder.layers.\1.attn.qkv.\2."),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.layernorm_before\.", r"vision_model.encoder.layers.\1.norm1."),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.layernorm_after\.", r"vision_model.encoder.layers.\1.norm2."),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.lambda_1$", r"vision_model.encoder.layers.\1.ls1"),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.lambda_2$", r"vision_model.encoder.layers.\1.ls2"),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.mlp\.", r"vision_model.encoder.layers.\1.mlp."),
+    (r"^multi_modal_projector\.layer_norm\.", "mlp1.0."),
+    (r"^multi_modal_projector\.linear_1\.", "mlp1.1."),
+    (r"^multi_modal_projector\.linear_2\.", "mlp1.3."),
+    (r"^lm_head\.", "language_model.lm_head."),
+    (r"^language_model\.(?!model\.|lm_head\.)", "language_model.model."),  # new-style -HF spelling
+]
+
+
+def canonical_key(key: str) -> str:
+    """Any official spelling -> this module tree's (= the original InternVL) key."""
+    if key.startswith(("vision_model.", "mlp1.", "language_model.model.", "language_model.lm_head.")):
+        return key  # already the original layout
+    key = key.removeprefix("model.")
+    for pattern, repl in HF_RENAMES:
+        key, n = re.subn(pattern, repl, key)
+        if n:
+            break
+    return key
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(read_json(index).get("weight_map", {}).values()))
+        if not names:
+            raise CheckpointError(f"{index}: empty weight_map")
+    elif (folder / "model.safetensors").is_file():
+        names = ["model.safetensors"]
+    else:
+        raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    for name in names:
+        if not (folder / name).is_file():
+            raise CheckpointError(f"{folder / name}: checkpoint shard is missing")
+    return [folder / name for name in names]
+
+
+def parscale_key(key: str) -> str:
+    """ParScale (Qwen2 with prefixes) -> this tree's language-only keys."""
+    if key.startswith("model.aggregate_layer."):
+        return "language_aggregator.mlp." + key.removeprefix("model.aggregate_layer.")
+    if key.startswith("lm_head."):
+        return "language_model." + key
+    return "language_model." + key  # model.embed_tokens / model.layers.* / model.norm
+
+
+def read_checkpoint(folder: Path, dtype: torch.dtype | None, device, parscale_branches: int = 0) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint under canonical keys, read shard by shard straight to `device`
+    (one copy in memory), cast to `dtype` if given; -HF q/k/v rows fused back into qkv.
+    parscale_branches > 0 reads a ParScale checkpoint with that many branches."""
+    rename = parscale_key if parscale_branches else canonical_key
+    state: dict[str, torch.Tensor] = {}
+    for file in checkpoint_files(folder):
+        try:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                for key in f.keys():
+                    t = f.get_tensor(key)
+                    state[rename(key)] = t if dtype is None else t.to(dtype)
+        except Exception as e:  # a truncated or non-safetensors file: name it, keep one line
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{file}: unreadable safetensors file ({type(e).__name__}: {e})") from None
+    for key in [k for k in state if ".attn.qkv.q." in k]:
+        parts = [state.pop(key.replace(".qkv.q.", f".qkv.{x}.")) for x in "qkv"]
+        state[key.replace(".qkv.q.", ".qkv.")] = torch.cat(parts, dim=0)  # rows [q | k | v]
+    first = "language_aggregator.mlp.0.weight"
+    if parscale_branches and first in state:
+        w = state[first]  # [C, C*P] with input column h*P + p (hidden-major)
+        P = parscale_branches
+        state[first] = w.view(w.shape[0], -1, P).transpose(1, 2).reshape(w.shape[0], -1)  # column p*C + h
+    return state
+
+
+def check_keys(expected: set[str], found: set[str], folder: Path) -> None:
+    missing, unexpected = sorted(expected - found), sorted(found - expected)
+    if missing or unexpected:
+        what = []
+        if missing:
+            what.append(f"missing {len(missing)} keys (e.g. {', '.join(missing[:3])})")
+        if unexpected:
+            what.append(f"unexpected {len(unexpected)} keys (e.g. {', '.join(unexpected[:3])})")
+        raise CheckpointError(f"{folder}: checkpoint does not match the config: {'; '.join(what)}")
