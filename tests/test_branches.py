@@ -1,0 +1,333 @@
+"""ParVL branches: prefix attention, branch folding and aggregation, cached and shared-KV generation,
+single-pair runs, saving and loading (ParVL, InternVL and ParScale layouts)."""
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from aggregate import Aggregator
+from conftest import read_safetensors
+from generate import Engine, GenerateConfig
+from llm import LLMConfig, apply_rope, causal_mask, rope_tables
+from parvl import PRESETS, ParConfig, ParVL, ParVLConfig
+from vit import Attention as ViTAttention
+from vit import ViTConfig
+
+TINY = PRESETS["tiny"]
+IMG = TINY.image_token_id  # 300 in the tiny preset
+NEW = 8
+
+
+def tiny(pv=1, pl=1, seed=0, **par) -> ParVL:
+    cfg = replace(TINY, par=ParConfig(pv=pv, pl=pl, vit_prefix_len=5, llm_prefix_len=4, **par))
+    return ParVL.from_config(cfg, seed=seed).eval()
+
+
+def prompt(tiles: int, text: int = 12, seed: int = 0, img: int = IMG) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Random text ids below the image token id, with one image of `tiles` tiles after 3 tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, img, (text,), generator=g)
+    if tiles:
+        ids = torch.cat([ids[:3], torch.full((256 * tiles,), img), ids[3:]])
+    pv = torch.randn(tiles, 3, 448, 448, generator=g) if tiles else None
+    return ids, pv
+
+
+def same_prefixes(model: ParVL, vision: int, language: int) -> ParVL:
+    """A copy of `model` whose every branch carries branch (vision, language)'s prefixes, mean-aggregated."""
+    cfg = replace(model.cfg, par=replace(model.cfg.par, aggregation="mean"))
+    copy = ParVL(cfg).eval()
+    state = {k: v for k, v in model.state_dict().items() if "aggregator" not in k}
+    for k, v in state.items():
+        if k.endswith(("prefix_k", "prefix_v")):
+            state[k] = v[vision if k.startswith("vision") else language].expand_as(v).clone()
+    copy.load_state_dict(state)
+    return copy
+
+
+# -- Pv = Pl = 1 is InternVL -------------------------------------------------------------------
+
+
+def test_one_one_is_the_core_model(checkpoint):
+    folder = checkpoint("qwen3", "original")
+    core, par = ParVL.from_pretrained(folder), ParVL.from_pretrained(folder, pv=1, pl=1)
+    assert core.state_dict().keys() == par.state_dict().keys() == read_safetensors(folder).keys()
+    ids, pv = prompt(2, seed=1, img=core.cfg.image_token_id)
+    assert torch.equal(core(ids[None], pv), par(ids[None], pv))
+
+
+# -- prefix attention against an explicit reference --------------------------------------------
+
+
+def test_vit_prefix_attention_equals_explicit():
+    torch.manual_seed(0)
+    cfg = ViTConfig(hidden_size=32, num_heads=4, intermediate_size=64, num_layers=1)
+    attn = ViTAttention(cfg, branches=3, prefix_len=5).double()  # fp64: the comparison checks the algorithm
+    for p in attn.parameters():
+        torch.nn.init.normal_(p)
+    N, T, H, D = 2, 7, 4, 8
+    x = torch.randn(3 * N, T, 32, dtype=torch.float64)  # branch-major rows
+    q, k, v = attn.qkv(x).split(32, -1)
+    q, k, v = (t.view(3 * N, T, H, D).transpose(1, 2) for t in (q, k, v))
+    pk, pv = attn.prefix_k.repeat_interleave(N, 0), attn.prefix_v.repeat_interleave(N, 0)  # row p*N+n: branch p
+    K, V = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+    ref = ((q @ K.transpose(-1, -2)) / math.sqrt(D)).softmax(-1) @ V  # no mask: bidirectional
+    ref = attn.proj(ref.transpose(1, 2).reshape(3 * N, T, 32))
+    torch.testing.assert_close(attn(x), ref, atol=1e-10, rtol=1e-10)
+    # one branch alone sees only its own prefix
+    torch.testing.assert_close(attn(x[N : 2 * N], branch=1), ref[N : 2 * N], atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_llm_prefix_attention_equals_explicit(padded):
+    """Whole decoder, 2 branches: every layer's attention written out by hand over [prefix; tokens]
+    with an explicit mask (prefix always visible, tokens causal, padding hidden), no RoPE on prefixes."""
+    model = tiny(pl=2, seed=3)
+    lm, cfg = model.language_model, model.cfg.llm
+    B, T, P, Lp = 2, 9, 2, 4
+    x = torch.randn(B, T, cfg.hidden_size)
+    valid = torch.ones(B, T, dtype=torch.bool)
+    if padded:
+        valid[1, :3] = False  # sample 1 is left-padded by 3
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+    mask = causal_mask(valid, torch.arange(T)) if padded else None
+    got = lm(x, positions, mask)  # [P*B,T,C]
+
+    cos, sin = rope_tables(cfg.head_dim, 64, cfg.rope_theta)
+    cos, sin = cos[positions].repeat(P, 1, 1), sin[positions].repeat(P, 1, 1)
+    allowed = torch.zeros(P * B, T, Lp + T, dtype=torch.bool)
+    for r in range(P * B):
+        for i in range(T):
+            allowed[r, i, :Lp] = True  # every prefix slot
+            for j in range(i + 1):
+                allowed[r, i, Lp + j] = bool(valid[r % B, j]) or j == i
+    h = x.repeat(P, 1, 1)
+    G = cfg.num_heads // cfg.num_kv_heads
+    for layer in lm.model.layers:
+        a = layer.self_attn
+        y = layer.input_layernorm(h)
+        q = a.q_norm(a.q_proj(y).view(P * B, T, -1, cfg.head_dim)).transpose(1, 2)
+        k = a.k_norm(a.k_proj(y).view(P * B, T, -1, cfg.head_dim)).transpose(1, 2)
+        v = a.v_proj(y).view(P * B, T, -1, cfg.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        K = torch.cat([a.prefix_k.repeat_interleave(B, 0), k], 2).repeat_interleave(G, 1)
+        V = torch.cat([a.prefix_v.repeat_interleave(B, 0), v], 2).repeat_interleave(G, 1)
+        s = (q @ K.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
+        s = s.masked_fill(~allowed[:, None], float("-inf"))
+        o = (s.softmax(-1) @ V).transpose(1, 2).reshape(P * B, T, -1)
+        h = h + a.o_proj(o)
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+    ref = lm.model.norm(h)
+    rows = valid.repeat(P, 1)  # compare real tokens (padded rows only attend to themselves)
+    torch.testing.assert_close(got[rows], ref[rows], atol=2e-5, rtol=1e-5)
+
+
+# -- folding and aggregation -------------------------------------------------------------------
+
+
+def test_identical_prefixes_with_mean_equal_one_branch():
+    model = tiny(pv=2, pl=2, seed=4)
+    copy = same_prefixes(model, 1, 0)
+    ids, pv = prompt(2, seed=2)
+    with torch.no_grad():
+        full = copy(ids[None], pv)
+        one = model(ids[None], pv, vision_branch=1, language_branch=0)
+    torch.testing.assert_close(full, one, atol=1e-5, rtol=1e-5)
+
+
+def test_folded_equals_branches_alone_aggregated_by_hand():
+    model = tiny(pv=2, pl=3, seed=5)
+    ids, pv = prompt(1, seed=3)
+    with torch.no_grad():
+        logits, wv, wl = model.forward_with_weights(ids[None], pv)
+        # vision: each branch alone, then Eq. 2 by hand (branch-major concat, softmax, smoothing)
+        zs = [model.vision_model(pv, branch=p) for p in range(2)]  # [N,T,C] each
+        agg = model.vision_aggregator
+        a = agg.mlp(torch.cat(zs, -1)).float().softmax(-1)
+        a = (1 - agg.smoothing) * a + agg.smoothing / 2
+        z = sum(a[..., p : p + 1] * zs[p] for p in range(2))
+        model_v = model.cfg
+        x = z[:, 1:]
+        from parvl import pixel_shuffle
+        feats = model.mlp1(pixel_shuffle(x.reshape(1, 32, 32, -1), model_v.downsample_ratio))
+        emb = model.language_model.model.embed_tokens(ids[None]).masked_scatter((ids == IMG)[None, :, None], feats)
+        pos = torch.arange(len(ids))[None]
+        hs = [model.language_model(emb, pos, branch=p) for p in range(3)]
+        agg = model.language_aggregator
+        b = agg.mlp(torch.cat(hs, -1)).float().softmax(-1)
+        b = (1 - agg.smoothing) * b + agg.smoothing / 3
+        h = sum(b[..., p : p + 1] * hs[p] for p in range(3))
+        ref = model.language_model.lm_head(h)
+    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(wv, a, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(wl, b, atol=1e-6, rtol=1e-6)
+    assert agg.smoothing == 0.1 and wl.min() >= 0.1 / 3 - 1e-7  # lambda_l default: weights never collapse
+
+
+def test_parvl_init_is_uniform_and_small(checkpoint):
+    folder = checkpoint("qwen3", "original")
+    model = ParVL.from_pretrained(folder, pv=2, pl=4)
+    ids, pv = prompt(1, seed=4, img=model.cfg.image_token_id)
+    _, wv, wl = model.forward_with_weights(ids[None], pv)
+    assert torch.equal(wv, torch.full_like(wv, 0.5)) and torch.equal(wl, torch.full_like(wl, 0.25))
+    prefix = model.language_model.model.layers[0].self_attn.prefix_k
+    assert prefix.shape == (4, 2, 48, 32) and 0.01 < prefix.std() < 0.03
+    assert model.vision_model.encoder.layers[0].attn.prefix_k.shape == (2, 4, 96, 16)
+
+
+# -- generation with branches -------------------------------------------------------------------
+
+
+def greedy_recompute(model: ParVL, ids, pv, n: int, **branches) -> list[int]:
+    out = []
+    with torch.no_grad():
+        base, _ = model.embed(ids[None], pv, branches.get("vision_branch"))
+        for _ in range(n):
+            gen = model.language_model.model.embed_tokens(torch.tensor([out], dtype=torch.long))
+            x = torch.cat([base, gen], 1)
+            h, _ = model.hidden(x, torch.arange(x.shape[1])[None], branch=branches.get("language_branch"))
+            out.append(int(model.language_model.lm_head(h[0, -1]).argmax()))
+    return out
+
+
+def test_cached_branches_equal_recompute_and_batching():
+    model = tiny(pv=2, pl=2, seed=6)
+    (ids1, pv1), (ids2, _) = prompt(1, seed=5), prompt(0, text=20, seed=6)
+    cfg = GenerateConfig(max_new_tokens=NEW, ignore_eos=True)
+    engine = Engine(model)
+    alone = [engine.generate([i.tolist()], p, cfg, []).tokens[0] for i, p in ((ids1, pv1), (ids2, None))]
+    assert alone[0] == greedy_recompute(model, ids1, pv1, NEW)
+    assert alone[1] == greedy_recompute(model, ids2, None, NEW)
+    assert engine.generate([ids1.tolist(), ids2.tolist()], pv1, cfg, []).tokens == alone
+
+
+def test_compiled_branch_decode_equals_eager():
+    model = tiny(pl=2, seed=7)
+    ids, _ = prompt(0, text=16, seed=7)
+    cfg = GenerateConfig(max_new_tokens=5, ignore_eos=True)
+    eager = Engine(model).generate([ids.tolist()], None, cfg, []).tokens
+    assert Engine(model, compile=True).generate([ids.tolist()], None, cfg, []).tokens == eager
+
+
+def test_shared_kv():
+    cfg = GenerateConfig(max_new_tokens=NEW, ignore_eos=True)
+    (ids1, pv1), (ids2, _) = prompt(1, seed=8), prompt(0, text=20, seed=9)
+    batch = [ids1.tolist(), ids2.tolist()]
+    # P = 1: one branch, nothing to share: identical to the standard cache
+    one = tiny(seed=8)
+    assert Engine(one, shared_kv=True).generate(batch, pv1, cfg, []).tokens == Engine(one).generate(batch, pv1, cfg, []).tokens
+    # identical branches: the mean of identical K/V is exact, so shared KV must equal standard decoding
+    model = same_prefixes(tiny(pv=2, pl=3, seed=9), 0, 2)
+    cache = lambda: model.language_model.model.layers[0].self_attn.kv_cache.k  # noqa: E731
+    shared_tokens = Engine(model, shared_kv=True).generate(batch, pv1, cfg, []).tokens
+    shared_rows = cache().shape[0]
+    assert shared_tokens == Engine(model).generate(batch, pv1, cfg, []).tokens
+    assert (shared_rows, cache().shape[0]) == (2, 3 * 2)  # one token cache per sample instead of per branch
+    # distinct branches: an approximation, but it must run and stay finite
+    distinct = tiny(pl=3, seed=10)
+    assert len(Engine(distinct, shared_kv=True).generate(batch, pv1, cfg, []).tokens[1]) == NEW
+
+
+def test_single_pair_equals_model_with_that_pairs_prefixes():
+    model = tiny(pv=2, pl=2, seed=11)
+    copy = same_prefixes(model, 0, 1)
+    ids, pv = prompt(1, seed=10)
+    cfg = GenerateConfig(max_new_tokens=NEW, ignore_eos=True)
+    pair = Engine(model, vision_branch=0, language_branch=1).generate([ids.tolist()], pv, cfg, []).tokens
+    assert pair == Engine(copy).generate([ids.tolist()], pv, cfg, []).tokens
+    assert pair[0] == greedy_recompute(model, ids, pv, NEW, vision_branch=0, language_branch=1)
+
+
+# -- saving and loading -------------------------------------------------------------------------
+
+
+def test_save_round_trip_bit_exact(tmp_path):
+    model = tiny(pv=2, pl=2, seed=12)
+    model.save(tmp_path / "m")
+    back = ParVL.from_pretrained(tmp_path / "m")
+    assert back.cfg.par == model.cfg.par
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
+    ids, pv = prompt(1, seed=11)
+    assert torch.equal(model(ids[None], pv), back(ids[None], pv))
+    with pytest.raises(ValueError, match="2:2"):
+        ParVL.from_pretrained(tmp_path / "m", pv=4)
+
+
+def test_one_one_save_is_an_internvl_checkpoint(checkpoint, tmp_path):
+    folder = checkpoint("qwen3", "original")
+    ParVL.from_pretrained(folder).save(tmp_path / "out")
+    ours, theirs = read_safetensors(tmp_path / "out"), read_safetensors(folder)
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["architectures"] == ["InternVLChatModel"] and cfg["llm_config"]["model_type"] == "qwen3"
+    assert (tmp_path / "out" / "vocab.json").exists()  # tokenizer files travel with the weights
+
+
+# -- ParScale ----------------------------------------------------------------------------------
+
+
+def parscale_model(P=3, seed=13) -> ParVL:
+    llm = LLMConfig(vocab_size=256, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
+                    num_kv_heads=2, head_dim=12, qkv_bias=True, qk_norm=False, max_position_embeddings=512)
+    cfg = ParVLConfig(vit=None, llm=llm, par=ParConfig(pl=P, llm_prefix_len=6, lambda_l=0.05), image_token_id=-1)
+    return ParVL.from_config(cfg, seed=seed).eval()
+
+
+def write_parscale(model: ParVL, folder) -> None:
+    """The ParScale checkpoint layout, written independently of the loader: Qwen2 keys, per-layer
+    prefix_k/prefix_v, model.aggregate_layer.{0,2} whose input is the (h p) hidden-major concat."""
+    P, C = model.cfg.par.pl, model.cfg.llm.hidden_size
+    state = {}
+    for k, v in model.state_dict().items():
+        if k.startswith("language_aggregator.mlp."):
+            key = "model.aggregate_layer." + k.removeprefix("language_aggregator.mlp.")
+            if key.endswith("0.weight"):  # ours: column p*C + h; ParScale: column h*P + p
+                v = v.view(C, P, C).transpose(1, 2).reshape(C, P * C)
+            state[key] = v.contiguous()
+        else:
+            state[k.removeprefix("language_model.")] = v.contiguous()
+    folder.mkdir()
+    save_file(state, str(folder / "model.safetensors"))
+    t = model.cfg.llm
+    (folder / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen2ParScaleForCausalLM"], "model_type": "qwen2_parscale", "vocab_size": t.vocab_size,
+        "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size, "num_hidden_layers": t.num_layers,
+        "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "rms_norm_eps": t.rms_norm_eps,
+        "rope_theta": t.rope_theta, "max_position_embeddings": t.max_position_embeddings,
+        "tie_word_embeddings": False, "parscale_n": P, "parscale_n_tokens": model.cfg.par.llm_prefix_len,
+        "parscale_attn_smooth": model.cfg.par.lambda_l,
+    }))
+
+
+def test_parscale_checkpoint_loads_to_identical_outputs(tmp_path):
+    model = parscale_model()
+    write_parscale(model, tmp_path / "ps")
+    back = ParVL.from_pretrained(tmp_path / "ps")
+    assert back.cfg.par == model.cfg.par and back.cfg.vit is None
+    ids = torch.randint(0, 256, (2, 17))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    assert torch.equal(model(ids, attention_mask=mask), back(ids, attention_mask=mask))
+    cfg = GenerateConfig(max_new_tokens=NEW, ignore_eos=True)
+    assert Engine(back).generate([ids[0].tolist()], None, cfg, []).tokens == Engine(model).generate([ids[0].tolist()], None, cfg, []).tokens
+
+
+def test_parscale_hidden_major_aggregation_by_hand():
+    """ParScale's rule, written with its own (h p) concat: weights from the ParScale-layout matrix."""
+    P, B, T, C = 3, 2, 5, 8
+    agg = Aggregator(P, C, smoothing=0.05)
+    torch.nn.init.normal_(agg.mlp[2].weight)
+    z = torch.randn(P * B, T, C)
+    w0 = agg.mlp[0].weight.view(C, P, C).transpose(1, 2).reshape(C, P * C)  # ParScale layout
+    concat = z.view(P, B, T, C).permute(1, 2, 3, 0).reshape(B, T, C * P)  # "(p b) t h -> b t (h p)"
+    logits = torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(concat, w0, agg.mlp[0].bias)),
+                                        agg.mlp[2].weight, agg.mlp[2].bias)
+    a = logits.float().softmax(-1) * (1 - 0.05) + 0.05 / P  # [B,T,P]
+    ref = (z.view(P, B, T, C).permute(1, 2, 0, 3) * a[..., None]).sum(2)
+    fused, w = agg(z)
+    torch.testing.assert_close(fused, ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(w, a, atol=1e-7, rtol=1e-6)
