@@ -247,6 +247,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--system", default=None, help="system message (default: InternVL's own)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA, off for CPU)")
+    p.add_argument("--shared-kv", action="store_true",
+                   help="ParVL: one mean-reduced token KV cache per sample instead of one per language branch "
+                        "(less memory, an approximation; paper Appendix C.2)")
+    p.add_argument("--vision-branch", type=int, default=None, help="ParVL: run only this vision branch (default: all, fused)")
+    p.add_argument("--language-branch", type=int, default=None, help="ParVL: run only this language branch (default: all, fused)")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn session; images enter the first turn")
     p.add_argument("--json", action="store_true", help="print one JSON line with the answer and metrics instead of text")
     args = p.parse_args(argv)
@@ -278,8 +283,13 @@ def main(argv=None) -> int:
             context_check(len(tok.encode(prompt)), args.max_new_tokens, folder)
         model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
         load_s = time.perf_counter() - t0
-        log(f"loaded {folder} in {load_s:.2f} s ({dtype}, {device})")
-        engine = Engine(model, compile=args.compile if args.compile is not None else device.type == "cuda")
+        log(f"loaded {folder} in {load_s:.2f} s ({dtype}, {device}, Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl})")
+        par = model.cfg.par
+        for name, value, count in (("--vision-branch", args.vision_branch, par.pv), ("--language-branch", args.language_branch, par.pl)):
+            if value is not None and not 0 <= value < count:
+                raise ValueError(f"{name} {value} out of range: the checkpoint has {count} branches")
+        engine = Engine(model, compile=args.compile if args.compile is not None else device.type == "cuda",
+                        shared_kv=args.shared_kv, vision_branch=args.vision_branch, language_branch=args.language_branch)
         cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p)
         pixel_values = torch.cat(pixel_list).to(dtype) if pixel_list else None

@@ -318,9 +318,9 @@ def is_branch_tensor(key: str) -> bool:
 # -- config.json: original (InternVLChatConfig) and -HF (InternVLConfig) spellings ---------------
 
 
-def llm_config_from_json(t: dict, family: str, tied: bool | None) -> LLMConfig:
+def llm_config_from_json(t: dict, family: str, tied: bool | None, default_theta: float = 1e6) -> LLMConfig:
     """A Qwen3 / Qwen2 config dict (InternVL's llm_config, -HF text_config, or ParScale's) -> LLMConfig."""
-    rope_theta = t.get("rope_theta", (t.get("rope_parameters") or {}).get("rope_theta", 1e6))
+    rope_theta = t.get("rope_theta", (t.get("rope_parameters") or {}).get("rope_theta", default_theta))
     return LLMConfig(
         vocab_size=t["vocab_size"],
         hidden_size=t["hidden_size"],
@@ -345,7 +345,8 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
     if "parscale_n" in raw:  # ParScale: a language-only model with Pl branches
         par = ParConfig(pl=int(raw["parscale_n"]), llm_prefix_len=int(raw.get("parscale_n_tokens", 48)),
                         lambda_l=float(raw.get("parscale_attn_smooth", 0.01)))
-        return ParVLConfig(vit=None, llm=llm_config_from_json(raw, "qwen2", tied), par=par, image_token_id=-1)
+        # Qwen2ParScaleConfig's own default rope_theta is 1e4 (the released configs all state it)
+        return ParVLConfig(vit=None, llm=llm_config_from_json(raw, "qwen2", tied, 1e4), par=par, image_token_id=-1)
     hf = "text_config" in raw
     t = raw.get("text_config") if hf else raw.get("llm_config")
     v = raw.get("vision_config")

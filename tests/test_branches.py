@@ -331,3 +331,36 @@ def test_parscale_hidden_major_aggregation_by_hand():
     fused, w = agg(z)
     torch.testing.assert_close(fused, ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(w, a, atol=1e-7, rtol=1e-6)
+
+
+def test_cli_takes_branches_from_the_checkpoint(checkpoint, tmp_path):
+    """generate.py on a saved 2:2 ParVL checkpoint: the answer equals the in-process engine's,
+    with standard, shared-KV and single-pair decoding."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image
+
+    from processor import Tokenizer, build_prompt, load_image
+
+    model = ParVL.from_pretrained(checkpoint("qwen3", "original"), pv=2, pl=2)
+    model.init_branches(std=0.5)  # larger prefixes, so the branches visibly matter
+    folder = tmp_path / "parvl22"
+    model.save(folder)
+    png = tmp_path / "img.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (200, 500, 3), dtype=np.uint8)).save(png)
+    tok = Tokenizer.from_pretrained(folder)
+    pv = load_image(png, max_tiles=2)
+    ids = tok.encode(build_prompt("What is this?", [pv.shape[0]]))
+    root = Path(__file__).resolve().parents[1]
+    for flags, engine in [([], Engine(model)), (["--shared-kv"], Engine(model, shared_kv=True)),
+                          (["--vision-branch", "1", "--language-branch", "0"], Engine(model, vision_branch=1, language_branch=0))]:
+        res = subprocess.run([sys.executable, str(root / "generate.py"), str(png), "What is this?", "--model", str(folder),
+                              "--max-new-tokens", str(NEW), "--max-tiles", "2", "--json", *flags],
+                             capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr
+        want = engine.generate([ids], pv, GenerateConfig(max_new_tokens=NEW), tok.eos_ids).tokens[0]
+        assert json.loads(res.stdout)["answer"] == tok.decode(want).strip(), flags
+        assert "Pv:Pl = 2:2" in res.stderr
