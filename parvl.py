@@ -177,6 +177,10 @@ class ParVL(nn.Module):
             raise ValueError("this language-only model takes no pixel_values")
         feats, weights = self.vision(pixel_values, vision_branch)  # [N,256,D]
         n_slots, n_feats = int(is_img.sum()), feats.shape[0] * feats.shape[1]
+        if n_slots == 0 and self.training:
+            # a text-only training batch with a dummy tile (InternVL's image_flags = 0): the ViT still
+            # runs, so every FSDP rank issues the same collectives, and contributes exactly nothing
+            return x + 0.0 * feats.sum(), None
         if n_slots != n_feats:
             raise ValueError(
                 f"prompt has {n_slots} <IMG_CONTEXT> tokens but {feats.shape[0]} tiles give {n_feats} features"

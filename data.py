@@ -1,0 +1,453 @@
+"""Supervised fine-tuning data in the official InternVL format (spec §8.1-§8.3, §5).
+
+A meta JSON names the datasets; each is a JSONL annotation file of chat rows, optionally with
+images. `SFTData` turns row i into token ids, labels and pixel tiles exactly as the official
+`preprocess_internvl2_5` does (spec §8.2), `collate` pads a micro-batch, `loss_weights` gives the
+1/sqrt(n) token weights of Eq. 6 (spec §8.3), and `RankSampler` / `make_loader` cut a seeded epoch
+order into global batches, ranks and micro-batches so that resuming and re-sharding never change
+which rows a step sees.
+
+    data = SFTData("meta.json", Tokenizer.from_pretrained(ckpt), max_tiles=12, max_seq_len=32768)
+    order = data.epoch_order(seed=42)
+    for step, micro, batch in make_loader(data, order, rank, world, 512, 4, 0, 8, pad_id):
+        ...  # batch.input_ids [B,T], batch.labels [B,T], batch.pixel_values [N,3,448,448]
+
+Meta file: {name: {"root", "annotation", "repeat_time", "length", "data_augment",
+"max_dynamic_patch"?}}. A relative "annotation" or "root" is taken relative to the meta file's
+folder (the official code uses the working directory; a meta file is more portable this way).
+Rows that cannot be used come back as `BadRow(reason, detail)` and are skipped by the trainer,
+never raised. Run the tests: python -m pytest tests/test_data.py -q
+"""
+
+import io
+import json
+import os
+from array import array
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+import torch
+from PIL import Image
+
+from processor import (DEFAULT_SYSTEM_MESSAGE, IMAGE_PLACEHOLDER, IMAGE_SIZE, IMG_CONTEXT, IMG_END,
+                       IMG_START, IM_END, IM_START, NUM_IMAGE_TOKENS, ImageError, load_image,
+                       tile_image)
+from processor import _open_rgb  # the decoder processor.load_image uses, with its error handling
+
+IGNORE = -100  # label of tokens that carry no loss (LabelSmoother.ignore_index upstream)
+BAD_REASONS = ("missing_image", "corrupt_image", "placeholder_mismatch", "too_long", "bad_row")
+JPEG_QUALITIES = (75, 100)  # inclusive range of the official JPEG-degradation augmentation
+
+
+@dataclass
+class Sample:
+    input_ids: torch.Tensor     # [T] int64
+    labels: torch.Tensor        # [T] int64, IGNORE where no loss
+    pixel_values: torch.Tensor  # [N, 3, 448, 448] float32, all images' tiles in order
+    num_tiles: list[int]        # tiles per image (thumbnail included), sums to N
+    row: int                    # global row index in the SFTData
+
+
+@dataclass
+class BadRow:
+    reason: str  # one of BAD_REASONS
+    detail: str  # one line naming the dataset, line and cause
+    row: int = -1
+
+
+class SFTData(torch.utils.data.Dataset):
+    """All rows of all datasets in a meta file, in meta order, after repeat_time."""
+
+    def __init__(self, meta_path, tokenizer, max_tiles: int = 12, max_seq_len: int = 32768,
+                 system: str | None = None, image_token_id: int | None = None,
+                 num_image_token: int = NUM_IMAGE_TOKENS, seed: int = 0):
+        if max_tiles < 1 or max_seq_len < 1 or num_image_token < 1 or seed < 0:
+            raise ValueError(f"need max_tiles, max_seq_len, num_image_token >= 1 and seed >= 0, got "
+                             f"{max_tiles}, {max_seq_len}, {num_image_token}, {seed}")
+        self.tokenizer, self.max_seq_len, self.seed = tokenizer, max_seq_len, seed
+        self.system = DEFAULT_SYSTEM_MESSAGE if system is None else system
+        self.num_image_token = num_image_token
+        self.image_token_id = tokenizer.img_context_id
+        if image_token_id is not None and image_token_id != self.image_token_id:
+            raise ValueError(f"model image_token_id={image_token_id} but the tokenizer's "
+                             f"{IMG_CONTEXT} is {self.image_token_id}")
+        # Official masking: the first len(tokenize("<|im_start|>assistant\n")) tokens of every gpt
+        # segment are ignored, whatever the response starts with (spec §8.2).
+        self.ignore_len = len(tokenizer.encode(IM_START + "assistant\n"))
+
+        meta = _read_meta(os.fspath(meta_path))
+        folder = os.path.dirname(os.path.abspath(meta_path))
+        self.datasets = []  # dicts: name, root, path, offsets, kept, repeat, augment, max_tiles
+        for name, m in meta.items():
+            path = os.path.join(folder, m["annotation"])  # join keeps an absolute path as is
+            offsets = _index_lines(path)
+            r = float(m.get("repeat_time", 1))
+            if r <= 0:
+                raise ValueError(f"{meta_path}: dataset {name!r} has repeat_time={r}, need > 0")
+            # Spec §8.1: r < 1 keeps the first floor(len * r) lines, r > 1 repeats int(r) times.
+            kept = int(len(offsets) * r) if r < 1 else len(offsets)
+            self.datasets.append(dict(
+                name=name, root=os.path.join(folder, m["root"]), path=path, offsets=offsets,
+                kept=kept, repeat=int(r) if r > 1 else 1, augment=bool(m.get("data_augment", False)),
+                max_tiles=int(m.get("max_dynamic_patch", max_tiles))))
+        sizes = [d["kept"] * d["repeat"] for d in self.datasets]
+        self.starts = np.cumsum([0] + sizes).tolist()  # global row range of dataset k: starts[k:k+2]
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def epoch_order(self, seed: int) -> torch.Tensor:
+        """A permutation of range(len(self)) [len] int64, the same for the same seed."""
+        return torch.randperm(len(self), generator=torch.Generator().manual_seed(seed))
+
+    def locate(self, i: int) -> tuple[dict, int]:
+        """(dataset, line number) of global row i; repeats cycle through the kept lines."""
+        assert 0 <= i < len(self), f"row {i} out of range [0, {len(self)})"
+        k = bisect_right(self.starts, i) - 1
+        d = self.datasets[k]
+        return d, (i - self.starts[k]) % d["kept"]
+
+    def __getitem__(self, i: int) -> "Sample | BadRow":
+        d, line = self.locate(i)
+        where = f"{d['name']} line {line + 1}"
+        try:
+            return self._build(i, d, line)
+        except _Bad as e:
+            return BadRow(e.reason, f"{where}: {e}", i)
+
+    # -- one row -------------------------------------------------------------------------------
+
+    def _build(self, i: int, d: dict, line: int) -> Sample:
+        with open(d["path"], "rb") as f:  # reopen per row: safe in forked DataLoader workers
+            f.seek(int(d["offsets"][line]))
+            raw = f.readline()
+        try:
+            item = json.loads(raw)
+        except (ValueError, RecursionError) as e:  # ValueError covers bad JSON and bad UTF-8
+            raise _Bad("bad_row", f"not JSON: {type(e).__name__}: {e}") from None
+        system, turns = self._parse_turns(item)
+        images = _image_list(item)
+
+        # Placeholders live in human turns only; a first human turn without any gets one per image
+        # in front (spec §8.1). Every image must then own exactly one placeholder.
+        human = [k for k, (role, _) in enumerate(turns) if role == "human"]
+        if images and human and IMAGE_PLACEHOLDER not in turns[human[0]][1]:
+            turns[human[0]] = ("human", (IMAGE_PLACEHOLDER + "\n") * len(images) + turns[human[0]][1])
+        n_slots = sum(text.count(IMAGE_PLACEHOLDER) for role, text in turns if role == "human")
+        if n_slots != len(images):
+            raise _Bad("placeholder_mismatch", f"{n_slots} {IMAGE_PLACEHOLDER} placeholders in "
+                                               f"human turns for {len(images)} images")
+
+        pixels, num_tiles = self._load_images(i, d, images)
+        for n in num_tiles:  # replace placeholders in reading order, first occurrence each time
+            tokens = IMG_START + IMG_CONTEXT * (self.num_image_token * n) + IMG_END
+            turns = _replace_next_placeholder(turns, tokens)
+
+        # Tokenize segment by segment, as the official code does (spec §8.2): each segment is
+        # encoded on its own (no BOS) and the ids are concatenated.
+        ids, labels = [], []
+        for role, text in [("system", system)] + turns:
+            header = IM_START + {"system": "system", "human": "user", "gpt": "assistant"}[role]
+            seg = self.tokenizer.encode(header + "\n" + text + IM_END + "\n")
+            ids += seg
+            if role == "gpt":  # supervise the response and <|im_end|>, not the header nor "\n"
+                labels += [IGNORE] * self.ignore_len + seg[self.ignore_len:-1] + [IGNORE]
+            else:
+                labels += [IGNORE] * len(seg)
+        if len(ids) > self.max_seq_len:  # the official code truncates; we skip, never cut images
+            raise _Bad("too_long", f"{len(ids)} tokens > max_seq_len={self.max_seq_len}")
+        input_ids, labels = torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
+        # Text that spells <IMG_CONTEXT> itself would shift every image feature (spec §4.2).
+        n_img = int((input_ids == self.image_token_id).sum())
+        if n_img != self.num_image_token * sum(num_tiles):
+            raise _Bad("placeholder_mismatch", f"{n_img} {IMG_CONTEXT} tokens for {sum(num_tiles)} "
+                                               f"tiles (the text contains image tags)")
+        if not (labels != IGNORE).any():
+            raise _Bad("bad_row", "no supervised token")
+        return Sample(input_ids, labels, pixels, num_tiles, i)
+
+    def _parse_turns(self, item) -> tuple[str, list[tuple[str, str]]]:
+        """(system message, [(role, text)]) from a row; a leading system turn overrides the default."""
+        conv = item.get("conversations") if isinstance(item, dict) else None
+        if not isinstance(conv, list) or not conv:
+            raise _Bad("bad_row", "no 'conversations' list")
+        if not all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in conv):
+            raise _Bad("bad_row", "every turn needs a string 'value'")
+        system = self.system
+        if conv[0].get("from") == "system":
+            system, conv = conv[0]["value"], conv[1:]
+        turns = [(t.get("from"), t["value"]) for t in conv]
+        bad = sorted({str(r) for r, _ in turns} - {"human", "gpt"})
+        if bad:  # a later system turn or "pretrain" rows have no meaning in this template
+            raise _Bad("bad_row", f"unsupported role(s) {bad}")
+        if "gpt" not in {r for r, _ in turns}:
+            raise _Bad("bad_row", "no gpt turn")
+        return system, turns
+
+    def _load_images(self, i: int, d: dict, images: list[str]) -> tuple[torch.Tensor, list[int]]:
+        """Tiles of every image [N,3,448,448] and the tile count of each, with the shared budget."""
+        if not images:
+            return torch.zeros(0, 3, IMAGE_SIZE, IMAGE_SIZE), []
+        budget = max(1, d["max_tiles"] // len(images))  # spec §5.5: images share the tile budget
+        paths = [os.path.join(d["root"], p) for p in images]
+        for p in paths:  # check all first, so a row with a missing file is always "missing_image"
+            if not os.path.isfile(p):
+                raise _Bad("missing_image", f"no file {p}")
+        # One generator per (seed, row): the same row gets the same JPEG qualities after a resume,
+        # in any worker; a repeated row (repeat_time > 1) has another index, so other qualities.
+        rng = np.random.default_rng([self.seed, i]) if d["augment"] else None
+        tiles = []
+        try:
+            for p in paths:
+                if rng is None:
+                    tiles.append(load_image(p, max_tiles=budget))
+                    continue
+                # The official transform re-encodes each tile (thumbnail included) as JPEG with its
+                # own random quality, after tiling; load_image(tile, 1) then normalises it as is.
+                parts = tile_image(_open_rgb(p), budget)
+                q = rng.integers(JPEG_QUALITIES[0], JPEG_QUALITIES[1] + 1, size=len(parts))
+                tiles.append(torch.cat([load_image(_jpeg(t, int(qk)), max_tiles=1)
+                                        for t, qk in zip(parts, q)]))
+        except ImageError as e:
+            raise _Bad("corrupt_image", str(e)) from None
+        return torch.cat(tiles), [t.shape[0] for t in tiles]
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching and loss weights
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor       # [B, T] int64, right-padded with pad_id
+    labels: torch.Tensor          # [B, T] int64, IGNORE on padding and bad rows
+    attention_mask: torch.Tensor  # [B, T] bool, True on real tokens and on a bad row's dummy
+    position_ids: torch.Tensor    # [B, T] int64, 0.. per sample (restarts per sample when packed)
+    pixel_values: torch.Tensor    # [N, 3, 448, 448] float32, tiles of all samples in row order
+    num_tiles: list[int]          # tiles per batch row (0 for text-only and bad rows), sums to N
+    num_samples: int              # good rows
+    bad: dict = field(default_factory=dict)  # reason -> count of bad rows in this batch
+    rows: list[int] = field(default_factory=list)  # global row index of each batch row
+
+
+def collate(items: list, pad_id: int) -> Batch:
+    """Right-pad samples into one Batch; a BadRow becomes a 1-token dummy row with no labels.
+
+    Keeping bad rows as rows (instead of dropping them) keeps B and every row's position fixed, so
+    a global batch means the same thing however it is split over ranks and micro-batches. Each row
+    holds one sample today; packing later puts several samples in a row, with position_ids
+    restarting per sample and `rows`/`num_tiles` becoming per-sample lists.
+    """
+    lengths = [len(s.input_ids) if isinstance(s, Sample) else 1 for s in items]
+    B, T = len(items), max(lengths, default=1)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    labels = torch.full((B, T), IGNORE, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.bool)
+    bad: dict[str, int] = {}
+    for b, s in enumerate(items):
+        if isinstance(s, Sample):
+            input_ids[b, :lengths[b]], labels[b, :lengths[b]] = s.input_ids, s.labels
+        else:
+            bad[s.reason] = bad.get(s.reason, 0) + 1
+        # The dummy token of a bad row is "attended": a row whose keys are all masked makes SDPA
+        # return NaN, and 0 * NaN would poison the weighted loss sum.
+        mask[b, :lengths[b]] = True
+    pix = [s.pixel_values for s in items if isinstance(s, Sample)]
+    pixel_values = torch.cat(pix) if pix else torch.zeros(0, 3, IMAGE_SIZE, IMAGE_SIZE)
+    return Batch(input_ids, labels, mask, torch.arange(T).expand(B, T).contiguous(), pixel_values,
+                 [sum(s.num_tiles) if isinstance(s, Sample) else 0 for s in items],
+                 sum(isinstance(s, Sample) for s in items), bad, [s.row for s in items])
+
+
+def loss_weights(labels: torch.Tensor) -> torch.Tensor:
+    """Eq. 6 / spec §8.3 weights [B, T]: w[b, t] = 1/sqrt(n_b) where labels[b, t+1] is supervised.
+
+    Column t weighs the prediction made at position t (target labels[:, t+1]); the last column is
+    0. n_b counts the sample's supervised labels. The trainer divides by the global weight sum.
+    """
+    sup = labels != IGNORE  # [B, T]
+    n = sup.sum(dim=1, keepdim=True).clamp(min=1).float()  # [B, 1]; rows with n = 0 get w = 0
+    w = torch.zeros(labels.shape, dtype=torch.float32)
+    w[:, :-1] = sup[:, 1:].float() / n.sqrt()
+    return w
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation
+
+
+def validate(data: SFTData, num_workers: int = 0) -> dict:
+    """{"good": n, reason: count for each of BAD_REASONS} over every row after repeat_time.
+
+    A repeated row is checked once and counted once per copy: whether a row is usable does not
+    depend on its copy (only the JPEG qualities do).
+    """
+    rows, weight = [], []
+    for k, d in enumerate(data.datasets):
+        rows += range(data.starts[k], data.starts[k] + d["kept"])
+        weight += [d["repeat"]] * d["kept"]
+    counts = dict.fromkeys(("good",) + BAD_REASONS, 0)
+    loader = torch.utils.data.DataLoader(data, sampler=rows, batch_size=None,
+                                         collate_fn=_outcome, num_workers=num_workers)
+    for outcome, w in zip(loader, weight):
+        counts[outcome] += w
+    return counts
+
+
+def check_bad_fraction(counts: dict, max_bad_frac: float) -> float:
+    """The fraction of bad rows in `counts`; raise ValueError with the counts if it is too high.
+
+    `counts` maps reasons to bad-row counts plus either "good" (as validate returns it) or "rows",
+    the total rows seen (what a trainer summing Batch.bad and Batch.num_samples has at hand).
+    """
+    bad = sum(counts.get(r, 0) for r in BAD_REASONS)
+    total = counts["rows"] if "rows" in counts else bad + counts.get("good", 0)
+    frac = bad / total if total else 0.0
+    if frac > max_bad_frac:
+        raise ValueError(f"{bad} of {total} rows are bad ({frac:.2%} > max_bad_frac="
+                         f"{max_bad_frac:.2%}): {counts}")
+    return frac
+
+
+# ---------------------------------------------------------------------------------------------
+# Order, ranks, micro-batches
+
+
+class RankSampler:
+    """This rank's micro-batches of row indices, global step by global step, from start_step.
+
+    Global step s covers order[s*G : (s+1)*G]; rank r takes the r-th contiguous G/world slice and
+    cuts it into micro-batches. So the rows of a global batch do not depend on the world size, and
+    starting at step k yields exactly the tail of a run from step 0. A last partial global batch is
+    dropped, so every step has G rows (and the same loss normalisation). Iterating yields lists of
+    row indices (a DataLoader batch_sampler); `schedule()` yields the matching (step, micro_index).
+    """
+
+    def __init__(self, order, rank: int, world: int, global_batch: int,
+                 micro_batch: int | None = None, start_step: int = 0):
+        local = global_batch // world
+        micro_batch = micro_batch or local
+        assert 0 <= rank < world and global_batch % world == 0 and local % micro_batch == 0, (
+            f"need 0 <= rank < world, world | global_batch, micro_batch | global_batch/world; "
+            f"got rank={rank} world={world} global_batch={global_batch} micro_batch={micro_batch}")
+        self.order = torch.as_tensor(order, dtype=torch.long)
+        self.rank, self.local, self.micro, self.G = rank, local, micro_batch, global_batch
+        self.num_steps = len(self.order) // global_batch
+        self.start_step = start_step
+
+    def rows(self, step: int) -> list[int]:
+        """This rank's rows of global step `step`."""
+        a = step * self.G + self.rank * self.local
+        return self.order[a:a + self.local].tolist()
+
+    def schedule(self):
+        for step in range(self.start_step, self.num_steps):
+            for m in range(self.local // self.micro):
+                yield step, m
+
+    def __iter__(self):
+        for step, m in self.schedule():
+            yield self.rows(step)[m * self.micro:(m + 1) * self.micro]
+
+    def __len__(self) -> int:
+        return max(0, self.num_steps - self.start_step) * (self.local // self.micro)
+
+
+def make_loader(data: SFTData, order, rank: int, world: int, global_batch: int, micro_batch: int,
+                start_step: int, num_workers: int, pad_id: int, pin_memory: bool = False):
+    """Yield (step, micro_index, Batch) for this rank, decoding images in worker processes.
+
+    The DataLoader returns batches in sampler order whatever the number of workers, and every row
+    is a pure function of its index (augmentation included), so the output does not depend on
+    num_workers.
+    """
+    sampler = RankSampler(order, rank, world, global_batch, micro_batch, start_step)
+    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, num_workers=num_workers,
+                                         collate_fn=partial(collate, pad_id=pad_id),
+                                         pin_memory=pin_memory)
+    for (step, m), batch in zip(sampler.schedule(), loader, strict=True):
+        yield step, m, batch
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+class _Bad(Exception):
+    """Internal: why a row is unusable; __getitem__ turns it into a BadRow."""
+
+    def __init__(self, reason: str, detail: str):
+        assert reason in BAD_REASONS, reason
+        super().__init__(" ".join(detail.split()))  # one line, whatever the cause printed
+        self.reason = reason
+
+
+def _outcome(s) -> str:
+    return s.reason if isinstance(s, BadRow) else "good"
+
+
+def _read_meta(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"cannot read meta file {path}: {type(e).__name__}: {e}") from None
+    if not isinstance(meta, dict) or not meta:
+        raise ValueError(f"meta file {path} must be a non-empty JSON object of datasets")
+    for name, m in meta.items():
+        if not isinstance(m, dict) or not {"root", "annotation"} <= set(m):
+            raise ValueError(f"meta file {path}: dataset {name!r} needs 'root' and 'annotation'")
+    return meta
+
+
+def _index_lines(path: str) -> np.ndarray:
+    """Byte offsets of the non-blank lines of a JSONL file; rows are parsed only when read."""
+    offsets, pos = array("q"), 0  # 8 bytes a line, not a parsed row or a Python int object
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                if line.strip():
+                    offsets.append(pos)
+                pos += len(line)
+            if offsets:  # a file that is not JSON Lines at all fails here, not row by row
+                f.seek(offsets[0])
+                first = json.loads(f.readline())
+                if not isinstance(first, dict):
+                    raise ValueError(f"first line is a {type(first).__name__}, not an object")
+    except (OSError, ValueError, RecursionError) as e:
+        raise ValueError(f"cannot read annotation {path}: {type(e).__name__}: {e}") from None
+    return np.frombuffer(offsets, dtype=np.int64)
+
+
+def _image_list(item: dict) -> list[str]:
+    """The row's image paths; an absent, null, "" or [] image means a text-only row."""
+    image = item.get("image")
+    if not image:
+        if item.get("video"):
+            raise _Bad("bad_row", "video rows are not supported")
+        return []
+    images = [image] if isinstance(image, str) else image
+    if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
+        raise _Bad("bad_row", f"'image' must be a path or a list of paths, got {image!r}")
+    return images
+
+
+def _replace_next_placeholder(turns: list, tokens: str) -> list:
+    """Replace the first <image> of the first human turn that still has one."""
+    for k, (role, text) in enumerate(turns):
+        if role == "human" and IMAGE_PLACEHOLDER in text:
+            turns[k] = (role, text.replace(IMAGE_PLACEHOLDER, tokens, 1))
+            return turns
+    raise AssertionError("placeholders were counted before replacement")
+
+
+def _jpeg(tile: Image.Image, quality: int) -> Image.Image:
+    """Re-encode a tile as JPEG at `quality` and decode it again (the official degradation)."""
+    buf = io.BytesIO()
+    tile.save(buf, format="JPEG", quality=quality)
+    buf.seek(0)
+    with Image.open(buf) as f:
+        f.load()
+        return f.convert("RGB")

@@ -1,0 +1,349 @@
+"""Tests for data.py: the official InternVL SFT data format, label masking, batching and sharding.
+
+Expected token ids are built by hand from the segment strings of spec §8.2 and encoded with the
+tiny Qwen-style tokenizer from tests/tiny_tokenizer.py; expected pixels come from
+processor.load_image. Every dataset is written with pillow into tmp_path.
+
+Run: python -m pytest tests/test_data.py -q
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `pytest` works from anywhere
+import data as D  # noqa: E402
+from data import BadRow, RankSampler, Sample, SFTData, collate, loss_weights, make_loader  # noqa: E402
+from processor import DEFAULT_SYSTEM_MESSAGE, Tokenizer, load_image  # noqa: E402
+from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
+
+CTX = "<IMG_CONTEXT>"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tok")
+    write_tiny_tokenizer(folder, layout="json", family="qwen3")
+    return Tokenizer.from_pretrained(folder)
+
+
+def image(path: Path, w: int, h: int, seed: int = 0) -> str:
+    """A noisy RGB image (noise, so JPEG re-encoding visibly changes it); returns its name."""
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(path)
+    return path.name
+
+
+def chat(*turns, image=None, system=None) -> dict:
+    """A row from alternating human/gpt texts."""
+    conv = [{"from": "system", "value": system}] if system is not None else []
+    conv += [{"from": ("human", "gpt")[k % 2], "value": t} for k, t in enumerate(turns)]
+    return {"conversations": conv} if image is None else {"image": image, "conversations": conv}
+
+
+def write_meta(tmp_path: Path, datasets: dict) -> Path:
+    """datasets: name -> (rows or raw lines, meta fields). Annotation paths are relative."""
+    meta = {}
+    for name, (rows, fields) in datasets.items():
+        lines = [r if isinstance(r, str) else json.dumps(r, ensure_ascii=False) for r in rows]
+        (tmp_path / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        meta[name] = {"root": str(tmp_path), "annotation": f"{name}.jsonl", "repeat_time": 1,
+                      "length": len(rows), "data_augment": False, **fields}
+    path = tmp_path / "meta.json"
+    path.write_text(json.dumps(meta))
+    return path
+
+
+def make_data(tmp_path, tok, rows, fields=None, **kw) -> SFTData:
+    return SFTData(write_meta(tmp_path, {"ds": (rows, fields or {})}), tok, **kw)
+
+
+def segments(tok, system, turns):
+    """Hand-built ids and labels of spec §8.2 for [(role, text)] turns (images already expanded)."""
+    head = len(tok.encode("<|im_start|>assistant\n"))
+    ids, labels = tok.encode(f"<|im_start|>system\n{system}<|im_end|>\n"), None
+    labels = [-100] * len(ids)
+    for role, text in turns:
+        seg = tok.encode(f"<|im_start|>{'user' if role == 'human' else 'assistant'}\n{text}<|im_end|>\n")
+        ids += seg
+        labels += ([-100] * head + seg[head:-1] + [-100]) if role == "gpt" else [-100] * len(seg)
+    return ids, labels
+
+
+def expand(n_tiles: int) -> str:
+    return "<img>" + CTX * (256 * n_tiles) + "</img>"
+
+
+# ----------------------------------------------------------------------------- tokens and labels
+
+def test_label_masking_two_turns(tmp_path, tok):
+    q1, a1, q2, a2 = "What is shown?", "A cat on a red chair.", "Where is it?", "Near the window."
+    d = make_data(tmp_path, tok, [chat(q1, a1, q2, a2)])
+    s = d[0]
+    assert isinstance(s, Sample) and s.row == 0 and s.pixel_values.shape == (0, 3, 448, 448)
+    ids, labels = segments(tok, DEFAULT_SYSTEM_MESSAGE, [("human", q1), ("gpt", a1), ("human", q2),
+                                                         ("gpt", a2)])
+    assert s.input_ids.tolist() == ids and s.labels.tolist() == labels
+    # Supervised: exactly each response followed by its <|im_end|>, nothing else.
+    im_end = tok.token_to_id("<|im_end|>")
+    sup = s.labels[s.labels != -100].tolist()
+    assert sup == tok.encode(a1) + [im_end] + tok.encode(a2) + [im_end]
+    assert (s.labels[s.labels != -100] == s.input_ids[s.labels != -100]).all()
+    assert tok.decode(sup) == a1 + "<|im_end|>" + a2 + "<|im_end|>"
+
+
+def test_system_turn_and_system_argument(tmp_path, tok):
+    d = make_data(tmp_path, tok, [chat("hi", "hello", system="Be brief."), chat("hi", "hello")],
+                  system="You are a helpful assistant.")
+    assert d[0].input_ids.tolist() == segments(tok, "Be brief.", [("human", "hi"), ("gpt", "hello")])[0]
+    assert d[1].input_ids.tolist() == segments(tok, "You are a helpful assistant.",
+                                               [("human", "hi"), ("gpt", "hello")])[0]
+
+
+@pytest.mark.parametrize("n_images", [0, 1, 3])
+@pytest.mark.parametrize("placeholders", [True, False])
+def test_image_tokens_count_and_placement(tmp_path, tok, n_images, placeholders):
+    names = [image(tmp_path / f"im{k}.png", 300 + 200 * k, 150, seed=k) for k in range(n_images)]
+    q = "".join(f"Image-{k + 1}: <image>\n" for k in range(n_images)) if placeholders else ""
+    row = chat(q + "Compare them.", "They differ.", image=names if n_images > 1 else
+               (names[0] if names else None))
+    s = make_data(tmp_path, tok, [row])[0]
+    assert isinstance(s, Sample), s
+    budget = max(1, 12 // max(n_images, 1))
+    expected_pix = [load_image(tmp_path / n, max_tiles=budget) for n in names]
+    assert s.num_tiles == [p.shape[0] for p in expected_pix]
+    # Without placeholders, "<image>\n" per image goes in front of the first human turn (§8.1).
+    text = "".join((f"Image-{k + 1}: " if placeholders else "") + expand(n) + "\n"
+                   for k, n in enumerate(s.num_tiles)) + "Compare them."
+    ids, labels = segments(tok, DEFAULT_SYSTEM_MESSAGE, [("human", text), ("gpt", "They differ.")])
+    assert s.input_ids.tolist() == ids and s.labels.tolist() == labels
+    assert int((s.input_ids == tok.img_context_id).sum()) == 256 * sum(s.num_tiles)
+    assert torch.equal(s.pixel_values, torch.cat(expected_pix) if names else
+                       torch.zeros(0, 3, 448, 448))
+
+
+def test_per_image_tile_budget(tmp_path, tok):
+    wide = image(tmp_path / "wide.png", 800, 200)  # aspect 4: grid (4,1) if allowed
+    rows = [chat("<image>\nWhat?", "Wide.", image=wide),
+            chat("<image>\n<image>\nWhat?", "Two.", image=[wide, wide]),
+            chat("<image><image><image>What?", "Three.", image=[wide, wide, wide])]
+    d = make_data(tmp_path, tok, rows, max_tiles=4)
+    # max(1, 4 // n): 4 tiles -> (4,1)+thumbnail; 2 -> (2,1)+thumbnail; 1 -> a single tile.
+    assert [d[i].num_tiles for i in range(3)] == [[5], [3, 3], [1, 1, 1]]
+    for i, n in enumerate((1, 2, 3)):
+        ref = load_image(tmp_path / wide, max_tiles=max(1, 4 // n))
+        assert torch.equal(d[i].pixel_values, torch.cat([ref] * n))
+    # A per-dataset max_dynamic_patch overrides max_tiles.
+    d = make_data(tmp_path, tok, rows, {"max_dynamic_patch": 12}, max_tiles=4)
+    assert [d[i].num_tiles for i in range(3)] == [[5], [5, 5], [5, 5, 5]]
+
+
+def test_repeat_time(tmp_path, tok):
+    rows = [chat("q", f"answer {k}") for k in range(10)]
+    meta = write_meta(tmp_path, {"a": (rows, {"repeat_time": 0.35}), "b": (rows, {"repeat_time": 2.7})})
+    d = SFTData(meta, tok)
+    assert len(d) == 3 + 20  # floor(10 * 0.35) first lines, then int(2.7) copies in order
+
+    def answer(i):
+        return tok.decode(d[i].labels[d[i].labels != -100].tolist()).removesuffix("<|im_end|>")
+    assert [answer(i) for i in range(len(d))] == [f"answer {k}" for k in [0, 1, 2] + list(range(10)) * 2]
+
+
+def test_epoch_order(tmp_path, tok):
+    d = make_data(tmp_path, tok, [chat("q", "a")] * 50)
+    o = d.epoch_order(3)
+    assert sorted(o.tolist()) == list(range(50)) and torch.equal(o, d.epoch_order(3))
+    assert not torch.equal(o, d.epoch_order(4))
+
+
+# ----------------------------------------------------------------------------- bad rows
+
+def test_bad_rows_detected_counted_and_deterministic(tmp_path, tok):
+    good = image(tmp_path / "good.png", 500, 300)
+    (tmp_path / "garbage.jpg").write_bytes(b"this is not an image")
+    Image.new("RGB", (600, 400), (1, 2, 3)).save(tmp_path / "full.jpg")
+    (tmp_path / "cut.jpg").write_bytes((tmp_path / "full.jpg").read_bytes()[:300])  # truncated
+    rows = [
+        chat("<image>\nok?", "ok", image=good),                                       # good
+        chat("<image>\nok?", "ok", image="nowhere.png"),                              # missing_image
+        chat("<image><image>ok?", "ok", image=[good, "nowhere.png"]),                  # missing_image
+        chat("<image>\nok?", "ok", image="garbage.jpg"),                              # corrupt_image
+        chat("<image>\nok?", "ok", image="cut.jpg"),                                  # corrupt_image
+        chat("<image>\n<image>\nok?", "ok", image=good),                              # placeholder_mismatch
+        chat("<image>\nok?", "ok"),                                                   # placeholder_mismatch
+        chat("<image>\nok?", "ok", image=[good, good]),                               # placeholder_mismatch
+        chat(f"the tag {CTX} in text", "ok"),                                         # placeholder_mismatch
+        chat("word " * 2500, "ok"),                                                   # too_long
+        chat("<image>" * 12 + "ok?", "ok", image=[good] * 12),                         # too_long
+        '{"conversations": [{"from": "human", "value": "x"}',                         # bad_row
+        {"image": good},                                                              # bad_row
+        chat("only a question"),                                                      # bad_row
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "bot", "value": "a"}]},  # bad_row
+        chat("q", "a"),                                                               # good
+    ]
+    d = make_data(tmp_path, tok, rows, max_seq_len=2000, max_tiles=12)
+    want = ["good"] + ["missing_image"] * 2 + ["corrupt_image"] * 2 + ["placeholder_mismatch"] * 4 \
+        + ["too_long"] * 2 + ["bad_row"] * 4 + ["good"]
+    got = [d[i] for i in range(len(d))]
+    assert [D._outcome(s) for s in got] == want
+    for s in got:
+        if isinstance(s, BadRow):
+            assert "\n" not in s.detail and s.detail.startswith("ds line "), s.detail
+    assert [d[i] for i in range(len(d)) if isinstance(got[i], BadRow)] == \
+        [s for s in got if isinstance(s, BadRow)]  # same reason and detail every time
+    counts = D.validate(d)
+    assert counts == {"good": 2, "missing_image": 2, "corrupt_image": 2, "placeholder_mismatch": 4,
+                      "too_long": 2, "bad_row": 4}
+    assert D.check_bad_fraction(counts, 0.9) == pytest.approx(14 / 16)
+    with pytest.raises(ValueError, match="14 of 16 rows are bad"):
+        D.check_bad_fraction(counts, 0.5)
+    # A trainer may give the total rows seen instead of the good ones.
+    assert D.check_bad_fraction({"rows": 20, "too_long": 2, "bad_row": 3}, 0.25) == 0.25
+    with pytest.raises(ValueError, match="5 of 20 rows are bad"):
+        D.check_bad_fraction({"rows": 20, "too_long": 2, "bad_row": 3}, 0.2)
+
+
+def test_validate_counts_repeats(tmp_path, tok):
+    rows = [chat("q", "a"), "not json", chat("q", "b")]
+    meta = write_meta(tmp_path, {"a": (rows, {"repeat_time": 3})})
+    assert D.validate(SFTData(meta, tok)) == dict.fromkeys(("good",) + D.BAD_REASONS, 0) | \
+        {"good": 6, "bad_row": 3}
+
+
+def test_fatal_meta_and_annotation_errors(tmp_path, tok):
+    with pytest.raises(ValueError, match="nope.json"):
+        SFTData(tmp_path / "nope.json", tok)
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(ValueError, match="broken.json"):
+        SFTData(tmp_path / "broken.json", tok)
+    (tmp_path / "meta.json").write_text(json.dumps({"x": {"root": ".", "annotation": "gone.jsonl"}}))
+    with pytest.raises(ValueError, match="gone.jsonl"):
+        SFTData(tmp_path / "meta.json", tok)
+    good = write_meta(tmp_path, {"ok": ([chat("q", "a")], {})})
+    assert len(SFTData(good, tok, image_token_id=tok.img_context_id)) == 1
+    with pytest.raises(ValueError, match="image_token_id"):
+        SFTData(good, tok, image_token_id=tok.img_context_id + 1)
+    (tmp_path / "arr.jsonl").write_text(json.dumps([chat("q", "a")], indent=1))
+    (tmp_path / "meta.json").write_text(json.dumps({"x": {"root": ".", "annotation": "arr.jsonl"}}))
+    with pytest.raises(ValueError, match="arr.jsonl"):
+        SFTData(tmp_path / "meta.json", tok)
+
+
+# ----------------------------------------------------------------------------- augmentation
+
+def test_data_augment_is_seeded_jpeg(tmp_path, tok):
+    name = image(tmp_path / "n.png", 700, 300)
+    rows = [chat("<image>\nq", "a", image=name)] * 2
+    plain = make_data(tmp_path, tok, rows)
+    aug = make_data(tmp_path, tok, rows, {"data_augment": True}, seed=1)
+    ref = load_image(tmp_path / name, max_tiles=12)
+    assert torch.equal(plain[0].pixel_values, ref)
+    x = aug[0].pixel_values
+    assert x.shape == ref.shape and not torch.equal(x, ref)
+    assert (x - ref).abs().mean() < 1.0  # a degraded copy of the image, not another image
+    assert torch.equal(x, aug[0].pixel_values)  # same (seed, row) -> same JPEG qualities
+    assert not torch.equal(x, aug[1].pixel_values)  # another row, other qualities
+    again = make_data(tmp_path, tok, rows, {"data_augment": True}, seed=1)
+    assert torch.equal(again[0].pixel_values, x)
+
+
+# ----------------------------------------------------------------------------- batching
+
+def test_collate_shapes_and_padding(tmp_path, tok):
+    pic = image(tmp_path / "p.png", 448, 448)
+    rows = [chat("<image>\nq", "a", image=pic), "broken", chat("a much longer question here", "yes")]
+    d = make_data(tmp_path, tok, rows)
+    items = [d[i] for i in range(3)]
+    b = collate(items, pad_id=7)
+    n0, n2 = len(items[0].input_ids), len(items[2].input_ids)
+    T = max(n0, n2)
+    assert b.input_ids.shape == b.labels.shape == b.attention_mask.shape == b.position_ids.shape == (3, T)
+    assert b.attention_mask.dtype == torch.bool
+    for r, n in ((0, n0), (2, n2)):
+        assert torch.equal(b.input_ids[r, :n], items[r].input_ids)
+        assert torch.equal(b.labels[r, :n], items[r].labels)
+        assert (b.input_ids[r, n:] == 7).all() and (b.labels[r, n:] == -100).all()
+        assert b.attention_mask[r].sum() == n and b.attention_mask[r, :n].all()
+    # The bad row: one pad token, attended, never supervised.
+    assert (b.input_ids[1] == 7).all() and (b.labels[1] == -100).all()
+    assert b.attention_mask[1].tolist() == [True] + [False] * (T - 1)
+    assert torch.equal(b.pixel_values, items[0].pixel_values) and b.num_tiles == [1, 0, 0]
+    assert b.num_samples == 2 and b.bad == {"bad_row": 1} and b.rows == [0, 1, 2]
+    text_only = collate([items[2], items[1]], pad_id=0)
+    assert text_only.pixel_values.shape == (0, 3, 448, 448) and text_only.input_ids.shape == (2, n2)
+    only_bad = collate([items[1]], pad_id=0)
+    assert only_bad.input_ids.shape == (1, 1) and loss_weights(only_bad.labels).sum() == 0
+
+
+def test_loss_weights_hand_computation():
+    I = -100  # noqa: E741
+    labels = torch.tensor([[I, I, 5, 6, 7, I],
+                           [I, 9, I, I, I, I],
+                           [I, I, I, I, I, I]])
+    w = loss_weights(labels)
+    # Column t weighs the prediction of labels[:, t+1]; n = 3, 1, 0 supervised labels.
+    a = 1 / 3 ** 0.5
+    expected = torch.tensor([[0, a, a, a, 0, 0],
+                             [1, 0, 0, 0, 0, 0],
+                             [0, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    torch.testing.assert_close(w, expected, rtol=0, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------- sharding and resume
+
+def test_rank_slices_partition_global_batch_for_any_world():
+    order = torch.randperm(70, generator=torch.Generator().manual_seed(0))
+    G = 16
+    for world in (1, 2, 4):
+        for micro in (1, 2, 4):
+            samplers = [RankSampler(order, r, world, G, micro) for r in range(world)]
+            assert samplers[0].num_steps == 70 // G
+            for step in range(70 // G):
+                # Concatenating the ranks' slices in rank order gives the global batch, in order.
+                rows = sum((s.rows(step) for s in samplers), [])
+                assert rows == order[step * G:(step + 1) * G].tolist()
+            for s in samplers:  # micro-batches of a rank tile its slices, step by step
+                flat = sum(list(s), [])
+                assert flat == sum((s.rows(k) for k in range(s.num_steps)), [])
+                assert len(list(s)) == len(s) == s.num_steps * (G // world // micro)
+    with pytest.raises(AssertionError):
+        RankSampler(order, 0, 3, G)
+
+
+def test_resume_equals_tail_of_uninterrupted_run():
+    order = torch.randperm(100, generator=torch.Generator().manual_seed(1))
+    for world, micro in ((1, 4), (2, 2), (4, 1)):
+        for rank in range(world):
+            full = RankSampler(order, rank, world, 8, micro)
+            sched = list(full.schedule())
+            for k in (0, 3, 12):
+                resumed = RankSampler(order, rank, world, 8, micro, start_step=k)
+                cut = next((j for j, (s, _) in enumerate(sched) if s >= k), len(sched))
+                assert list(resumed) == list(full)[cut:]
+                assert list(resumed.schedule()) == sched[cut:]
+
+
+def test_make_loader_workers_match_single_process(tmp_path, tok):
+    pics = [image(tmp_path / f"w{k}.png", 200 + 150 * k, 180, seed=k) for k in range(3)]
+    rows = [chat("<image>\nq", f"a{k}", image=pics[k % 3]) for k in range(9)] + ["bad", chat("t", "x")]
+    d = make_data(tmp_path, tok, rows, {"data_augment": True}, seed=5)
+    order = d.epoch_order(0)
+
+    def run(workers, start=0):
+        return list(make_loader(d, order, rank=1, world=2, global_batch=4, micro_batch=1,
+                                start_step=start, num_workers=workers, pad_id=0))
+    single, multi = run(0), run(2)
+    assert [(s, m) for s, m, _ in single] == [(s, m) for s in range(2) for m in range(2)]
+    assert len(single) == len(multi) == 4
+    for (s0, m0, b0), (s1, m1, b1) in zip(single, multi):
+        assert (s0, m0) == (s1, m1) and b0.rows == b1.rows and b0.bad == b1.bad
+        for f in ("input_ids", "labels", "attention_mask", "pixel_values"):
+            assert torch.equal(getattr(b0, f), getattr(b1, f)), f
+    # This rank's rows: the second half of each global batch of 4.
+    assert sum((b.rows for _, _, b in single), []) == order[2:4].tolist() + order[6:8].tolist()
+    assert [b.rows for _, _, b in run(0, start=1)] == [b.rows for _, _, b in single[2:]]

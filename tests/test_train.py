@@ -1,0 +1,223 @@
+"""train.py end to end on CPU: the Eq. 6 loss, world-size invariance under torchrun (gloo),
+bit-identical resume, overfitting, freezing, the schedule, export, bad rows and NaN handling."""
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from data import SFTData, collate, loss_weights
+from parvl import ParVL, is_branch_tensor
+from processor import Tokenizer
+from train import TrainConfig, lr_lambda, micro_loss, param_groups
+
+ROOT = Path(__file__).resolve().parents[1]
+QA = [("What colour dominates?", "Mostly red with some blue."), ("Describe it.", "A noisy square."),
+      ("Is it bright?", "Fairly bright."), ("Count the shapes.", "There are none, only noise.")]
+
+
+def write_dataset(folder: Path, rows: int = 8, bad: int = 0, repeat: float = 1.0) -> Path:
+    """A meta JSON + JSONL in the official format: images (1 or 2 per row), text-only rows, and
+    `bad` rows whose image is missing."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for k in range(3):
+        Image.fromarray(rng.integers(0, 255, (60 + 40 * k, 90, 3), dtype=np.uint8)).save(folder / f"img{k}.png")
+    lines = []
+    for i in range(rows):
+        q, a = QA[i % len(QA)]
+        if i % 4 == 3:
+            lines.append({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
+        elif i % 4 == 2:
+            lines.append({"image": ["img0.png", "img1.png"], "conversations": [
+                {"from": "human", "value": f"<image>\n<image>\n{q}"}, {"from": "gpt", "value": a},
+                {"from": "human", "value": "And then?"}, {"from": "gpt", "value": "Nothing more."}]})
+        else:
+            lines.append({"image": f"img{i % 3}.png", "conversations": [
+                {"from": "human", "value": f"<image>\n{q}"}, {"from": "gpt", "value": a}]})
+    for i in range(bad):
+        lines.insert(1 + 3 * i, {"image": "missing.png", "conversations": [
+            {"from": "human", "value": "<image>\nHi"}, {"from": "gpt", "value": "Hello."}]})
+    (folder / "train.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    meta = {"tiny": {"root": str(folder), "annotation": str(folder / "train.jsonl"), "repeat_time": repeat,
+                     "length": len(lines), "data_augment": False}}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder / "meta.json"
+
+
+def run_train(*args, nproc: int = 1, check: bool = True):
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+            str(29500 + os.getpid() % 1000)] if nproc > 1 else [sys.executable]) + [str(ROOT / "train.py"), *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if check:
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+COMMON = ["--dtype", "fp32", "--global-batch", "4", "--num-workers", "0", "--max-tiles", "2", "--log-every", "1",
+          "--no-activation-checkpointing"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint):
+    return checkpoint("qwen3", "original")
+
+
+@pytest.fixture(scope="module")
+def meta(tmp_path_factory):
+    return write_dataset(tmp_path_factory.mktemp("data"), rows=16)
+
+
+# -- the loss ----------------------------------------------------------------------------------
+
+
+def test_weighted_loss_matches_hand_and_any_split(model_dir, meta):
+    model = ParVL.from_pretrained(model_dir, pv=2, pl=2).train()  # train mode: text-only rows take a dummy tile
+    model.init_branches(std=0.3)
+    tok = Tokenizer.from_pretrained(model_dir)
+    data = SFTData(meta, tok, max_tiles=2, max_seq_len=32768)
+    samples = [data[i] for i in range(4)]
+    # hand: each sample alone, unpadded; sum over supervised targets of CE / sqrt(n_b), over the sum of weights
+    num, den = 0.0, 0.0
+    with torch.no_grad():
+        for s in samples:
+            pv = s.pixel_values if s.pixel_values.shape[0] else None
+            logits = model(s.input_ids[None], pv)[0]
+            target = s.labels[1:]
+            sup = target != -100
+            n = int((s.labels != -100).sum())
+            ce = F.cross_entropy(logits[:-1][sup], target[sup], reduction="none")
+            num += float(ce.sum()) / math.sqrt(n)
+            den += int(sup.sum()) / math.sqrt(n)
+    hand = num / den
+    totals = []
+    for split in ([4], [2, 2], [1, 1, 1, 1], [3, 1]):
+        batches, i = [], 0
+        for size in split:
+            batches.append(collate(samples[i : i + size], pad_id=0))
+            i += size
+        weights = [loss_weights(b.labels) for b in batches]
+        norm = sum(float(w.sum()) for w in weights)
+        with torch.no_grad():
+            totals.append(sum(float(micro_loss(model, b, w, norm, 1, "cpu")[0]) for b, w in zip(batches, weights)))
+    # fp32: the same per-token terms summed in different groupings (and padded vs unpadded attention)
+    assert totals == pytest.approx([hand] * 4, rel=1e-5)
+
+
+def test_lr_schedule_and_parameter_groups(model_dir):
+    f = lr_lambda(100, 0.03)
+    assert [f(0), f(1), f(3)] == [0.0, pytest.approx(1 / 3), 1.0]
+    assert f(100) == pytest.approx(0.0, abs=1e-12) and f(3 + 97 // 2) == pytest.approx(0.5, abs=0.02)
+    model = ParVL.from_pretrained(model_dir, pv=2, pl=2)
+    groups = {g["name"]: g for g in param_groups(model, TrainConfig())}
+    assert groups["branches"]["lr"] == 8e-5 and groups["pretrained"]["lr"] == 8e-6
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert all(is_branch_tensor(names[id(p)]) for p in groups["branches"]["params"])
+    assert len(groups["branches"]["params"]) + len(groups["pretrained"]["params"]) == len(list(model.parameters()))
+
+
+# -- whole runs ----------------------------------------------------------------------------------
+
+
+def test_two_ranks_equal_one_process(model_dir, meta, tmp_path):
+    args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3", *COMMON]
+    run_train(*args, "--out", tmp_path / "one")
+    run_train(*args, "--out", tmp_path / "two", nproc=2)
+    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+    # fp32 on CPU; the two runs differ only in the order of reductions (gradients summed over 2 ranks)
+    for a, b in zip(one, two, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
+def test_resume_is_bit_identical_and_ignores_partial_saves(model_dir, meta, tmp_path):
+    args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "1", "--max-steps", "4", "--save-every", "1", *COMMON]
+    run_train(*args, "--out", tmp_path / "full")
+    run_train(*args, "--out", tmp_path / "cut", "--stop-after", "2")
+    ckpts = tmp_path / "cut" / "checkpoints"
+    shutil.copytree(ckpts / "step_2", ckpts / "step_3.tmp")  # a save killed half-way: never "done"
+    (ckpts / "step_3.tmp" / "done").unlink()
+    run_train(*args, "--out", tmp_path / "cut", "--resume")
+    full, cut = metrics(tmp_path / "full"), metrics(tmp_path / "cut")
+    assert [m["step"] for m in cut] == [1, 2, 3, 4]
+    assert [(m["loss"], m["grad_norm"]) for m in cut] == [(m["loss"], m["grad_norm"]) for m in full]
+    a, b = ParVL.from_pretrained(tmp_path / "full" / "export"), ParVL.from_pretrained(tmp_path / "cut" / "export")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_overfit_then_generate_from_export(model_dir, tmp_path):
+    meta = write_dataset(tmp_path / "d", rows=4, repeat=8)
+    out = tmp_path / "run"
+    run_train("--model", model_dir, "--data", meta, "--pv", "1", "--pl", "2", "--out", out, "--lr-new", "1e-2",
+              "--lr-pretrained", "1e-2", "--warmup-ratio", "0", "--max-steps", "8", "--seed", "1", *COMMON)
+    losses = [m["loss"] for m in metrics(out)]
+    assert losses[-1] < 0.5 * losses[0], losses
+    png = tmp_path / "d" / "img0.png"
+    res = subprocess.run([sys.executable, str(ROOT / "generate.py"), str(png), "What colour dominates?", "--model",
+                          str(out / "export"), "--max-new-tokens", "6", "--max-tiles", "2"],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "Pv:Pl = 1:2" in res.stderr, res.stderr
+
+
+def test_freeze_backbone_trains_only_branch_tensors(model_dir, meta, tmp_path):
+    out = tmp_path / "frozen"
+    res = run_train("--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--out", out, "--freeze-backbone",
+                    "--max-steps", "2", "--lr-new", "1e-2", "--warmup-ratio", "0", *COMMON)
+    torch.manual_seed(42)  # train.py's seed: the same initial prefixes and aggregators
+    start = ParVL.from_pretrained(model_dir, pv=2, pl=2).state_dict()
+    end = ParVL.from_pretrained(out / "export").state_dict()
+    changed = {k for k, v in end.items() if not torch.equal(v, start[k])}
+    assert changed and all(is_branch_tensor(k) for k in changed)  # the backbone is bit-identical
+    assert all(k in changed for k in end if k.endswith(("prefix_k", "prefix_v")))
+    # the aggregators start with a zero last layer, whose first update is what moves them
+    assert {"vision_aggregator.mlp.2.weight", "language_aggregator.mlp.2.weight"} <= changed
+    n_branch = sum(v.numel() for k, v in end.items() if is_branch_tensor(k))
+    assert f"trainable parameters {n_branch:,} of" in res.stdout
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+
+def test_bad_rows_counted_and_threshold(model_dir, tmp_path):
+    meta = write_dataset(tmp_path / "d", rows=6, bad=2)
+    res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--validate-data", "--model", str(model_dir),
+                          "--data", str(meta), "--max-tiles", "2", "--max-bad-frac", "0.5"], capture_output=True, text=True)
+    assert res.returncode == 0 and json.loads(res.stdout.strip().splitlines()[-1])["missing_image"] == 2, res.stderr
+    out = tmp_path / "run"
+    run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", "2", "--max-bad-frac", "0.5", *COMMON)
+    assert metrics(out)[-1]["bad_rows"] == {"missing_image": 2}
+    res = run_train("--model", model_dir, "--data", meta, "--out", tmp_path / "strict", "--max-steps", "2",
+                    "--max-bad-frac", "0.1", *COMMON, check=False)
+    assert res.returncode != 0 and "bad" in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
+
+
+def test_nan_stops_before_the_update(model_dir, meta, tmp_path):
+    out = tmp_path / "nan"
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", "3", "--save-every", "1",
+                    "--inject-nan-step", "2", *COMMON, check=False)
+    assert res.returncode != 0
+    last = res.stderr.strip().splitlines()[-1]
+    assert "step 2" in last and "non-finite" in last, res.stderr[-2000:]
+    assert [d.name for d in (out / "checkpoints").iterdir()] == ["step_1"]
+    assert [m["step"] for m in metrics(out)] == [1]
+
+
+def test_bad_flags_rejected_before_start(model_dir, meta, tmp_path):
+    for flags, needle in [(["--global-batch", "0"], "global-batch"), (["--pv", "0"], "--pv"),
+                          (["--model", str(tmp_path / "none")], "--model"), (["--dtype", "fp8"], "dtype")]:
+        args = ["--model", str(model_dir), "--data", str(meta), "--out", str(tmp_path / "x"), *flags]
+        res = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, timeout=120)
+        assert res.returncode != 0 and needle in res.stderr.strip().splitlines()[-1], res.stderr
+        assert not (tmp_path / "x").exists()

@@ -1,0 +1,428 @@
+"""Supervised fine-tuning of ParVL with FSDP2 (ParVL paper, Appendix A.1; InternVL3.5 SFT recipe).
+
+    torchrun --nproc-per-node 8 train.py --pv 2 --pl 2 --model InternVL3_5-1B --data meta.json --out runs/22
+    python train.py --validate-data --model InternVL3_5-1B --data meta.json   # count bad rows, no training
+
+Full-parameter SFT for one epoch from an InternVL3.5 (or ParVL) checkpoint on data in the official
+InternVL format (data.py). The loss is Eq. 6: every supervised token of sample b weighs 1/sqrt(n_b),
+normalised by the sum of the weights over the whole global batch (all micro-batches, all ranks), so
+the value does not depend on how the batch is split. AdamW with two learning rates (new branch
+tensors / pretrained weights), 3 % linear warm-up then cosine to zero, gradient clipping.
+
+Parallelism follows torchtitan: activation checkpointing per block, optional torch.compile per
+block, fully_shard on every ViT and LLM block and then the root, MixedPrecisionPolicy (bf16
+parameters, fp32 gradient reduction). Checkpoints are torch.distributed.checkpoint folders written
+atomically (step_N.tmp renamed to step_N when complete); --resume continues from the newest one,
+bit-identically: the data order is a function of (seed, step) and the RNG is reseeded from
+(seed, step, rank) at every step. Runs on GPUs with NCCL and on CPU with gloo (the tests).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+
+from aggregate import entropy
+from checkpoint import TOKENIZER_FILES
+from data import SFTData, check_bad_fraction, loss_weights, make_loader, validate
+from parvl import ParConfig, ParVL, is_branch_tensor
+from processor import Tokenizer
+
+
+@dataclass
+class TrainConfig:
+    model: str = ""  # InternVL3.5 or ParVL checkpoint folder
+    data: str = ""  # meta JSON in the official InternVL SFT format
+    out: str = "runs/parvl"  # checkpoints, config, metrics and the final export
+    pv: int | None = None  # vision branches (default: the checkpoint's)
+    pl: int | None = None  # language branches (default: the checkpoint's)
+    lr_new: float = 8e-5  # peak lr of the branch tensors (prefixes, aggregators)
+    lr_pretrained: float = 8e-6  # peak lr of the pretrained weights
+    weight_decay: float = 0.05
+    warmup_ratio: float = 0.03
+    clip: float = 1.0  # max gradient norm
+    global_batch: int = 512  # samples per optimizer step, whatever the world size
+    micro_batch: int = 1  # samples per forward on one rank
+    max_seq_len: int = 32768
+    max_tiles: int = 12
+    max_steps: int = 0  # 0 = one epoch
+    seed: int = 42
+    dtype: str = "bf16"  # parameter dtype inside FSDP's mixed precision: bf16 or fp32
+    compile: bool = False  # torch.compile every block
+    activation_checkpointing: bool = True
+    freeze_vit: bool = False
+    freeze_connector: bool = False
+    freeze_llm: bool = False
+    freeze_backbone: bool = False  # only prefixes and aggregators train (ParScale's efficient mode)
+    save_every: int = 500  # steps between checkpoints (and at the end)
+    keep_last: int = 2
+    resume: bool = False
+    log_every: int = 1
+    num_workers: int = 4  # data loading processes per rank
+    max_bad_frac: float = 0.01
+    peak_tflops: float = 0.0  # per-device bf16 peak for MFU; 0 = from the device name (H100/H200: 989)
+    validate_data: bool = False
+    stop_after: int = 0  # exit after this step's checkpoint, as if killed (tests); 0 = off
+    inject_nan_step: int = 0  # make this step's loss NaN (tests); 0 = off
+
+    def check(self) -> None:
+        """Reject bad values before any process group starts."""
+        if not self.model or not Path(self.model).is_dir():
+            raise ValueError(f"--model {self.model!r}: not a checkpoint folder")
+        if not self.data or not Path(self.data).is_file():
+            raise ValueError(f"--data {self.data!r}: no such meta JSON file")
+        for name in ("lr_new", "lr_pretrained", "global_batch", "micro_batch", "max_seq_len", "max_tiles", "save_every",
+                     "keep_last", "log_every"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("pv", "pl"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be a positive integer, got {getattr(self, name)}")
+        if not 0 <= self.warmup_ratio < 1 or not 0 <= self.max_bad_frac <= 1 or self.weight_decay < 0 or self.clip <= 0:
+            raise ValueError("--warmup-ratio and --max-bad-frac must be in [0, 1), --weight-decay >= 0, --clip > 0")
+        if self.dtype not in ("bf16", "fp32"):
+            raise ValueError(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
+
+
+def parse_args(argv=None) -> TrainConfig:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    helps = {"model": "checkpoint folder", "data": "meta JSON", "out": "output folder", "pv": "vision branches",
+             "pl": "language branches", "lr_new": "peak lr of prefixes and aggregators",
+             "lr_pretrained": "peak lr of pretrained weights", "global_batch": "samples per optimizer step",
+             "micro_batch": "samples per forward per rank", "max_seq_len": "tokens; longer rows are skipped",
+             "max_tiles": "448 px tiles per row (shared by its images)", "max_steps": "0 = one epoch",
+             "clip": "max gradient norm", "save_every": "steps between checkpoints", "keep_last": "checkpoints kept",
+             "num_workers": "data loading processes per rank", "max_bad_frac": "abort above this fraction of bad rows",
+             "peak_tflops": "per-device peak for MFU, 0 = from the device name"}
+    hidden = {"stop_after", "inject_nan_step"}
+    for f in fields(TrainConfig):
+        flag, default = "--" + f.name.replace("_", "-"), f.default
+        help_ = argparse.SUPPRESS if f.name in hidden else helps.get(f.name, f.name.replace("_", " "))
+        if isinstance(default, bool):
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
+        else:
+            kind = {"pv": int, "pl": int}.get(f.name, type(default))
+            p.add_argument(flag, type=kind, default=default, help=help_)
+    return TrainConfig(**vars(p.parse_args(argv)))
+
+
+# -- distributed helpers ------------------------------------------------------------------------
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def log(msg: str) -> None:
+    if rank() == 0:
+        print(msg, flush=True)
+
+
+def setup_distributed() -> tuple[torch.device, object]:
+    """torchrun sets RANK / WORLD_SIZE; a plain `python train.py` is a world of one."""
+    cuda = torch.cuda.is_available()
+    backend = "nccl" if cuda else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return device, init_device_mesh(device.type, (dist.get_world_size(),))
+
+
+def all_sum(*values: float, device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+# -- model -------------------------------------------------------------------------------------
+
+
+def build_model(cfg: TrainConfig, device, mesh) -> ParVL:
+    """Load on CPU (every rank draws the same new branch tensors from the same seed), freeze, wrap
+    blocks with activation checkpointing and compile, then fully_shard blocks and root."""
+    torch.manual_seed(cfg.seed)
+    par_kw = {k: v for k, v in (("pv", cfg.pv), ("pl", cfg.pl)) if v is not None}
+    model = ParVL.from_pretrained(cfg.model, dtype=torch.float32, device="cpu", **par_kw).train()
+    for name, p in model.named_parameters():
+        frozen = (cfg.freeze_backbone and not is_branch_tensor(name)) or (
+            not is_branch_tensor(name) and (
+                (cfg.freeze_vit and name.startswith("vision_model."))
+                or (cfg.freeze_connector and name.startswith("mlp1."))
+                or (cfg.freeze_llm and name.startswith("language_model."))))
+        p.requires_grad_(not frozen)
+    blocks = [model.language_model.model.layers]
+    if model.cfg.vit is not None:
+        blocks.append(model.vision_model.encoder.layers)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None, reduce_dtype=torch.float32)
+    for layers in blocks:
+        for i, block in enumerate(layers):
+            if cfg.activation_checkpointing:
+                block = checkpoint_wrapper(block, preserve_rng_state=False)
+            if cfg.compile:
+                block.compile(fullgraph=True)
+            layers[i] = block
+            fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    register_fsdp_forward_method(model, "forward_with_weights")  # the root all-gathers for this entry point too
+    model.to(device)
+    model.language_model.model.init_rope(device)
+    return model
+
+
+def param_groups(model: ParVL, cfg: TrainConfig) -> list[dict]:
+    """New branch tensors at lr_new, pretrained weights at lr_pretrained; weight decay on everything,
+    as the official DeepSpeed recipe applies it (one group, biases and norms included)."""
+    new = [p for n, p in model.named_parameters() if p.requires_grad and is_branch_tensor(n)]
+    old = [p for n, p in model.named_parameters() if p.requires_grad and not is_branch_tensor(n)]
+    return [g for g in ({"params": new, "lr": cfg.lr_new, "name": "branches"},
+                        {"params": old, "lr": cfg.lr_pretrained, "name": "pretrained"}) if g["params"]]
+
+
+def lr_lambda(total: int, warmup_ratio: float):
+    """Linear warm-up over ceil(warmup_ratio * total) steps from 0, then cosine to 0 (HF's schedule)."""
+    warm = math.ceil(warmup_ratio * total)
+
+    def f(step: int) -> float:
+        if step < warm:
+            return step / max(1, warm)
+        return 0.5 * (1.0 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
+
+    return f
+
+
+def train_flops_per_token(model: ParVL) -> tuple[float, float]:
+    """Model FLOPs per ViT token and per LLM token for forward + backward (6 x matmul parameters x
+    branches; attention scores left out, as MFU conventions do). Activation recomputation is not
+    counted: MFU measures useful work."""
+    par = model.cfg.par
+    vit = sum(p.numel() for n, p in model.named_parameters() if n.startswith("vision_model.encoder") and p.ndim == 2)
+    llm = sum(p.numel() for n, p in model.named_parameters() if n.startswith("language_model.model.layers") and p.ndim == 2)
+    head = model.language_model.lm_head.weight.numel()
+    return 6.0 * vit * par.pv, 6.0 * (llm * par.pl + head)
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """Complete checkpoints, oldest first; step_N.tmp folders (interrupted saves) do not count."""
+    found = [d for d in (out / "checkpoints").glob("step_*") if d.is_dir() and d.suffix != ".tmp" and (d / "done").exists()]
+    return sorted(found, key=lambda d: int(d.name.split("_")[1]))
+
+
+def save_checkpoint(model, optim, sched, step: int, cfg: TrainConfig) -> None:
+    out = Path(cfg.out) / "checkpoints"
+    final, tmp = out / f"step_{step}", out / f"step_{step}.tmp"
+    if rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    dcp.save(state, checkpoint_id=str(tmp))
+    dist.barrier()
+    if rank() == 0:
+        (tmp / "train.json").write_text(json.dumps({"step": step, "scheduler": sched.state_dict(), "config": asdict(cfg)}, indent=2))
+        (tmp / "done").write_text("")
+        tmp.rename(final)  # atomic: a folder named step_N is always complete
+        for old in checkpoints(Path(cfg.out))[: -cfg.keep_last]:
+            shutil.rmtree(old)
+    dist.barrier()
+
+
+def load_checkpoint(model, optim, sched, folder: Path) -> int:
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optim, state["optim"])
+    meta = json.loads((folder / "train.json").read_text())
+    sched.load_state_dict(meta["scheduler"])
+    return meta["step"]
+
+
+def export(model: ParVL, cfg: TrainConfig) -> None:
+    """The final model as a ParVL safetensors checkpoint (InternVL layout + branch tensors)."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank() == 0:
+        with torch.device("meta"):
+            plain = ParVL(model.cfg)
+        plain.load_state_dict(full, assign=True)
+        plain.language_model.model.init_rope("cpu")
+        plain.source_dir = Path(cfg.model)
+        plain.save(Path(cfg.out) / "export")
+    dist.barrier()
+
+
+# -- the step ----------------------------------------------------------------------------------
+
+
+def micro_loss(model: ParVL, batch, weights: torch.Tensor, norm: float, world: int, device):
+    """Sum of w * CE over this micro-batch divided by the global weight sum (times world size, since
+    FSDP averages gradients over ranks). Also returns the branch weights' entropies (nan if none)."""
+    ids, labels = batch.input_ids.to(device), batch.labels.to(device)
+    pixels = batch.pixel_values.to(device)
+    if pixels.shape[0] == 0 and model.cfg.vit is not None:
+        pixels = torch.zeros(1, 3, 448, 448, device=device)  # text only: a dummy tile, see ParVL.embed
+    logits, w_vision, w_language = model.forward_with_weights(ids, pixels if pixels.shape[0] else None,
+                                                              batch.attention_mask.to(device))
+    ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="none")
+    loss = (ce * weights[:, :-1].to(device).flatten()).sum() / norm * world  # column t weighs target t+1
+    ent = [entropy(w).item() if w is not None else float("nan") for w in (w_vision, w_language)]
+    return loss, ent
+
+
+def main(argv=None) -> int:
+    try:
+        cfg = parse_args(argv)
+        cfg.check()
+        tok = Tokenizer.from_pretrained(cfg.model)
+        image_token_id = tok.token_to_id("<IMG_CONTEXT>")
+        data = SFTData(cfg.data, tok, max_tiles=cfg.max_tiles, max_seq_len=cfg.max_seq_len,
+                       image_token_id=image_token_id, seed=cfg.seed)
+        if cfg.validate_data:
+            counts = validate(data)
+            print(json.dumps(counts))
+            check_bad_fraction(counts, cfg.max_bad_frac)
+            return 0
+        return train(cfg, tok, data)
+    except ValueError as e:  # bad flags, data or checkpoints: one line, non-zero exit
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.barrier()  # gloo can abort at exit without it
+            dist.destroy_process_group()
+
+
+def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
+    device, mesh = setup_distributed()
+    world = dist.get_world_size()
+    if cfg.global_batch % (world * cfg.micro_batch):
+        raise ValueError(f"--global-batch {cfg.global_batch} must divide into {world} ranks x --micro-batch {cfg.micro_batch}")
+    steps_per_epoch = len(data) // cfg.global_batch
+    if steps_per_epoch == 0:
+        raise ValueError(f"{cfg.data}: {len(data)} rows, fewer than one global batch of {cfg.global_batch}")
+    total = min(cfg.max_steps, steps_per_epoch) if cfg.max_steps else steps_per_epoch
+    out = Path(cfg.out)
+    if rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    log(f"config {json.dumps(asdict(cfg))}")
+
+    model = build_model(cfg, device, mesh)
+    optim = torch.optim.AdamW(param_groups(model, cfg), weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(total, cfg.warmup_ratio))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor numel is the global size
+    log(f"Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl}, trainable parameters {trainable:,} of "
+        f"{sum(p.numel() for p in model.parameters()):,}, {total} steps of {cfg.global_batch} samples on {world} ranks")
+    step = 0
+    if cfg.resume and checkpoints(out):
+        step = load_checkpoint(model, optim, sched, checkpoints(out)[-1])
+        log(f"resumed from {checkpoints(out)[-1]} at step {step}")
+
+    vit_flops, llm_flops = train_flops_per_token(model)
+    peak = cfg.peak_tflops or (989.0 if device.type == "cuda" and any(h in torch.cuda.get_device_name(device) for h in ("H100", "H200")) else 0.0)
+    order = data.epoch_order(cfg.seed)
+    micro_per_step = cfg.global_batch // (world * cfg.micro_batch)
+    loader = make_loader(data, order, rank(), world, cfg.global_batch, cfg.micro_batch, step, cfg.num_workers, pad_id=0)
+    bad_total, seen_total, t_start, first_step = {}, 0, time.perf_counter(), step
+    pending: list = []
+    for s, _, batch in loader:
+        pending.append(batch)
+        if len(pending) < micro_per_step:
+            continue
+        batches, pending = pending, []
+        if s >= total:
+            break
+        torch.manual_seed(cfg.seed + 1_000_003 * (s + 1) + rank())  # the RNG stream is a function of (step, rank)
+        t0 = time.perf_counter()
+        weights = [loss_weights(b.labels) for b in batches]
+        local = [sum(float(w.sum()) for w in weights), sum(b.num_samples for b in batches),
+                 sum(sum(b.bad.values()) for b in batches),
+                 sum(int(b.attention_mask.sum()) for b in batches),
+                 sum(b.pixel_values.shape[0] for b in batches)]
+        norm, good, bad, text_tokens, tiles = all_sum(*local, device=device)
+        loss_sum, ents = 0.0, []
+        for i, (batch, w) in enumerate(zip(batches, weights)):
+            model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once per step
+            loss, ent = micro_loss(model, batch, w, max(norm, 1e-12), world, device)
+            if cfg.inject_nan_step == s + 1:
+                loss = loss * float("nan")
+            loss.backward()
+            loss_sum += loss.detach()
+            ents.append(ent)
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.clip)
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+        loss_value = all_sum(float(loss_sum) / world, device=device)[0]
+        if not (math.isfinite(loss_value) and math.isfinite(float(grad_norm))):
+            raise ValueError(f"step {s + 1}: non-finite loss {loss_value} or grad norm {float(grad_norm)}; "
+                             f"stopped before the update, last checkpoint kept")
+        optim.step()
+        sched.step()
+        optim.zero_grad(set_to_none=True)
+        step = s + 1
+        for b in batches:
+            for reason, n in b.bad.items():
+                bad_total[reason] = bad_total.get(reason, 0) + n
+        seen_total += int(good + bad)
+        bad_all = all_sum(*(bad_total.get(r, 0) for r in sorted(BAD_REASONS)), device=device)
+        check_bad_fraction({"rows": seen_total, **dict(zip(sorted(BAD_REASONS), map(int, bad_all)))}, cfg.max_bad_frac)
+        dt = time.perf_counter() - t0
+        if step % cfg.log_every == 0 or step == total:
+            vit_tokens = tiles * (model.cfg.vit.grid**2 + 1) if model.cfg.vit is not None else 0
+            flops = vit_flops * vit_tokens + llm_flops * text_tokens
+            mfu = flops / dt / world / (peak * 1e12) if peak else float("nan")
+            ent_v, ent_l = (sum(e[k] for e in ents) / len(ents) for k in (0, 1))
+            eta = (time.perf_counter() - t_start) / (step - first_step) * (total - step)
+            lrs = {g["name"]: g["lr"] for g in optim.param_groups}
+            line = {"step": step, "loss": loss_value, "grad_norm": float(grad_norm), "lr": lrs,
+                    "tokens_per_s": (text_tokens + vit_tokens) / dt,
+                    "mfu": mfu, "step_flops": flops, "peak_gib": peak_memory_gib(device), "eta_s": eta,
+                    "entropy_vision": ent_v, "entropy_language": ent_l, "bad_rows": bad_total}
+            log(json.dumps(line))
+            if rank() == 0:
+                with open(out / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(line) + "\n")
+        if step % cfg.save_every == 0 or step == total:
+            save_checkpoint(model, optim, sched, step, cfg)
+        if cfg.stop_after and step >= cfg.stop_after:
+            log(f"stopping after step {step} (--stop-after)")
+            return 0
+        if step >= total:
+            break
+    export(model, cfg)
+    log(f"exported {out / 'export'}")
+    return 0
+
+
+BAD_REASONS = ("bad_row", "corrupt_image", "missing_image", "placeholder_mismatch", "too_long")
+
+
+def peak_memory_gib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+if __name__ == "__main__":
+    sys.exit(main())
