@@ -377,6 +377,7 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
         if not (math.isfinite(loss_value) and math.isfinite(float(grad_norm))):
             raise ValueError(f"step {s + 1}: non-finite loss {loss_value} or grad norm {float(grad_norm)}; "
                              f"stopped before the update, last checkpoint kept")
+        lrs = {g["name"]: g["lr"] for g in optim.param_groups}  # the rates this update uses
         optim.step()
         sched.step()
         optim.zero_grad(set_to_none=True)
@@ -392,9 +393,8 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
             vit_tokens = tiles * (model.cfg.vit.grid**2 + 1) if model.cfg.vit is not None else 0
             flops = vit_flops * vit_tokens + llm_flops * text_tokens
             mfu = flops / dt / world / (peak * 1e12) if peak else float("nan")
-            ent_v, ent_l = (sum(e[k] for e in ents) / len(ents) for k in (0, 1))
+            ent_v, ent_l = (nanmean([e[k] for e in ents]) for k in (0, 1))  # nan: no branch weights this step
             eta = (time.perf_counter() - t_start) / (step - first_step) * (total - step)
-            lrs = {g["name"]: g["lr"] for g in optim.param_groups}
             line = {"step": step, "loss": loss_value, "grad_norm": float(grad_norm), "lr": lrs,
                     "tokens_per_s": (text_tokens + vit_tokens) / dt,
                     "mfu": mfu, "step_flops": flops, "peak_gib": peak_memory_gib(device), "eta_s": eta,
@@ -416,6 +416,11 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
 
 
 BAD_REASONS = ("bad_row", "corrupt_image", "missing_image", "placeholder_mismatch", "too_long")
+
+
+def nanmean(xs: list[float]) -> float:
+    xs = [x for x in xs if not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
 
 
 def peak_memory_gib(device) -> float:
