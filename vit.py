@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from llm import RMSNorm  # the same fp32-normalise, cast back, then scale as Qwen's
+
 
 @dataclass
 class ViTConfig:
@@ -46,20 +48,6 @@ class ViTConfig:
     @property
     def grid(self) -> int:
         return self.image_size // self.patch_size
-
-
-class RMSNorm(nn.Module):
-    """InternViT-6B's RMSNorm: normalise in fp32, cast back, then scale."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
 
 
 def make_norm(cfg: ViTConfig, dim: int) -> nn.Module:
