@@ -287,7 +287,8 @@ def micro_loss(model: ParVL, batch, weights: torch.Tensor, norm: float, world: i
                                                               batch.attention_mask.to(device))
     ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="none")
     loss = (ce * weights[:, :-1].to(device).flatten()).sum() / norm * world  # column t weighs target t+1
-    ent = [entropy(w).item() if w is not None else float("nan") for w in (w_vision, w_language)]
+    nan = torch.tensor(float("nan"), device=device)
+    ent = torch.stack([entropy(w.detach()) if w is not None else nan for w in (w_vision, w_language)])  # no host sync
     return loss, ent
 
 
@@ -393,7 +394,7 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
             vit_tokens = tiles * (model.cfg.vit.grid**2 + 1) if model.cfg.vit is not None else 0
             flops = vit_flops * vit_tokens + llm_flops * text_tokens
             mfu = flops / dt / world / (peak * 1e12) if peak else float("nan")
-            ent_v, ent_l = (nanmean([e[k] for e in ents]) for k in (0, 1))  # nan: no branch weights this step
+            ent_v, ent_l = torch.stack(ents).nanmean(0).tolist()  # nan: no branch weights this step
             eta = (time.perf_counter() - t_start) / (step - first_step) * (total - step)
             line = {"step": step, "loss": loss_value, "grad_norm": float(grad_norm), "lr": lrs,
                     "tokens_per_s": (text_tokens + vit_tokens) / dt,
@@ -416,11 +417,6 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
 
 
 BAD_REASONS = ("bad_row", "corrupt_image", "missing_image", "placeholder_mismatch", "too_long")
-
-
-def nanmean(xs: list[float]) -> float:
-    xs = [x for x in xs if not math.isnan(x)]
-    return sum(xs) / len(xs) if xs else float("nan")
 
 
 def peak_memory_gib(device) -> float:
