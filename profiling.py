@@ -1,8 +1,11 @@
-"""Parameter and FLOP accounting for ParVL (paper, Appendix B.2 and Table S3).
+"""Parameter and FLOP accounting (paper, Appendix B.2, Table S3) and inference profiling (Appendix
+C.1, C.2, Tables 4 and S7) for ParVL, on random weights: no checkpoint is needed.
 
     python profiling.py params --arch 1b --pv 2 --pl 4     # one configuration
     python profiling.py params --all                       # the nine Pv:Pl in {1,2,4}^2 of --arch (1b)
     python profiling.py params --all --json                # one JSON object per configuration and line
+    python profiling.py latency --arch 1b --pv 4 --pl 4 --batch 1 2 4 8 --baseline --compare-shared --compile
+    python profiling.py forward --arch mid --configs 1:1 2:2 4:4   # one forward pass per Pv:Pl, side by side
 
 Parameters are counted from the real module tree built on the meta device, so no weight is
 allocated: vit = vision_model.* + vision_aggregator.*, connector = mlp1.*, llm = language_model.*
@@ -30,16 +33,34 @@ connector FLOPs to the table's rounding, the ViT and total FLOPs within 1e-5 rel
 paper's ViT entries sit a constant 0.016 GFLOPs above this count at every Pv: the size of one
 more affine LayerNorm over the 3 x 1025 x 1024 ViT outputs, once per forward (or of the
 connector's LayerNorm counted a second time). Our ViT has no final norm, so it is not added here.
+
+Latency (C.1): each sample is one random 448 px tile repeated --tiles times (256 image tokens each)
+and random filler ids up to --text-tokens non-image tokens, the same for the whole batch (no padding);
+generate.py's Engine decodes greedily exactly --new-tokens tokens. --warmup untimed calls, then
+--iters timed ones, synchronised (CUDA events); latency per sample = elapsed / (iters x batch).
+The memory peak is reset before the timed calls: peak allocated on CUDA, peak RSS on CPU (Linux
+VmHWM). The Engine keeps its static KV cache across calls, so "resident" (before the timed calls)
+holds the weights and the cache, whose exact size is reported too. Compile time = first call -
+steady call. Ratios (x): against the first row of each batch size, standard 1:1 with --baseline.
+Forward: one model(input_ids, pixel_values) per Pv:Pl, configurations interleaved across repeats.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
+import gc
 import json
+import statistics
+import time
+from pathlib import Path
 
 import torch
 
+from generate import Engine, GenerateConfig
+from llm import LLMConfig
 from parvl import PRESETS, ParVL, ParVLConfig
+from vit import ViTConfig
 
 # Which top-level modules each Table S3 column sums; aggregators belong to their modality.
 GROUPS = {
@@ -48,6 +69,16 @@ GROUPS = {
     "llm": ("language_model.", "language_aggregator."),
 }
 BRANCHES = (1, 2, 4)  # the paper's grid: Pv, Pl in {1, 2, 4}
+# "mid": branch scaling timed on a CPU (a 4:4 forward of 1 tile + 128 text tokens: ~1.3 s on one core).
+# Real tiles (448 px, 1025 ViT tokens) and prefix lengths (96 / 48); smaller widths, depths, vocabulary.
+MID = ParVLConfig(
+    ViTConfig(hidden_size=256, intermediate_size=1024, num_layers=4, num_heads=4),
+    LLMConfig(vocab_size=32768, hidden_size=512, intermediate_size=1536, num_layers=4, num_heads=8,
+              num_kv_heads=4, head_dim=64, max_position_embeddings=8192),
+    image_token_id=32000,
+)
+ARCHS = PRESETS | {"mid": MID}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +97,9 @@ class Workload:
 
 
 def build_config(arch: str, pv: int, pl: int) -> ParVLConfig:
-    if arch not in PRESETS:
-        raise ValueError(f"unknown arch {arch!r}, choose from {sorted(PRESETS)}")
-    base = PRESETS[arch]  # keep the preset's prefix lengths and aggregation, change the branch counts
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}, choose from {sorted(ARCHS)}")
+    base = ARCHS[arch]  # keep the preset's prefix lengths and aggregation, change the branch counts
     return dataclasses.replace(base, par=dataclasses.replace(base.par, pv=pv, pl=pl))
 
 
@@ -154,11 +185,220 @@ def print_table(rows: list[dict]) -> None:
         print(f"{r['arch']:<5}{r['pv']:>4}:{r['pl']:<1}" + cells)
 
 
+# -- timing and memory on random weights (Appendix C.1) -------------------------------------------
+
+
+def synthetic_inputs(cfg: ParVLConfig, work: Workload, batch: int, dtype: torch.dtype, device: torch.device,
+                     seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """C.1's sample, `batch` identical copies: ids [B,T], a short text head, the <IMG_CONTEXT> run of the
+    tiles, then filler ids; pixels [B*tiles,3,448,448], one random tile repeated (None without tiles)."""
+    assert 0 < cfg.image_token_id <= cfg.llm.vocab_size, (cfg.image_token_id, cfg.llm.vocab_size)
+    g = torch.Generator().manual_seed(seed)
+    text = torch.randint(0, cfg.image_token_id, (work.text_tokens,), generator=g).tolist()  # never the image id
+    head = min(16, len(text))  # a chat header in front of the image, as in InternVL's prompt
+    ids = text[:head] + [cfg.image_token_id] * work.image_tokens(cfg) + text[head:]
+    ids_BT = torch.tensor([ids] * batch, device=device)
+    if work.image_tokens(cfg) == 0:
+        return ids_BT, None
+    size = cfg.vit.image_size
+    tile = torch.randn(1, 3, size, size, generator=g)  # stands in for one normalised RGB tile
+    return ids_BT, tile.repeat(batch * work.tiles, 1, 1, 1).to(device, dtype)  # [B*tiles,3,S,S]
+
+
+def timed(fn, device: torch.device):
+    """(fn(), seconds) with the device idle before and after: CUDA events on GPU, perf_counter on CPU."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        return fn(), time.perf_counter() - t0  # evaluated left to right
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(device)
+    start.record()
+    out = fn()
+    end.record()
+    end.synchronize()
+    return out, start.elapsed_time(end) / 1e3  # ms -> s
+
+
+def reset_peak(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:  # Linux: hand freed heap pages back (glibc keeps them), then restart the peak RSS (VmHWM) at the RSS
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def memory_bytes(device: torch.device, peak: bool) -> int:
+    """Allocated bytes (CUDA) or resident set size (CPU, Linux), now or at the peak since reset_peak."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) if peak else torch.cuda.memory_allocated(device)
+    key = "VmHWM:" if peak else "VmRSS:"
+    line = next(s for s in Path("/proc/self/status").read_text().splitlines() if s.startswith(key))
+    return int(line.split()[1]) * 1024  # reported in kB
+
+
+def kv_cache_bytes(model: ParVL) -> tuple[int, int]:
+    """Exact bytes of the static KV cache (every layer's k and v buffers), and of its token slots alone
+    (the prefix slots in front excluded): the part Shared KV divides by Pl."""
+    caches = [layer.self_attn.kv_cache for layer in model.language_model.model.layers]  # k, v [rows,Hkv,S,D]
+    total = sum(c.k.nbytes + c.v.nbytes for c in caches)
+    tokens = sum((c.k.nbytes + c.v.nbytes) // c.k.shape[2] * (c.k.shape[2] - c.offset) for c in caches)
+    return total, tokens
+
+
+def trace(fn, device: torch.device, folder: Path, name: str) -> None:
+    """torch.profiler over three calls, schedule wait 1 / warmup 1 / active 1: a Chrome trace of the
+    third (chrome://tracing, ui.perfetto.dev) and, on CUDA, a memory snapshot (pytorch.org/memory_viz)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.memory._record_memory_history(max_entries=100_000)
+    schedule = torch.profiler.schedule(wait=1, warmup=1, active=1, repeat=1)
+    with torch.profiler.profile(activities=activities, schedule=schedule, profile_memory=True,
+                                on_trace_ready=lambda p: p.export_chrome_trace(str(folder / f"{name}.json"))) as prof:
+        for _ in range(3):
+            fn()
+            prof.step()
+    if cuda:
+        torch.cuda.memory._dump_snapshot(str(folder / f"{name}.pickle"))
+        torch.cuda.memory._record_memory_history(enabled=None)
+
+
+def profile_latency(engine: Engine, cfg: ParVLConfig, work: Workload, batch: int, args) -> dict:
+    """One row of Table S7: warm-ups, then timed generate calls of `batch` samples, exactly N tokens each."""
+    device, dtype, n = engine.device, engine.model.language_model.lm_head.weight.dtype, work.response_tokens
+    ids_BT, pixels = synthetic_inputs(cfg, work, batch, dtype, device, args.seed)
+    prompts = ids_BT.tolist()  # the Engine takes token lists and builds the batch itself
+    gen = GenerateConfig(max_new_tokens=n, ignore_eos=True)  # greedy, min = max new tokens
+    call = lambda: engine.generate(prompts, pixels, gen, stop_ids=[])  # noqa: E731
+    torch._dynamo.reset()  # each row compiles afresh: its own compile time, and no recompile limit
+    first = [timed(call, device)[1] for _ in range(args.warmup)][:1]
+    reset_peak(device)  # after warm-up: the cache is allocated, compilation is done
+    resident = memory_bytes(device, peak=False)
+    runs = [timed(call, device) for _ in range(args.iters)]
+    peak = memory_bytes(device, peak=True)
+    assert all(len(t) == n for res, _ in runs for t in res.tokens), f"not exactly {n} tokens per sample"
+    times = [s for _, s in runs]
+    steps = sum(res.decode_steps - 1 for res, _ in runs)  # the first token comes from prefill
+    decode_s = sum(res.decode_s for res, _ in runs)
+    kv, kv_tokens = kv_cache_bytes(engine.model)
+    if args.trace:
+        kind = "shared" if engine.shared_kv else "std"
+        trace(call, device, Path(args.trace), f"latency_{cfg.par.pv}x{cfg.par.pl}_{kind}_b{batch}")
+    return {
+        "arch": args.arch, "pv": cfg.par.pv, "pl": cfg.par.pl, "shared_kv": engine.shared_kv, "batch": batch,
+        "latency_s": sum(times) / (len(times) * batch),  # per sample, as in C.1
+        "latency_median_s": statistics.median(times) / batch,  # robust to a busy shared machine
+        "iter_s": [round(s, 4) for s in times],
+        "prefill_ms": 1e3 * statistics.mean(res.prefill_s for res, _ in runs),
+        "decode_ms_per_step": 1e3 * decode_s / steps if steps else None,
+        "decode_tok_s": batch * steps / decode_s if steps else None,
+        "compile_s": first[0] - statistics.mean(times) if first else None,  # first call - steady state
+        "memory": "cuda_allocated" if device.type == "cuda" else "cpu_rss",
+        "resident_gib": resident / 2**30, "peak_gib": peak / 2**30,
+        "kv_cache_bytes": kv, "kv_token_bytes": kv_tokens,
+    }
+
+
+def run_latency(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """Standard (and/or shared-KV) Pv:Pl, after standard 1:1 with --baseline; ratios vs the first row per batch."""
+    work = Workload(args.tiles, args.text_tokens, args.new_tokens)
+    modes = (False, True) if args.compare_shared else (args.shared_kv,)
+    runs = [((args.pv, args.pl), modes)]
+    if args.baseline and (args.pv, args.pl) != (1, 1):
+        runs.insert(0, ((1, 1), (False,)))
+    rows = []
+    for (pv, pl), kv_modes in runs:
+        cfg = build_config(args.arch, pv, pl)
+        model = ParVL.from_config(cfg, dtype, device, seed=args.seed).eval()
+        weights = sum(p.nbytes for p in model.parameters())  # a tied tensor is yielded once
+        for shared in kv_modes:
+            for layer in model.language_model.model.layers:  # the previous variant's cache must not count here
+                layer.self_attn.kv_cache = None
+            engine = Engine(model, compile=args.compile, shared_kv=shared)
+            rows += [profile_latency(engine, cfg, work, b, args) | {"weights_gib": weights / 2**30}
+                     for b in args.batch]
+        del model, engine  # one model resident at a time, as when variants are profiled sequentially
+    for r in rows:
+        base = next(b for b in rows if b["batch"] == r["batch"])
+        r |= {"latency_x": r["latency_s"] / base["latency_s"], "peak_x": r["peak_gib"] / base["peak_gib"],
+              "kv_cache_x": r["kv_cache_bytes"] / base["kv_cache_bytes"]}
+    return rows
+
+
+def run_forward(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """One full forward, model(input_ids, pixel_values), per Pv:Pl; configs interleaved A B C A B C ... so
+    that slow drift of the machine (clock, other processes) reaches each alike; medians and ratios vs the first."""
+    work = Workload(args.tiles, args.text_tokens, 0)  # the prompt only: image + text tokens
+    cfgs = {key: build_config(args.arch, *key) for key in args.configs}
+    models = {key: ParVL.from_config(cfg, dtype, device, seed=args.seed).eval() for key, cfg in cfgs.items()}
+    ids_BT, pixels = synthetic_inputs(cfgs[args.configs[0]], work, args.batch, dtype, device, args.seed)
+    times = {key: [] for key in models}
+    with torch.no_grad():
+        for r in range(args.warmup + args.repeats):
+            for key, model in models.items():
+                _, s = timed(lambda: model(ids_BT, pixels), device)  # noqa: B023  (called at once)
+                if r >= args.warmup:
+                    times[key].append(s)
+        for (pv, pl), model in models.items() if args.trace else ():
+            trace(lambda: model(ids_BT, pixels), device, Path(args.trace), f"forward_{pv}x{pl}")  # noqa: B023
+    rows = []
+    for (pv, pl), ts in times.items():  # GFLOPs: Table S3's count (calflops: no attention products)
+        gflops = args.batch * profile_params(args.arch, pv, pl, work)["total_gflops"]
+        med = statistics.median(ts)
+        rows.append({"arch": args.arch, "pv": pv, "pl": pl, "batch": args.batch, "median_ms": 1e3 * med,
+                     "min_ms": 1e3 * min(ts), "gflops": gflops, "gflop_s": gflops / med,
+                     "ms": [round(1e3 * s, 2) for s in ts]})
+    for r in rows:
+        r |= {"time_x": r["median_ms"] / rows[0]["median_ms"], "gflops_x": r["gflops"] / rows[0]["gflops"]}
+    return rows
+
+
+def print_rows(rows: list[dict], columns: dict[str, str]) -> None:
+    """A plain table headed by the JSON keys; columns = {key: format spec}; None prints as '-'."""
+    widths = {k: max(len(k), 7) for k in columns}
+    print("Pv:Pl  " + "  ".join(f"{k:>{w}}" for k, w in widths.items()))
+    for r in rows:
+        cells = ("-" if r[k] is None else format(r[k], f) for k, f in columns.items())
+        print(f"{r['pv']:>3}:{r['pl']:<1}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths.values())))
+
+
+LATENCY_COLUMNS = {"shared_kv": "", "batch": "d", "latency_s": ".4f", "latency_median_s": ".4f", "prefill_ms": ".1f",
+                   "decode_ms_per_step": ".2f", "compile_s": ".2f", "resident_gib": ".3f", "peak_gib": ".3f",
+                   "kv_cache_bytes": "d", "latency_x": ".3f", "peak_x": ".3f", "kv_cache_x": ".3f"}
+FORWARD_COLUMNS = {"median_ms": ".1f", "min_ms": ".1f", "time_x": ".3f", "gflops": ".1f", "gflops_x": ".3f",
+                   "gflop_s": ".1f"}
+
+
+def branch_pair(text: str) -> tuple[int, int]:
+    try:
+        pv, pl = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected Pv:Pl such as 2:4, got {text!r}") from None
+    return pv, pl
+
+
+def add_run_args(p: argparse.ArgumentParser, arch: str, tiles: int, text_tokens: int, warmup: int) -> None:
+    p.add_argument("--arch", default=arch, choices=sorted(ARCHS), help=f"size preset, random weights (default {arch})")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="weights and activations (default bf16 on CUDA, else fp32)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device (default cuda if available)")
+    p.add_argument("--tiles", type=int, default=tiles, help=f"448 px tiles per sample, 256 tokens each (default {tiles})")
+    p.add_argument("--text-tokens", type=int, default=text_tokens, help=f"non-image tokens per sample (default {text_tokens})")
+    p.add_argument("--warmup", type=int, default=warmup, help=f"untimed calls first (default {warmup})")
+    p.add_argument("--seed", type=int, default=0, help="weights and inputs (default 0)")
+    p.add_argument("--threads", type=int, help="CPU threads; 1 resists a busy shared machine (default: torch's)")
+    p.add_argument("--trace", metavar="DIR", help="also write a Chrome trace (+ CUDA memory snapshot) per row")
+    p.add_argument("--json", action="store_true", help="print only the final JSON line, not the table")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("params", help="parameters (meta device) and forward FLOPs per part, Table S3")
-    p.add_argument("--arch", default="1b", choices=sorted(PRESETS), help="model size preset (default 1b)")
+    p.add_argument("--arch", default="1b", choices=sorted(ARCHS), help="model size preset (default 1b)")
     p.add_argument("--pv", type=int, default=1, help="ViT branches Pv (default 1)")
     p.add_argument("--pl", type=int, default=1, help="LLM branches Pl (default 1)")
     p.add_argument("--all", action="store_true", help="all nine Pv:Pl in {1,2,4}^2 for --arch")
@@ -167,17 +407,60 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--text-tokens", type=int, default=256, help="prompt text tokens (default 256)")
     p.add_argument("--response-tokens", type=int, default=128,
                    help="response tokens, scored in the same forward pass (default 128)")
+    lat = sub.add_parser("latency", help="per-sample generation latency and peak memory, Appendix C.1 / Table S7")
+    add_run_args(lat, "1b", 3, 256, 3)
+    lat.add_argument("--pv", type=int, default=1, help="ViT branches Pv (default 1)")
+    lat.add_argument("--pl", type=int, default=1, help="LLM branches Pl (default 1)")
+    lat.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8], help="batch sizes (default 1 2 4 8)")
+    lat.add_argument("--new-tokens", type=int, default=128, help="generated tokens per sample, forced (default 128)")
+    lat.add_argument("--iters", type=int, default=10, help="timed calls (default 10)")
+    lat.add_argument("--shared-kv", action="store_true", help="one mean-reduced token KV cache per sample (C.2)")
+    lat.add_argument("--compare-shared", action="store_true", help="profile standard and shared KV in one run")
+    lat.add_argument("--baseline", action="store_true", help="profile standard 1:1 first, as Table 4's reference")
+    lat.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                     help="torch.compile the decode step (CUDA graphs on GPU; default off)")
+    fwd = sub.add_parser("forward", help="time one full forward pass per Pv:Pl, interleaved, medians and ratios")
+    add_run_args(fwd, "mid", 1, 128, 1)
+    fwd.add_argument("--configs", type=branch_pair, nargs="+", default=[(1, 1), (2, 2), (4, 4)],
+                     help="Pv:Pl list, the first is the reference of the ratios (default 1:1 2:2 4:4)")
+    fwd.add_argument("--batch", type=int, default=1, help="samples per forward (default 1)")
+    fwd.add_argument("--repeats", type=int, default=5, help="timed rounds over all configs (default 5)")
     args = parser.parse_args(argv)
 
-    work = Workload(args.tiles, args.text_tokens, args.response_tokens)
-    grid = [(pv, pl) for pv in BRANCHES for pl in BRANCHES] if args.all else [(args.pv, args.pl)]
-    rows = [profile_params(args.arch, pv, pl, work) for pv, pl in grid]
-    if args.json:
-        for r in rows:
-            print(json.dumps(r))
+    if args.command == "params":
+        work = Workload(args.tiles, args.text_tokens, args.response_tokens)
+        grid = [(pv, pl) for pv in BRANCHES for pl in BRANCHES] if args.all else [(args.pv, args.pl)]
+        rows = [profile_params(args.arch, pv, pl, work) for pv, pl in grid]
+        if args.json:
+            for r in rows:
+                print(json.dumps(r))
+        else:
+            print(f"workload: {work} -> LLM sequence {work.llm_tokens(ARCHS[args.arch])} tokens, batch 1")
+            print_table(rows)
+        return
+
+    for name, low in {"tiles": 0, "text_tokens": 0, "warmup": 0, "new_tokens": 1, "iters": 1, "repeats": 1,
+                      "batch": 1, "threads": 1}.items():
+        value = getattr(args, name, None)  # batch: a list for latency, one size for forward; None: not given
+        if value is not None and min(value if isinstance(value, list) else [value]) < low:
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    if args.threads:  # OpenMP threads that wait for each other slow down 100x when another process holds a core
+        torch.set_num_threads(args.threads)
+    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
+           f"cpu, {torch.get_num_threads()} threads", "dtype": str(dtype).removeprefix("torch.")}
+    if not args.json:
+        print(f"{args.command}: arch {args.arch} ({env['dtype']}, {env['device']}, torch {env['torch']}), "
+              f"{args.tiles} tiles + {args.text_tokens} text tokens per sample")
+    if args.command == "latency":
+        rows, columns = run_latency(args, device, dtype), LATENCY_COLUMNS
     else:
-        print(f"workload: {work} -> LLM sequence {work.llm_tokens(PRESETS[args.arch])} tokens, batch 1")
-        print_table(rows)
+        rows, columns = run_forward(args, device, dtype), FORWARD_COLUMNS
+    if not args.json:
+        print_rows(rows, columns)
+    settings = {k: v for k, v in vars(args).items() if k not in ("json", "command")}
+    print(json.dumps({"command": args.command, **env, "args": settings, "rows": rows}))
 
 
 if __name__ == "__main__":

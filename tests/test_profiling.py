@@ -3,6 +3,8 @@ FLOP entry to 0.03 GFLOPs (the table rounds to 0.01 and its ViT entries carry a 
 GFLOPs this count leaves out, see profiling.py), i.e. within 1e-5 relative for every entry above
 1000 GFLOPs and 2e-3 for the connector's 8.07: far inside 2 %, and tight enough to pin the
 counting convention. Then the JSON lines of the CLI, and that counting builds only meta tensors.
+Last, the `latency` and `forward` commands (Appendix C.1, C.2) on the tiny preset: the synthetic
+C.1 sample, the row layout and ratios, and the exact KV-cache bytes of standard and shared KV.
 
 Run: python -m pytest tests/test_profiling.py -q -s   (-s prints the relative errors)
 """
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import profiling
 
@@ -110,3 +113,63 @@ def test_other_presets_run():
     for arch in ("4b", "tiny"):
         r = profiling.profile_params(arch, 2, 2)
         assert r["total_params"] > 0 and r["total_gflops"] > 0, r
+
+
+# -- latency and forward (Appendix C.1, C.2) on the tiny preset -----------------------------------
+
+
+def run_cli(*args: str) -> dict:
+    """Run a profiling.py subcommand on CPU (one thread: tiny ops on two busy cores crawl); the last
+    line of its output is the one JSON object."""
+    out = subprocess.run([sys.executable, "profiling.py", *args, "--device", "cpu", "--threads", "1"], cwd=REPO,
+                         capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    assert not any(line.startswith("{") for line in lines[:-1]), out  # one JSON line, at the end
+    return json.loads(lines[-1])
+
+
+def test_synthetic_inputs():
+    cfg = profiling.build_config("tiny", 2, 2)
+    work = profiling.Workload(tiles=3, text_tokens=40, response_tokens=8)
+    ids, pixels = profiling.synthetic_inputs(cfg, work, 2, torch.float32, torch.device("cpu"))
+    is_img = ids == cfg.image_token_id
+    assert ids.shape == (2, 3 * 256 + 40) and is_img.sum(1).tolist() == [768, 768], ids.shape
+    assert (ids[0] == ids[1]).all() and pixels.shape == (6, 3, 448, 448)  # identical samples
+    assert (pixels == pixels[:1]).all()  # one tile repeated, as C.1 builds it
+
+
+def test_latency_cli_tiny():
+    """Baseline, standard and shared KV in one run: rows, ratios, and the exact cache bytes."""
+    tiles, text, new, P, Lp = 1, 32, 4, 2, profiling.PRESETS["tiny"].par.llm_prefix_len
+    res = run_cli("latency", "--arch", "tiny", "--pv", str(P), "--pl", str(P), "--batch", "1", "2", "--baseline",
+                  "--compare-shared", "--warmup", "1", "--iters", "1", "--new-tokens", str(new),
+                  "--tiles", str(tiles), "--text-tokens", str(text))
+    rows = {(r["pv"], r["shared_kv"], r["batch"]): r for r in res["rows"]}
+    assert list(rows) == [(1, False, 1), (1, False, 2), (P, False, 1), (P, False, 2), (P, True, 1), (P, True, 2)]
+    llm = profiling.PRESETS["tiny"].llm
+    slots = -(-(tiles * 256 + text + new) // 256) * 256  # the engine rounds the cache up to 256 slots
+    per_slot = 2 * llm.num_layers * llm.num_kv_heads * llm.head_dim * 4  # k and v, fp32
+    for (pv, shared, b), r in rows.items():
+        cache_rows, offset = (b, 0) if pv == 1 else (b, P * Lp) if shared else (P * b, Lp)
+        assert r["kv_cache_bytes"] == per_slot * cache_rows * (offset + slots), r
+        assert r["kv_token_bytes"] == per_slot * cache_rows * slots, r
+        assert r["memory"] == "cpu_rss" and 0 < r["resident_gib"] <= r["peak_gib"], r
+        assert r["latency_s"] > 0 and r["prefill_ms"] > 0 and r["decode_ms_per_step"] > 0, r
+        base = rows[(1, False, b)]
+        assert r["kv_cache_x"] == r["kv_cache_bytes"] / base["kv_cache_bytes"], r
+        assert r["latency_x"] == pytest.approx(r["latency_s"] / base["latency_s"]), r
+    # Shared KV keeps one token cache per sample instead of one per language branch (C.2)
+    assert rows[(P, True, 2)]["kv_token_bytes"] * P == rows[(P, False, 2)]["kv_token_bytes"]
+
+
+def test_forward_cli_tiny(tmp_path):
+    res = run_cli("forward", "--arch", "tiny", "--configs", "1:1", "2:2", "--repeats", "2", "--warmup", "0",
+                  "--trace", str(tmp_path))
+    rows = res["rows"]
+    for name in ("forward_1x1.json", "forward_2x2.json"):  # Chrome traces, one per configuration
+        assert "traceEvents" in json.loads((tmp_path / name).read_text()), name
+    assert [(r["pv"], r["pl"]) for r in rows] == [(1, 1), (2, 2)] and rows[0]["time_x"] == 1.0
+    work = profiling.Workload(tiles=1, text_tokens=128, response_tokens=0)  # forward's defaults, the prompt only
+    for r in rows:
+        assert len(r["ms"]) == 2 and r["min_ms"] <= r["median_ms"], r
+        assert r["gflops"] == profiling.profile_params("tiny", r["pv"], r["pl"], work)["total_gflops"], r
