@@ -278,3 +278,15 @@ def test_error_missing_key(checkpoint, tmp_path, key):
     with pytest.raises(LOAD_ERRORS) as exc:
         ParVL.from_pretrained(folder, dtype=torch.float32)
     assert_one_line_naming(exc, key)
+
+
+@pytest.mark.parametrize("size", [(224, 224), (336, 448)])
+@torch.no_grad()
+def test_vit_interpolates_position_embedding(parvl, reference, size):
+    """A patch grid other than the checkpoint's 32 x 32: the position embedding is resized bicubically
+    (align_corners False; fp32 here, where the original and the -HF port agree)."""
+    px = torch.randn((1, 3, *size), generator=torch.Generator().manual_seed(3))
+    got = parvl("qwen3", "original").vision_model(px)
+    want = reference("qwen3").model.vision_tower(pixel_values=px).last_hidden_state
+    assert got.shape == (1, 1 + (size[0] // 14) * (size[1] // 14), 64)
+    assert_close(got, want, f"ViT {size}")
