@@ -34,7 +34,7 @@ from PIL import Image
 from processor import (DEFAULT_SYSTEM_MESSAGE, IMAGE_PLACEHOLDER, IMAGE_SIZE, IMG_CONTEXT, IMG_END,
                        IMG_START, IM_END, IM_START, NUM_IMAGE_TOKENS, ImageError, load_image,
                        tile_image)
-from processor import _open_rgb  # the decoder processor.load_image uses, with its error handling
+from processor import open_rgb  # the decoder processor.load_image uses, with its error handling
 
 IGNORE = -100  # label of tokens that carry no loss (LabelSmoother.ignore_index upstream)
 BAD_REASONS = ("missing_image", "corrupt_image", "placeholder_mismatch", "too_long", "bad_row")
@@ -206,7 +206,7 @@ class SFTData(torch.utils.data.Dataset):
                     continue
                 # The official transform re-encodes each tile (thumbnail included) as JPEG with its
                 # own random quality, after tiling; load_image(tile, 1) then normalises it as is.
-                parts = tile_image(_open_rgb(p), budget)
+                parts = tile_image(open_rgb(p), budget)
                 q = rng.integers(JPEG_QUALITIES[0], JPEG_QUALITIES[1] + 1, size=len(parts))
                 tiles.append(torch.cat([load_image(_jpeg(t, int(qk)), max_tiles=1)
                                         for t, qk in zip(parts, q)]))

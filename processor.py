@@ -101,7 +101,7 @@ def tile_image(img: Image.Image, max_tiles: int = 12, image_size: int = IMAGE_SI
     return tiles
 
 
-def _open_rgb(path_or_pil) -> Image.Image:
+def open_rgb(path_or_pil) -> Image.Image:
     """Decode fully and convert to RGB, turning every decoder failure into an ImageError."""
     name = "<PIL image>" if isinstance(path_or_pil, Image.Image) else os.fspath(path_or_pil)
     try:
@@ -119,7 +119,7 @@ def _open_rgb(path_or_pil) -> Image.Image:
 
 def load_image(path_or_pil, max_tiles: int = 12, use_thumbnail: bool = True) -> torch.Tensor:
     """Load an image into normalised tiles: float32 [N, 3, 448, 448], N = tiles (+ thumbnail)."""
-    img = _open_rgb(path_or_pil)
+    img = open_rgb(path_or_pil)
     tiles = tile_image(img, max_tiles, IMAGE_SIZE, use_thumbnail)
     x = torch.from_numpy(np.stack([np.asarray(t) for t in tiles]))  # [N, 448, 448, 3] uint8
     # Same float32 ops, in the same order, as torchvision's ToTensor then Normalize, so the
