@@ -41,7 +41,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 
 from aggregate import entropy
 from checkpoint import TOKENIZER_FILES
-from data import SFTData, check_bad_fraction, loss_weights, make_loader, validate
+from data import BAD_REASONS, SFTData, check_bad_fraction, loss_weights, make_loader, validate
 from parvl import ParConfig, ParVL, is_branch_tensor
 from processor import Tokenizer
 
@@ -414,9 +414,6 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
     export(model, cfg)
     log(f"exported {out / 'export'}")
     return 0
-
-
-BAD_REASONS = ("bad_row", "corrupt_image", "missing_image", "placeholder_mismatch", "too_long")
 
 
 def peak_memory_gib(device) -> float:
