@@ -283,8 +283,9 @@ def micro_loss(model: ParVL, batch, weights: torch.Tensor, norm: float, world: i
     pixels = batch.pixel_values.to(device)
     if pixels.shape[0] == 0 and model.cfg.vit is not None:
         pixels = torch.zeros(1, 3, 448, 448, device=device)  # text only: a dummy tile, see ParVL.embed
-    logits, w_vision, w_language = model.forward_with_weights(ids, pixels if pixels.shape[0] else None,
-                                                              batch.attention_mask.to(device))
+    # no padding (e.g. one sample per micro-batch): no mask, so attention keeps the causal fast path
+    mask = None if bool(batch.attention_mask.all()) else batch.attention_mask.to(device)  # a CPU tensor: no sync
+    logits, w_vision, w_language = model.forward_with_weights(ids, pixels if pixels.shape[0] else None, mask)
     ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="none")
     loss = (ce * weights[:, :-1].to(device).flatten()).sum() / norm * world  # column t weighs target t+1
     nan = torch.tensor(float("nan"), device=device)
