@@ -23,7 +23,7 @@ import os
 import resource
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +41,6 @@ class GenerateConfig:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0  # 1 = off
     ignore_eos: bool = False  # force exactly max_new_tokens (the profiling protocol)
-    compile: bool = False  # compile decode_one_token
     check_every: int = 16  # decode steps between host checks for "all sequences stopped"
 
 
@@ -51,7 +50,6 @@ class Result:
     prefill_s: float = 0.0  # time to first token (ViT + connector + LLM prefill + first sample)
     decode_s: float = 0.0
     decode_steps: int = 0
-    metrics: dict = field(default_factory=dict)
 
 
 # -- sampling ---------------------------------------------------------------------------------
@@ -115,7 +113,6 @@ class Engine:
         self.device = model.language_model.lm_head.weight.device
         self.shared_kv, self.vision_branch, self.language_branch = shared_kv, vision_branch, language_branch
         self.cache_shape: tuple[int, int] | None = None
-        self.compile_s = 0.0
         self.decode = decode_one_token
         if compile:
             cuda = self.device.type == "cuda"

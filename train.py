@@ -22,7 +22,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import shutil
 import sys
 import time
@@ -43,6 +42,7 @@ from aggregate import entropy
 from checkpoint import TOKENIZER_FILES
 from data import BAD_REASONS, SFTData, check_bad_fraction, loss_weights, make_loader, validate
 from parvl import ParConfig, ParVL, is_branch_tensor
+from generate import peak_memory_gib
 from processor import Tokenizer
 
 
@@ -359,11 +359,11 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
         torch.manual_seed(cfg.seed + 1_000_003 * (s + 1) + rank())  # the RNG stream is a function of (step, rank)
         t0 = time.perf_counter()
         weights = [loss_weights(b.labels) for b in batches]
+        # one all-reduce for everything known before the forward: weight sum, counts, bad rows by reason
         local = [sum(float(w.sum()) for w in weights), sum(b.num_samples for b in batches),
-                 sum(sum(b.bad.values()) for b in batches),
-                 sum(int(b.attention_mask.sum()) for b in batches),
-                 sum(b.pixel_values.shape[0] for b in batches)]
-        norm, good, bad, text_tokens, tiles = all_sum(*local, device=device)
+                 sum(int(b.attention_mask.sum()) for b in batches), sum(b.pixel_values.shape[0] for b in batches),
+                 *(sum(b.bad.get(r, 0) for b in batches) for r in BAD_REASONS)]
+        norm, good, text_tokens, tiles, *bad = all_sum(*local, device=device)
         loss_sum, ents = 0.0, []
         for i, (batch, w) in enumerate(zip(batches, weights)):
             model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once per step
@@ -384,12 +384,11 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
         sched.step()
         optim.zero_grad(set_to_none=True)
         step = s + 1
-        for b in batches:
-            for reason, n in b.bad.items():
-                bad_total[reason] = bad_total.get(reason, 0) + n
-        seen_total += int(good + bad)
-        bad_all = all_sum(*(bad_total.get(r, 0) for r in sorted(BAD_REASONS)), device=device)
-        check_bad_fraction({"rows": seen_total, **dict(zip(sorted(BAD_REASONS), map(int, bad_all)))}, cfg.max_bad_frac)
+        for reason, n in zip(BAD_REASONS, bad):  # global counts, all ranks
+            if n:
+                bad_total[reason] = bad_total.get(reason, 0) + int(n)
+        seen_total += int(good + sum(bad))
+        check_bad_fraction({"rows": seen_total, **bad_total}, cfg.max_bad_frac)
         dt = time.perf_counter() - t0
         if step % cfg.log_every == 0 or step == total:
             vit_tokens = tiles * (model.cfg.vit.grid**2 + 1) if model.cfg.vit is not None else 0
@@ -415,12 +414,6 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
     export(model, cfg)
     log(f"exported {out / 'export'}")
     return 0
-
-
-def peak_memory_gib(device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from aggregate import Aggregator
 from conftest import read_safetensors
 from generate import Engine, GenerateConfig
 from llm import LLMConfig, apply_rope, causal_mask, rope_tables
-from parvl import PRESETS, ParConfig, ParVL, ParVLConfig
+from parvl import PRESETS, ParConfig, ParVL, ParVLConfig, pixel_shuffle
 from vit import Attention as ViTAttention
 from vit import ViTConfig
 
@@ -149,10 +149,7 @@ def test_folded_equals_branches_alone_aggregated_by_hand():
         a = agg.mlp(torch.cat(zs, -1)).float().softmax(-1)
         a = (1 - agg.smoothing) * a + agg.smoothing / 2
         z = sum(a[..., p : p + 1] * zs[p] for p in range(2))
-        model_v = model.cfg
-        x = z[:, 1:]
-        from parvl import pixel_shuffle
-        feats = model.mlp1(pixel_shuffle(x.reshape(1, 32, 32, -1), model_v.downsample_ratio))
+        feats = model.mlp1(pixel_shuffle(z[:, 1:].reshape(1, 32, 32, -1), model.cfg.downsample_ratio))
         emb = model.language_model.model.embed_tokens(ids[None]).masked_scatter((ids == IMG)[None, :, None], feats)
         pos = torch.arange(len(ids))[None]
         hs = [model.language_model(emb, pos, branch=p) for p in range(3)]
