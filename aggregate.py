@@ -1,19 +1,161 @@
-"""Token-wise fusion of P parallel branches (ParVL paper, "Vision and Language Branch Aggregation",
-Eq. 2; ParScale's dynamic weighted sum).
+"""The ParVL branch mechanism in one place: which branch each row runs, folding the branches into the
+batch, prefix attention (Eq. 1) and its shared-KV variant (Appendix C.2), and fusing the branches
+back token by token (Eq. 2).
 
-For every token the P branch states are concatenated branch-major, c = [z_1; ...; z_P] (P*C), a
-two-layer SiLU MLP maps c to P logits, a softmax over branches (in fp32) gives the weights, which
-are smoothed toward uniform, a' = (1 - lambda) a + lambda / P, and the fused state is sum_k a'_k z_k.
-Mean aggregation (a' = 1/P) is the ablation of Appendix D.1. The vision branches are fused before
-CLS removal and pixel shuffle, the language branches after the final norm, before the lm_head.
+Rows. A tower (the ViT over tiles, the LLM over samples) runs as a batch of rows; `Rows` says which
+branch each row runs. Two layouts:
+- dense: every item (tile or sample) runs all P branches. `fold` repeats the batch P times,
+  branch-major (row p*B + b is branch p of item b), and `unfold` fuses the P rows of an item with
+  the Aggregator. The ParVL model as trained.
+- per item: each item runs one branch of its own (a fixed pair for every sample, or a router's
+  choice per sample). Row b is item b running branch[b]; nothing is repeated or fused, so the
+  other branches' compute is skipped (P x less than dense).
+Either way every row gathers its own branch's prefixes, `prefix_k[rows.branch]`: the attention
+code has one path. `fold` and `unfold` below are the only places rows and items are converted.
 
-Branches arrive folded into the batch dimension, branch-major: row p*B + b is branch p of sample b.
-This is the one place they are unfolded. Shape legend: P branches, B batch, T tokens, C width.
+Prefix attention (Eq. 1): the row's learned prefix K/V [Lp] sit in front of its token K/V, queries
+are not prefixed; the ViT attends bidirectionally, the LLM causally aligned bottom-right (token i
+sees every prefix slot and tokens 0..i). Shared KV (C.2): one token K/V per sample, the fp32 mean
+over its P branches, against which the P branch queries of a sample are stacked.
+
+Aggregation (Eq. 2; ParScale's dynamic weighted sum): for every token the P branch states are
+concatenated branch-major, c = [z_1; ...; z_P] (P*C), a two-layer SiLU MLP maps c to P logits, a
+softmax over branches (in fp32) gives the weights, smoothed toward uniform, a' = (1 - lambda) a +
+lambda / P, and the fused state is sum_k a'_k z_k. Mean aggregation (a' = 1/P) is the ablation of
+Appendix D.1. The vision branches are fused before CLS removal and pixel shuffle, the language
+branches after the final norm, before the lm_head.
+
+Shape legend: P branches, B items (tiles or samples), R rows (P*B dense, B per item), T query
+tokens, S key slots, Lp prefix length, H / Hkv heads, D head dim, C width.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+# A branch choice: None = all branches fused, an int = that branch for every item, or one branch
+# per item (a sequence or a [B] int64 tensor).
+Choice = None | int | Sequence[int] | torch.Tensor
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Which branch each row of a tower's batch runs (see the module docstring).
+
+    branch: [R] int64, the branch of every row. fold: rows per item, P when dense, 1 per item.
+    shared_kv: the dense rows of a sample share one mean-reduced token KV cache (LLM, C.2)."""
+
+    branch: torch.Tensor
+    fold: int
+    shared_kv: bool = False
+
+    @property
+    def dense(self) -> bool:
+        return self.fold > 1
+
+    @staticmethod
+    def choose(choice: Choice, branches: int, items: int, device, shared_kv: bool = False) -> Rows:
+        """Rows for `items` items of a tower with `branches` branches. One branch per item has nothing
+        to share, so shared_kv only changes the layout of dense rows."""
+        if choice is None:
+            index = torch.arange(branches, device=device).repeat_interleave(items)  # [P*B] branch-major
+            return Rows(index, branches, shared_kv and branches > 1)
+        if isinstance(choice, int):
+            choice = [choice] * items
+        index = torch.as_tensor(choice, dtype=torch.long).to(device)
+        if index.shape != (items,):
+            raise ValueError(f"a branch per item: need {items} branch indices, got shape {tuple(index.shape)}")
+        if index.numel() and not (0 <= int(index.min()) and int(index.max()) < branches):
+            raise ValueError(f"branch indices {index.tolist()} out of range: the model has {branches} branches")
+        return Rows(index, 1)
+
+    def per_tile(self, num_tiles: torch.Tensor) -> Rows:
+        """Sample rows -> the rows of their tiles (num_tiles [B] tiles per sample)."""
+        if self.dense:
+            raise ValueError("per_tile maps a branch per sample to its tiles; dense rows need no mapping")
+        return Rows(self.branch.repeat_interleave(num_tiles.to(self.branch.device)), 1)
+
+
+def fold(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Items [B,...] -> rows [R,...]: repeated P times branch-major when dense, as is per item."""
+    return x.repeat(rows.fold, *([1] * (x.ndim - 1))) if rows.dense else x
+
+
+def unfold(h: torch.Tensor, rows: Rows, aggregator: Aggregator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows [R,T,C] -> items [B,T,C] and the branch weights [B,T,P] (None per item: nothing to fuse)."""
+    if not rows.dense:
+        return h, None
+    return aggregator(h)
+
+
+def mean_branches(z: torch.Tensor, branches: int) -> torch.Tensor:
+    """[P*B,...] branch-major -> [B,...] mean over branches in fp32, cast back (shared-KV reduction)."""
+    return z.view(branches, -1, *z.shape[1:]).float().mean(0).to(z.dtype)
+
+
+# -- attention --------------------------------------------------------------------------------
+
+
+def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor | None = None,
+                     prefix_v: torch.Tensor | None = None, *, causal: bool,
+                     mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Eq. 1: softmax(q [P_k; K]^T / sqrt(D)) [P_v; V] for q [R,H,T,D] over keys k, v [R,Hkv,S,D]
+    (query head h reads kv head h // (H/Hkv)), with each row's prefix prefix_k/v [R,Hkv,Lp,D] put in
+    front of its keys. prefix None: no prefix, or one already in the first key slots (a KV cache
+    seeded with it). causal: aligned bottom-right, so every prefix slot is visible; mask [R,1,T,S']
+    over all key slots (prefix included) replaces it when given (padding, decoding).
+
+    SDPA is routed so that each case keeps a fused kernel:
+    - causal, no mask, S == T: flash attention takes GQA directly (enable_gqa, nothing repeated);
+    - one query token with a mask (decode): the H/Hkv query heads sharing a kv head are folded into
+      the query axis, q -> [R,Hkv,G,D], so each kv head is read once by a plain masked SDPA (CPU bf16:
+      1.31 -> 0.20 ms per call measured; fp32 unchanged);
+    - otherwise (a mask, or prefix slots making S > T): the kernels that take a mask do not all take
+      GQA, so the kv heads are repeated for this call rather than fall back to the math kernel."""
+    if prefix_k is not None:
+        k, v = torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2)  # [R,Hkv,Lp+S,D]
+    R, H, T, D = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if not causal and mask is None:  # the ViT: bidirectional over [prefix; tokens]
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=Hkv != H)
+    if mask is None and S == T:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if T == 1 and mask is not None:
+        out = F.scaled_dot_product_attention(q.view(R, Hkv, H // Hkv, D), k, v, attn_mask=mask)  # mask [R,1,1,S]
+        return out.view(R, H, 1, D)
+    if Hkv != H:
+        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)  # [R,H,S,D]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S) if mask is None else mask)
+
+
+def shared_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches: int,
+                        mask: torch.Tensor) -> torch.Tensor:
+    """Appendix C.2: q [P*B,H,T,D] (dense rows, branch-major) over a shared cache k, v [B,Hkv,P*Lp+S,D]
+    whose slots p*Lp..(p+1)*Lp-1 hold branch p's prefix and whose token slots hold the mean-reduced
+    token K/V. The P branch queries of a sample are stacked along the query axis, [B,H,P*T,D], so no
+    branch copy of the cache is materialised; mask [B,1,P*T,P*Lp+S] (shared_kv_mask) lets branch p's
+    queries see only prefix block p. Returns [P*B,H,T,D]."""
+    P, T = branches, q.shape[2]
+    q = q.view(P, -1, *q.shape[1:]).permute(1, 2, 0, 3, 4).flatten(2, 3)  # [B,H,P*T,D]
+    out = prefix_attention(q, k, v, causal=True, mask=mask)  # [B,H,P*T,D]
+    return out.view(out.shape[0], out.shape[1], P, T, -1).permute(2, 0, 1, 3, 4).flatten(0, 1)  # [P*B,H,T,D]
+
+
+def shared_kv_mask(mask: torch.Tensor | None, B: int, T: int, P: int, Lp: int, device) -> torch.Tensor:
+    """Mask [B,1,P*T,P*Lp+S] for shared-KV attention: query row p*T + t (branch p, token t) sees only
+    branch p's prefix block and the token slots its token-level mask [B,1,T,S] allows."""
+    if mask is None:  # prefill from token 0 without padding: plain causal over the T tokens
+        mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None].expand(B, 1, T, T)
+    own = torch.eye(P, dtype=torch.bool, device=device).repeat_interleave(T, 0).repeat_interleave(Lp, 1)  # [P*T,P*Lp]
+    return torch.cat([own.expand(B, 1, P * T, P * Lp), mask.repeat(1, 1, P, 1)], dim=-1)
+
+
+# -- aggregation ------------------------------------------------------------------------------
 
 
 class Aggregator(nn.Module):
@@ -57,9 +199,3 @@ class Aggregator(nn.Module):
 def entropy(w_BTP: torch.Tensor) -> torch.Tensor:
     """Mean entropy (nats) of branch weights [..., P]; log P means uniform, 0 means collapse."""
     return -(w_BTP * w_BTP.clamp_min(1e-12).log()).sum(-1).mean()
-
-
-def mean_branches(z: torch.Tensor, branches: int) -> torch.Tensor:
-    """[P*B,...] branch-major -> [B,...] mean over branches in fp32, cast back (shared-KV reduction)."""
-    return z.view(branches, -1, *z.shape[1:]).float().mean(0).to(z.dtype)
-

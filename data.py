@@ -29,6 +29,7 @@ from functools import partial
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from processor import (DEFAULT_SYSTEM_MESSAGE, IMAGE_PLACEHOLDER, IMAGE_SIZE, IMG_CONTEXT, IMG_END,
@@ -262,16 +263,34 @@ def collate(items: list, pad_id: int) -> Batch:
 
 
 def loss_weights(labels: torch.Tensor) -> torch.Tensor:
-    """Eq. 6 / spec §8.3 weights [B, T]: w[b, t] = 1/sqrt(n_b) where labels[b, t+1] is supervised.
+    """Eq. 6 weights [B, T]: w[b, t] = 1/sqrt(n_b) where labels[b, t+1] is supervised.
 
     Column t weighs the prediction made at position t (target labels[:, t+1]); the last column is
-    0. n_b counts the sample's supervised labels. The trainer divides by the global weight sum.
+    0. n_b counts the sample's supervised labels (rows with none get w = 0).
     """
     sup = labels != IGNORE  # [B, T]
-    n = sup.sum(dim=1, keepdim=True).clamp(min=1).float()  # [B, 1]; rows with n = 0 get w = 0
-    w = torch.zeros(labels.shape, dtype=torch.float32)
+    n = sup.sum(dim=1, keepdim=True).clamp(min=1).float()  # [B, 1]
+    w = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
     w[:, :-1] = sup[:, 1:].float() / n.sqrt()
     return w
+
+
+def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy [B, T-1] in fp32: column t scores labels[:, t+1] under logits[:, t]
+    [B, T, V]; 0 where the target is not supervised."""
+    B, T, V = logits.shape
+    ce = F.cross_entropy(logits[:, :-1].float().reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=IGNORE,
+                         reduction="none")
+    return ce.view(B, T - 1)
+
+
+def sft_loss(logits: torch.Tensor, labels: torch.Tensor, weight_sum: float | torch.Tensor) -> torch.Tensor:
+    """Eq. 6 (ParVL paper, Appendix A.1; InternVL's square-root loss re-weighting): every supervised
+    token of sample b weighs 1/sqrt(n_b), and the weighted sum of token losses is divided by
+    `weight_sum`, the sum of the weights over the whole global batch (all micro-batches and ranks,
+    loss_weights(...).sum() all-reduced), so the loss does not depend on how the batch is split."""
+    w = loss_weights(labels)[:, :-1]  # [B, T-1]
+    return (token_nll(logits, labels) * w).sum() / weight_sum
 
 
 # ---------------------------------------------------------------------------------------------

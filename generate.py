@@ -28,8 +28,9 @@ from pathlib import Path
 
 import torch
 
-from llm import causal_mask
+from aggregate import Choice, Rows
 from checkpoint import CheckpointError, read_json
+from llm import causal_mask
 from parvl import ParVL, config_from_json
 from processor import ImageError, Tokenizer, build_multi_image_question, build_prompt, load_image
 
@@ -78,7 +79,7 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -
 
 @torch.no_grad()
 def prefill(model: ParVL, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, valid: torch.Tensor,
-            padded: bool, vision_branch: int | None = None, language_branch: int | None = None) -> torch.Tensor:
+            padded: bool, vision_branch: Choice, rows: Rows) -> torch.Tensor:
     """Run the prompt ([B,T], left-padded where valid is False) into token slots 0..T-1 of the cache
     (the branch prefixes sit in front of them); return the fp32 logits of the last position [B,V]."""
     B, T = input_ids.shape
@@ -86,17 +87,17 @@ def prefill(model: ParVL, input_ids: torch.Tensor, pixel_values: torch.Tensor | 
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B,T], 0 at each prompt's first token
     slots = torch.arange(T, device=x.device)
     mask = causal_mask(valid, slots) if padded else None  # None: fused causal kernels
-    h, _ = model.hidden(x, positions, mask, slots, language_branch)  # [B,T,D] branches fused
+    h, _ = model.hidden(x, positions, mask, slots, rows)  # [B,T,D] rows unfolded
     return model.language_model.lm_head(h[:, -1]).float()
 
 
 def decode_one_token(model: ParVL, token: torch.Tensor, input_pos: torch.Tensor, positions: torch.Tensor,
-                     key_valid: torch.Tensor, branch: int | None = None) -> torch.Tensor:
+                     key_valid: torch.Tensor, rows: Rows) -> torch.Tensor:
     """One step: token [B,1] at token slot input_pos [1], rotary positions [B,1]; key_valid [B,S]
     marks the token slots that are not padding. Returns fp32 logits [B,V]. Static shapes only."""
     x = model.language_model.model.embed_tokens(token)  # [B,1,D]
     mask = causal_mask(key_valid, input_pos)  # [B,1,1,S]
-    h, _ = model.hidden(x, positions, mask, input_pos, branch)  # [B,1,D] branches fused
+    h, _ = model.hidden(x, positions, mask, input_pos, rows)  # [B,1,D] rows unfolded
     return model.language_model.lm_head(h[:, -1]).float()
 
 
@@ -104,41 +105,51 @@ class Engine:
     """Holds the model, its static cache and the (compiled) decode step across generate calls.
 
     shared_kv: keep one mean-reduced token K/V per sample instead of one per language branch
-    (ParVL Appendix C.2; an approximation that saves memory). vision_branch / language_branch:
-    run one chosen branch pair only."""
+    (ParVL Appendix C.2; an approximation that saves memory; dense language branches only).
+    vision_branch / language_branch (aggregate.Choice): the default branch choice of every call,
+    None = all branches fused, an int = one pair for every sample; `generate` can override it with
+    a branch per sample."""
 
     def __init__(self, model: ParVL, compile: bool = False, shared_kv: bool = False,
-                 vision_branch: int | None = None, language_branch: int | None = None):
+                 vision_branch: Choice = None, language_branch: Choice = None):
         self.model = model
         self.device = model.language_model.lm_head.weight.device
         self.shared_kv, self.vision_branch, self.language_branch = shared_kv, vision_branch, language_branch
-        self.cache_shape: tuple[int, int] | None = None
+        self.cache_shape: tuple[int, bool, int] | None = None  # (rows, shared, slots)
         self.decode = decode_one_token
         if compile:
             cuda = self.device.type == "cuda"
             self.decode = torch.compile(decode_one_token, mode="reduce-overhead" if cuda else None, fullgraph=True)
 
-    def setup(self, batch: int, slots: int) -> int:
-        """(Re)allocate the cache only when it is too small or the batch changed; sizes are rounded
-        up to 256 slots so a chat session keeps one cache (and one compiled graph)."""
+    def setup(self, rows: Rows, slots: int) -> int:
+        """(Re)allocate the cache only when it is too small or its rows changed, else re-seed each
+        row's prefixes (rows may run other branches, and the prefixes may have been trained since);
+        sizes are rounded up to 256 slots so a chat session keeps one cache (and one compiled graph)."""
         slots = -(-slots // 256) * 256
         lm = self.model.language_model
-        if self.cache_shape is None or self.cache_shape[0] != batch or self.cache_shape[1] < slots:
-            lm.setup_cache(batch, slots, self.language_branch, self.shared_kv)
-            self.cache_shape = (batch, slots)
+        key = (len(rows.branch), rows.shared_kv)
+        if self.cache_shape is None or self.cache_shape[:2] != key or self.cache_shape[2] < slots:
+            lm.setup_cache(rows, slots)
+            self.cache_shape = (*key, slots)
         else:
-            lm.seed_prefixes()  # the prefixes may have been trained since the cache was filled
-        return self.cache_shape[1]
+            lm.seed_prefixes(rows)
+        return self.cache_shape[2]
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], pixel_values: torch.Tensor | None, cfg: GenerateConfig,
-                 stop_ids: list[int], pad_id: int = 0, callback=None) -> Result:
+                 stop_ids: list[int], pad_id: int = 0, callback=None, vision_branch: Choice = None,
+                 language_branch: Choice = None) -> Result:
         """Generate for a batch of prompts (token id lists); pixel_values holds every prompt's tiles
-        in order. callback(step, tokens [B] on host) streams tokens as they come (syncs each step)."""
+        in order. callback(step, tokens [B] on host) streams tokens as they come (syncs each step).
+        vision_branch / language_branch: a branch (or one per prompt) for this call; None keeps the
+        engine's default."""
         model, dev = self.model, self.device
         B, T = len(prompts), max(len(p) for p in prompts)
         context_check(T, cfg.max_new_tokens, model.cfg.llm.max_position_embeddings)
-        S = self.setup(B, T + cfg.max_new_tokens)
+        vision_branch = self.vision_branch if vision_branch is None else vision_branch
+        language_branch = self.language_branch if language_branch is None else language_branch
+        rows = model.language_rows(language_branch, B, dev, self.shared_kv)
+        S = self.setup(rows, T + cfg.max_new_tokens)
         ids = torch.full((B, T), pad_id, dtype=torch.long)
         valid = torch.zeros(B, T, dtype=torch.bool)
         for b, p in enumerate(prompts):  # left padding: every prompt ends at slot T-1
@@ -156,7 +167,7 @@ class Engine:
         t0 = time.perf_counter()
         if pixel_values is not None:
             pixel_values = pixel_values.to(dev)
-        logits = prefill(model, ids, pixel_values, valid, padded, self.vision_branch, self.language_branch)
+        logits = prefill(model, ids, pixel_values, valid, padded, vision_branch, rows)
         token = sample(logits, cfg.temperature, cfg.top_k, cfg.top_p)  # [B]
         sync(dev)
         result = Result(tokens=[], prefill_s=time.perf_counter() - t0)
@@ -176,7 +187,7 @@ class Engine:
                 break
             if not cfg.ignore_eos and (i + 1) % cfg.check_every == 0 and bool(done.all()):
                 break
-            logits = self.decode(model, token.view(B, 1), input_pos, positions, key_valid, self.language_branch)
+            logits = self.decode(model, token.view(B, 1), input_pos, positions, key_valid, rows)
             token = sample(logits, cfg.temperature, cfg.top_k, cfg.top_p).clone()  # clone: graph outputs are reused
             input_pos += 1
             positions += 1

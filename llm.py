@@ -10,8 +10,9 @@ prefixes in every layer, and fuses them after the final norm, before the shared 
 Decoding follows gpt-fast: a static KV cache per layer, allocated once and written in place at
 `input_pos`, attention over the whole cache under a boolean mask, rotary tables computed once.
 
-Parameter names mirror the official `language_model.*` keys. Shape legend: B batch (times
-branches), T tokens, S cache length, C width, H / Hkv heads, D head dim, V vocabulary.
+Parameter names mirror the official `language_model.*` keys. Shape legend: B batch, R rows (samples
+times active branches, see aggregate.Rows), T tokens, S cache length, Lp prefix length, C width,
+H / Hkv heads, D head dim, V vocabulary.
 """
 from __future__ import annotations
 
@@ -20,9 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
-from aggregate import mean_branches
+from aggregate import Rows, fold, mean_branches, prefix_attention, shared_kv_attention, shared_kv_mask
 
 
 @dataclass
@@ -91,17 +91,16 @@ class KVCache(nn.Module):
     """Static per-layer cache [rows,Hkv,S,D], written in place (no torch.cat: CUDA graphs need fixed
     shapes). The first `offset` slots hold the learned prefixes; token i lives at slot offset + i.
 
-    Standard layout: rows = active branches x batch (branch-major), offset = Lp, each row seeded
-    with its branch's prefix. Shared KV (ParVL Appendix C.2): rows = batch, offset = P*Lp, slots
+    Standard layout: one cache row per LLM row (aggregate.Rows), offset = Lp, each seeded with its
+    row's branch prefix. Shared KV (ParVL Appendix C.2): one row per sample, offset = P*Lp, slots
     p*Lp..(p+1)*Lp-1 hold branch p's prefix and the token K/V are the fp32 mean over branches."""
 
-    def __init__(self, rows: int, num_kv_heads: int, slots: int, head_dim: int, dtype, device,
-                 branches: int, offset: int, shared: bool, branch: int | None):
+    def __init__(self, rows: int, num_kv_heads: int, slots: int, head_dim: int, offset: int, dtype, device):
         super().__init__()
         shape = (rows, num_kv_heads, slots, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.branches, self.offset, self.shared, self.branch = branches, offset, shared, branch
+        self.offset = offset
 
     def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # input_pos [T] cache slots; k, v [rows,Hkv,T,D]
@@ -112,8 +111,9 @@ class KVCache(nn.Module):
 
 class Attention(nn.Module):
     """Causal GQA self-attention. With P > 1 branches each branch owns learned key/value prefixes
-    [P,Hkv,Lp,D] that live directly in the key space (no RoPE, no k norm) and are prepended to the
-    keys and values only: token i sees all Lp prefix slots and tokens 0..i (causal, bottom-right)."""
+    [P,Hkv,Lp,D] that live directly in the key space (no RoPE, no k norm); each row attends with its
+    own branch's prefix in front of its keys (Eq. 1, aggregate.prefix_attention): token i sees all
+    Lp prefix slots and tokens 0..i (causal, bottom-right)."""
 
     def __init__(self, cfg: LLMConfig, branches: int = 1, prefix_len: int = 0):
         super().__init__()
@@ -133,22 +133,14 @@ class Attention(nn.Module):
             self.prefix_k = self.prefix_v = None
         self.kv_cache: KVCache | None = None
 
-    def prefixes(self, branch: int | None, rows: int, dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prefixes of the active branches expanded to branch-major rows: 2 x [rows,Hkv,Lp,D]."""
-        pk, pv = self.prefix_k, self.prefix_v  # [P,Hkv,Lp,D]
-        if branch is not None:
-            pk, pv = pk[branch : branch + 1], pv[branch : branch + 1]
-        n = rows // pk.shape[0]
-        return pk.to(dtype).repeat_interleave(n, 0), pv.to(dtype).repeat_interleave(n, 0)
-
     def forward(
         self,
-        x: torch.Tensor,  # [R,T,C], R = active branches x batch, branch-major
+        x: torch.Tensor,  # [R,T,C] rows (aggregate.Rows)
         cos: torch.Tensor,  # [R,T,D]
         sin: torch.Tensor,  # [R,T,D]
+        rows: Rows,
         mask: torch.Tensor | None,  # [R,1,T,S] bool over [prefix slots; token slots] (shared KV: see LLM.forward)
         input_pos: torch.Tensor | None,  # [T] cache slots to write (prefix offset included), None = no cache
-        branch: int | None = None,  # the one active branch, None = all
     ) -> torch.Tensor:
         cfg = self.cfg
         R, T, _ = x.shape
@@ -159,47 +151,23 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [R,H,T,D], [R,Hkv,T,D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache = self.kv_cache
-        shared = input_pos is not None and cache.shared
-        if shared:
-            # one token K/V per sample (fp32 mean over branches); the P branch queries of a sample are
-            # stacked along the query axis so attention never materialises P copies of the cache
-            P = cache.branches
-            k, v = mean_branches(k, P), mean_branches(v, P)  # [B,Hkv,T,D]
-            q = q.view(P, R // P, *q.shape[1:]).permute(1, 2, 0, 3, 4).flatten(2, 3)  # [B,H,P*T,D]
-        if input_pos is not None:
-            assert cache is not None, "call LLM.setup_cache before decoding with input_pos"
-            k_all, v_all = cache.update(input_pos, k, v)  # [rows,Hkv,S_max,D], prefixes seeded in front
+        if input_pos is None:  # no cache (training, scoring): the prefixes go in front here
+            pk = pv = None
+            if self.prefix_k is not None:  # [R,Hkv,Lp,D]
+                pk, pv = self.prefix_k[rows.branch].to(k.dtype), self.prefix_v[rows.branch].to(v.dtype)
+            out = prefix_attention(q, k, v, pk, pv, causal=True, mask=mask)
+        else:  # the cache was seeded with the prefixes (LLM.seed_prefixes)
+            cache = self.kv_cache
+            if rows.shared_kv:  # one token K/V per sample: the fp32 mean over its branches
+                k, v = mean_branches(k, rows.fold), mean_branches(v, rows.fold)  # [B,Hkv,T,D]
+            k_all, v_all = cache.update(input_pos, k, v)  # [rows,Hkv,S_max,D]
             S = mask.shape[-1] if mask is not None else cache.offset + T  # mask None: prefill from token 0
             k, v = k_all[:, :, :S], v_all[:, :, :S]
-        elif self.prefix_k is not None:
-            pk, pv = self.prefixes(branch, R, k.dtype)
-            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)  # [R,Hkv,Lp+T,D]
-        out = attention(q, k, v, mask)
-        if shared:  # [B,H,P*T,D] -> [P*B,H,T,D]
-            out = out.view(out.shape[0], out.shape[1], P, T, -1).permute(2, 0, 1, 3, 4).flatten(0, 1)
+            if rows.shared_kv:
+                out = shared_kv_attention(q, k, v, rows.fold, mask)
+            else:
+                out = prefix_attention(q, k, v, causal=True, mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(R, T, -1))  # [R,T,H*D] -> [R,T,C]
-
-
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """SDPA for q [B,H,T,D] over k, v [B,Hkv,S,D] (query head h reads kv head h // (H/Hkv)), routed
-    so that each case keeps a fused kernel:
-    - no mask, S == T: causal; flash attention takes GQA directly (enable_gqa, nothing repeated);
-    - one query token (decode): the H/Hkv query heads sharing a kv head are folded into the query
-      axis, q -> [B,Hkv,G,D], so each kv head is read once with a plain masked SDPA (CPU bf16:
-      1.31 -> 0.20 ms per call measured; fp32 unchanged);
-    - a mask, or prefix slots in front (causal aligned bottom-right): the kernels that take a mask do
-      not all take GQA, so the kv heads are repeated for this call rather than fall back to math."""
-    B, H, T, D = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    if mask is None and S == T:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if T == 1 and mask is not None:
-        out = F.scaled_dot_product_attention(q.view(B, Hkv, H // Hkv, D), k, v, attn_mask=mask)  # mask [B,1,1,S]
-        return out.view(B, H, 1, D)
-    if Hkv != H:
-        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)  # [B,H,S,D]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S) if mask is None else mask)
 
 
 class MLP(nn.Module):
@@ -222,8 +190,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, input_pos, branch=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, input_pos, branch)
+    def forward(self, x, cos, sin, rows, mask, input_pos) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, rows, mask, input_pos)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -249,8 +217,8 @@ class Decoder(nn.Module):
 
 class LLM(nn.Module):
     """`language_model`: a Qwen3ForCausalLM (or Qwen2), optionally with P prefix-conditioned branches.
-    `forward` folds the branches into the batch and returns every active branch's final-normed
-    hidden states, branch-major; the caller fuses them (aggregate.py) and applies lm_head."""
+    `forward` folds the samples into rows (aggregate.fold) and returns every row's final-normed
+    hidden states; the caller unfolds them (aggregate.unfold) and applies lm_head."""
 
     def __init__(self, cfg: LLMConfig, branches: int = 1, prefix_len: int = 0):
         super().__init__()
@@ -262,38 +230,30 @@ class LLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    @property
-    def cache(self) -> KVCache | None:
-        return self.model.layers[0].self_attn.kv_cache
-
-    def setup_cache(self, batch: int, max_len: int, branch: int | None = None, shared: bool = False,
-                    dtype=None, device=None) -> None:
-        """Allocate one static KV cache per layer for `batch` samples and `max_len` tokens, with the
-        active branches' prefixes seeded in front (see KVCache for the two layouts)."""
+    def setup_cache(self, rows: Rows, max_len: int, dtype=None, device=None) -> None:
+        """Allocate one static KV cache per layer for `rows` (aggregate.Rows) and `max_len` tokens, and
+        seed the prefixes in front (see KVCache for the two layouts)."""
         w = self.model.embed_tokens.weight
         cfg, Lp = self.cfg, self.prefix_len
-        P = self.branches if branch is None else 1
-        rows, offset = (batch, P * Lp) if shared else (P * batch, Lp)
+        n, offset = (len(rows.branch) // rows.fold, rows.fold * Lp) if rows.shared_kv else (len(rows.branch), Lp)
         for layer in self.model.layers:
-            attn = layer.self_attn
-            attn.kv_cache = KVCache(rows, cfg.num_kv_heads, offset + max_len, cfg.head_dim, dtype or w.dtype,
-                                    device or w.device, P, offset, shared, branch)
-        self.seed_prefixes()
+            layer.self_attn.kv_cache = KVCache(n, cfg.num_kv_heads, offset + max_len, cfg.head_dim, offset,
+                                               dtype or w.dtype, device or w.device)
+        self.seed_prefixes(rows)
 
     @torch.no_grad()
-    def seed_prefixes(self) -> None:
-        """Copy the (current) learned prefixes into the first cache slots."""
+    def seed_prefixes(self, rows: Rows) -> None:
+        """Copy the (current) learned prefixes of each row's branch into the first cache slots."""
         for layer in self.model.layers:
             attn, c = layer.self_attn, layer.self_attn.kv_cache
-            if c is None or attn.prefix_k is None:
+            if attn.prefix_k is None:
                 continue
-            if c.shared:  # every sample: slots p*Lp.. hold branch p's prefix
-                pk, pv = (t if c.branch is None else t[c.branch : c.branch + 1] for t in (attn.prefix_k, attn.prefix_v))
-                c.k[:, :, : c.offset] = pk.transpose(0, 1).flatten(1, 2).unsqueeze(0).to(c.k.dtype)  # [1,Hkv,P*Lp,D]
-                c.v[:, :, : c.offset] = pv.transpose(0, 1).flatten(1, 2).unsqueeze(0).to(c.v.dtype)
-            else:
-                pk, pv = attn.prefixes(c.branch, c.k.shape[0], c.k.dtype)
-                c.k[:, :, : c.offset], c.v[:, :, : c.offset] = pk, pv
+            if rows.shared_kv:  # every sample: slots p*Lp.. hold branch p's prefix
+                c.k[:, :, : c.offset] = attn.prefix_k.transpose(0, 1).flatten(1, 2).unsqueeze(0).to(c.k.dtype)  # [1,Hkv,P*Lp,D]
+                c.v[:, :, : c.offset] = attn.prefix_v.transpose(0, 1).flatten(1, 2).unsqueeze(0).to(c.v.dtype)
+            else:  # [R,Hkv,Lp,D]
+                c.k[:, :, : c.offset] = attn.prefix_k[rows.branch].to(c.k.dtype)
+                c.v[:, :, : c.offset] = attn.prefix_v[rows.branch].to(c.v.dtype)
 
     def forward(
         self,
@@ -301,35 +261,23 @@ class LLM(nn.Module):
         positions: torch.Tensor,  # [B,T] rotary positions (start at 0 per sample)
         mask: torch.Tensor | None = None,  # [B,1,T,S] bool over token slots; None = causal, no padding
         input_pos: torch.Tensor | None = None,  # [T] token slots in the cache; None = no cache
-        branch: int | None = None,  # run only this branch (None: all P)
-    ) -> torch.Tensor:  # [P*B,T,C] final-normed hidden states, branch-major ([B,T,C] for one branch)
+        rows: Rows | None = None,  # which branch each row runs (aggregate.Rows); None: all P, dense
+    ) -> torch.Tensor:  # [R,T,C] final-normed hidden states of every row ([P*B,T,C] dense, branch-major)
         dec, Lp = self.model, self.prefix_len
-        P = self.branches if branch is None else 1
         B, T, _ = x.shape
-        cache = self.cache if input_pos is not None else None
-        if cache is not None:
-            assert cache.branch == branch, f"cache was set up for branch {cache.branch}, forward got {branch}"
-            input_pos = input_pos + cache.offset
+        if rows is None:
+            rows = Rows.choose(None, self.branches, B, x.device)
+        if input_pos is not None:
+            input_pos = input_pos + dec.layers[0].self_attn.kv_cache.offset
         cos = dec.rope_cos[positions].to(x.dtype)  # [B,T,D], cast like the reference does
         sin = dec.rope_sin[positions].to(x.dtype)
-        if P > 1:  # fold the branches into the batch, branch-major
-            x, cos, sin = x.repeat(P, 1, 1), cos.repeat(P, 1, 1), sin.repeat(P, 1, 1)  # [P*B,T,...]
-        if cache is not None and cache.shared:
-            mask = shared_kv_mask(mask, B, T, P, Lp, x.device)
+        x, cos, sin = fold(x, rows), fold(cos, rows), fold(sin, rows)  # [R,T,...]
+        if rows.shared_kv:
+            mask = shared_kv_mask(mask, B, T, rows.fold, Lp, x.device)
+        elif mask is not None and Lp > 0:  # the prefix slots are visible to every token
+            mask = fold(torch.cat([mask.new_ones(B, 1, T, Lp), mask], dim=-1), rows)  # [R,1,T,Lp+S]
         elif mask is not None:
-            if Lp > 0:  # the prefix slots are visible to every token
-                mask = torch.cat([mask.new_ones(B, 1, T, Lp), mask], dim=-1)  # [B,1,T,Lp+S]
-            if P > 1:
-                mask = mask.repeat(P, 1, 1, 1)  # [P*B,1,T,Lp+S]
+            mask = fold(mask, rows)
         for layer in dec.layers:
-            x = layer(x, cos, sin, mask, input_pos, branch)
+            x = layer(x, cos, sin, rows, mask, input_pos)
         return dec.norm(x)
-
-
-def shared_kv_mask(mask: torch.Tensor | None, B: int, T: int, P: int, Lp: int, device) -> torch.Tensor:
-    """Mask [B,1,P*T,P*Lp+S] for shared-KV attention: query row p*T + t (branch p, token t) sees only
-    branch p's prefix block and the token slots its token-level mask [B,1,T,S] allows."""
-    if mask is None:  # prefill from token 0 without padding: plain causal over the T tokens
-        mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None].expand(B, 1, T, T)
-    own = torch.eye(P, dtype=torch.bool, device=device).repeat_interleave(T, 0).repeat_interleave(Lp, 1)  # [P*T,P*Lp]
-    return torch.cat([own.expand(B, 1, P * T, P * Lp), mask.repeat(1, 1, P, 1)], dim=-1)

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from aggregate import Aggregator
+from aggregate import Aggregator, Choice, Rows, unfold
 from checkpoint import TOKENIZER_FILES, CheckpointError, check_keys, read_checkpoint, read_json
 from llm import LLM, LLMConfig, causal_mask
 from processor import IMG_CONTEXT, Tokenizer, load_image  # noqa: F401  (load_image is public API)
@@ -128,7 +128,7 @@ class ParVL(nn.Module):
     Vision branches are fused (vision_aggregator) before CLS removal and pixel shuffle; the fused
     image features enter every language branch; language branches are fused (language_aggregator)
     after the final norm, before the shared lm_head. `vision_branch` / `language_branch` run one
-    chosen branch alone (no aggregation), skipping the other branches' compute."""
+    chosen branch per sample instead (no aggregation), skipping the other branches' compute."""
 
     def __init__(self, cfg: ParVLConfig):
         super().__init__()
@@ -143,30 +143,51 @@ class ParVL(nn.Module):
         self.language_model = LLM(cfg.llm, par.pl, par.llm_prefix_len)
         self.vision_aggregator = Aggregator(par.pv, C, par.lambda_v, par.aggregation) if par.pv > 1 else None
         self.language_aggregator = Aggregator(par.pl, D, par.lambda_l, par.aggregation) if par.pl > 1 else None
+        self.source_dir: Path | None = None  # the folder from_pretrained read: save() copies its tokenizer
 
     # -- forward -------------------------------------------------------------------------------
+    # vision_branch / language_branch (aggregate.Choice): None runs all branches of the tower and
+    # fuses them; an int runs that one branch for every sample; a sequence (or [B] tensor) runs one
+    # branch per sample. Only the chosen branches run: B rows through the blocks, not P*B.
 
-    def vision(self, pixel_values: torch.Tensor, branch: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def vision_rows(self, vision_branch: Choice, num_tiles: torch.Tensor | list[int] | None, tiles: int, device) -> Rows:
+        """ViT rows for `tiles` tiles; a branch per sample needs num_tiles [B] (tiles of each sample)."""
+        if vision_branch is None or isinstance(vision_branch, int):
+            return Rows.choose(vision_branch, self.cfg.par.pv, tiles, device)
+        if num_tiles is None:
+            raise ValueError("a vision branch per sample needs the tiles of each sample (num_tiles)")
+        num_tiles = torch.as_tensor(num_tiles, dtype=torch.long)
+        if int(num_tiles.sum()) != tiles:
+            raise ValueError(f"num_tiles {num_tiles.tolist()} sums to {int(num_tiles.sum())}, pixel_values has {tiles} tiles")
+        return Rows.choose(vision_branch, self.cfg.par.pv, len(num_tiles), device).per_tile(num_tiles)
+
+    def language_rows(self, language_branch: Choice, batch: int, device, shared_kv: bool = False) -> Rows:
+        """LLM rows for `batch` samples (shared_kv: one mean-reduced token cache for dense rows, C.2)."""
+        return Rows.choose(language_branch, self.cfg.par.pl, batch, device, shared_kv)
+
+    def vision(self, pixel_values: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Connector output for a batch of tiles, [N,3,S,S] -> [N,tokens_per_tile,D], and the vision
-        branch weights [N,1+h*w,Pv] (None with one active branch)."""
-        x = self.vision_model(pixel_values, num_layers=self.cfg.vit_layers, branch=branch)  # [Pv*N,1+h*w,C]
-        weights = None
-        if self.vision_aggregator is not None and branch is None:
-            x, weights = self.vision_aggregator(x)  # [N,1+h*w,C], fused before CLS removal
+        branch weights [N,1+h*w,Pv] (None when each tile runs one branch)."""
+        x = self.vision_model(pixel_values, rows, num_layers=self.cfg.vit_layers)  # [R,1+h*w,C]
+        x, weights = unfold(x, rows, self.vision_aggregator)  # [N,1+h*w,C], fused before CLS removal
         x = x[:, 1:]  # drop CLS
         N, L, C = x.shape
         g = int(L**0.5)
         x = pixel_shuffle(x.reshape(N, g, g, C), self.cfg.downsample_ratio, self.cfg.ps_version)
         return self.mlp1(x), weights  # [N,256,D]
 
-    def extract_features(self, pixel_values: torch.Tensor, branch: int | None = None) -> torch.Tensor:
-        """Connector output for a batch of tiles: [N,3,S,S] -> [N,tokens_per_tile,D]."""
-        return self.vision(pixel_values, branch)[0]
+    def extract_features(self, pixel_values: torch.Tensor, vision_branch: Choice = None,
+                         num_tiles: list[int] | None = None) -> torch.Tensor:
+        """Connector output for a batch of tiles: [N,3,S,S] -> [N,tokens_per_tile,D]. A vision branch
+        per sample needs num_tiles, the tiles of each sample (in order, summing to N)."""
+        rows = self.vision_rows(vision_branch, num_tiles, pixel_values.shape[0], pixel_values.device)
+        return self.vision(pixel_values, rows)[0]
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-              vision_branch: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              vision_branch: Choice = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token embeddings [B,T,D] with the image features written, in order, into the <IMG_CONTEXT>
-        slots, and the vision branch weights (None without images or with one branch)."""
+        slots, and the vision branch weights (None without images or without fusion). A sample's
+        tiles are told by its <IMG_CONTEXT> count (tokens_per_tile each)."""
         x = self.language_model.model.embed_tokens(input_ids)  # [B,T,D]
         is_img = input_ids == self.cfg.image_token_id  # [B,T]
         if pixel_values is None:
@@ -175,16 +196,19 @@ class ParVL(nn.Module):
             return x, None
         if self.cfg.vit is None:
             raise ValueError("this language-only model takes no pixel_values")
-        feats, weights = self.vision(pixel_values, vision_branch)  # [N,256,D]
-        n_slots, n_feats = int(is_img.sum()), feats.shape[0] * feats.shape[1]
+        N, per_tile = pixel_values.shape[0], self.cfg.tokens_per_tile
+        slots_B = is_img.sum(1)  # [B]
+        n_slots = int(slots_B.sum())
         if n_slots == 0 and self.training:
             # a text-only training batch with a dummy tile (InternVL's image_flags = 0): the ViT still
             # runs, so every FSDP rank issues the same collectives, and contributes exactly nothing
+            feats, _ = self.vision(pixel_values, self.vision_rows(None, None, N, pixel_values.device))
             return x + 0.0 * feats.sum(), None
-        if n_slots != n_feats:
-            raise ValueError(
-                f"prompt has {n_slots} <IMG_CONTEXT> tokens but {feats.shape[0]} tiles give {n_feats} features"
-            )
+        if n_slots != N * per_tile or bool((slots_B % per_tile).any()):
+            raise ValueError(f"prompt has {n_slots} <IMG_CONTEXT> tokens (per sample {slots_B.tolist()}) but "
+                             f"{N} tiles give {N * per_tile} features, {per_tile} per tile")
+        rows = self.vision_rows(vision_branch, slots_B // per_tile, N, pixel_values.device)
+        feats, weights = self.vision(pixel_values, rows)  # [N,256,D]
         return x.masked_scatter(is_img[..., None], feats.to(x.dtype)), weights
 
     def hidden(
@@ -193,20 +217,20 @@ class ParVL(nn.Module):
         positions: torch.Tensor,  # [B,T] rotary positions
         mask: torch.Tensor | None = None,  # [B,1,T,S] bool over token slots, None = causal without padding
         input_pos: torch.Tensor | None = None,  # [T] KV-cache token slots, None = no cache
-        branch: int | None = None,  # one language branch alone (None: all Pl, fused)
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B,T,D] fused final-normed states, weights [B,T,Pl]
-        h = self.language_model(x, positions, mask, input_pos, branch)  # [Pl*B,T,D]
-        if self.language_aggregator is not None and branch is None:
-            return self.language_aggregator(h)
-        return h, None
+        rows: Rows | None = None,  # which language branch each LLM row runs (language_rows); None: all, fused
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B,T,D] final-normed states, weights [B,T,Pl] or None
+        if rows is None:
+            rows = self.language_rows(None, x.shape[0], x.device)
+        h = self.language_model(x, positions, mask, input_pos, rows)  # [R,T,D]
+        return unfold(h, rows, self.language_aggregator)
 
     def forward_with_weights(
         self,
         input_ids: torch.Tensor,  # [B,T]
         pixel_values: torch.Tensor | None = None,  # [N,3,448,448], tiles of all samples in order
         attention_mask: torch.Tensor | None = None,  # [B,T], 1 = token, 0 = (left) padding
-        vision_branch: int | None = None,
-        language_branch: int | None = None,
+        vision_branch: Choice = None,
+        language_branch: Choice = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # logits [B,T,V], weights
         x, w_vision = self.embed(input_ids, pixel_values, vision_branch)
         B, T = input_ids.shape
@@ -217,12 +241,12 @@ class ParVL(nn.Module):
             valid = attention_mask.bool()
             positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # every prompt starts at position 0
             mask = causal_mask(valid, torch.arange(T, device=x.device))
-        h, w_language = self.hidden(x, positions, mask, branch=language_branch)
+        h, w_language = self.hidden(x, positions, mask, rows=self.language_rows(language_branch, B, x.device))
         return self.language_model.lm_head(h), w_vision, w_language
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, vision_branch: int | None = None,
-                language_branch: int | None = None) -> torch.Tensor:  # [B,T,V] logits
+                attention_mask: torch.Tensor | None = None, vision_branch: Choice = None,
+                language_branch: Choice = None) -> torch.Tensor:  # [B,T,V] logits
         return self.forward_with_weights(input_ids, pixel_values, attention_mask, vision_branch, language_branch)[0]
 
     @torch.no_grad()
@@ -295,10 +319,10 @@ class ParVL(nn.Module):
         model.source_dir = folder
         return model.eval()
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, tokenizer_from: str | Path | None = None) -> None:
         """Write config.json and model.safetensors in the original InternVL layout plus the ParVL
-        tensors (prefixes, aggregators) and the tokenizer files of the folder the model came from.
-        At Pv = Pl = 1 the result is a plain InternVL checkpoint."""
+        tensors (prefixes, aggregators), and the tokenizer files of `tokenizer_from` (default: the
+        folder the model was loaded from). At Pv = Pl = 1 the result is a plain InternVL checkpoint."""
         folder = Path(path)
         folder.mkdir(parents=True, exist_ok=True)
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
@@ -308,7 +332,7 @@ class ParVL(nn.Module):
         save_file(state, str(tmp), metadata={"format": "pt"})
         tmp.replace(folder / "model.safetensors")
         (folder / "config.json").write_text(json.dumps(config_to_json(self.cfg), indent=2))
-        src = getattr(self, "source_dir", None)
+        src = Path(tokenizer_from) if tokenizer_from is not None else self.source_dir
         for name in TOKENIZER_FILES:
             if src is not None and (src / name).exists() and src.resolve() != folder.resolve():
                 shutil.copy(src / name, folder / name)

@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -40,7 +39,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 
 from aggregate import entropy
 from checkpoint import TOKENIZER_FILES
-from data import BAD_REASONS, SFTData, check_bad_fraction, loss_weights, make_loader, validate
+from data import BAD_REASONS, SFTData, check_bad_fraction, loss_weights, make_loader, sft_loss, validate
 from parvl import ParConfig, ParVL, is_branch_tensor
 from generate import peak_memory_gib
 from processor import Tokenizer
@@ -268,26 +267,26 @@ def export(model: ParVL, cfg: TrainConfig) -> None:
             plain = ParVL(model.cfg)
         plain.load_state_dict(full, assign=True)
         plain.language_model.model.init_rope("cpu")
-        plain.source_dir = Path(cfg.model)
-        plain.save(Path(cfg.out) / "export")
+        plain.save(Path(cfg.out) / "export", tokenizer_from=cfg.model)
     dist.barrier()
 
 
 # -- the step ----------------------------------------------------------------------------------
 
 
-def micro_loss(model: ParVL, batch, weights: torch.Tensor, norm: float, world: int, device):
-    """Sum of w * CE over this micro-batch divided by the global weight sum (times world size, since
-    FSDP averages gradients over ranks). Also returns the branch weights' entropies (nan if none)."""
+def micro_loss(model: ParVL, batch, weight_sum: float, world: int, device):
+    """This micro-batch's share of the Eq. 6 loss (data.sft_loss over the global weight sum), times
+    the world size since FSDP averages gradients over ranks. Also returns the branch weights'
+    entropies (nan if none)."""
     ids, labels = batch.input_ids.to(device), batch.labels.to(device)
     pixels = batch.pixel_values.to(device)
     if pixels.shape[0] == 0 and model.cfg.vit is not None:
-        pixels = torch.zeros(1, 3, 448, 448, device=device)  # text only: a dummy tile, see ParVL.embed
+        size = model.cfg.vit.image_size
+        pixels = torch.zeros(1, 3, size, size, device=device)  # text only: a dummy tile, see ParVL.embed
     # no padding (e.g. one sample per micro-batch): no mask, so attention keeps the causal fast path
     mask = None if bool(batch.attention_mask.all()) else batch.attention_mask.to(device)  # a CPU tensor: no sync
     logits, w_vision, w_language = model.forward_with_weights(ids, pixels if pixels.shape[0] else None, mask)
-    ce = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100, reduction="none")
-    loss = (ce * weights[:, :-1].to(device).flatten()).sum() / norm * world  # column t weighs target t+1
+    loss = sft_loss(logits, labels, weight_sum) * world
     nan = torch.tensor(float("nan"), device=device)
     ent = torch.stack([entropy(w.detach()) if w is not None else nan for w in (w_vision, w_language)])  # no host sync
     return loss, ent
@@ -358,16 +357,15 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
             break
         torch.manual_seed(cfg.seed + 1_000_003 * (s + 1) + rank())  # the RNG stream is a function of (step, rank)
         t0 = time.perf_counter()
-        weights = [loss_weights(b.labels) for b in batches]
-        # one all-reduce for everything known before the forward: weight sum, counts, bad rows by reason
-        local = [sum(float(w.sum()) for w in weights), sum(b.num_samples for b in batches),
+        # one all-reduce for everything known before the forward: Eq. 6 weight sum, counts, bad rows by reason
+        local = [sum(float(loss_weights(b.labels).sum()) for b in batches), sum(b.num_samples for b in batches),
                  sum(int(b.attention_mask.sum()) for b in batches), sum(b.pixel_values.shape[0] for b in batches),
                  *(sum(b.bad.get(r, 0) for b in batches) for r in BAD_REASONS)]
         norm, good, text_tokens, tiles, *bad = all_sum(*local, device=device)
         loss_sum, ents = 0.0, []
-        for i, (batch, w) in enumerate(zip(batches, weights)):
+        for i, batch in enumerate(batches):
             model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once per step
-            loss, ent = micro_loss(model, batch, w, max(norm, 1e-12), world, device)
+            loss, ent = micro_loss(model, batch, max(norm, 1e-12), world, device)
             if cfg.inject_nan_step == s + 1:
                 loss = loss * float("nan")
             loss.backward()

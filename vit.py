@@ -7,8 +7,8 @@ whole width, no qkv bias) is a config away. ParVL (paper, "Method") runs Pv bran
 encoder folded into the batch dimension, each with learned key/value prefixes in every layer.
 
 Parameter names mirror the official `vision_model.*` checkpoint keys, so an InternVL checkpoint
-loads with no renaming. Shape legend: N tiles (times branches), T tokens (1 + patches),
-C width, H heads, D head dim, Lp prefix length.
+loads with no renaming. Shape legend: N tiles, R rows (tiles times active branches, see
+aggregate.Rows), T tokens (1 + patches), C width, H heads, D head dim, Lp prefix length.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from aggregate import Rows, fold, prefix_attention
 from llm import RMSNorm  # the same fp32-normalise, cast back, then scale as Qwen's
 
 
@@ -95,8 +96,8 @@ class Embeddings(nn.Module):
 
 class Attention(nn.Module):
     """Bidirectional self-attention with a fused qkv projection (rows ordered q | k | v). With P > 1
-    branches each branch has learned key/value prefixes [P,H,Lp,D] prepended to its keys and values
-    (queries are not prefixed, no mask: the ViT stays bidirectional)."""
+    branches each branch has learned key/value prefixes [P,H,Lp,D]; each row attends with its own
+    branch's prefix in front of its keys and values (Eq. 1, aggregate.prefix_attention), no mask."""
 
     def __init__(self, cfg: ViTConfig, branches: int = 1, prefix_len: int = 0):
         super().__init__()
@@ -114,21 +115,17 @@ class Attention(nn.Module):
         else:
             self.prefix_k = self.prefix_v = None
 
-    def forward(self, x: torch.Tensor, branch: int | None = None) -> torch.Tensor:
-        N, T, C = x.shape  # N = active branches x tiles, branch-major
-        q, k, v = self.qkv(x).split(C, dim=-1)  # 3 x [N,T,C]
+    def forward(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
+        R, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=-1)  # 3 x [R,T,C]
         if self.qk_norm:  # over the whole width, all heads jointly (InternViT-6B)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.view(N, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [N,H,T,D]
-        if self.prefix_k is not None:
-            pk, pv = self.prefix_k, self.prefix_v  # [P,H,Lp,D]
-            if branch is not None:
-                pk, pv = pk[branch : branch + 1], pv[branch : branch + 1]  # [1,H,Lp,D]
-            n = N // pk.shape[0]  # tiles per branch
-            pk, pv = pk.to(k.dtype).repeat_interleave(n, 0), pv.to(v.dtype).repeat_interleave(n, 0)  # [N,H,Lp,D]
-            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)  # [N,H,Lp+T,D]
-        out = F.scaled_dot_product_attention(q, k, v)  # [N,H,T,D]
-        return self.proj(out.transpose(1, 2).reshape(N, T, C))
+        q, k, v = (t.view(R, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [R,H,T,D]
+        pk = pv = None
+        if self.prefix_k is not None:  # each row's own branch prefix: [R,H,Lp,D]
+            pk, pv = self.prefix_k[rows.branch].to(k.dtype), self.prefix_v[rows.branch].to(v.dtype)
+        out = prefix_attention(q, k, v, pk, pv, causal=False)  # [R,H,T,D]
+        return self.proj(out.transpose(1, 2).reshape(R, T, C))
 
 
 class MLP(nn.Module):
@@ -153,9 +150,9 @@ class Block(nn.Module):
         self.ls2 = nn.Parameter(torch.ones(C))
         self.drop_path_rate = drop_path_rate
 
-    def forward(self, x: torch.Tensor, branch: int | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
         p = self.drop_path_rate
-        x = x + drop_path(self.attn(self.norm1(x).to(x.dtype), branch) * self.ls1, p, self.training)
+        x = x + drop_path(self.attn(self.norm1(x).to(x.dtype), rows) * self.ls1, p, self.training)
         x = x + drop_path(self.mlp(self.norm2(x).to(x.dtype)) * self.ls2, p, self.training)
         return x
 
@@ -170,7 +167,8 @@ class Encoder(nn.Module):
 
 class ViT(nn.Module):
     """InternViT, optionally with P prefix-conditioned branches. `forward` returns hidden state number
-    `num_layers` (0 = the embeddings; no final norm) of every active branch, branch-major."""
+    `num_layers` (0 = the embeddings; no final norm) of every row: each tile once per branch it runs
+    (see aggregate.Rows)."""
 
     def __init__(self, cfg: ViTConfig, branches: int = 1, prefix_len: int = 0):
         super().__init__()
@@ -181,13 +179,13 @@ class ViT(nn.Module):
     def forward(
         self,
         pixel_values: torch.Tensor,  # [N,3,S,S]
+        rows: Rows | None = None,  # which branch each row runs; None: all P, dense
         num_layers: int | None = None,  # run only the first num_layers blocks (select_layer)
-        branch: int | None = None,  # run only this branch (None: all P)
-    ) -> torch.Tensor:  # [P*N,T,C], or [N,T,C] for one branch
-        x = self.embeddings(pixel_values)  # [N,T,C]: identical for every branch, computed once
-        if self.branches > 1 and branch is None:
-            x = x.repeat(self.branches, 1, 1)  # [P*N,T,C] branch-major: row p*N + n
+    ) -> torch.Tensor:  # [R,T,C]: [P*N,T,C] dense (branch-major), [N,T,C] with a branch per tile
+        if rows is None:
+            rows = Rows.choose(None, self.branches, pixel_values.shape[0], pixel_values.device)
+        x = fold(self.embeddings(pixel_values), rows)  # [R,T,C]: the embedding is computed once per tile
         layers = self.encoder.layers[: self.cfg.num_layers if num_layers is None else num_layers]
         for layer in layers:
-            x = layer(x, branch)
+            x = layer(x, rows)
         return x

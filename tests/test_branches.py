@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from aggregate import Aggregator
+from aggregate import Aggregator, Rows
 from conftest import read_safetensors
 from generate import Engine, GenerateConfig
 from llm import LLMConfig, apply_rope, causal_mask, rope_tables
@@ -76,9 +76,9 @@ def test_vit_prefix_attention_equals_explicit():
     K, V = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
     ref = ((q @ K.transpose(-1, -2)) / math.sqrt(D)).softmax(-1) @ V  # no mask: bidirectional
     ref = attn.proj(ref.transpose(1, 2).reshape(3 * N, T, 32))
-    torch.testing.assert_close(attn(x), ref, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(attn(x, Rows.choose(None, 3, N, 'cpu')), ref, atol=1e-10, rtol=1e-10)
     # one branch alone sees only its own prefix
-    torch.testing.assert_close(attn(x[N : 2 * N], branch=1), ref[N : 2 * N], atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(attn(x[N : 2 * N], Rows.choose(1, 3, N, 'cpu')), ref[N : 2 * N], atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -144,7 +144,7 @@ def test_folded_equals_branches_alone_aggregated_by_hand():
     with torch.no_grad():
         logits, wv, wl = model.forward_with_weights(ids[None], pv)
         # vision: each branch alone, then Eq. 2 by hand (branch-major concat, softmax, smoothing)
-        zs = [model.vision_model(pv, branch=p) for p in range(2)]  # [N,T,C] each
+        zs = [model.vision_model(pv, Rows.choose(p, 2, pv.shape[0], 'cpu')) for p in range(2)]  # [N,T,C] each
         agg = model.vision_aggregator
         a = agg.mlp(torch.cat(zs, -1)).float().softmax(-1)
         a = (1 - agg.smoothing) * a + agg.smoothing / 2
@@ -152,7 +152,7 @@ def test_folded_equals_branches_alone_aggregated_by_hand():
         feats = model.mlp1(pixel_shuffle(z[:, 1:].reshape(1, 32, 32, -1), model.cfg.downsample_ratio))
         emb = model.language_model.model.embed_tokens(ids[None]).masked_scatter((ids == IMG)[None, :, None], feats)
         pos = torch.arange(len(ids))[None]
-        hs = [model.language_model(emb, pos, branch=p) for p in range(3)]
+        hs = [model.language_model(emb, pos, rows=Rows.choose(p, 3, emb.shape[0], 'cpu')) for p in range(3)]
         agg = model.language_aggregator
         b = agg.mlp(torch.cat(hs, -1)).float().softmax(-1)
         b = (1 - agg.smoothing) * b + agg.smoothing / 3
@@ -185,7 +185,7 @@ def greedy_recompute(model: ParVL, ids, pv, n: int, **branches) -> list[int]:
         for _ in range(n):
             gen = model.language_model.model.embed_tokens(torch.tensor([out], dtype=torch.long))
             x = torch.cat([base, gen], 1)
-            h, _ = model.hidden(x, torch.arange(x.shape[1])[None], branch=branches.get("language_branch"))
+            h, _ = model.hidden(x, torch.arange(x.shape[1])[None], rows=model.language_rows(branches.get("language_branch"), 1, "cpu"))
             out.append(int(model.language_model.lm_head(h[0, -1]).argmax()))
     return out
 
