@@ -361,3 +361,140 @@ def test_cli_takes_branches_from_the_checkpoint(checkpoint, tmp_path):
         want = engine.generate([ids], pv, GenerateConfig(max_new_tokens=NEW), tok.eos_ids).tokens[0]
         assert json.loads(res.stdout)["answer"] == tok.decode(want).strip(), flags
         assert "Pv:Pl = 2:2" in res.stderr
+
+
+# -- a branch pair per sample ----------------------------------------------------------------------
+
+
+def left_padded(samples):
+    """[(ids [T_b], pixels or None)] -> ids [B,T] left-padded with 0, attention mask [B,T], all tiles."""
+    T = max(len(ids) for ids, _ in samples)
+    ids = torch.zeros(len(samples), T, dtype=torch.long)
+    mask = torch.zeros(len(samples), T, dtype=torch.long)
+    for b, (s, _) in enumerate(samples):
+        ids[b, T - len(s):], mask[b, T - len(s):] = s, 1
+    tiles = [p for _, p in samples if p is not None]
+    return ids, mask, torch.cat(tiles) if tiles else None
+
+
+def count_rows(model: ParVL):
+    """Forward pre-hooks on the first ViT and LLM block: how many rows enter each tower per call."""
+    seen = {"vit": [], "llm": []}
+    blocks = {"llm": model.language_model.model.layers[0]}
+    if model.cfg.vit is not None:
+        blocks["vit"] = model.vision_model.encoder.layers[0]
+    for name, block in blocks.items():
+        block.register_forward_pre_hook(lambda _m, args, name=name: seen[name].append(args[0].shape[0]))
+    return seen
+
+
+@torch.no_grad()
+def make_branches_matter(model: ParVL) -> ParVL:
+    """Large prefixes, and ViT attention with weight (a tiny random ViT's blocks barely move the
+    patch embedding: ls = 0.1, weights ~ N(0, 0.02^2)), so running the wrong branch shows in the logits."""
+    model.init_branches(std=0.5)
+    if model.cfg.vit is not None:  # 5 prefix slots among 1025 tokens: they need large keys to be heard
+        for layer in model.vision_model.encoder.layers:
+            torch.nn.init.normal_(layer.attn.qkv.weight, std=0.3)
+            layer.ls1.fill_(1.0)
+            if layer.attn.prefix_k is not None:
+                torch.nn.init.normal_(layer.attn.prefix_k, std=3.0)
+                torch.nn.init.normal_(layer.attn.prefix_v, std=3.0)
+    return model
+
+
+# mixed tile counts, a text-only sample, left padding (lengths differ), a repeated pair
+SAMPLES = [(2, 10), (0, 23), (1, 6), (3, 8), (1, 14)]  # (tiles, text tokens)
+
+
+@pytest.mark.parametrize("pv,pl", [(2, 1), (1, 3), (4, 4)])
+def test_per_sample_pairs_equal_each_sample_alone(pv, pl):
+    """A batch whose samples carry their own (v, l) pair equals each sample run alone with that pair:
+    logits within fp32 noise, greedy tokens identical; B rows enter the ViT (one per tile) and the LLM
+    blocks, not P*B; and one tower per sample with the other dense equals it alone too."""
+    model = make_branches_matter(tiny(pv=pv, pl=pl, seed=20 + pv + pl))
+    samples = [prompt(t, text=n, seed=30 + k) for k, (t, n) in enumerate(SAMPLES)]
+    g = torch.Generator().manual_seed(pv * 10 + pl)
+    vb = torch.randint(0, pv, (len(samples),), generator=g).tolist()
+    lb = torch.randint(0, pl, (len(samples),), generator=g).tolist()
+    vb[4], lb[4] = vb[0], lb[0]  # a repeated pair
+    ids, mask, pixels = left_padded(samples)
+    seen = count_rows(model)
+    cfg = GenerateConfig(max_new_tokens=NEW, ignore_eos=True)
+    for v_choice, l_choice in [(vb, lb), (vb, None), (None, lb)]:
+        seen["vit"].clear(), seen["llm"].clear()
+        with torch.no_grad():
+            batch = model(ids, pixels, mask, vision_branch=v_choice, language_branch=l_choice)
+        tiles = sum(t for t, _ in SAMPLES)
+        assert seen["vit"] == [tiles if v_choice is not None else pv * tiles]
+        assert seen["llm"] == [len(samples) if l_choice is not None else pl * len(samples)]
+        for b, (s_ids, s_pix) in enumerate(samples):
+            one_v = None if v_choice is None else v_choice[b]
+            one_l = None if l_choice is None else l_choice[b]
+            with torch.no_grad():
+                alone = model(s_ids[None], s_pix, vision_branch=one_v, language_branch=one_l)[0]
+            # padded vs unpadded attention: the same sums in another order (fp32 noise, ~1e-6)
+            torch.testing.assert_close(batch[b, ids.shape[1] - len(s_ids):], alone, atol=2e-5, rtol=1e-5)
+    # greedy generation: the batch with per-sample pairs equals each prompt alone with its pair
+    engine = Engine(model)
+    got = engine.generate([s.tolist() for s, _ in samples], pixels, cfg, [], vision_branch=vb, language_branch=lb).tokens
+    want = [Engine(model, vision_branch=v, language_branch=l).generate([s.tolist()], p, cfg, []).tokens[0]
+            for (s, p), v, l in zip(samples, vb, lb)]
+    assert got == want
+    assert got[0] == greedy_recompute(model, *samples[0], NEW, vision_branch=vb[0], language_branch=lb[0])
+
+
+def test_per_sample_pairs_differ_where_the_branches_differ():
+    """The per-sample path must really run each sample's own branch: swapping two samples' language
+    branches moves their logits by far more than the fp32 noise the equality tests allow."""
+    model = make_branches_matter(tiny(pv=2, pl=2, seed=40))
+    ids, mask, pixels = left_padded([prompt(1, seed=41), prompt(1, text=9, seed=42)])
+    with torch.no_grad():
+        a = model(ids, pixels, mask, vision_branch=[0, 1], language_branch=[0, 1])
+        b = model(ids, pixels, mask, vision_branch=[0, 1], language_branch=[1, 0])
+        c = model(ids, pixels, mask, vision_branch=[1, 0], language_branch=[0, 1])
+    real = mask.bool()
+    assert (a - b)[real].abs().max() > 1e-2 and (a - c)[real].abs().max() > 1e-2
+
+
+def test_compiled_decode_equals_eager_with_per_sample_pairs():
+    """decode_one_token compiled (fullgraph) against eager on the same cache state: logits and the
+    generated tokens, for per-sample pairs, dense and shared KV."""
+    from generate import decode_one_token, prefill
+
+    model = make_branches_matter(tiny(pv=2, pl=3, seed=43))
+    samples = [prompt(1, text=7, seed=44), prompt(0, text=12, seed=45), prompt(2, text=5, seed=46)]
+    prompts = [s.tolist() for s, _ in samples]
+    ids, mask, pixels = left_padded(samples)
+    valid = mask.bool()
+    compiled = torch.compile(decode_one_token, fullgraph=True)
+    for lb, shared in [([2, 0, 1], False), (None, False), (None, True)]:
+        rows = model.language_rows(lb, 3, "cpu", shared)
+        S = ids.shape[1] + 8
+        model.language_model.setup_cache(rows, S)
+        with torch.no_grad():
+            logits = prefill(model, ids, pixels, valid, True, [1, 0, 1], rows)
+            token = logits.argmax(-1, keepdim=True)
+            key_valid = torch.ones(3, S, dtype=torch.bool)
+            key_valid[:, : ids.shape[1]] = valid
+            pos, positions = torch.tensor([ids.shape[1]]), valid.sum(-1, keepdim=True)
+            eager = decode_one_token(model, token, pos, positions, key_valid, rows)
+            fast = compiled(model, token, pos, positions, key_valid, rows)  # rewrites the same slot
+        torch.testing.assert_close(fast, eager, atol=1e-5, rtol=1e-5)
+        cfg = GenerateConfig(max_new_tokens=NEW, ignore_eos=True)
+        kw = dict(vision_branch=[1, 0, 1], language_branch=lb)
+        assert (Engine(model, compile=True, shared_kv=shared).generate(prompts, pixels, cfg, [], **kw).tokens
+                == Engine(model, shared_kv=shared).generate(prompts, pixels, cfg, [], **kw).tokens)
+
+
+def test_bad_branch_choices_are_refused():
+    model = tiny(pv=2, pl=2, seed=47)
+    ids, mask, pixels = left_padded([prompt(1, seed=48), prompt(0, seed=49)])
+    with pytest.raises(ValueError, match="out of range"):
+        model(ids, pixels, mask, language_branch=[0, 2])
+    with pytest.raises(ValueError, match="need 2 branch indices"):
+        model(ids, pixels, mask, vision_branch=[0, 1, 1])
+    with pytest.raises(ValueError, match="needs the tiles of each sample"):
+        model.extract_features(pixels, vision_branch=[0])
+    with pytest.raises(ValueError, match="sums to 2"):
+        model.extract_features(pixels, vision_branch=[0, 1], num_tiles=[1, 1])
