@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from aggregate import Aggregator, Rows
-from conftest import read_safetensors
+from conftest import prompt_ids, random_pixels, read_safetensors
 from generate import Engine, GenerateConfig
 from llm import LLMConfig, apply_rope, causal_mask, rope_tables
 from parvl import PRESETS, ParConfig, ParVL, ParVLConfig, pixel_shuffle
@@ -51,12 +51,18 @@ def same_prefixes(model: ParVL, vision: int, language: int) -> ParVL:
 # -- Pv = Pl = 1 is InternVL -------------------------------------------------------------------
 
 
-def test_one_one_is_the_core_model(checkpoint):
+@torch.no_grad()
+def test_one_one_is_internvl(checkpoint, reference):
+    """ParVL asked for Pv = Pl = 1 (prefix lengths and aggregation set, as a 1:1 run of train.py does)
+    adds no tensor and gives transformers' InternVL logits exactly, densely and as a per-sample pair."""
     folder = checkpoint("qwen3", "original")
-    core, par = ParVL.from_pretrained(folder), ParVL.from_pretrained(folder, pv=1, pl=1)
-    assert core.state_dict().keys() == par.state_dict().keys() == read_safetensors(folder).keys()
-    ids, pv = prompt(2, seed=1, img=core.cfg.image_token_id)
-    assert torch.equal(core(ids[None], pv), par(ids[None], pv))
+    par = ParVL.from_pretrained(folder, par=ParConfig(pv=1, pl=1, vit_prefix_len=96, llm_prefix_len=48))
+    assert par.state_dict().keys() == read_safetensors(folder).keys()
+    ids = prompt_ids(folder, [2])
+    px = random_pixels(2, seed=1)
+    want = reference("qwen3")(input_ids=ids[None], pixel_values=px).logits
+    assert torch.equal(par(ids[None], px), want)
+    assert torch.equal(par(ids[None], px, vision_branch=[0], language_branch=[0]), want)
 
 
 # -- prefix attention against an explicit reference --------------------------------------------
@@ -223,9 +229,60 @@ def test_shared_kv():
     shared_rows = cache().shape[0]
     assert shared_tokens == Engine(model).generate(batch, pv1, cfg, []).tokens
     assert (shared_rows, cache().shape[0]) == (2, 3 * 2)  # one token cache per sample instead of per branch
-    # distinct branches: an approximation, but it must run and stay finite
+    # distinct branches: an approximation of dense decoding, checked against Appendix C.2 written out
     distinct = tiny(pl=3, seed=10)
-    assert len(Engine(distinct, shared_kv=True).generate(batch, pv1, cfg, []).tokens[1]) == NEW
+    distinct.init_branches(std=0.5)
+    from generate import prefill
+
+    for ids, pv in ((ids1, pv1), (ids2, None)):
+        want, first = shared_kv_greedy_by_hand(distinct, ids, pv, NEW)
+        assert Engine(distinct, shared_kv=True).generate([ids.tolist()], pv, cfg, []).tokens[0] == want
+        logits = {}
+        for shared in (True, False):  # the prefill logits: the approximation is visible there
+            rows = distinct.language_rows(None, 1, "cpu", shared)
+            distinct.language_model.setup_cache(rows, len(ids))
+            with torch.no_grad():
+                logits[shared] = prefill(distinct, ids[None], pv, torch.ones(1, len(ids), dtype=torch.bool), False, None, rows)[0]
+        torch.testing.assert_close(logits[True], first, atol=2e-5, rtol=1e-5)
+        assert (logits[True] - logits[False]).abs().max() > 1e-3  # shared KV is not dense decoding
+
+
+@torch.no_grad()
+def shared_kv_greedy_by_hand(model: ParVL, ids, pv, n: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy decoding under Appendix C.2 without a cache: in every layer each branch's token K/V are
+    replaced by their fp32 mean over the P branches; branch p's queries attend to [prefix_p; mean
+    token K/V] causally, with every prefix slot visible. Recomputed from scratch for each token.
+    Returns the tokens and the logits of the first one [V]."""
+    lm, cfg = model.language_model, model.cfg.llm
+    P, G = model.cfg.par.pl, cfg.num_heads // cfg.num_kv_heads
+    base, _ = model.embed(ids[None], pv)
+    out, first = [], None
+    for _ in range(n):
+        x = torch.cat([base, lm.model.embed_tokens(torch.tensor([out], dtype=torch.long))], 1)
+        T = x.shape[1]
+        cos, sin = lm.model.rope_cos[:T][None], lm.model.rope_sin[:T][None]
+        h = x.repeat(P, 1, 1)  # [P,T,C]: the P branches of the one sample
+        for layer in lm.model.layers:
+            a = layer.self_attn
+            y = layer.input_layernorm(h)
+            q = apply_rope(a.q_norm(a.q_proj(y).view(P, T, -1, cfg.head_dim)).transpose(1, 2), cos, sin)
+            k = apply_rope(a.k_norm(a.k_proj(y).view(P, T, -1, cfg.head_dim)).transpose(1, 2), cos, sin)
+            v = a.v_proj(y).view(P, T, -1, cfg.head_dim).transpose(1, 2)
+            k, v = k.mean(0, keepdim=True).expand_as(k), v.mean(0, keepdim=True).expand_as(v)  # shared tokens
+            K = torch.cat([a.prefix_k, k], 2).repeat_interleave(G, 1)
+            V = torch.cat([a.prefix_v, v], 2).repeat_interleave(G, 1)
+            s = (q @ K.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
+            Lp = a.prefix_k.shape[2]
+            allowed = torch.ones(T, Lp + T, dtype=torch.bool)
+            allowed[:, Lp:] = torch.ones(T, T, dtype=torch.bool).tril()
+            o = (s.masked_fill(~allowed, float("-inf")).softmax(-1) @ V).transpose(1, 2).reshape(P, T, -1)
+            h = h + a.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        fused, _ = model.language_aggregator(lm.model.norm(h)[:, -1:])
+        logits = lm.lm_head(fused[0, -1])
+        first = logits if first is None else first
+        out.append(int(logits.argmax()))
+    return out, first
 
 
 def test_single_pair_equals_model_with_that_pairs_prefixes():

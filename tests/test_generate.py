@@ -12,7 +12,7 @@ import torch
 from PIL import Image
 
 from conftest import random_pixels
-from generate import Engine, GenerateConfig, Streamer, decode_one_token
+from generate import Engine, GenerateConfig, Streamer, decode_one_token, prefill
 from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
 
@@ -108,9 +108,17 @@ def test_compiled_decode_equals_eager(qwen3):
     pv = random_pixels(1, seed=4)
     cfg = GenerateConfig(max_new_tokens=6, ignore_eos=True)
     eager = Engine(model).generate([ids], pv, cfg, tok.eos_ids).tokens
-    compiled = Engine(model, compile=True)
-    assert compiled.decode is not decode_one_token
-    assert compiled.generate([ids], pv, cfg, tok.eos_ids).tokens == eager
+    assert Engine(model, compile=True).generate([ids], pv, cfg, tok.eos_ids).tokens == eager
+    # and the step itself, compiled with fullgraph=True (no graph break), on the same cache state
+    rows = model.language_rows(None, 1, "cpu")
+    T = len(ids)
+    model.language_model.setup_cache(rows, T + 4)
+    with torch.no_grad():
+        logits = prefill(model, torch.tensor([ids]), pv, torch.ones(1, T, dtype=torch.bool), False, None, rows)
+        step = (logits.argmax(-1, keepdim=True), torch.tensor([T]), torch.tensor([[T]]), torch.ones(1, T + 4, dtype=torch.bool), rows)
+        eager_logits = decode_one_token(model, *step)
+        compiled_logits = torch.compile(decode_one_token, fullgraph=True)(model, *step)  # rewrites the same slot
+    torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-5, rtol=1e-5)
 
 
 def test_seed_reproduces_sampling_and_stream_concatenates(qwen3):

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 import profiling
+from parvl import ParVL
 
 REPO = Path(__file__).resolve().parents[1]
 FLOP_ATOL = 0.03  # GFLOPs
@@ -109,10 +110,22 @@ def test_counting_allocates_nothing():
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_kb < 512 * 1024  # < 512 MiB
 
 
-def test_other_presets_run():
+def test_other_presets_count_by_hand():
+    """4B and tiny, 2:2 against 1:1: the parts add up to the total, and 2:2 adds exactly the branch
+    tensors counted by hand (per-layer K and V prefixes, the two aggregators' MLPs); tiny's count
+    equals the parameters of a materialised model (tied or shared tensors counted once)."""
     for arch in ("4b", "tiny"):
-        r = profiling.profile_params(arch, 2, 2)
-        assert r["total_params"] > 0 and r["total_gflops"] > 0, r
+        one, two = profiling.profile_params(arch, 1, 1), profiling.profile_params(arch, 2, 2)
+        for r in (one, two):
+            assert r["vit_params"] + r["connector_params"] + r["llm_params"] == r["total_params"], r
+        cfg = profiling.build_config(arch, 2, 2)
+        v, t, par = cfg.vit, cfg.llm, cfg.par
+        mlp = lambda P, C: P * C * C + C + C * P + P  # noqa: E731  Linear(P*C, C), Linear(C, P)
+        vit_new = v.num_layers * 2 * 2 * v.num_heads * par.vit_prefix_len * v.head_dim + mlp(2, v.hidden_size)
+        llm_new = t.num_layers * 2 * 2 * t.num_kv_heads * par.llm_prefix_len * t.head_dim + mlp(2, t.hidden_size)
+        assert two["total_params"] - one["total_params"] == vit_new + llm_new, arch
+    tiny = ParVL.from_config(profiling.build_config("tiny", 2, 2))
+    assert profiling.profile_params("tiny", 2, 2)["total_params"] == sum(p.numel() for p in tiny.parameters())
 
 
 # -- latency and forward (Appendix C.1, C.2) on the tiny preset -----------------------------------
@@ -154,7 +167,10 @@ def test_latency_cli_tiny():
         assert r["kv_cache_bytes"] == per_slot * cache_rows * (offset + slots), r
         assert r["kv_token_bytes"] == per_slot * cache_rows * slots, r
         assert r["memory"] == "cpu_rss" and 0 < r["resident_gib"] <= r["peak_gib"], r
-        assert r["latency_s"] > 0 and r["prefill_ms"] > 0 and r["decode_ms_per_step"] > 0, r
+        # one timed call holds its prefill and its decode steps; the throughput is the step time inverted
+        assert r["iter_s"][0] + 1e-4 >= (r["prefill_ms"] + r["decode_ms_per_step"] * (new - 1)) / 1e3, r
+        assert r["decode_tok_s"] * r["decode_ms_per_step"] / 1e3 == pytest.approx(b), r
+        assert r["latency_s"] == pytest.approx(r["iter_s"][0] / b, abs=1e-4), r
         base = rows[(1, False, b)]
         assert r["kv_cache_x"] == r["kv_cache_bytes"] / base["kv_cache_bytes"], r
         assert r["latency_x"] == pytest.approx(r["latency_s"] / base["latency_s"]), r
