@@ -1,9 +1,10 @@
-"""Supervised fine-tuning data in the official InternVL format (spec §8.1-§8.3, §5).
+"""Supervised fine-tuning data in the official InternVL format (internvl/train/dataset.py,
+internvl_chat_finetune.py of OpenGVLab/InternVL).
 
 A meta JSON names the datasets; each is a JSONL annotation file of chat rows, optionally with
 images. `SFTData` turns row i into token ids, labels and pixel tiles exactly as the official
-`preprocess_internvl2_5` does (spec §8.2), `collate` pads a micro-batch, `loss_weights` gives the
-1/sqrt(n) token weights of Eq. 6 (spec §8.3), and `RankSampler` / `make_loader` cut a seeded epoch
+`preprocess_internvl2_5` does, `collate` pads a micro-batch, `loss_weights` gives the
+1/sqrt(n) token weights of Eq. 6 (InternVL's `len2weight` with square reduction), and `RankSampler` / `make_loader` cut a seeded epoch
 order into global batches, ranks and micro-batches so that resuming and re-sharding never change
 which rows a step sees.
 
@@ -32,9 +33,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from processor import (DEFAULT_SYSTEM_MESSAGE, IMAGE_PLACEHOLDER, IMAGE_SIZE, IMG_CONTEXT, IMG_END,
-                       IMG_START, IM_END, IM_START, NUM_IMAGE_TOKENS, ImageError, load_image,
-                       tile_image)
+from processor import (DEFAULT_SYSTEM_MESSAGE, IMAGE_PLACEHOLDER, IMAGE_SIZE, IMG_CONTEXT, IM_START,
+                       NUM_IMAGE_TOKENS, ImageError, expand_images, load_image, tile_image, turn)
 from processor import open_rgb  # the decoder processor.load_image uses, with its error handling
 
 IGNORE = -100  # label of tokens that carry no loss (LabelSmoother.ignore_index upstream)
@@ -63,19 +63,19 @@ class SFTData(torch.utils.data.Dataset):
 
     def __init__(self, meta_path, tokenizer, max_tiles: int = 12, max_seq_len: int = 32768,
                  system: str | None = None, image_token_id: int | None = None,
-                 num_image_token: int = NUM_IMAGE_TOKENS, seed: int = 0):
+                 num_image_token: int = NUM_IMAGE_TOKENS, image_size: int = IMAGE_SIZE, seed: int = 0):
         if max_tiles < 1 or max_seq_len < 1 or num_image_token < 1 or seed < 0:
             raise ValueError(f"need max_tiles, max_seq_len, num_image_token >= 1 and seed >= 0, got "
                              f"{max_tiles}, {max_seq_len}, {num_image_token}, {seed}")
         self.tokenizer, self.max_seq_len, self.seed = tokenizer, max_seq_len, seed
         self.system = DEFAULT_SYSTEM_MESSAGE if system is None else system
-        self.num_image_token = num_image_token
+        self.num_image_token, self.image_size = num_image_token, image_size  # the model's tokens_per_tile, tile side
         self.image_token_id = tokenizer.img_context_id
         if image_token_id is not None and image_token_id != self.image_token_id:
             raise ValueError(f"model image_token_id={image_token_id} but the tokenizer's "
                              f"{IMG_CONTEXT} is {self.image_token_id}")
         # Official masking: the first len(tokenize("<|im_start|>assistant\n")) tokens of every gpt
-        # segment are ignored, whatever the response starts with (spec §8.2).
+        # segment are ignored, whatever the response starts with (preprocess_internvl2_5).
         self.ignore_len = len(tokenizer.encode(IM_START + "assistant\n"))
 
         meta = _read_meta(os.fspath(meta_path))
@@ -132,7 +132,7 @@ class SFTData(torch.utils.data.Dataset):
         images = _image_list(item)
 
         # Placeholders live in human turns only; a first human turn without any gets one per image
-        # in front (spec §8.1). Every image must then own exactly one placeholder.
+        # in front (as the official dataset code does). Every image must then own exactly one placeholder.
         human = [k for k, (role, _) in enumerate(turns) if role == "human"]
         if images and human and IMAGE_PLACEHOLDER not in turns[human[0]][1]:
             turns[human[0]] = ("human", (IMAGE_PLACEHOLDER + "\n") * len(images) + turns[human[0]][1])
@@ -142,16 +142,15 @@ class SFTData(torch.utils.data.Dataset):
                                                f"human turns for {len(images)} images")
 
         pixels, num_tiles = self._load_images(i, d, images)
-        for n in num_tiles:  # replace placeholders in reading order, first occurrence each time
-            tokens = IMG_START + IMG_CONTEXT * (self.num_image_token * n) + IMG_END
-            turns = _replace_next_placeholder(turns, tokens)
+        # placeholders in reading order across the human turns become each image's tokens
+        expanded = iter(expand_images([turns[k][1] for k in human], num_tiles, self.num_image_token))
+        turns = [(role, next(expanded) if role == "human" else text) for role, text in turns]
 
-        # Tokenize segment by segment, as the official code does (spec §8.2): each segment is
-        # encoded on its own (no BOS) and the ids are concatenated.
+        # Tokenize turn by turn, as the official preprocess_internvl2_5 does: each turn is encoded
+        # on its own (no BOS) and the ids are concatenated.
         ids, labels = [], []
         for role, text in [("system", system)] + turns:
-            header = IM_START + {"system": "system", "human": "user", "gpt": "assistant"}[role]
-            seg = self.tokenizer.encode(header + "\n" + text + IM_END + "\n")
+            seg = self.tokenizer.encode(turn({"system": "system", "human": "user", "gpt": "assistant"}[role], text))
             ids += seg
             if role == "gpt":  # supervise the response and <|im_end|>, not the header nor "\n"
                 labels += [IGNORE] * self.ignore_len + seg[self.ignore_len:-1] + [IGNORE]
@@ -160,7 +159,7 @@ class SFTData(torch.utils.data.Dataset):
         if len(ids) > self.max_seq_len:  # the official code truncates; we skip, never cut images
             raise _Bad("too_long", f"{len(ids)} tokens > max_seq_len={self.max_seq_len}")
         input_ids, labels = torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
-        # Text that spells <IMG_CONTEXT> itself would shift every image feature (spec §4.2).
+        # Text that spells <IMG_CONTEXT> itself would shift every image feature (the model fills the slots in order).
         n_img = int((input_ids == self.image_token_id).sum())
         if n_img != self.num_image_token * sum(num_tiles):
             raise _Bad("placeholder_mismatch", f"{n_img} {IMG_CONTEXT} tokens for {sum(num_tiles)} "
@@ -190,8 +189,8 @@ class SFTData(torch.utils.data.Dataset):
     def _load_images(self, i: int, d: dict, images: list[str]) -> tuple[torch.Tensor, list[int]]:
         """Tiles of every image [N,3,448,448] and the tile count of each, with the shared budget."""
         if not images:
-            return torch.zeros(0, 3, IMAGE_SIZE, IMAGE_SIZE), []
-        budget = max(1, d["max_tiles"] // len(images))  # spec §5.5: images share the tile budget
+            return torch.zeros(0, 3, self.image_size, self.image_size), []
+        budget = max(1, d["max_tiles"] // len(images))  # images share the tile budget (official multi-image rule)
         paths = [os.path.join(d["root"], p) for p in images]
         for p in paths:  # check all first, so a row with a missing file is always "missing_image"
             if not os.path.isfile(p):
@@ -203,13 +202,13 @@ class SFTData(torch.utils.data.Dataset):
         try:
             for p in paths:
                 if rng is None:
-                    tiles.append(load_image(p, max_tiles=budget))
+                    tiles.append(load_image(p, max_tiles=budget, image_size=self.image_size))
                     continue
                 # The official transform re-encodes each tile (thumbnail included) as JPEG with its
                 # own random quality, after tiling; load_image(tile, 1) then normalises it as is.
-                parts = tile_image(open_rgb(p), budget)
+                parts = tile_image(open_rgb(p), budget, self.image_size)
                 q = rng.integers(JPEG_QUALITIES[0], JPEG_QUALITIES[1] + 1, size=len(parts))
-                tiles.append(torch.cat([load_image(_jpeg(t, int(qk)), max_tiles=1)
+                tiles.append(torch.cat([load_image(_jpeg(t, int(qk)), max_tiles=1, image_size=self.image_size)
                                         for t, qk in zip(parts, q)]))
         except ImageError as e:
             raise _Bad("corrupt_image", str(e)) from None
@@ -233,7 +232,7 @@ class Batch:
     rows: list[int] = field(default_factory=list)  # global row index of each batch row
 
 
-def collate(items: list, pad_id: int) -> Batch:
+def collate(items: list, pad_id: int, image_size: int = IMAGE_SIZE) -> Batch:
     """Right-pad samples into one Batch; a BadRow becomes a 1-token dummy row with no labels.
 
     Keeping bad rows as rows (instead of dropping them) keeps B and every row's position fixed, so
@@ -256,7 +255,7 @@ def collate(items: list, pad_id: int) -> Batch:
         # return NaN, and 0 * NaN would poison the weighted loss sum.
         mask[b, :lengths[b]] = True
     pix = [s.pixel_values for s in items if isinstance(s, Sample)]
-    pixel_values = torch.cat(pix) if pix else torch.zeros(0, 3, IMAGE_SIZE, IMAGE_SIZE)
+    pixel_values = torch.cat(pix) if pix else torch.zeros(0, 3, image_size, image_size)
     return Batch(input_ids, labels, mask, torch.arange(T).expand(B, T).contiguous(), pixel_values,
                  [sum(s.num_tiles) if isinstance(s, Sample) else 0 for s in items],
                  sum(isinstance(s, Sample) for s in items), bad, [s.row for s in items])
@@ -384,7 +383,7 @@ def make_loader(data: SFTData, order, rank: int, world: int, global_batch: int, 
     """
     sampler = RankSampler(order, rank, world, global_batch, micro_batch, start_step)
     loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, num_workers=num_workers,
-                                         collate_fn=partial(collate, pad_id=pad_id),
+                                         collate_fn=partial(collate, pad_id=pad_id, image_size=data.image_size),
                                          pin_memory=pin_memory)
     for (step, m), batch in zip(sampler.schedule(), loader, strict=True):
         yield step, m, batch
@@ -451,15 +450,6 @@ def _image_list(item: dict) -> list[str]:
     if not isinstance(images, list) or not all(isinstance(p, str) and p for p in images):
         raise _Bad("bad_row", f"'image' must be a path or a list of paths, got {image!r}")
     return images
-
-
-def _replace_next_placeholder(turns: list, tokens: str) -> list:
-    """Replace the first <image> of the first human turn that still has one."""
-    for k, (role, text) in enumerate(turns):
-        if role == "human" and IMAGE_PLACEHOLDER in text:
-            turns[k] = (role, text.replace(IMAGE_PLACEHOLDER, tokens, 1))
-            return turns
-    raise AssertionError("placeholders were counted before replacement")
 
 
 def _jpeg(tile: Image.Image, quality: int) -> Image.Image:

@@ -199,10 +199,8 @@ class Engine:
         return result
 
 
-def context_check(prompt_len: int, max_new_tokens: int, limit: int | Path) -> None:
+def context_check(prompt_len: int, max_new_tokens: int, limit: int) -> None:
     """Refuse a prompt whose tokens plus the token budget exceed the model context (positions)."""
-    if isinstance(limit, Path):
-        limit = config_from_json(read_json(limit / "config.json"), limit).llm.max_position_embeddings
     if prompt_len + max_new_tokens > limit:
         raise ValueError(f"prompt of {prompt_len} tokens (image tokens included) + {max_new_tokens} new tokens "
                          f"exceeds the model context of {limit}")
@@ -251,7 +249,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights and activations (default bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (default cuda if available, else cpu)")
-    p.add_argument("--max-tiles", type=int, default=12, help="448 px tiles per image, thumbnail excluded (default 12)")
+    p.add_argument("--max-tiles", type=int, default=0,
+                   help="image tiles per image, thumbnail excluded (default 0: the checkpoint's max_dynamic_patch, 12 for InternVL3.5)")
     p.add_argument("--system", default=None, help="system message (default: InternVL's own)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA, off for CPU)")
@@ -264,7 +263,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON line with the answer and metrics instead of text")
     args = p.parse_args(argv)
     for name, ok in [("--max-new-tokens", args.max_new_tokens >= 1), ("--temperature", args.temperature >= 0),
-                     ("--top-p", 0 < args.top_p <= 1), ("--top-k", args.top_k >= 0), ("--max-tiles", args.max_tiles >= 1)]:
+                     ("--top-p", 0 < args.top_p <= 1), ("--top-k", args.top_k >= 0), ("--max-tiles", args.max_tiles >= 0)]:
         if not ok:
             p.error(f"{name} out of range: {getattr(args, name[2:].replace('-', '_'))}")
     return args
@@ -277,18 +276,22 @@ def main(argv=None) -> int:
         args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     images, question = (args.inputs, None) if args.chat else (args.inputs[:-1], args.inputs[-1])
     try:
-        pixel_list = [load_image(path, max_tiles=args.max_tiles) for path in images]  # bad images fail early
-        num_tiles = [pv.shape[0] for pv in pixel_list]
         folder = resolve_model(args.model)
+        mcfg = config_from_json(read_json(folder / "config.json"), folder)  # tiles and tokens as the model sees them
+        if images and mcfg.vit is None:
+            raise ValueError(f"{folder}: a language-only model takes no images")
+        pixel_list = [load_image(path, max_tiles=args.max_tiles or mcfg.max_dynamic_patch, use_thumbnail=mcfg.use_thumbnail,
+                                 image_size=mcfg.vit.image_size) for path in images]  # bad images fail before the weights load
+        num_tiles = [pv.shape[0] for pv in pixel_list]
         t0 = time.perf_counter()
         tok = Tokenizer.from_pretrained(folder)
         prompt = None
         if not args.chat:
             if len(num_tiles) > 1 and "<image>" not in question:
                 question = build_multi_image_question(question, len(num_tiles))
-            prompt = build_prompt(question, num_tiles, system=args.system)
+            prompt = build_prompt(question, num_tiles, system=args.system, tokens_per_tile=mcfg.tokens_per_tile)
             # a prompt that cannot fit is refused before the weights are read
-            context_check(len(tok.encode(prompt)), args.max_new_tokens, folder)
+            context_check(len(tok.encode(prompt)), args.max_new_tokens, mcfg.llm.max_position_embeddings)
         model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
         load_s = time.perf_counter() - t0
         log(f"loaded {folder} in {load_s:.2f} s ({dtype}, {device}, Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl})")
@@ -345,7 +348,8 @@ def chat(engine, tok, pixel_values, num_tiles, cfg, args) -> int:
         if not history and num_tiles and "<image>" not in question:  # as the official chat() stores it
             question = build_multi_image_question(question, len(num_tiles)) if len(num_tiles) > 1 else "<image>\n" + question
         # the whole history is re-sent each turn; its image tokens stay in the first turn
-        prompt = build_prompt(question, num_tiles, history=history, system=args.system)
+        prompt = build_prompt(question, num_tiles, history=history, system=args.system,
+                              tokens_per_tile=engine.model.cfg.tokens_per_tile)
         history.append((question, answer(engine, tok, prompt, pixel_values, cfg, args)))
 
 

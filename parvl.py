@@ -85,8 +85,8 @@ class ParVLConfig:
             raise ValueError(f"ps_version must be v1 or v2, got {self.ps_version!r}")
 
     @property
-    def tokens_per_tile(self) -> int:  # 256 for 448 px tiles
-        return round(self.vit.grid**2 * self.downsample_ratio**2)
+    def tokens_per_tile(self) -> int:  # 256 for 448 px tiles; 0 for a language-only model
+        return round(self.vit.grid**2 * self.downsample_ratio**2) if self.vit is not None else 0
 
     @property
     def vit_layers(self) -> int:
@@ -96,7 +96,7 @@ class ParVLConfig:
         return self.select_layer % n
 
 
-# The InternVL3.5 sizes (spec tables) and a tiny preset that runs on CPU in seconds.
+# The InternVL3.5 sizes (the released configs) and a tiny preset that runs on CPU in seconds.
 VIT_300M = ViTConfig()
 PRESETS = {
     "1b": ParVLConfig(VIT_300M, LLMConfig(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16)),
@@ -409,6 +409,9 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
         image_token_id = tok.token_to_id(IMG_CONTEXT) if tok is not None else None
         if image_token_id is None:
             raise CheckpointError(f"{folder}: no image_token_id in config.json and no {IMG_CONTEXT} in the tokenizer")
+    template = raw.get("template", "internvl2_5")
+    if template != "internvl2_5":  # the one chat template processor.py implements (InternVL3 and 3.5 use it)
+        raise CheckpointError(f"config.json: chat template {template!r} is not supported (internvl2_5)")
     return ParVLConfig(
         vit=vit,
         llm=llm,
@@ -419,7 +422,7 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
         image_token_id=int(image_token_id),
         max_dynamic_patch=raw.get("max_dynamic_patch", 12),
         use_thumbnail=raw.get("use_thumbnail", True),
-        template=raw.get("template", "internvl2_5"),
+        template=template,
     )
 
 

@@ -1,7 +1,8 @@
 """Turn images and chat turns into the pixel tensors and token ids InternVL3.5 expects.
 
-Implements spec §5 (dynamic tiling and ImageNet normalisation) and §4 (special tokens and the
-"internvl2_5" chat template that the official `chat()` uses), with only PIL, numpy, torch and the
+Follows the official InternVL code: dynamic tiling and ImageNet normalisation as in
+internvl/train/dataset.py (`dynamic_preprocess`, `build_transform`), the special tokens and the
+"internvl2_5" chat template (conversation.py) that `InternVLChatModel.chat()` uses, with only PIL, numpy, torch and the
 `tokenizers` library, so the model side never imports transformers or torchvision.
 
     pixels = load_image("cat.jpg", max_tiles=12)                 # [N, 3, 448, 448] float32
@@ -34,10 +35,9 @@ DEFAULT_SYSTEM_MESSAGE = (
     "联合开发的多模态大语言模型。"
 )
 
-# Chat template "internvl2_5": MPT-style turns separated by "<|im_end|>\n" (spec §4.3).
+# Chat template "internvl2_5": MPT-style turns separated by "<|im_end|>\n" (InternVL conversation.py).
 IM_START, IM_END, ENDOFTEXT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 _SEP = IM_END + "\n"
-_USER, _ASSISTANT = IM_START + "user\n", IM_START + "assistant\n"
 
 # Qwen2-family pre-tokenizer split (shared by Qwen2.5 and Qwen3).
 _QWEN2_SPLIT_REGEX = (
@@ -51,7 +51,7 @@ class ImageError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Images (spec §5)
+# Images (InternVL internvl/train/dataset.py: dynamic_preprocess, build_transform)
 
 
 def tile_grid(width: int, height: int, max_tiles: int = 12, min_tiles: int = 1,
@@ -117,10 +117,12 @@ def open_rgb(path_or_pil) -> Image.Image:
         raise ImageError(f"cannot read image {name}: {type(e).__name__}: {detail}") from e
 
 
-def load_image(path_or_pil, max_tiles: int = 12, use_thumbnail: bool = True) -> torch.Tensor:
-    """Load an image into normalised tiles: float32 [N, 3, 448, 448], N = tiles (+ thumbnail)."""
+def load_image(path_or_pil, max_tiles: int = 12, use_thumbnail: bool = True,
+               image_size: int = IMAGE_SIZE) -> torch.Tensor:
+    """Load an image into normalised tiles: float32 [N, 3, S, S], N = tiles (+ thumbnail), S =
+    image_size (the model's vit.image_size, 448 for InternVL3.5)."""
     img = open_rgb(path_or_pil)
-    tiles = tile_image(img, max_tiles, IMAGE_SIZE, use_thumbnail)
+    tiles = tile_image(img, max_tiles, image_size, use_thumbnail)
     x = torch.from_numpy(np.stack([np.asarray(t) for t in tiles]))  # [N, 448, 448, 3] uint8
     # Same float32 ops, in the same order, as torchvision's ToTensor then Normalize, so the
     # result is bit-identical: x / 255, then (x - mean) / std with [3, 1, 1] float32 stats.
@@ -131,7 +133,7 @@ def load_image(path_or_pil, max_tiles: int = 12, use_thumbnail: bool = True) -> 
 
 
 # ---------------------------------------------------------------------------------------------
-# Tokenizer (spec §4.1)
+# Tokenizer (the checkpoint's Qwen2/Qwen3 tokenizer files and InternVL's added tokens)
 
 
 def _qwen2_pipeline(tok: _BackendTokenizer) -> _BackendTokenizer:
@@ -228,33 +230,61 @@ class Tokenizer:
 
     @property
     def eos_ids(self) -> list[int]:
-        """Stop ids: <|im_end|> ends a chat turn; <|endoftext|> ends a document (spec §4.4)."""
+        """Stop ids: <|im_end|> ends a chat turn; <|endoftext|> ends a document (chat()'s eos_token_id)."""
         ids = (self.token_to_id(IM_END), self.token_to_id(ENDOFTEXT))
         return [i for i in ids if i is not None]
 
     @property
     def vocab_size(self) -> int:
-        """Tokens including added ones; the model's embedding table may be larger (spec §4.1)."""
+        """Tokens including added ones; the model's embedding table may be larger."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
 
 # ---------------------------------------------------------------------------------------------
-# Prompts (spec §4.2, §4.3)
+# Prompts (InternVLChatModel.chat() and conversation.py's internvl2_5 template)
+
+
+def turn(role: str, text: str) -> str:
+    """One turn of the "internvl2_5" template: <|im_start|>{role}\n{text}<|im_end|>\n, role one of
+    system, user, assistant. The one place the template's turn layout is written (chat and SFT)."""
+    return f"{IM_START}{role}\n{text}{_SEP}"
+
+
+def image_tokens(num_tiles: int, tokens_per_tile: int = NUM_IMAGE_TOKENS) -> str:
+    """What one <image> placeholder becomes: <img> + <IMG_CONTEXT> * tokens_per_tile * tiles + </img>."""
+    if num_tiles < 1:
+        raise ValueError(f"each image needs at least one tile, got {num_tiles}")
+    return IMG_START + IMG_CONTEXT * (tokens_per_tile * num_tiles) + IMG_END
+
+
+def expand_images(texts: list[str], num_tiles: list[int], tokens_per_tile: int = NUM_IMAGE_TOKENS) -> list[str]:
+    """Replace the <image> placeholders of `texts`, in reading order across them, by the tokens of
+    image 0, 1, ...; the placeholders must match the images one to one."""
+    n_slots = sum(t.count(IMAGE_PLACEHOLDER) for t in texts)
+    if n_slots != len(num_tiles):
+        raise ValueError(f"prompt has {n_slots} {IMAGE_PLACEHOLDER} placeholders but num_tiles "
+                         f"lists {len(num_tiles)} images")
+    images = iter(image_tokens(n, tokens_per_tile) for n in num_tiles)
+    out = []
+    for text in texts:
+        pieces = text.split(IMAGE_PLACEHOLDER)
+        out.append(pieces[0] + "".join(next(images) + piece for piece in pieces[1:]))
+    return out
 
 
 def build_multi_image_question(question: str, n_images: int) -> str:
-    """Prefix "Image-1: <image>\\n...Image-n: <image>\\n" unless the question places images itself."""
+    """Prefix "Image-1: <image>\n...Image-n: <image>\n" unless the question places images itself."""
     if IMAGE_PLACEHOLDER in question:
         return question
     return "".join(f"Image-{k + 1}: {IMAGE_PLACEHOLDER}\n" for k in range(n_images)) + question
 
 
 def build_prompt(question: str, num_tiles: list[int] = (), history: list[tuple[str, str]] = (),
-                 system: str | None = None) -> str:
+                 system: str | None = None, tokens_per_tile: int = NUM_IMAGE_TOKENS) -> str:
     """The prompt string of the official `chat()`, with every <image> expanded to its tokens.
 
     num_tiles has one entry per image, in order of the <image> placeholders across the history
-    and the question; image i becomes <img> + <IMG_CONTEXT> * 256 * num_tiles[i] + </img>.
+    and the question; image i becomes <img> + <IMG_CONTEXT> * tokens_per_tile * num_tiles[i] + </img>.
     """
     num_tiles = list(num_tiles)
     # Like chat(): a first-turn question with images but no placeholder gets one in front.
@@ -263,21 +293,9 @@ def build_prompt(question: str, num_tiles: list[int] = (), history: list[tuple[s
     system = DEFAULT_SYSTEM_MESSAGE if system is None else system
 
     # The system turn is always emitted, even when empty. A turn whose text is empty (or the final
-    # assistant slot) contributes only its role header, because the template tests truthiness.
-    parts = [IM_START + "system\n" + system + _SEP]
-    turns = [m for q, a in history for m in ((_USER, q), (_ASSISTANT, a))]
-    for role, text in turns + [(_USER, question), (_ASSISTANT, None)]:
-        parts.append(role + text + _SEP if text else role)
-    prompt = "".join(parts)
-
-    n_slots = prompt.count(IMAGE_PLACEHOLDER)
-    if n_slots != len(num_tiles):
-        raise ValueError(f"prompt has {n_slots} {IMAGE_PLACEHOLDER} placeholders but num_tiles "
-                         f"lists {len(num_tiles)} images")
-    for n in num_tiles:
-        if n < 1:
-            raise ValueError(f"each image needs at least one tile, got num_tiles={num_tiles}")
-        # Replace the first remaining placeholder, so images fill the slots in reading order.
-        image = IMG_START + IMG_CONTEXT * (NUM_IMAGE_TOKENS * n) + IMG_END
-        prompt = prompt.replace(IMAGE_PLACEHOLDER, image, 1)
-    return prompt
+    # assistant slot) contributes only its role header, because the chat template tests truthiness
+    # (the official Conversation.get_prompt; the SFT preprocessing writes every turn whole).
+    turns = [m for q, a in history for m in (("user", q), ("assistant", a))] + [("user", question)]
+    parts = [turn("system", system)] + [turn(role, text) if text else f"{IM_START}{role}\n" for role, text in turns]
+    prompt = "".join(parts) + f"{IM_START}assistant\n"
+    return expand_images([prompt], num_tiles, tokens_per_tile)[0]

@@ -38,9 +38,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from aggregate import entropy
-from checkpoint import TOKENIZER_FILES
+from checkpoint import read_json
 from data import BAD_REASONS, SFTData, check_bad_fraction, loss_weights, make_loader, sft_loss, validate
-from parvl import ParConfig, ParVL, is_branch_tensor
+from parvl import ParVL, config_from_json, is_branch_tensor
 from generate import peak_memory_gib
 from processor import Tokenizer
 
@@ -60,7 +60,7 @@ class TrainConfig:
     global_batch: int = 512  # samples per optimizer step, whatever the world size
     micro_batch: int = 1  # samples per forward on one rank
     max_seq_len: int = 32768
-    max_tiles: int = 12
+    max_tiles: int = 0  # tiles per row, shared by its images; 0 = the checkpoint's max_dynamic_patch (12)
     max_steps: int = 0  # 0 = one epoch
     seed: int = 42
     dtype: str = "bf16"  # parameter dtype inside FSDP's mixed precision: bf16 or fp32
@@ -87,7 +87,9 @@ class TrainConfig:
             raise ValueError(f"--model {self.model!r}: not a checkpoint folder")
         if not self.data or not Path(self.data).is_file():
             raise ValueError(f"--data {self.data!r}: no such meta JSON file")
-        for name in ("lr_new", "lr_pretrained", "global_batch", "micro_batch", "max_seq_len", "max_tiles", "save_every",
+        if self.max_tiles < 0:
+            raise ValueError(f"--max-tiles must be >= 0 (0 = the checkpoint's), got {self.max_tiles}")
+        for name in ("lr_new", "lr_pretrained", "global_batch", "micro_batch", "max_seq_len", "save_every",
                      "keep_last", "log_every"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -106,7 +108,7 @@ def parse_args(argv=None) -> TrainConfig:
              "pl": "language branches", "lr_new": "peak lr of prefixes and aggregators",
              "lr_pretrained": "peak lr of pretrained weights", "global_batch": "samples per optimizer step",
              "micro_batch": "samples per forward per rank", "max_seq_len": "tokens; longer rows are skipped",
-             "max_tiles": "448 px tiles per row (shared by its images)", "max_steps": "0 = one epoch",
+             "max_tiles": "image tiles per row, shared by its images (0 = the checkpoint's max_dynamic_patch, 12 for InternVL3.5)", "max_steps": "0 = one epoch",
              "clip": "max gradient norm", "save_every": "steps between checkpoints", "keep_last": "checkpoints kept",
              "num_workers": "data loading processes per rank", "max_bad_frac": "abort above this fraction of bad rows",
              "peak_tflops": "per-device peak for MFU, 0 = from the device name"}
@@ -297,9 +299,12 @@ def main(argv=None) -> int:
         cfg = parse_args(argv)
         cfg.check()
         tok = Tokenizer.from_pretrained(cfg.model)
-        image_token_id = tok.token_to_id("<IMG_CONTEXT>")
-        data = SFTData(cfg.data, tok, max_tiles=cfg.max_tiles, max_seq_len=cfg.max_seq_len,
-                       image_token_id=image_token_id, seed=cfg.seed)
+        mcfg = config_from_json(read_json(Path(cfg.model) / "config.json"), Path(cfg.model))  # tiles as the model sees them
+        if mcfg.vit is None:
+            raise ValueError(f"--model {cfg.model}: a language-only checkpoint; train.py trains vision-language models")
+        data = SFTData(cfg.data, tok, max_tiles=cfg.max_tiles or mcfg.max_dynamic_patch, max_seq_len=cfg.max_seq_len,
+                       image_token_id=mcfg.image_token_id, num_image_token=mcfg.tokens_per_tile,
+                       image_size=mcfg.vit.image_size, seed=cfg.seed)
         if cfg.validate_data:
             counts = validate(data)
             print(json.dumps(counts))

@@ -1,13 +1,13 @@
 """Test fixtures: tiny random InternVL checkpoints in every official layout, plus their reference.
 
 The reference is transformers' `InternVLForConditionalGeneration` (test-only dependency), built
-from a tiny config that keeps the real model's quirks (spec §1-§3, §6): 448 px tiles with 14 px
+from a tiny config that keeps the real model's quirks: 448 px tiles with 14 px
 patches (1025 ViT tokens, 256 image tokens per tile), Qwen3 heads·head_dim != hidden, GQA, an
 untied lm_head and a vocabulary a little larger than the tokenizer. Every tensor is random
 (norm weights and biases, layer scales, q/k norms, class token and position embedding included),
 so a swapped, skipped or mis-scaled tensor shows up in the logits.
 
-One set of weights is written in three layouts (spec §1.5, §7.1):
+One set of weights is written in three layouts:
   "original"   InternVLChatModel keys (`vision_model.*`, fused `attn.qkv`, `mlp1.*`,
                `language_model.model.*`) with the original config.json (`internvl_chat`),
   "hf"         new-style transformers keys (`model.vision_tower.*`, ..., `lm_head.weight`),
@@ -72,7 +72,7 @@ def model_vocab_size(family: str) -> int:
 
 
 def hf_config(family: str):
-    """The transformers `InternVLConfig` of the tiny model (untied everywhere, see spec §7.2)."""
+    """The transformers `InternVLConfig` of the tiny model (untied everywhere)."""
     from transformers import InternVLConfig, InternVLVisionConfig, Qwen2Config, Qwen3Config
 
     ids = tokenizer_ids(family)
@@ -93,7 +93,7 @@ def hf_config(family: str):
 
 
 def original_config(family: str, dtype: torch.dtype) -> dict:
-    """The config.json of an original (remote-code) InternVL checkpoint, spec §1.1-§1.3."""
+    """The config.json of an original (remote-code) InternVL checkpoint."""
     ids, t = tokenizer_ids(family), TINY_TEXT[family]
     dtype_name = str(dtype).removeprefix("torch.")
     llm = {
@@ -221,7 +221,7 @@ def build_reference(family: str = "qwen3", seed: int = 0):
 # ----------------------------------------------------------------------------- key layouts
 
 def hf_to_original(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """New-style transformers keys -> InternVLChatModel keys (inverse of spec §7.1); fuses q|k|v."""
+    """New-style transformers keys -> InternVLChatModel keys (inverse of internvl_custom2hf.py); fuses q|k|v."""
     out = {}
     for key, t in sd.items():
         k = key
@@ -254,7 +254,7 @@ def hf_to_original(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def original_to_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """InternVLChatModel keys -> new-style transformers keys (spec §7.1, the direction of c2h)."""
+    """InternVLChatModel keys -> new-style transformers keys (the direction of internvl_custom2hf.py)."""
     out = {}
     for key, t in sd.items():
         k = key
@@ -400,7 +400,7 @@ def _tokenizer(folder: str):
 def prompt_ids(folder: Path, tiles_per_image: list[int], question: str = "Please describe the image.") -> torch.Tensor:
     """1-D input ids of a chat prompt with one `<img>` + 256·n `<IMG_CONTEXT>` + `</img>` per image.
 
-    Encoded with the checkpoint's own tokenizer files (spec §4.2/§4.3 layout, no system turn).
+    Encoded with the checkpoint's own tokenizer files (chat() layout, no system turn).
     """
     images = "".join(f"Image-{i + 1}: <img>" + "<IMG_CONTEXT>" * (TOKENS_PER_TILE * n) + "</img>\n"
                       for i, n in enumerate(tiles_per_image))
@@ -425,3 +425,11 @@ def left_pad(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch
 def random_pixels(n: int, seed: int = 0) -> torch.Tensor:
     """[n,3,448,448] fp32 pixel values, roughly ImageNet-normalized scale."""
     return torch.randn((n, 3, IMAGE_SIZE, IMAGE_SIZE), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test compiles afresh: decode_one_token compiled for many models in one process would
+    otherwise reach dynamo's recompile limit (8 per code object), which no single use comes near."""
+    torch._dynamo.reset()
+    yield

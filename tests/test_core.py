@@ -2,7 +2,7 @@
 
 The reference (`conftest.build_reference`) and ParVL hold the same tiny random weights; ParVL reads
 them from checkpoint folders in each official layout (original, -HF new-style, -HF legacy), so these
-tests cover key renaming, qkv fusing and config parsing as well as the forward maths (spec §2-§7).
+tests cover key renaming, qkv fusing and config parsing as well as the forward maths.
 Compared in fp32 on CPU: ViT last hidden state, connector output, and full multimodal logits for
 Qwen3 and Qwen2 decoders (one image with one or several tiles, several images, a left-padded batch
 with different tile counts and lengths, text only). Then loading invariants and load errors.
@@ -154,7 +154,7 @@ def test_logits_single_prompt(parvl, reference, checkpoint, family, layout, prom
 def test_logits_left_padded_batch(parvl, reference, checkpoint, family, layout):
     # Three samples with 1, 3 (two images) and 0 tiles and different text: different lengths, so
     # two are left-padded. Each must equal the reference run on that sample alone, unpadded
-    # (positions restart at 0 after the padding, spec §4.4); padded positions are not compared.
+    # (positions restart at 0 after the padding); padded positions are not compared.
     folder = checkpoint(family, layout)
     samples = [([1], "What is shown in this picture?"),
                ([2, 1], "Compare the two images. What are the differences between them?"),

@@ -1,6 +1,6 @@
 """Tests for data.py: the official InternVL SFT data format, label masking, batching and sharding.
 
-Expected token ids are built by hand from the segment strings of spec §8.2 and encoded with the
+Expected token ids are built by hand from the segment strings of preprocess_internvl2_5 and encoded with the
 tiny Qwen-style tokenizer from tests/tiny_tokenizer.py; expected pixels come from
 processor.load_image. Every dataset is written with pillow into tmp_path.
 
@@ -64,7 +64,7 @@ def make_data(tmp_path, tok, rows, fields=None, **kw) -> SFTData:
 
 
 def segments(tok, system, turns):
-    """Hand-built ids and labels of spec §8.2 for [(role, text)] turns (images already expanded)."""
+    """Hand-built ids and labels of preprocess_internvl2_5 for [(role, text)] turns (images already expanded)."""
     head = len(tok.encode("<|im_start|>assistant\n"))
     ids, labels = tok.encode(f"<|im_start|>system\n{system}<|im_end|>\n"), None
     labels = [-100] * len(ids)

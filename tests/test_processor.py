@@ -1,6 +1,6 @@
 """Tests for processor.py against an independent transcription of the official behaviour.
 
-The `ref_*` functions below restate spec §5 (dynamic tiling, ToTensor + Normalize) and §4.3 (the
+The `ref_*` functions below restate the official code (dynamic_preprocess, ToTensor + Normalize) and the internvl2_5 template (the
 "internvl2_5" template as `chat()` fills it) step by step, without calling processor.py's helpers.
 Token ids are checked against transformers' AutoTokenizer (a test-only dependency) on the tiny
 Qwen-style tokenizers from tests/tiny_tokenizer.py, in both the tokenizer.json and vocab layouts.
@@ -27,7 +27,7 @@ REF_SYSTEM = ("你是书生·万象，英文名是InternVL，是由上海人工�
               "联合开发的多模态大语言模型。")
 
 # ---------------------------------------------------------------------------------------------
-# Reference: spec §5, transcribed literally
+# Reference: InternVL's dynamic_preprocess / build_transform, transcribed literally
 
 
 def ref_grid(width, height, min_num=1, max_num=12, image_size=448):
@@ -75,7 +75,7 @@ def ref_pixels(image, max_num=12, use_thumbnail=True):
     return torch.stack(out)
 
 
-# Reference: spec §4.2/§4.3, the query string chat() builds
+# Reference: the query string InternVLChatModel.chat() builds
 
 
 def ref_query(question, num_patches_list, history=None, system=REF_SYSTEM):

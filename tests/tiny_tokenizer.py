@@ -1,4 +1,4 @@
-"""A tiny Qwen-style byte-level BPE tokenizer for tests (spec §4.1).
+"""A tiny Qwen-style byte-level BPE tokenizer for tests.
 
 The real Qwen2.5/Qwen3 tokenizers have ~151k tokens and live on the model hub, which tests cannot
 reach. This module trains a few hundred BPE merges on a short built-in English + Chinese text and
