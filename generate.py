@@ -83,11 +83,11 @@ def prefill(model: ParVL, input_ids: torch.Tensor, pixel_values: torch.Tensor | 
     """Run the prompt ([B,T], left-padded where valid is False) into token slots 0..T-1 of the cache
     (the branch prefixes sit in front of them); return the fp32 logits of the last position [B,V]."""
     B, T = input_ids.shape
-    x, _ = model.embed(input_ids, pixel_values, vision_branch)  # [B,T,D] with image features in place
+    x, _ = model.embed(input_ids, pixel_values, vision_branch)  # [B,T,C] with image features in place
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B,T], 0 at each prompt's first token
     slots = torch.arange(T, device=x.device)
     mask = causal_mask(valid, slots) if padded else None  # None: fused causal kernels
-    h, _ = model.hidden(x, positions, mask, slots, rows)  # [B,T,D] rows unfolded
+    h, _ = model.hidden(x, positions, mask, slots, rows)  # [B,T,C] rows unfolded
     return model.language_model.lm_head(h[:, -1]).float()
 
 
@@ -95,9 +95,9 @@ def decode_one_token(model: ParVL, token: torch.Tensor, input_pos: torch.Tensor,
                      key_valid: torch.Tensor, rows: Rows) -> torch.Tensor:
     """One step: token [B,1] at token slot input_pos [1], rotary positions [B,1]; key_valid [B,S]
     marks the token slots that are not padding. Returns fp32 logits [B,V]. Static shapes only."""
-    x = model.language_model.model.embed_tokens(token)  # [B,1,D]
+    x = model.language_model.model.embed_tokens(token)  # [B,1,C]
     mask = causal_mask(key_valid, input_pos)  # [B,1,1,S]
-    h, _ = model.hidden(x, positions, mask, input_pos, rows)  # [B,1,D] rows unfolded
+    h, _ = model.hidden(x, positions, mask, input_pos, rows)  # [B,1,C] rows unfolded
     return model.language_model.lm_head(h[:, -1]).float()
 
 

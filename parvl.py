@@ -17,7 +17,8 @@ tree's own layout, or the transformers-native "-HF" layout (split q/k/v, `vision
 `multi_modal_projector.*`), renamed and fused once at load. The model is built on the meta
 device and the checkpoint tensors are assigned in place, so weights are held in memory once.
 
-Shape legend: B batch, T tokens, N tiles, C ViT width, D LLM width, V vocabulary.
+Shape legend (as in vit.py, llm.py, aggregate.py): B batch, T tokens, N tiles, R rows (aggregate.Rows),
+Cv ViT width, C LLM width, V vocabulary.
 """
 from __future__ import annotations
 
@@ -133,16 +134,16 @@ class ParVL(nn.Module):
     def __init__(self, cfg: ParVLConfig):
         super().__init__()
         self.cfg = cfg
-        par, D = cfg.par, cfg.llm.hidden_size
+        par, C = cfg.par, cfg.llm.hidden_size
         if cfg.vit is not None:
-            C = cfg.vit.hidden_size
-            Cs = C * round(1 / cfg.downsample_ratio) ** 2
+            Cv = cfg.vit.hidden_size
+            Cs = Cv * round(1 / cfg.downsample_ratio) ** 2  # width after pixel shuffle
             self.vision_model = ViT(cfg.vit, par.pv, par.vit_prefix_len)
             # `mlp1` with the checkpoint's Sequential indices (2 is the parameter-free GELU)
-            self.mlp1 = nn.Sequential(nn.LayerNorm(Cs), nn.Linear(Cs, D), nn.GELU(), nn.Linear(D, D))
+            self.mlp1 = nn.Sequential(nn.LayerNorm(Cs), nn.Linear(Cs, C), nn.GELU(), nn.Linear(C, C))
         self.language_model = LLM(cfg.llm, par.pl, par.llm_prefix_len)
-        self.vision_aggregator = Aggregator(par.pv, C, par.lambda_v, par.aggregation) if par.pv > 1 else None
-        self.language_aggregator = Aggregator(par.pl, D, par.lambda_l, par.aggregation) if par.pl > 1 else None
+        self.vision_aggregator = Aggregator(par.pv, Cv, par.lambda_v, par.aggregation) if par.pv > 1 else None
+        self.language_aggregator = Aggregator(par.pl, C, par.lambda_l, par.aggregation) if par.pl > 1 else None
         self.source_dir: Path | None = None  # the folder from_pretrained read: save() copies its tokenizer
 
     # -- forward -------------------------------------------------------------------------------
@@ -166,29 +167,29 @@ class ParVL(nn.Module):
         return Rows.choose(language_branch, self.cfg.par.pl, batch, device, shared_kv)
 
     def vision(self, pixel_values: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Connector output for a batch of tiles, [N,3,S,S] -> [N,tokens_per_tile,D], and the vision
+        """Connector output for a batch of tiles, [N,3,S,S] -> [N,tokens_per_tile,C], and the vision
         branch weights [N,1+h*w,Pv] (None when each tile runs one branch)."""
-        x = self.vision_model(pixel_values, rows, num_layers=self.cfg.vit_layers)  # [R,1+h*w,C]
-        x, weights = unfold(x, rows, self.vision_aggregator)  # [N,1+h*w,C], fused before CLS removal
+        x = self.vision_model(pixel_values, rows, num_layers=self.cfg.vit_layers)  # [R,1+h*w,Cv]
+        x, weights = unfold(x, rows, self.vision_aggregator)  # [N,1+h*w,Cv], fused before CLS removal
         x = x[:, 1:]  # drop CLS
-        N, L, C = x.shape
+        N, L, Cv = x.shape
         g = int(L**0.5)
-        x = pixel_shuffle(x.reshape(N, g, g, C), self.cfg.downsample_ratio, self.cfg.ps_version)
-        return self.mlp1(x), weights  # [N,256,D]
+        x = pixel_shuffle(x.reshape(N, g, g, Cv), self.cfg.downsample_ratio, self.cfg.ps_version)  # [N,L/4,4*Cv]
+        return self.mlp1(x), weights  # [N,256,C]
 
     def extract_features(self, pixel_values: torch.Tensor, vision_branch: Choice = None,
                          num_tiles: list[int] | None = None) -> torch.Tensor:
-        """Connector output for a batch of tiles: [N,3,S,S] -> [N,tokens_per_tile,D]. A vision branch
+        """Connector output for a batch of tiles: [N,3,S,S] -> [N,tokens_per_tile,C]. A vision branch
         per sample needs num_tiles, the tiles of each sample (in order, summing to N)."""
         rows = self.vision_rows(vision_branch, num_tiles, pixel_values.shape[0], pixel_values.device)
         return self.vision(pixel_values, rows)[0]
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
               vision_branch: Choice = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Token embeddings [B,T,D] with the image features written, in order, into the <IMG_CONTEXT>
+        """Token embeddings [B,T,C] with the image features written, in order, into the <IMG_CONTEXT>
         slots, and the vision branch weights (None without images or without fusion). A sample's
         tiles are told by its <IMG_CONTEXT> count (tokens_per_tile each)."""
-        x = self.language_model.model.embed_tokens(input_ids)  # [B,T,D]
+        x = self.language_model.model.embed_tokens(input_ids)  # [B,T,C]
         is_img = input_ids == self.cfg.image_token_id  # [B,T]
         if pixel_values is None:
             if is_img.any():
@@ -208,20 +209,20 @@ class ParVL(nn.Module):
             raise ValueError(f"prompt has {n_slots} <IMG_CONTEXT> tokens (per sample {slots_B.tolist()}) but "
                              f"{N} tiles give {N * per_tile} features, {per_tile} per tile")
         rows = self.vision_rows(vision_branch, slots_B // per_tile, N, pixel_values.device)
-        feats, weights = self.vision(pixel_values, rows)  # [N,256,D]
+        feats, weights = self.vision(pixel_values, rows)  # [N,256,C]
         return x.masked_scatter(is_img[..., None], feats.to(x.dtype)), weights
 
     def hidden(
         self,
-        x: torch.Tensor,  # [B,T,D] input embeddings
+        x: torch.Tensor,  # [B,T,C] input embeddings
         positions: torch.Tensor,  # [B,T] rotary positions
         mask: torch.Tensor | None = None,  # [B,1,T,S] bool over token slots, None = causal without padding
         input_pos: torch.Tensor | None = None,  # [T] KV-cache token slots, None = no cache
         rows: Rows | None = None,  # which language branch each LLM row runs (language_rows); None: all, fused
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B,T,D] final-normed states, weights [B,T,Pl] or None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B,T,C] final-normed states, weights [B,T,Pl] or None
         if rows is None:
             rows = self.language_rows(None, x.shape[0], x.device)
-        h = self.language_model(x, positions, mask, input_pos, rows)  # [R,T,D]
+        h = self.language_model(x, positions, mask, input_pos, rows)  # [R,T,C]
         return unfold(h, rows, self.language_aggregator)
 
     def forward_with_weights(

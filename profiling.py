@@ -330,27 +330,31 @@ def run_latency(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
 
 def run_forward(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """One full forward, model(input_ids, pixel_values), per Pv:Pl; configs interleaved A B C A B C ... so
-    that slow drift of the machine (clock, other processes) reaches each alike; medians and ratios vs the first."""
+    that slow drift of the machine (clock, other processes) reaches each alike; medians and ratios vs the first.
+    --pair adds, for every config with branches, the same model running one pair (vision 0, language 0)
+    per sample: the active-branch cost a router pays."""
     work = Workload(args.tiles, args.text_tokens, 0)  # the prompt only: image + text tokens
     cfgs = {key: build_config(args.arch, *key) for key in args.configs}
     models = {key: ParVL.from_config(cfg, dtype, device, seed=args.seed).eval() for key, cfg in cfgs.items()}
+    runs = [(key, None) for key in models] + [(key, 0) for key in models if args.pair and key != (1, 1)]
     ids_BT, pixels = synthetic_inputs(cfgs[args.configs[0]], work, args.batch, dtype, device, args.seed)
-    times = {key: [] for key in models}
+    times = {run: [] for run in runs}
     with torch.no_grad():
         for r in range(args.warmup + args.repeats):
-            for key, model in models.items():
-                _, s = timed(lambda: model(ids_BT, pixels), device)  # noqa: B023  (called at once)
+            for key, pair in runs:
+                call = lambda: models[key](ids_BT, pixels, vision_branch=pair, language_branch=pair)  # noqa: B023, E731
+                _, s = timed(call, device)
                 if r >= args.warmup:
-                    times[key].append(s)
+                    times[key, pair].append(s)
         for (pv, pl), model in models.items() if args.trace else ():
             trace(lambda: model(ids_BT, pixels), device, Path(args.trace), f"forward_{pv}x{pl}")  # noqa: B023
     rows = []
-    for (pv, pl), ts in times.items():  # GFLOPs: Table S3's count (calflops: no attention products)
-        gflops = args.batch * profile_params(args.arch, pv, pl, work)["total_gflops"]
+    for ((pv, pl), pair), ts in times.items():  # GFLOPs: Table S3's count (calflops: no attention products)
+        gflops = args.batch * profile_params(args.arch, *((pv, pl) if pair is None else (1, 1)), work)["total_gflops"]
         med = statistics.median(ts)
-        rows.append({"arch": args.arch, "pv": pv, "pl": pl, "batch": args.batch, "median_ms": 1e3 * med,
-                     "min_ms": 1e3 * min(ts), "gflops": gflops, "gflop_s": gflops / med,
-                     "ms": [round(1e3 * s, 2) for s in ts]})
+        rows.append({"arch": args.arch, "pv": pv, "pl": pl, "pair": None if pair is None else f"{pair},{pair}",
+                     "batch": args.batch, "median_ms": 1e3 * med, "min_ms": 1e3 * min(ts), "gflops": gflops,
+                     "gflop_s": gflops / med, "ms": [round(1e3 * s, 2) for s in ts]})
     for r in rows:
         r |= {"time_x": r["median_ms"] / rows[0]["median_ms"], "gflops_x": r["gflops"] / rows[0]["gflops"]}
     return rows
@@ -368,7 +372,7 @@ def print_rows(rows: list[dict], columns: dict[str, str]) -> None:
 LATENCY_COLUMNS = {"shared_kv": "", "batch": "d", "latency_s": ".4f", "latency_median_s": ".4f", "prefill_ms": ".1f",
                    "decode_ms_per_step": ".2f", "compile_s": ".2f", "resident_gib": ".3f", "peak_gib": ".3f",
                    "kv_cache_bytes": "d", "latency_x": ".3f", "peak_x": ".3f", "kv_cache_x": ".3f"}
-FORWARD_COLUMNS = {"median_ms": ".1f", "min_ms": ".1f", "time_x": ".3f", "gflops": ".1f", "gflops_x": ".3f",
+FORWARD_COLUMNS = {"pair": "", "median_ms": ".1f", "min_ms": ".1f", "time_x": ".3f", "gflops": ".1f", "gflops_x": ".3f",
                    "gflop_s": ".1f"}
 
 
@@ -425,6 +429,8 @@ def main(argv: list[str] | None = None) -> None:
                      help="Pv:Pl list, the first is the reference of the ratios (default 1:1 2:2 4:4)")
     fwd.add_argument("--batch", type=int, default=1, help="samples per forward (default 1)")
     fwd.add_argument("--repeats", type=int, default=5, help="timed rounds over all configs (default 5)")
+    fwd.add_argument("--pair", action="store_true",
+                     help="also time each config with branches running one pair (vision 0, language 0) per sample")
     args = parser.parse_args(argv)
 
     if args.command == "params":

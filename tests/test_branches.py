@@ -18,6 +18,7 @@ from vit import ViTConfig
 
 TINY = PRESETS["tiny"]
 IMG = TINY.image_token_id  # 300 in the tiny preset
+PER_TILE, SIZE = TINY.tokens_per_tile, TINY.vit.image_size  # 256 tokens per 448 px tile
 NEW = 8
 
 
@@ -31,8 +32,8 @@ def prompt(tiles: int, text: int = 12, seed: int = 0, img: int = IMG) -> tuple[t
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, img, (text,), generator=g)
     if tiles:
-        ids = torch.cat([ids[:3], torch.full((256 * tiles,), img), ids[3:]])
-    pv = torch.randn(tiles, 3, 448, 448, generator=g) if tiles else None
+        ids = torch.cat([ids[:3], torch.full((PER_TILE * tiles,), img), ids[3:]])
+    pv = torch.randn(tiles, 3, SIZE, SIZE, generator=g) if tiles else None
     return ids, pv
 
 

@@ -189,3 +189,7 @@ def test_forward_cli_tiny(tmp_path):
     for r in rows:
         assert len(r["ms"]) == 2 and r["min_ms"] <= r["median_ms"], r
         assert r["gflops"] == profiling.profile_params("tiny", r["pv"], r["pl"], work)["total_gflops"], r
+    # --pair: each config with branches also runs one pair per sample, counted at the 1:1 workload
+    rows = run_cli("forward", "--arch", "tiny", "--configs", "1:1", "2:2", "--repeats", "1", "--warmup", "0", "--pair")["rows"]
+    assert [(r["pv"], r["pl"], r["pair"]) for r in rows] == [(1, 1, None), (2, 2, None), (2, 2, "0,0")]
+    assert rows[2]["gflops"] == rows[0]["gflops"] and rows[2]["gflops_x"] == 1.0
