@@ -433,3 +433,7 @@ def fresh_dynamo():
     otherwise reach dynamo's recompile limit (8 per code object), which no single use comes near."""
     torch._dynamo.reset()
     yield
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (bench/h200.sh runs these); skipped without one")

@@ -1,0 +1,215 @@
+"""The GPU suite: one prepared run that proves the CUDA paths and leaves figures behind.
+
+    bash bench/h200.sh [OUT]            # on a CUDA machine (an H200): nothing downloaded, < 10 minutes
+    bash bench/h200.sh --dry-run [OUT]  # the same steps on CPU at tiny sizes (what CI runs)
+
+Steps, each in its own process with a time limit, so one failure never stops the rest:
+1. tests: `pytest -m gpu` (tests/test_gpu.py: compiled reduce-overhead decode against eager for 1:1,
+   4:4, shared KV and per-sample pairs) and tests/test_kernels.py (the SDPA kernel of every attention
+   case from torch.profiler, and no graph break in the decode step); the kernel table is kept.
+2. latency: profiling.py's latency protocol (paper Appendix C.1: 3 tiles = 768 image tokens, 256
+   text tokens, exactly 128 new tokens, 3 warm-ups, 10 timed iterations) for the 1B architecture
+   with random weights at 1:1, 4:4 and 4:4 shared KV, batch 1, 2, 4, 8, bf16, compiled decode; the
+   Table S7 layout next to the paper's numbers, and the Table 4 ratios.
+3. training: a short FSDP2 run of train.py (torchrun, one process per GPU) of the 1B architecture
+   with random weights on synthetic rows of the paper's shape (one 2-tile image + thumbnail = 768
+   image tokens, about 256 text tokens), 1:1 and 2:2 with --compile; tokens/s and MFU of the steps
+   after compilation.
+
+Everything goes to OUT/h200.json (every figure, each step's status and the tail of its output) and
+OUT/h200.md (the tables). The tokenizer of the synthetic checkpoint is the tests' tiny byte-level BPE
+(tests/tiny_tokenizer.py): the 1B embedding table keeps its 151,936 rows, the text is random.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO), str(REPO / "tests")]
+
+# Table S7 (paper): seconds per sample and peak allocated GB on one H200, batch 1, 2, 4, 8.
+PAPER_S7 = {
+    ("1:1", False): ([1.963, 0.977, 0.498, 0.256], [2.310, 2.458, 2.760, 3.361]),
+    ("4:4", False): ([2.048, 1.061, 0.558, 0.313], [2.837, 3.456, 4.677, 7.117]),
+    ("4:4", True): ([2.422, 1.288, 0.681, 0.414], [2.571, 2.908, 3.585, 4.927]),
+}
+BATCHES = [1, 2, 4, 8]
+
+
+def run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
+    """Run one step; never raise: status ok / failed / timeout, the exit code, the output's tail."""
+    t0 = time.perf_counter()
+    try:
+        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+        status, rc, out = ("ok" if res.returncode == 0 else "failed"), res.returncode, res.stdout + res.stderr
+    except subprocess.TimeoutExpired as e:
+        status, rc = "timeout", None
+        out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+    print(f"[{status}] {' '.join(cmd[:6])} ... ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return {"status": status, "rc": rc, "seconds": round(time.perf_counter() - t0, 1), "cmd": cmd, "tail": out[-4000:]}
+
+
+def step_tests(out: Path, dry: bool) -> dict:
+    report = out / "kernels.json"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py", "tests/test_kernels.py"]
+    if not dry:
+        cmd += ["-m", "gpu"]
+    res = run(cmd, 240, {"PARVL_KERNEL_REPORT": str(report)})
+    res["kernels"] = json.loads(report.read_text()) if report.exists() else None
+    return res
+
+
+def step_latency(dry: bool) -> dict:
+    if dry:
+        size = ["--arch", "tiny", "--device", "cpu", "--dtype", "fp32", "--batch", "1", "2", "--warmup", "1", "--iters", "1",
+                "--new-tokens", "4", "--tiles", "1", "--text-tokens", "16", "--threads", "1"]
+    else:  # the protocol's defaults: 3 tiles, 256 text tokens, 128 new tokens, 3 warm-ups, 10 iterations
+        size = ["--arch", "1b", "--device", "cuda", "--dtype", "bf16", "--batch", *map(str, BATCHES), "--compile"]
+    res = run([sys.executable, "profiling.py", "latency", "--pv", "4", "--pl", "4", "--baseline", "--compare-shared",
+               "--json", *size], 60 if dry else 330)
+    lines = [ln for ln in res["tail"].splitlines() if ln.startswith("{")]
+    res["rows"] = json.loads(lines[-1])["rows"] if res["status"] == "ok" and lines else None
+    return res
+
+
+def synthetic_checkpoint(folder: Path, arch: str, rows: int, seed: int = 0) -> Path:
+    """A random-weight checkpoint of `arch` with the tests' tiny tokenizer, and `rows` SFT rows of the
+    paper's shape; returns the meta JSON."""
+    import numpy as np
+    from dataclasses import replace
+    from PIL import Image
+
+    from parvl import PRESETS, ParVL
+    from tiny_tokenizer import write_tiny_tokenizer
+
+    ids = write_tiny_tokenizer(folder / "model")
+    cfg = PRESETS[arch]
+    llm = replace(cfg.llm, vocab_size=max(cfg.llm.vocab_size, ids["vocab_size_tokenizer"]))  # tiny's 512 rows are too few
+    ParVL.from_config(replace(cfg, llm=llm, image_token_id=ids["img_context_id"]), seed=seed).save(folder / "model")
+    rng = np.random.default_rng(seed)
+    words = ["the", "chart", "shows", "a", "value", "of", "image", "red", "blue", "line", "sum", "what", "is"]
+    Image.fromarray(rng.integers(0, 255, (448, 896, 3), dtype=np.uint8)).save(folder / "img.png")  # 2 tiles + thumbnail
+    lines = []
+    for _ in range(rows):
+        q = " ".join(rng.choice(words, 200))  # about 256 text tokens with the template
+        a = " ".join(rng.choice(words, 100))
+        lines.append({"image": "img.png", "conversations": [{"from": "human", "value": "<image>\n" + q},
+                                                            {"from": "gpt", "value": a}]})
+    (folder / "rows.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    meta = {"synthetic": {"root": str(folder), "annotation": str(folder / "rows.jsonl"), "repeat_time": 1,
+                          "length": rows, "data_augment": False}}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder / "meta.json"
+
+
+def step_training(out: Path, dry: bool) -> dict:
+    steps, batch = (2, 2) if dry else (10, 8)
+    meta = synthetic_checkpoint(out / "synthetic", "tiny" if dry else "1b", steps * batch)
+    runs = {}
+    for p in (1, 2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1" if dry else
+               str(max(1, _gpus())), "train.py", "--model", str(meta.parent / "model"), "--data", str(meta),
+               "--out", str(out / f"train_{p}x{p}"), "--pv", str(p), "--pl", str(p), "--max-steps", str(steps),
+               "--global-batch", str(batch), "--micro-batch", "1", "--max-tiles", "2", "--save-every", "100000",
+               "--num-workers", "2"] + ([] if dry else ["--compile"])
+        res = run(cmd, 120 if dry else 240)
+        metrics = out / f"train_{p}x{p}" / "metrics.jsonl"
+        lines = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+        steady = lines[2:] or lines  # the first steps compile
+        res["steps"] = len(lines)
+        if steady:
+            res["tokens_per_s"] = statistics.median(x["tokens_per_s"] for x in steady)
+            mfu = [x["mfu"] for x in steady if x.get("mfu") is not None]
+            res["mfu"] = statistics.median(mfu) if mfu else None
+        runs[f"{p}:{p}"] = res
+    status = "ok" if all(r["status"] == "ok" and r.get("steps") == steps for r in runs.values()) else "failed"
+    return {"status": status, "runs": runs}
+
+
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def markdown(result: dict) -> str:
+    md = [f"# GPU suite ({result['device']}, torch {result['torch']}{', dry run' if result['dry_run'] else ''})", ""]
+    md += ["| step | status | seconds |", "| --- | --- | --- |"]
+    for name in ("tests", "latency", "training"):
+        s = result[name]
+        md.append(f"| {name} | {s['status']} | {s.get('seconds', '')} |")
+    kernels = result["tests"].get("kernels") or {}
+    if kernels:
+        md += ["", "## SDPA kernel per attention case", "", "| case | kernels | fused |", "| --- | --- | --- |"]
+        md += [f"| {case} | {', '.join(k['kernels'])} | {k['fused']} |" for case, k in kernels.items()]
+    rows = result["latency"].get("rows")
+    if rows:
+        md += ["", "## Latency (Table S7 layout; ours / paper)", "",
+               "| Pv:Pl | Shared KV | metric | " + " | ".join(f"batch {b}" for b in sorted({r['batch'] for r in rows})) + " |",
+               "| --- | --- | --- |" + " --- |" * len({r["batch"] for r in rows})]
+        for key in PAPER_S7:
+            mine = sorted((r for r in rows if f"{r['pv']}:{r['pl']}" == key[0] and r["shared_kv"] == key[1]), key=lambda r: r["batch"])
+            for metric, col, paper in (("latency (s)", "latency_s", PAPER_S7[key][0]), ("memory (GB)", "peak_gib", PAPER_S7[key][1])):
+                cells = [f"{r[col] * (2**30 / 1e9 if col == 'peak_gib' else 1):.3f} / {paper[BATCHES.index(r['batch'])]:.3f}"
+                         for r in mine]
+                md.append(f"| {key[0]} | {'yes' if key[1] else 'no'} | {metric} | " + " | ".join(cells) + " |")
+        md += ["", "## Table 4 ratios (vs standard 1:1 at the same batch; ours / paper)", "",
+               "| variant | batch | latency x | memory x |", "| --- | --- | --- | --- |"]
+        for r in rows:
+            key = (f"{r['pv']}:{r['pl']}", r["shared_kv"])
+            if key[0] == "1:1":
+                continue
+            i = BATCHES.index(r["batch"])
+            lat = PAPER_S7[key][0][i] / PAPER_S7[("1:1", False)][0][i]
+            mem = PAPER_S7[key][1][i] / PAPER_S7[("1:1", False)][1][i]
+            md.append(f"| {key[0]}{' shared KV' if key[1] else ''} | {r['batch']} | {r['latency_x']:.2f} / {lat:.2f} | "
+                      f"{r['peak_x']:.2f} / {mem:.2f} |")
+    runs = result["training"].get("runs") or {}
+    if runs:
+        md += ["", "## FSDP2 training (steady steps)", "", "| Pv:Pl | status | tokens/s | MFU |", "| --- | --- | --- | --- |"]
+        for key, r in runs.items():
+            mfu = r.get("mfu")
+            md.append(f"| {key} | {r['status']} | {r.get('tokens_per_s', float('nan')):.0f} | "
+                      f"{'-' if mfu is None or mfu != mfu else f'{100 * mfu:.1f} %'} |")
+    return "\n".join(md) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="The GPU suite: CUDA tests, the latency protocol and FSDP2 training, figures to OUT.")
+    p.add_argument("out", nargs="?", default="runs/h200", help="output folder (default runs/h200)")
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the suite itself (CI)")
+    args = p.parse_args(argv)
+    import torch
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("error: no CUDA device; use --dry-run to check the suite on CPU", file=sys.stderr)
+        return 1
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"dry_run": args.dry_run, "torch": torch.__version__,
+              "device": "cpu" if args.dry_run else torch.cuda.get_device_name(0)}
+    t0 = time.perf_counter()
+    for name, step in (("tests", lambda: step_tests(out, args.dry_run)), ("latency", lambda: step_latency(args.dry_run)),
+                       ("training", lambda: step_training(out, args.dry_run))):
+        try:
+            result[name] = step()
+        except Exception as e:  # noqa: BLE001  the suite records a broken step and goes on
+            result[name] = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
+        (out / "h200.json").write_text(json.dumps(result, indent=2))  # what is done so far survives a kill
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    (out / "h200.json").write_text(json.dumps(result, indent=2))
+    (out / "h200.md").write_text(markdown(result))
+    print((out / "h200.md").read_text())
+    print(json.dumps({k: result[k]["status"] for k in ("tests", "latency", "training")} | {"seconds": result["seconds"]}))
+    return 0 if all(result[k]["status"] == "ok" for k in ("tests", "latency", "training")) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""CUDA paths (bench/h200.sh runs these; skipped without a GPU): compiled decode with
+mode="reduce-overhead" (CUDA graphs) against eager, in bf16, for 1:1, 4:4, shared KV and per-sample
+pairs. The kernel each attention case gets and the graph-break check are in test_kernels.py."""
+from dataclasses import replace
+
+import pytest
+import torch
+
+from generate import Engine, GenerateConfig, decode_one_token, prefill
+from parvl import PRESETS, ParConfig, ParVL
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+NEW = 12
+
+
+def setup(pv: int, pl: int):
+    cfg = replace(PRESETS["tiny"], par=ParConfig(pv=pv, pl=pl, vit_prefix_len=8, llm_prefix_len=8))
+    model = ParVL.from_config(cfg, torch.bfloat16, "cuda", seed=pv * 10 + pl).eval()
+    model.init_branches(std=0.5)
+    g = torch.Generator().manual_seed(pv + pl)
+    per = cfg.tokens_per_tile
+    prompts, tiles = [], []
+    for k, (n_tiles, text) in enumerate([(1, 9), (0, 21), (2, 5)]):
+        ids = torch.randint(0, cfg.image_token_id, (text,), generator=g)
+        if n_tiles:
+            ids = torch.cat([ids[:2], torch.full((per * n_tiles,), cfg.image_token_id), ids[2:]])
+            tiles.append(torch.randn(n_tiles, 3, 448, 448, generator=g))
+        prompts.append(ids.tolist())
+    return model, prompts, torch.cat(tiles).to("cuda", torch.bfloat16)
+
+
+@pytest.mark.parametrize("pv,pl,shared,pairs", [(1, 1, False, False), (4, 4, False, False), (4, 4, True, False),
+                                                (4, 4, False, True)],
+                         ids=["1:1", "4:4", "4:4 shared KV", "4:4 per-sample pairs"])
+@torch.no_grad()
+def test_reduce_overhead_decode_equals_eager(pv, pl, shared, pairs):
+    model, prompts, pixels = setup(pv, pl)
+    kw = dict(vision_branch=[3, 0, 1], language_branch=[2, 2, 0]) if pairs else {}
+    cfg = GenerateConfig(max_new_tokens=NEW, ignore_eos=True)
+    eager = Engine(model, shared_kv=shared).generate(prompts, pixels, cfg, [], **kw).tokens
+    fast = Engine(model, compile=True, shared_kv=shared)  # reduce-overhead on CUDA
+    assert fast.generate(prompts, pixels, cfg, [], **kw).tokens == eager
+    assert fast.generate(prompts, pixels, cfg, [], **kw).tokens == eager  # a graph replay, not only the recording
+
+    # the step's logits on one cache state: compiled with CUDA graphs vs eager, within bf16 rounding
+    B, T = len(prompts), max(map(len, prompts))
+    ids = torch.zeros(B, T, dtype=torch.long, device="cuda")
+    valid = torch.zeros(B, T, dtype=torch.bool, device="cuda")
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):], valid[b, T - len(p):] = torch.tensor(p), True
+    rows = model.language_rows(kw.get("language_branch"), B, "cuda", shared)
+    model.language_model.setup_cache(rows, T + 8)
+    logits = prefill(model, ids, pixels, valid, True, kw.get("vision_branch"), rows)
+    key_valid = torch.ones(B, T + 8, dtype=torch.bool, device="cuda")
+    key_valid[:, :T] = valid
+    step = (logits.argmax(-1, keepdim=True), torch.tensor([T], device="cuda"), valid.sum(-1, keepdim=True), key_valid, rows)
+    want = decode_one_token(model, *step)
+    compiled = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
+    for _ in range(3):  # warm-up, recording, replay
+        got = compiled(model, *step).clone()
+    torch.testing.assert_close(got, want, atol=3e-2, rtol=2e-2)  # bf16: 8 bits of mantissa, two orders of sums
