@@ -135,18 +135,17 @@ def row_inputs(benchmark: str, row: dict, max_tiles: int | None):
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """JSON lines; a last line cut short by an interrupted run is dropped (its row is redone)."""
     if not path.exists():
         return []
+    lines = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
     out = []
-    for k, line in enumerate(path.read_text(encoding="utf-8").splitlines()):
-        if not line.strip():
-            continue
+    for k, line in enumerate(lines):
         try:
             out.append(json.loads(line))
         except json.JSONDecodeError:
-            if k == len(path.read_text(encoding="utf-8").splitlines()) - 1:
-                break  # a last line cut by an interrupted run is dropped and redone
-            raise DataError(f"{path}: line {k + 1} is not JSON") from None
+            if k < len(lines) - 1:
+                raise DataError(f"{path}: line {k + 1} is not JSON") from None
     return out
 
 
@@ -178,7 +177,7 @@ def run(args) -> int:
     for name, value, count in (("--vision-branch", args.vision_branch, par.pv), ("--language-branch", args.language_branch, par.pl)):
         if value is not None and not 0 <= value < count:
             raise ValueError(f"{name} {value} out of range: the checkpoint has {count} branches")
-    engine = Engine(model, compile=args.compile, shared_kv=args.shared_kv,
+    engine = Engine(model, compile=device.type == "cuda" if args.compile is None else args.compile, shared_kv=args.shared_kv,
                     vision_branch=args.vision_branch, language_branch=args.language_branch)
     cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=0.0)
     meta = {"benchmark": args.benchmark, "model": str(folder), "pv": par.pv, "pl": par.pl,
@@ -217,8 +216,10 @@ def run(args) -> int:
             dt = time.perf_counter() - t0
             log(f"rank {rank}: {n_done}/{len(items)} rows, {n_done / dt:.2f} samples/s, {new_tokens / dt:.1f} new tok/s")
     elapsed = time.perf_counter() - t0
-    if distributed:
-        dist.barrier()  # every part file is complete
+    if distributed:  # every part file is complete; corrupt rows counted over all ranks
+        count = torch.tensor([skipped], device=device)
+        dist.all_reduce(count)
+        skipped = int(count)
     if rank == 0:  # merge: one file in TSV order, whatever the world size and the resume history
         order = {r["index"]: k for k, r in enumerate(rows)}
         merged = {str(p["index"]): p for f in [out] + [part(r) for r in range(max(world, 1))] for p in read_jsonl(f)}
@@ -229,7 +230,7 @@ def run(args) -> int:
         os.replace(tmp, out)
         for r in range(world):
             part(r).unlink(missing_ok=True)
-        print(json.dumps({"benchmark": args.benchmark, "rows": len(merged), "new": n_done, "skipped": skipped,
+        print(json.dumps({"benchmark": args.benchmark, "rows": len(merged), "new": len(merged) - len(done), "skipped": skipped,
                           "seconds": round(elapsed, 3), "samples_per_s": round(n_done / elapsed, 3) if elapsed > 0 else None,
                           "world_size": world, "batch_size": args.batch_size}))
     if distributed:
@@ -438,17 +439,44 @@ def report(args) -> int:
             grids[col] = grid
             md += ["", f"{col}", "", "| Pv \\ Pl | " + " | ".join(map(str, pls)) + " |", "|" + " --- |" * (len(pls) + 1)]
             md += [f"| {pv} | " + " | ".join(fmt(v) for v in row) + " |" for pv, row in zip(pvs, grid)]
+    pairs = fixed_pairs(table, configs, columns)  # Table S9
+    for col, p in pairs.items():
+        md += ["", f"{col}: fixed pairs (vision branch rows, language branch columns; marginals; best {p['best']})", "",
+               "| v \\ l | " + " | ".join(map(str, p["l"])) + " | mean |", "|" + " --- |" * (len(p["l"]) + 2)]
+        md += [f"| {v} | " + " | ".join(fmt(x) for x in row) + f" | {fmt(m)} |" for v, row, m in zip(p["v"], p["grid"], p["vision_mean"])]
+        md += ["| mean | " + " | ".join(fmt(m) for m in p["language_mean"]) + " | |"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(md) + "\n")
     data = {"configs": [{"label": config_label(c), "pv": c[0], "pl": c[1], "vision_branch": c[2], "language_branch": c[3],
                          "shared_kv": c[4], "gflops": flops[c], "scores": table[c]} for c in configs],
-            "best": {k: config_label(c) for k, c in best.items()}, "grid_pv": pvs, "grid_pl": pls, "grids": grids}
+            "best": {k: config_label(c) for k, c in best.items()}, "grid_pv": pvs, "grid_pl": pls, "grids": grids,
+            "pairs": pairs}
     (out / "report.json").write_text(json.dumps(data, indent=1) + "\n")
     print("\n".join(md))
     heatmaps(grids, pvs, pls, out)
     print(json.dumps({"report": str(out / "report.md"), "configs": len(configs), "best": data["best"]}))
     return 0
+
+
+def fixed_pairs(table: dict, configs: list, columns: list) -> dict:
+    """Table S9 from fixed-pair runs (both branches set): per column the vision x language matrix, each
+    branch's mean over its partners (only where all partners were run) and the post-hoc best pair."""
+    runs = [c for c in configs if c[2] is not None and c[3] is not None]
+    out = {}
+    for col in columns:
+        mine = [c for c in runs if table[c].get(col) is not None]
+        if not mine:
+            continue
+        got = {(c[2], c[3]): table[c][col] for c in mine}
+        vs, ls = list(range(max(c[0] for c in mine))), list(range(max(c[1] for c in mine)))  # every branch
+        grid = [[got.get((v, l)) for l in ls] for v in vs]
+        mean = lambda xs: sum(xs) / len(xs) if None not in xs else None  # noqa: E731
+        top = max(got.values())
+        out[col] = {"v": vs, "l": ls, "grid": grid, "vision_mean": [mean(row) for row in grid],
+                    "language_mean": [mean([row[j] for row in grid]) for j in range(len(ls))],
+                    "best": [list(k) for k, x in got.items() if x == top]}
+    return out
 
 
 def heatmaps(grids: dict, pvs: list, pls: list, out: Path) -> None:
@@ -602,7 +630,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument("--max-tiles", type=int, default=None, help="tiles per image (default: VLMEvalKit's budget for the benchmark)")
     r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default bf16 on CUDA, fp32 on CPU")
     r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
-    r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False, help="torch.compile the decode step (default off)")
+    r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the decode step (default: on for CUDA, off for CPU)")
     r.add_argument("--shared-kv", action="store_true", help="one mean-reduced token KV cache per sample (Appendix C.2)")
     r.add_argument("--vision-branch", type=int, default=None, help="run only this vision branch (Table S9; default all)")
     r.add_argument("--language-branch", type=int, default=None, help="run only this language branch (default all)")

@@ -8,7 +8,6 @@ import io
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -469,7 +468,12 @@ def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
             files.append(f)
     pair = tmp_path / "pair.json"  # a fixed-pair diagnostic (Table S9) with a high score: never "best"
     pair.write_text(json.dumps({"benchmark": "MMMU_DEV_VAL", "score": 99.0, "pv": 2, "pl": 2, "vision_branch": 0, "language_branch": 1}))
-    rc, out, err = main_out(capsys, "report", *files, pair, "--out", tmp_path / "rep")
+    pairs = []  # Table S9: all four pairs of a 2:2 checkpoint on OCRBench
+    for (vb, lb), v in {(0, 0): 70.0, (0, 1): 74.0, (1, 0): 72.0, (1, 1): 76.0}.items():
+        pairs.append(tmp_path / f"pair{vb}{lb}.json")
+        pairs[-1].write_text(json.dumps({"benchmark": "OCRBench", "score": v, "pv": 2, "pl": 2,
+                                         "vision_branch": vb, "language_branch": lb}))
+    rc, out, err = main_out(capsys, "report", *files, pair, *pairs, "--out", tmp_path / "rep")
     assert rc == 0 and "matplotlib is not installed" in err or (tmp_path / "rep" / "heatmap_All.png").exists()
     data = json.loads((tmp_path / "rep" / "report.json").read_text())
     by = {(c["pv"], c["pl"], c["vision_branch"]): c for c in data["configs"]}
@@ -488,6 +492,10 @@ def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
     # 2:2 All = 50.5, 2:1 All = 50.2778 -> 2:2
     assert best["All"] == "2:2"
     assert "| 2 | 46.0 | 48.0 |" in (tmp_path / "rep" / "report.md").read_text()
+    ocr = data["pairs"]["OCRBench"]
+    assert ocr["grid"] == [[70.0, 74.0], [72.0, 76.0]] and ocr["best"] == [[1, 1]]
+    assert ocr["vision_mean"] == [72.0, 74.0] and ocr["language_mean"] == [71.0, 75.0]
+    assert data["pairs"]["MMMU_DEV_VAL"]["vision_mean"] == [None, None]  # one pair of four run: no marginals
 
 
 # -- fit-law -------------------------------------------------------------------------------------------
@@ -540,3 +548,31 @@ def test_fit_law_reproduces_parscale(name, tmp_path, capsys):
     assert fit["k"] == pytest.approx(want["k"], abs=3e-4)
     assert fit["A"] == pytest.approx(want["A"], rel=3e-3)
     assert fit["r2"] == pytest.approx(want["r2"], abs=1e-4)
+
+
+@pytest.mark.parametrize("options", [dict(vision_branch=1, language_branch=0), dict(shared_kv=True)])
+def test_run_branch_options_pass_through(checkpoint, tmp_path, capsys, monkeypatch, options):
+    """A 2:2 ParVL checkpoint: a fixed pair (Table S9) and shared KV reach the engine and give its answers."""
+    import generate
+    seen = []
+    monkeypatch.setattr(generate, "Engine", lambda model, **kw: seen.append(kw) or Engine(model, **kw))
+    torch.manual_seed(0)
+    model = ParVL.from_pretrained(checkpoint("qwen3", "original"), pv=2, pl=2)
+    model.init_branches(std=2.0)  # large prefixes: a single pair answers differently from all four
+    model.save(tmp_path / "parvl")
+    tsv = write_tsv(tmp_path / "t.tsv", [{"index": "0", "question": "Read it.", "answer": "['x']", "image": png_b64(16, 16, 5)}])
+    flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in options.items()]
+    rc, _, _ = main_out(capsys, "run", "--benchmark", "TextVQA_VAL", "--data", tsv, "--model", tmp_path / "parvl",
+                        "--out", tmp_path / "p.jsonl", "--max-new-tokens", NEW, *flags)
+    (pred,) = read_preds(tmp_path / "p.jsonl")
+    model, tok = ParVL.from_pretrained(tmp_path / "parvl"), Tokenizer.from_pretrained(tmp_path / "parvl")
+    pil = Image.open(io.BytesIO(base64.b64decode(png_b64(16, 16, 5)))).convert("RGB")
+    tiles = load_image(pil, max_tiles=6)  # TextVQA_VAL: 6 tiles
+    ids = tok.encode(build_prompt("<image>\nRead it.\nAnswer the question using a single word or phrase.", [tiles.shape[0]]))
+    want = Engine(model, **options).generate([ids], tiles, GenerateConfig(max_new_tokens=NEW), tok.eos_ids).tokens[0]
+    dense = Engine(model).generate([ids], tiles, GenerateConfig(max_new_tokens=NEW), tok.eos_ids).tokens[0]
+    assert rc == 0 and pred["prediction"] == tok.decode(want, skip_special_tokens=True).strip()
+    assert (pred["pv"], pred["pl"]) == (2, 2) and all(pred[k] == v for k, v in options.items())
+    assert all(seen[0][k] == v for k, v in options.items())
+    if "vision_branch" in options:  # the pair changes the answer, so the comparison above is not vacuous
+        assert want != dense
