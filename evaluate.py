@@ -168,7 +168,11 @@ def run(args) -> int:
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype or ("bf16" if cuda else "fp32")]
     out = Path(args.out)
     part = lambda r: out.with_name(f"{out.name}.part{r}")  # noqa: E731  each rank appends to its own file
-    done = {str(p["index"]) for f in [out] + [part(r) for r in range(world)] for p in read_jsonl(f)}
+    # rows finished by an earlier run, of any world size: the merged file plus unmerged parts
+    earlier = lambda: [out] + sorted(out.parent.glob(out.name + ".part*"))  # noqa: E731
+    done = {str(p["index"]) for f in earlier() for p in read_jsonl(f)}
+    if distributed:
+        dist.barrier()  # every rank has read the old files before any rank appends to them
     todo = [r for r in rows if r["index"] not in done]
     folder = resolve_model(args.model)
     tok = Tokenizer.from_pretrained(folder)
@@ -222,14 +226,15 @@ def run(args) -> int:
         skipped = int(count)
     if rank == 0:  # merge: one file in TSV order, whatever the world size and the resume history
         order = {r["index"]: k for k, r in enumerate(rows)}
-        merged = {str(p["index"]): p for f in [out] + [part(r) for r in range(max(world, 1))] for p in read_jsonl(f)}
+        parts = earlier()
+        merged = {str(p["index"]): p for f in parts for p in read_jsonl(f)}
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text("".join(json.dumps(p, ensure_ascii=False) + "\n"
                                for p in sorted(merged.values(), key=lambda p: order.get(str(p["index"]), len(order)))),
                        encoding="utf-8")
         os.replace(tmp, out)
-        for r in range(world):
-            part(r).unlink(missing_ok=True)
+        for f in parts[1:]:
+            f.unlink()
         print(json.dumps({"benchmark": args.benchmark, "rows": len(merged), "new": len(merged) - len(done), "skipped": skipped,
                           "seconds": round(elapsed, 3), "samples_per_s": round(n_done / elapsed, 3) if elapsed > 0 else None,
                           "world_size": world, "batch_size": args.batch_size}))

@@ -367,6 +367,24 @@ def build_prompt(question, options, prediction):
 def build_prompt_cn(question, options, prediction):
     tmpl = 'CN {} {} {}'
     return tmpl
+def build_prompt_wemath(question, options, prediction):
+    tmpl = 'MCQ-EXTRACT WEMATH Q:{} O:{} A:{}'
+    question = question.replace('FORMAT-RULE', '')
+    return tmpl
+''',
+    "logicvista.py": '''
+def build_prompt_logicvista(line):
+    tmpl = 'LOGIC Q:{} A:{}'
+    return tmpl
+''',
+    "wemath.py": "",
+    "mathv.py": '''
+def get_gpt4_ICE():
+    example_1 = "V1"
+    return [example_1]
+def build_mathv_gpt4_prompt(line):
+    task_description = "MATHV "
+    return task_description
 ''',
     "mathvista.py": '''
 def get_gpt4_ICE():
@@ -388,7 +406,12 @@ class StubJudge(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         StubJudge.requests.append(body)
         prompt = body["messages"][0]["content"]
-        reply = "B" if prompt.startswith("MCQ-EXTRACT") else "14"
+        if prompt.startswith("LOGIC"):  # first try not letters only: the extractor must retry
+            reply = "AC" if body["temperature"] > 0 else "A and C"
+        elif prompt.startswith("MATHV"):
+            reply = "0.6"
+        else:
+            reply = "B" if prompt.startswith("MCQ-EXTRACT") else "14"
         data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -576,3 +599,40 @@ def test_run_branch_options_pass_through(checkpoint, tmp_path, capsys, monkeypat
     assert all(seen[0][k] == v for k, v in options.items())
     if "vision_branch" in options:  # the pair changes the answer, so the comparison above is not vacuous
         assert want != dense
+
+
+def test_judge_wemath_mathvision_logicvista(tmp_path, capsys):
+    kit = tmp_path / "VLMEvalKit" / "vlmeval" / "dataset" / "utils"
+    kit.mkdir(parents=True)
+    for name, text in FAKE_VLMEVALKIT.items():
+        (kit / name).write_text(text)
+    img = png_b64(8, 8, 0)
+    cases = {  # benchmark -> (rows, predictions, expected score)
+        "WeMath": ([{"index": "1", "question": "Angle? FORMAT-RULE", "A": "30", "B": "60", "answer": "B", "key": "2steps_1", "ID": "g"},
+                    {"index": "2", "question": "Side?", "A": "1", "B": "2", "answer": "A", "key": "2steps_2", "ID": "g"},
+                    {"index": "3", "question": "Area?", "A": "3", "B": "4", "answer": "A", "key": "2steps_multi", "ID": "g"}],
+                   {"1": "sixty degrees", "2": "A", "3": "A"}, 100.0),  # all three right with the extractor: CM
+        "MathVision_MINI": ([{"index": "1", "question": "Ratio?", "choices": "[]", "answer": "3/5"}], {"1": "about three fifths"}, 100.0),
+        "LogicVista": ([{"index": "1", "question": "Which?", "answer": "A, C"}], {"1": "I pick A and C"}, 100.0),
+    }
+    server = HTTPServer(("127.0.0.1", 0), StubJudge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for bench, (rows, preds, expected) in cases.items():
+            tsv = write_tsv(tmp_path / f"{bench}.tsv", [r | {"image": img} for r in rows])
+            pj = tmp_path / f"{bench}.jsonl"
+            pj.write_text("".join(json.dumps({"index": k, "prediction": v}) + "\n" for k, v in preds.items()))
+            plain = main_out(capsys, "score", "--benchmark", bench, "--data", tsv, "--predictions", pj)[1]
+            rc, out, _ = main_out(capsys, "score", "--benchmark", bench, "--data", tsv, "--predictions", pj,
+                                  "--judge-url", f"http://127.0.0.1:{server.server_port}/v1", "--judge-model", "stub",
+                                  "--vlmevalkit", tmp_path / "VLMEvalKit")
+            assert rc == 0 and json.loads(out.splitlines()[-1])["score"] == expected, bench
+            assert json.loads(plain.splitlines()[-1])["score"] < expected, bench  # the extractor made the difference
+    finally:
+        server.shutdown()
+        server.server_close()
+    sent = [r["messages"][0]["content"] for r in StubJudge.requests]
+    # WeMath: only the unresolved row is sent, with its template and the format rule removed
+    assert "MCQ-EXTRACT WEMATH Q:Angle?  O:There are several options: \nA. 30\nB. 60\n A:sixty degrees" in sent
+    assert "MATHV V1\nRatio?\nModel respone: about three fifthsExtracted answer:" in sent
+    assert sent.count("LOGIC Q:Which? A:I pick A and C") == 2  # retried at temperature 0.5
