@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import ast
 import csv
+import math
 import operator
 import re
 import string
@@ -75,7 +76,7 @@ def read_tsv(path, required: tuple[str, ...] = ("index", "question", "answer")) 
     image dropped (image_base.py ImageBaseDataset.__init__, skip_noimg)."""
     csv.field_size_limit(sys.maxsize)  # base64 images are far longer than csv's default limit
     try:
-        with open(path, newline="", encoding="utf-8") as f:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not a column name
             reader = csv.reader(f, delimiter="\t")
             header = next(reader, None)
             if header is None:
@@ -128,8 +129,9 @@ _NUMBER_WORDS = {"none": "0", "zero": "0", "one": "1", "two": "2", "three": "3",
 _ARTICLES = {"a", "an", "the"}
 # The VQA contraction table: each written form below is restored from any spelling that lacks
 # exactly one of its apostrophes ("dont" -> "don't", "couldnt've" / "couldn'tve" -> "couldn't've").
-# That rule regenerates every lowercase entry of vqa_eval.py's table; the table's capitalised keys
-# ("Im", "Ive", ...) can never match lowercased words and are left out.
+# That rule regenerates every lowercase entry of vqa_eval.py's table (checked entry by entry); its
+# capitalised keys ("Im", "Ive", ...) never match lowercased words and its two identity entries
+# ("let's", "she's") change nothing, so they are left out.
 _CONTRACTED = (
     "ain't aren't can't could've couldn't couldn't've didn't doesn't don't hadn't hadn't've hasn't haven't "
     "he'd he'd've he's how'd how'll how's isn't it'd it'd've it'll ma'am mightn't mightn't've might've "
@@ -274,8 +276,9 @@ def arithmetic(text: str):
             return _OPS[type(node.op)](ev(node.operand))
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             left, right = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) > 1000:  # refuse astronomically large powers
-                raise ValueError("exponent too large")
+            if isinstance(node.op, ast.Pow) and (abs(right) > 1000 or (
+                    abs(left) > 1 and abs(right) * math.log10(abs(left)) > 4000)):  # no 10^4000-size numbers
+                raise ValueError("power too large")
             return _OPS[type(node.op)](left, right)
         raise ValueError("not arithmetic")
     try:
@@ -293,7 +296,7 @@ def mathv_equal(answer, truth) -> bool:
     x, y = arithmetic(t), arithmetic(a)
     try:
         return x is not None and y is not None and abs(x - y) < 1e-6
-    except TypeError:
+    except (TypeError, OverflowError):  # a huge integer against a float: not within 1e-6 either
         return False
 
 
