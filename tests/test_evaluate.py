@@ -175,6 +175,7 @@ def test_mathvision_equivalence_1e6_and_no_eval():
     assert not S.mathvision_check(free, "0.601")[0]
     assert S.mathvision_check({"index": "1", "choices": "[]", "answer": "A"}, " a ")[0]  # lower / strip
     assert S.arithmetic("__import__('os').getcwd()") is None and S.arithmetic("9**9**9") is None
+    assert not S.mathv_equal("9**900", "1.5")  # a huge integer against a float: no OverflowError
     mc = {"index": "2", "choices": "['1', '2', '3']", "answer": "C"}
     assert S.mathvision_check(mc, "The answer is (C)") == (True, "C")
     s = S.score("MathVision_MINI", [free, mc], {"0": "The answer is 0.6", "2": "C"})
@@ -329,6 +330,8 @@ def test_run_two_ranks_equal_one(bench, full_run, tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stderr[-3000:]
     assert out.read_text() == full_run.read_text()
+    # rows 10, 12, 14 on rank 0; 11 and the corrupt 13 on rank 1
+    assert "rank 0: 3/3 rows" in res.stderr and "rank 1: 1/1 rows" in res.stderr
     assert not list(tmp_path.glob("*.part*"))
 
 
