@@ -395,6 +395,12 @@ def wemath_groups(per_row: list[dict]) -> dict:
     return counts
 
 
+def wemath_strict(counts: dict) -> float:
+    """Eq. A1: 100 (N_CM + 0.5 N_IG) / problems; a group with any wrong one-step answer earns
+    nothing, even when its multi-step answer is right."""
+    return 100 * (counts["CM"] + 0.5 * counts["IG"]) / counts["problems"] if counts["problems"] else 0.0
+
+
 # -- the scorer ----------------------------------------------------------------------------------
 
 
@@ -428,10 +434,10 @@ def score(benchmark: str, rows: list[dict], predictions: dict[str, str], extract
         for x, r in zip(per_row, rows):
             x["key"], x["ID"] = r["key"], r["ID"]
         g = wemath_groups(per_row)
-        value = 100 * (g["CM"] + 0.5 * g["IG"]) / g["problems"] if g["problems"] else 0.0  # Eq. A1
-        # VLMEvalKit's own strict formula, which credits groups absent from a partial run
+        # VLMEvalKit's own strict formula (evaluate_update_main_results_df), which also credits groups
+        # absent from a partial run; equal to Eq. A1 on the full 525 groups
         g["vlmevalkit_strict"] = 100 * (525 - 0.5 * g["IG"] - g["RM"] - g["IK"]) / 525
-        return Score(benchmark, value, n, unresolved, per_row, g)
+        return Score(benchmark, wemath_strict(g), n, unresolved, per_row, g)
     value = 100 * sum(float(x["hit"]) for x in per_row) / n if n else 0.0
     return Score(benchmark, value, n, unresolved, per_row)
 
