@@ -500,7 +500,9 @@ def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
         pairs[-1].write_text(json.dumps({"benchmark": "OCRBench", "score": v, "pv": 2, "pl": 2,
                                          "vision_branch": vb, "language_branch": lb}))
     rc, out, err = main_out(capsys, "report", *files, pair, *pairs, "--out", tmp_path / "rep")
-    assert rc == 0 and "matplotlib is not installed" in err or (tmp_path / "rep" / "heatmap_All.png").exists()
+    assert rc == 0
+    # matplotlib is optional: without it one line says so, with it every grid gets a heatmap
+    assert "matplotlib is not installed" in err or (tmp_path / "rep" / "heatmap_All.png").exists()
     data = json.loads((tmp_path / "rep" / "report.json").read_text())
     by = {(c["pv"], c["pl"], c["vision_branch"]): c for c in data["configs"]}
     s22 = by[(2, 2, None)]["scores"]
