@@ -289,7 +289,8 @@ def arithmetic(text: str):
 
 def mathv_equal(answer, truth) -> bool:
     """mathv.py is_equal without its latex2sympy step: equal after lower/strip, or both arithmetic
-    with |a - b| < 1e-6."""
+    with |a - b| < 1e-6. Not reproduced: upstream's eval() of the reply "a" (any case) reads is_equal's
+    own local variable a, so that reply equals every numeric answer there."""
     a, t = str(answer).lower().strip(), str(truth).lower().strip()
     if a == t:
         return True
