@@ -1,0 +1,598 @@
+"""Evaluation of ParVL on the paper's nine benchmarks (Appendix A.3), the allocation study's tables
+(Tables 1, 2, S2, S4, S9) and ParScale's parallel scaling-law fit.
+
+    python evaluate.py run --benchmark TextVQA_VAL --data TextVQA_VAL.tsv --model DIR --out pred.jsonl
+    torchrun --nproc-per-node 8 evaluate.py run ...          # data parallel, same merged output
+    python evaluate.py score --benchmark TextVQA_VAL --data TextVQA_VAL.tsv --predictions pred.jsonl
+    python evaluate.py report runs/*/score_*.json --out report/
+    python evaluate.py fit-law losses.csv                    # columns params,p,loss
+
+run: VLMEvalKit's TSV rows -> prompts as VLMEvalKit builds them for InternVL3.5 (vlm/internvl/
+internvl_chat.py InternVLChat.build_prompt, set_max_num, generate_v2; vlm/internvl/utils.py
+build_multi_choice_prompt, reorganize_prompt), greedy decoding with generate.py's Engine, batched
+and sorted by prompt length, resumable, sharded over torchrun ranks. score: scoring.py, with an
+optional OpenAI-compatible answer extractor (--judge-url) fed VLMEvalKit's own extraction prompts,
+which are read from a VLMEvalKit checkout (--vlmevalkit DIR) rather than copied here. report:
+Eq. A3 aggregates, Pv x Pl grids, best configuration with ties broken toward fewer FLOPs
+(profiling.py). fit-law: ParScale's parametric_fit.py (Huber on log L, delta 1e-3, L-BFGS from its
+grid of starts).
+
+Formats: PRED.jsonl rows {"index", "prediction", "benchmark", "model", "pv", "pl", "vision_branch",
+"language_branch", "shared_kv", "new_tokens"}; score JSON {"benchmark", "score" (0-100), "n",
+"unresolved", "missing", configuration fields}; fit-law CSV params (raw parameter count N), p, loss.
+Bad input: one line on stderr, exit 1 (bad input) or 2 (usage).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import base64
+import binascii
+import csv
+import hashlib
+import io
+import itertools
+import json
+import math
+import os
+import re
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import torch
+
+from scaling_law import fit_law
+from scoring import BENCHMARKS, SCORE_COLUMNS, DataError, as_list, options, read_tsv, score
+
+# Per benchmark: prompt kind (InternVLChat.build_prompt by DATASET_TYPE), tile budget (set_max_num:
+# 12 for ChartQA_TEST / MMMU_DEV_VAL, 18 for DocVQA_VAL, 24 for OCRBench, else 6). max_new_tokens
+# is InternVLChat's default of 4096 for all nine (vlmeval/config.py passes none for InternVL3.5).
+PROTOCOL = {
+    "MMMU_DEV_VAL": ("mcq", 12), "MathVista_MINI": ("plain", 6), "MathVision_MINI": ("plain", 6),
+    "LogicVista": ("plain", 6), "WeMath": ("mcq", 6), "ChartQA_TEST": ("short", 12),
+    "TextVQA_VAL": ("short", 6), "DocVQA_VAL": ("short", 18), "OCRBench": ("short", 24),
+}
+MAX_NEW_TOKENS = 4096
+TOTAL_MAX_TILES = 64  # set_max_num's total_max_num: a row's images share 64 tiles
+GROUPS = {"General": ("MMMU_DEV_VAL",), "Math": ("MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath"),
+          "OCR": ("ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")}
+CONFIG_FIELDS = ("model", "pv", "pl", "vision_branch", "language_branch", "shared_kv")
+_CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+# -- run: prompts ------------------------------------------------------------------------------
+
+
+def question_text(benchmark: str, row: dict) -> str:
+    """The text InternVLChat.build_prompt produces for one TSV row."""
+    kind = PROTOCOL[benchmark][0]
+    q = row["question"] or "nan"
+    if kind == "short":  # VQA datasets listed for a one-word answer
+        return q + "\nAnswer the question using a single word or phrase."
+    if kind == "plain":  # MathVista, MathVision, LogicVista: the question as stored
+        return q
+    # utils.py build_multi_choice_prompt: hint, question, "\nA. ...", then the instruction
+    if row.get("hint") is not None:
+        q = row["hint"] + "\n" + q
+    opts = options(row)
+    q += "".join(f"\n{k}. {v}" for k, v in opts.items())
+    cn = _CJK.search(q) is not None
+    if opts:
+        return q + ("\n请直接回答选项字母。" if cn else "\nAnswer with the option's letter from the given choices directly.")
+    return q + ("\n请直接回答问题。" if cn else "\nAnswer the question directly.")
+
+
+def decode_images(row: dict) -> list:
+    """The row's images as RGB PIL images (VLMEvalKit writes them to PNG first: lossless)."""
+    from PIL import Image
+
+    from processor import open_rgb
+    out = []
+    for k, b64 in enumerate(as_list(row["image"])):
+        try:
+            data = base64.b64decode(b64)
+        except (binascii.Error, ValueError) as e:
+            raise ValueError(f"image {k}: not base64 ({e})") from None
+        img = open_rgb(Image.open(io.BytesIO(data))) if data else None
+        if img is None:
+            raise ValueError(f"image {k}: empty")
+        out.append(img)
+    return out
+
+
+def row_inputs(benchmark: str, row: dict, max_tiles: int | None):
+    """(prompt string, pixel tiles [N,3,448,448] or None) for one row, as generate_v2 builds them.
+    A corrupt image raises ValueError."""
+    from PIL import Image
+
+    from processor import ImageError, build_multi_image_question, build_prompt, load_image
+    try:
+        images = decode_images(row) if row.get("image") is not None else []
+        budget = max_tiles or PROTOCOL[benchmark][1]
+        per_image = max(1, min(budget, TOTAL_MAX_TILES // max(1, len(images))))
+        if images and benchmark == "MMMU_DEV_VAL":  # generate_v2 upscales MMMU's first image 2x
+            images[0] = images[0].resize((images[0].width * 2, images[0].height * 2), Image.BILINEAR)
+        tiles = [load_image(img, max_tiles=per_image) for img in images]
+    except (ImageError, OSError, ValueError) as e:
+        raise ValueError(f"corrupt image: {' '.join(str(e).split())[:200]}") from None
+    text = question_text(benchmark, row)
+    # reorganize_prompt: one image -> "<image>\n" + text; several -> "Image-k: <image>\n" prefixes
+    if len(images) == 1:
+        text = "<image>\n" + text
+    elif len(images) > 1:
+        text = build_multi_image_question(text, len(images))
+    prompt = build_prompt(text, [t.shape[0] for t in tiles])
+    return prompt, (torch.cat(tiles) if tiles else None)
+
+
+# -- run: the loop -----------------------------------------------------------------------------
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """JSON lines; a last line cut short by an interrupted run is dropped (its row is redone)."""
+    if not path.exists():
+        return []
+    lines = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    out = []
+    for k, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k < len(lines) - 1:
+                raise DataError(f"{path}: line {k + 1} is not JSON") from None
+    return out
+
+
+def run(args) -> int:
+    import torch.distributed as dist
+
+    from generate import Engine, GenerateConfig, resolve_model
+    from parvl import ParVL
+    from processor import Tokenizer
+
+    if args.benchmark not in BENCHMARKS:
+        raise DataError(f"unknown benchmark {args.benchmark!r}; choose from {', '.join(BENCHMARKS)}")
+    rows = read_tsv(args.data, ("index", "question", "image"))
+    distributed = "RANK" in os.environ
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    if distributed:
+        dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype or ("bf16" if cuda else "fp32")]
+    out = Path(args.out)
+    part = lambda r: out.with_name(f"{out.name}.part{r}")  # noqa: E731  each rank appends to its own file
+    # rows finished by an earlier run, of any world size: the merged file plus unmerged parts
+    earlier = lambda: [out] + sorted(out.parent.glob(out.name + ".part*"))  # noqa: E731
+    done = {str(p["index"]) for f in earlier() for p in read_jsonl(f)}
+    if distributed:
+        dist.barrier()  # every rank has read the old files before any rank appends to them
+    todo = [r for r in rows if r["index"] not in done]
+    folder = resolve_model(args.model)
+    tok = Tokenizer.from_pretrained(folder)
+    model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
+    par = model.cfg.par
+    for name, value, count in (("--vision-branch", args.vision_branch, par.pv), ("--language-branch", args.language_branch, par.pl)):
+        if value is not None and not 0 <= value < count:
+            raise ValueError(f"{name} {value} out of range: the checkpoint has {count} branches")
+    engine = Engine(model, compile=device.type == "cuda" if args.compile is None else args.compile, shared_kv=args.shared_kv,
+                    vision_branch=args.vision_branch, language_branch=args.language_branch)
+    cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    meta = {"benchmark": args.benchmark, "model": str(folder), "pv": par.pv, "pl": par.pl,
+            "vision_branch": args.vision_branch, "language_branch": args.language_branch, "shared_kv": args.shared_kv}
+    if rank == 0:
+        log(f"{args.benchmark}: {len(rows)} rows, {len(done)} done, {len(todo)} to run on {world} rank(s); "
+            f"Pv:Pl = {par.pv}:{par.pl}, {dtype}, {device}, batch {args.batch_size}")
+
+    # first pass over this rank's rows: prompt lengths (to sort) and corrupt images (reported, skipped);
+    # the tiles are rebuilt batch by batch, so memory holds one batch of pixels, not the benchmark's
+    items, skipped = [], 0
+    for r in todo[rank::world]:
+        try:
+            prompt, _ = row_inputs(args.benchmark, r, args.max_tiles)
+        except ValueError as e:
+            log(f"row {r['index']}: {e}; skipped")
+            skipped += 1
+            continue
+        items.append((r, tok.encode(prompt)))
+    items.sort(key=lambda x: -len(x[1]))  # longest first: similar lengths share a batch, less padding
+    t0, n_done, new_tokens = time.perf_counter(), 0, 0
+    with open(part(rank), "a", encoding="utf-8") as f:
+        for b in range(0, len(items), args.batch_size):
+            batch = items[b:b + args.batch_size]
+            pixels = [p for p in (row_inputs(args.benchmark, r, args.max_tiles)[1] for r, _ in batch) if p is not None]
+            pv = torch.cat(pixels).to(device, dtype) if pixels else None
+            res = engine.generate([ids for _, ids in batch], pv, cfg, stop_ids=tok.eos_ids, pad_id=0)
+            for (r, _), toks in zip(batch, res.tokens):
+                # the official chat(): batch_decode(skip_special_tokens=True), split at the separator, strip
+                text = tok.decode(toks, skip_special_tokens=True).split("<|im_end|>")[0].strip()
+                f.write(json.dumps({"index": r["index"], "prediction": text, **meta, "new_tokens": len(toks)},
+                                   ensure_ascii=False) + "\n")
+                new_tokens += len(toks)
+            f.flush()
+            n_done += len(batch)
+            dt = time.perf_counter() - t0
+            log(f"rank {rank}: {n_done}/{len(items)} rows, {n_done / dt:.2f} samples/s, {new_tokens / dt:.1f} new tok/s")
+    elapsed = time.perf_counter() - t0
+    if distributed:  # every part file is complete; corrupt rows counted over all ranks
+        count = torch.tensor([skipped], device=device)
+        dist.all_reduce(count)
+        skipped = int(count)
+    if rank == 0:  # merge: one file in TSV order, whatever the world size and the resume history
+        order = {r["index"]: k for k, r in enumerate(rows)}
+        parts = earlier()
+        merged = {str(p["index"]): p for f in parts for p in read_jsonl(f)}
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text("".join(json.dumps(p, ensure_ascii=False) + "\n"
+                               for p in sorted(merged.values(), key=lambda p: order.get(str(p["index"]), len(order)))),
+                       encoding="utf-8")
+        os.replace(tmp, out)
+        for f in parts[1:]:
+            f.unlink()
+        print(json.dumps({"benchmark": args.benchmark, "rows": len(merged), "new": len(merged) - len(done), "skipped": skipped,
+                          "seconds": round(elapsed, 3), "samples_per_s": round(n_done / elapsed, 3) if elapsed > 0 else None,
+                          "world_size": world, "batch_size": args.batch_size}))
+    if distributed:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+# -- score: the optional LLM answer extractor ----------------------------------------------------
+
+
+def upstream_strings(path: Path, function: str) -> dict[str, str]:
+    """String constants assigned inside `function` of a VLMEvalKit source file, by variable name,
+    plus the first argument of its .replace(...) calls under "replace:<k>", read with ast (the
+    file is parsed, never run)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError) as e:
+        raise DataError(f"{path}: cannot read VLMEvalKit source: {e}") from None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            found, k = {}, 0
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Assign) and isinstance(sub.value, ast.Constant) and isinstance(sub.value.value, str):
+                    found.update({t.id: sub.value.value for t in sub.targets if isinstance(t, ast.Name)})
+                if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == "replace"
+                        and sub.args and isinstance(sub.args[0], ast.Constant)):
+                    found[f"replace:{k}"], k = sub.args[0].value, k + 1
+            return found
+    raise DataError(f"{path}: has no function {function} (is this a VLMEvalKit checkout?)")
+
+
+class Judge:
+    """An OpenAI-compatible chat endpoint used the way VLMEvalKit uses its judge, with every reply
+    cached in a JSONL file (keyed by model, prompt, temperature and attempt), so a rerun is free."""
+
+    def __init__(self, url: str, model: str, cache: Path, vlmevalkit: Path, benchmark: str):
+        self.url, self.model, self.cache_path = url.rstrip("/"), model, cache
+        self.cache = {c["key"]: c["reply"] for c in read_jsonl(cache)}
+        self.calls, self.benchmark = 0, benchmark
+        utils = Path(vlmevalkit) / "vlmeval" / "dataset" / "utils"
+        if benchmark in ("MMMU_DEV_VAL", "WeMath"):  # multiple_choice.py extract_answer_from_item
+            name = "build_prompt_wemath" if benchmark == "WeMath" else "build_prompt"
+            self.mcq = upstream_strings(utils / "multiple_choice.py", name)
+            self.mcq_cn = upstream_strings(utils / "multiple_choice.py", "build_prompt_cn")["tmpl"]
+        elif benchmark in ("MathVista_MINI", "MathVision_MINI"):  # build_mathvista_gpt4_prompt, get_gpt4_ICE
+            f = utils / ("mathvista.py" if benchmark == "MathVista_MINI" else "mathv.py")
+            task = upstream_strings(f, "build_mathvista_gpt4_prompt" if benchmark == "MathVista_MINI" else "build_mathv_gpt4_prompt")
+            ice = upstream_strings(f, "get_gpt4_ICE")
+            self.math = (task["task_description"], [ice[k] for k in sorted(ice) if k.startswith("example_")])
+        elif benchmark == "LogicVista":
+            self.logic = upstream_strings(utils / "logicvista.py", "build_prompt_logicvista")["tmpl"]
+
+    def ask(self, prompt: str, temperature: float = 0.0, attempt: int = 0, max_tokens: int | None = None) -> str:
+        key = hashlib.sha256(json.dumps([self.model, prompt, temperature, attempt]).encode()).hexdigest()
+        if key not in self.cache:
+            body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": temperature}
+            if max_tokens:
+                body["max_tokens"] = max_tokens
+            req = urllib.request.Request(self.url + "/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    reply = json.loads(r.read())["choices"][0]["message"]["content"]
+            except (urllib.error.URLError, OSError, KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
+                raise DataError(f"judge {self.url}: request failed: {e}") from None
+            self.cache[key], self.calls = reply, self.calls + 1
+            with open(self.cache_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"key": key, "reply": reply}, ensure_ascii=False) + "\n")
+        return self.cache[key]
+
+    def __call__(self, kind: str, row: dict, prediction: str):
+        from scoring import can_infer, mmmu_choices
+        if kind == "mcq":  # 3 tries; upstream then draws a random letter, we count the row unresolved
+            choices = mmmu_choices(row)[0] if self.benchmark == "MMMU_DEV_VAL" else options(row)
+            option_str = "There are several options: \n" + "".join(f"{c}. {v}\n" for c, v in choices.items())
+            question = row["question"] or "nan"
+            if self.benchmark == "WeMath":  # its own template, after dropping the answer-format requirement
+                tmpl = self.mcq["tmpl"]
+                question = question.replace(self.mcq.get("replace:0", "\0"), "")
+            else:  # the Chinese template for a question in Chinese
+                tmpl = self.mcq_cn if _CJK.search(question) else self.mcq["tmpl"]
+            prompt = tmpl.format(question, option_str, prediction)
+            for attempt in range(3):
+                got = can_infer(self.ask(prompt, 0.0, attempt), choices)
+                if got is not None:
+                    return got
+            return None
+        if kind == "math":  # 5 tries at temperature 0, 0.5, ...; the reply is the extracted answer
+            task, examples = self.math
+            prompt = task + "".join(e + "\n" for e in examples) + (row["question"] or "nan") + "\n"
+            prompt += "Model respone: " + prediction + "Extracted answer:"  # upstream's spelling and spacing
+            for attempt in range(5):
+                reply = self.ask(prompt, attempt * 0.5, attempt, max_tokens=128)
+                if "Failed to obtain answer via API" not in reply:
+                    return reply
+            return None
+        prompt = self.logic.format(row["question"] or "nan", prediction)  # LogicVista: 5 tries
+        for attempt in range(5):
+            reply = self.ask(prompt, attempt * 0.5, attempt, max_tokens=128)
+            if reply.isupper() and reply.isalpha():
+                return reply
+        return None
+
+
+def score_cmd(args) -> int:
+    if args.benchmark not in BENCHMARKS:
+        raise DataError(f"unknown benchmark {args.benchmark!r}; choose from {', '.join(BENCHMARKS)}")
+    required = ("index", "answer") + SCORE_COLUMNS.get(args.benchmark, ())
+    rows = read_tsv(args.data, required)
+    preds_path = Path(args.predictions)
+    if not preds_path.exists():
+        raise DataError(f"{preds_path}: no such predictions file")
+    preds = read_jsonl(preds_path)
+    known = {r["index"] for r in rows}
+    for p in preds:
+        if "index" not in p or "prediction" not in p:
+            raise DataError(f"{preds_path}: a row lacks 'index' or 'prediction': {json.dumps(p)[:120]}")
+        if str(p["index"]) not in known:
+            raise DataError(f"{preds_path}: prediction index {p['index']!r} is not in {args.data}")
+    predictions = {str(p["index"]): str(p["prediction"]) for p in preds}
+    judge = None
+    if args.judge_url:
+        if not args.judge_model or not args.vlmevalkit:
+            raise DataError("--judge-url needs --judge-model and --vlmevalkit (a VLMEvalKit checkout, for its prompts)")
+        cache = Path(args.judge_cache or str(preds_path) + f".judge-{args.judge_model.replace('/', '_')}.jsonl")
+        judge = Judge(args.judge_url, args.judge_model, cache, Path(args.vlmevalkit), args.benchmark)
+    result = score(args.benchmark, rows, predictions, judge)
+    missing = sum(r["index"] not in predictions for r in rows)
+    if missing:
+        log(f"warning: {missing} TSV rows have no prediction and are not scored")
+    if args.rows_out:
+        Path(args.rows_out).write_text("".join(json.dumps(x, ensure_ascii=False, default=str) + "\n" for x in result.per_row))
+    config = {k: preds[0].get(k) for k in CONFIG_FIELDS} if preds else {}
+    line = {"benchmark": args.benchmark, "score": round(result.value, 4), "n": result.n,
+            "unresolved": result.unresolved, "missing": missing, **config, **result.extra}
+    if judge is not None:
+        line |= {"judge_model": args.judge_model, "judge_calls": judge.calls}
+    if args.out:
+        Path(args.out).write_text(json.dumps(line) + "\n")
+    print(json.dumps(line))
+    return 0
+
+
+# -- report: the allocation study's tables ------------------------------------------------------
+
+
+def aggregates(scores: dict[str, float]) -> dict[str, float | None]:
+    """Eq. A3: General = MMMU, Math and OCR = means of their four, All = mean of all nine."""
+    out = {g: (sum(scores[b] for b in bs) / len(bs) if all(b in scores for b in bs) else None) for g, bs in GROUPS.items()}
+    out["All"] = sum(scores[b] for b in BENCHMARKS) / 9 if all(b in scores for b in BENCHMARKS) else None
+    return out
+
+
+def config_label(c: tuple) -> str:
+    pv, pl, vb, lb, shared = c
+    label = f"{pv}:{pl}"
+    if vb is not None or lb is not None:
+        label += f" pair ({'*' if vb is None else vb},{'*' if lb is None else lb})"
+    return label + (" sharedKV" if shared else "")
+
+
+def report(args) -> int:
+    from profiling import profile_params
+
+    runs: dict[tuple, dict[str, float]] = {}
+    for name in args.runs:
+        try:
+            text = Path(name).read_text().strip()
+            s = json.loads(text.splitlines()[-1])
+            bench, value = s["benchmark"], float(s["score"])
+            key = (int(s["pv"]), int(s["pl"]), s.get("vision_branch"), s.get("language_branch"), bool(s.get("shared_kv")))
+        except (OSError, IndexError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            raise DataError(f"{name}: not a score file with benchmark, score, pv, pl ({type(e).__name__}: {e})") from None
+        if bench not in BENCHMARKS:
+            raise DataError(f"{name}: unknown benchmark {bench!r}")
+        if bench in runs.setdefault(key, {}):
+            raise DataError(f"{name}: a second {bench} score for configuration {config_label(key)}")
+        runs[key][bench] = value
+    configs = sorted(runs, key=lambda c: (c[4], c[2] is not None or c[3] is not None, c[0], c[1], c[2] or 0, c[3] or 0))
+    columns = list(BENCHMARKS) + ["General", "Math", "OCR", "All"]
+    table = {c: runs[c] | aggregates(runs[c]) for c in configs}
+    flops = {}
+    for c in configs:
+        flops[c] = profile_params(args.arch, c[0], c[1])["total_gflops"]  # the Table S3 workload
+    # Table S2: best configuration per column among full (dense) runs, ties at the reported precision
+    # going to fewer FLOPs (fixed-pair runs are diagnostics, Table S9, and do not compete)
+    best = {}
+    for col in columns:
+        cands = [c for c in configs if c[2] is None and c[3] is None and table[c].get(col) is not None]
+        if cands:
+            top = max(round(table[c][col], args.tie_decimals) for c in cands)
+            tied = [c for c in cands if round(table[c][col], args.tie_decimals) == top]
+            best[col] = min(tied, key=lambda c: flops[c])
+    fmt = lambda v: "-" if v is None else f"{v:.{args.tie_decimals}f}"  # noqa: E731
+    md = ["| Pv:Pl | GFLOPs | " + " | ".join(columns) + " |", "|" + " --- |" * (len(columns) + 2)]
+    md += [f"| {config_label(c)} | {flops[c]:.2f} | " + " | ".join(fmt(table[c].get(k)) for k in columns) + " |" for c in configs]
+    md += ["", "Best configuration (ties to fewer FLOPs):", ""]
+    md += ["| " + " | ".join(best) + " |", "|" + " --- |" * len(best), "| " + " | ".join(config_label(c) for c in best.values()) + " |"]
+    grids = {}  # Table 2 / S4: Pv rows x Pl columns per benchmark and aggregate, dense runs only
+    dense = [c for c in configs if c[2] is None and c[3] is None and not c[4]]
+    pvs, pls = sorted({c[0] for c in dense}), sorted({c[1] for c in dense})
+    for col in columns:
+        grid = [[table.get((pv, pl, None, None, False), {}).get(col) for pl in pls] for pv in pvs]
+        if any(v is not None for row in grid for v in row):
+            grids[col] = grid
+            md += ["", f"{col}", "", "| Pv \\ Pl | " + " | ".join(map(str, pls)) + " |", "|" + " --- |" * (len(pls) + 1)]
+            md += [f"| {pv} | " + " | ".join(fmt(v) for v in row) + " |" for pv, row in zip(pvs, grid)]
+    pairs = fixed_pairs(table, configs, columns)  # Table S9
+    for col, p in pairs.items():
+        md += ["", f"{col}: fixed pairs (vision branch rows, language branch columns; marginals; best {p['best']})", "",
+               "| v \\ l | " + " | ".join(map(str, p["l"])) + " | mean |", "|" + " --- |" * (len(p["l"]) + 2)]
+        md += [f"| {v} | " + " | ".join(fmt(x) for x in row) + f" | {fmt(m)} |" for v, row, m in zip(p["v"], p["grid"], p["vision_mean"])]
+        md += ["| mean | " + " | ".join(fmt(m) for m in p["language_mean"]) + " | |"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.md").write_text("\n".join(md) + "\n")
+    data = {"configs": [{"label": config_label(c), "pv": c[0], "pl": c[1], "vision_branch": c[2], "language_branch": c[3],
+                         "shared_kv": c[4], "gflops": flops[c], "scores": table[c]} for c in configs],
+            "best": {k: config_label(c) for k, c in best.items()}, "grid_pv": pvs, "grid_pl": pls, "grids": grids,
+            "pairs": pairs}
+    (out / "report.json").write_text(json.dumps(data, indent=1) + "\n")
+    print("\n".join(md))
+    heatmaps(grids, pvs, pls, out)
+    print(json.dumps({"report": str(out / "report.md"), "configs": len(configs), "best": data["best"]}))
+    return 0
+
+
+def fixed_pairs(table: dict, configs: list, columns: list) -> dict:
+    """Table S9 from fixed-pair runs (both branches set): per column the vision x language matrix, each
+    branch's mean over its partners (only where all partners were run) and the post-hoc best pair."""
+    runs = [c for c in configs if c[2] is not None and c[3] is not None]
+    out = {}
+    for col in columns:
+        mine = [c for c in runs if table[c].get(col) is not None]
+        if not mine:
+            continue
+        got = {(c[2], c[3]): table[c][col] for c in mine}
+        vs, ls = list(range(max(c[0] for c in mine))), list(range(max(c[1] for c in mine)))  # every branch
+        grid = [[got.get((v, l)) for l in ls] for v in vs]
+        mean = lambda xs: sum(xs) / len(xs) if None not in xs else None  # noqa: E731
+        top = max(got.values())
+        out[col] = {"v": vs, "l": ls, "grid": grid, "vision_mean": [mean(row) for row in grid],
+                    "language_mean": [mean([row[j] for row in grid]) for j in range(len(ls))],
+                    "best": [list(k) for k, x in got.items() if x == top]}
+    return out
+
+
+def heatmaps(grids: dict, pvs: list, pls: list, out: Path) -> None:
+    """One PNG per grid (the Table S4 heatmaps); matplotlib is optional."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: heatmaps skipped (the tables are written)")
+        return
+    for col, grid in grids.items():
+        fig, ax = plt.subplots(figsize=(3.2, 2.8))
+        vals = [[math.nan if v is None else v for v in row] for row in grid]
+        im = ax.imshow(vals, cmap="viridis")
+        ax.set_xticks(range(len(pls)), pls), ax.set_yticks(range(len(pvs)), pvs)
+        ax.set_xlabel("Pl"), ax.set_ylabel("Pv"), ax.set_title(col)
+        for i, j in itertools.product(range(len(pvs)), range(len(pls))):
+            if not math.isnan(vals[i][j]):
+                ax.text(j, i, f"{vals[i][j]:.1f}", ha="center", va="center", color="w")
+        fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        fig.savefig(out / f"heatmap_{col}.png", dpi=100)
+        plt.close(fig)
+
+
+# -- fit-law: ParScale's parallel scaling law (scaling_law.py) ------------------------------------
+
+
+def fit_law_cmd(args) -> int:
+    try:
+        with open(args.csv, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError as e:
+        raise DataError(f"{args.csv}: {e}") from None
+    if not rows:
+        raise DataError(f"{args.csv}: empty CSV (need a header params,p,loss and data rows)")
+    missing = [c for c in ("params", "p", "loss") if c not in rows[0]]
+    if missing:
+        raise DataError(f"{args.csv}: missing column(s) {', '.join(missing)}")
+    try:
+        N, P, L = ([float(r[c]) for r in rows] for c in ("params", "p", "loss"))
+    except (TypeError, ValueError) as e:
+        raise DataError(f"{args.csv}: a params, p or loss cell is not a number ({e})") from None
+    if min(N) <= 0 or min(P) < 1 or min(L) <= 0:
+        raise DataError(f"{args.csv}: need params > 0, p >= 1 and loss > 0")
+    fit = fit_law(N, P, L)
+    print(f"{'params':>14} {'p':>4} {'loss':>8} {'fitted':>8} {'error':>8}")
+    for n, p, l, q in zip(N, P, L, fit["pred"]):
+        print(f"{n:>14,.0f} {p:>4g} {l:>8.4f} {q:>8.4f} {q - l:>+8.4f}")
+    print(json.dumps({k: v for k, v in fit.items() if k != "pred"}))
+    return 0
+
+
+# -- the command ---------------------------------------------------------------------------------
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="generate predictions for a benchmark TSV")
+    r.add_argument("--benchmark", required=True, help=f"VLMEvalKit dataset name: {', '.join(BENCHMARKS)}")
+    r.add_argument("--data", required=True, help="the benchmark's VLMEvalKit TSV")
+    r.add_argument("--model", default=os.environ.get("PARVL_MODEL"), help="checkpoint folder (default: $PARVL_MODEL)")
+    r.add_argument("--out", required=True, help="predictions JSONL; rows already there are skipped (resume)")
+    r.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default 8)")
+    r.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help=f"token budget per answer (default {MAX_NEW_TOKENS}, VLMEvalKit's)")
+    r.add_argument("--max-tiles", type=int, default=None, help="tiles per image (default: VLMEvalKit's budget for the benchmark)")
+    r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default bf16 on CUDA, fp32 on CPU")
+    r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
+    r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the decode step (default: on for CUDA, off for CPU)")
+    r.add_argument("--shared-kv", action="store_true", help="one mean-reduced token KV cache per sample (Appendix C.2)")
+    r.add_argument("--vision-branch", type=int, default=None, help="run only this vision branch (Table S9; default all)")
+    r.add_argument("--language-branch", type=int, default=None, help="run only this language branch (default all)")
+    s = sub.add_parser("score", help="score predictions with the benchmark's native metric")
+    s.add_argument("--benchmark", required=True)
+    s.add_argument("--data", required=True, help="the benchmark's VLMEvalKit TSV")
+    s.add_argument("--predictions", required=True, help="JSONL from `run` (index, prediction)")
+    s.add_argument("--out", help="also write the score JSON here")
+    s.add_argument("--rows-out", help="write per-row results (JSONL) here")
+    s.add_argument("--judge-url", help="OpenAI-compatible base URL (…/v1) of an answer extractor")
+    s.add_argument("--judge-model", help="model name sent to the answer extractor (the paper: gpt-4o-2024-11-20)")
+    s.add_argument("--judge-cache", help="reply cache (default: PREDICTIONS.judge-MODEL.jsonl)")
+    s.add_argument("--vlmevalkit", help="a VLMEvalKit checkout, whose extraction prompts the judge is sent")
+    rp = sub.add_parser("report", help="tables from score files of several configurations")
+    rp.add_argument("runs", nargs="+", help="score JSON files written by `score --out` (or its stdout)")
+    rp.add_argument("--out", default="report", help="output folder for report.md, report.json, heatmaps (default report)")
+    rp.add_argument("--arch", default="1b", help="backbone for the FLOPs tie-break (profiling.py; default 1b)")
+    rp.add_argument("--tie-decimals", type=int, default=1, help="scores equal at this many decimals tie (default 1, the paper's)")
+    f = sub.add_parser("fit-law", help="fit ParScale's parallel scaling law to a CSV of losses")
+    f.add_argument("csv", help="CSV with columns params (raw parameter count), p, loss")
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        for name in ("batch_size", "max_new_tokens", "max_tiles"):
+            if getattr(args, name) is not None and getattr(args, name) < 1:
+                p.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from checkpoint import CheckpointError
+    from processor import ImageError
+    try:
+        return {"run": run, "score": score_cmd, "report": report, "fit-law": fit_law_cmd}[args.cmd](args)
+    except (DataError, CheckpointError, ImageError, ValueError, FileNotFoundError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
