@@ -107,9 +107,9 @@ def decode_images(row: dict) -> list:
     return out
 
 
-def row_inputs(benchmark: str, row: dict, max_tiles: int | None):
-    """(prompt string, pixel tiles [N,3,448,448] or None) for one row, as generate_v2 builds them.
-    A corrupt image raises ValueError."""
+def row_inputs(benchmark: str, row: dict, max_tiles: int | None, mcfg):
+    """(prompt string, pixel tiles [N,3,S,S] or None) for one row, as generate_v2 builds them; tile
+    size, thumbnail and tokens per tile from the model config mcfg. A corrupt image raises ValueError."""
     from PIL import Image
 
     from processor import ImageError, build_multi_image_question, build_prompt, load_image
@@ -119,7 +119,8 @@ def row_inputs(benchmark: str, row: dict, max_tiles: int | None):
         per_image = max(1, min(budget, TOTAL_MAX_TILES // max(1, len(images))))
         if images and benchmark == "MMMU_DEV_VAL":  # generate_v2 upscales MMMU's first image 2x
             images[0] = images[0].resize((images[0].width * 2, images[0].height * 2), Image.BILINEAR)
-        tiles = [load_image(img, max_tiles=per_image) for img in images]
+        tiles = [load_image(img, max_tiles=per_image, use_thumbnail=mcfg.use_thumbnail,
+                            image_size=mcfg.vit.image_size) for img in images]
     except (ImageError, OSError, ValueError) as e:
         raise ValueError(f"corrupt image: {' '.join(str(e).split())[:200]}") from None
     text = question_text(benchmark, row)
@@ -128,7 +129,7 @@ def row_inputs(benchmark: str, row: dict, max_tiles: int | None):
         text = "<image>\n" + text
     elif len(images) > 1:
         text = build_multi_image_question(text, len(images))
-    prompt = build_prompt(text, [t.shape[0] for t in tiles])
+    prompt = build_prompt(text, [t.shape[0] for t in tiles], tokens_per_tile=mcfg.tokens_per_tile)
     return prompt, (torch.cat(tiles) if tiles else None)
 
 
@@ -196,7 +197,7 @@ def run(args) -> int:
     items, skipped = [], 0
     for r in todo[rank::world]:
         try:
-            prompt, _ = row_inputs(args.benchmark, r, args.max_tiles)
+            prompt, _ = row_inputs(args.benchmark, r, args.max_tiles, model.cfg)
         except ValueError as e:
             log(f"row {r['index']}: {e}; skipped")
             skipped += 1
@@ -207,7 +208,7 @@ def run(args) -> int:
     with open(part(rank), "a", encoding="utf-8") as f:
         for b in range(0, len(items), args.batch_size):
             batch = items[b:b + args.batch_size]
-            pixels = [p for p in (row_inputs(args.benchmark, r, args.max_tiles)[1] for r, _ in batch) if p is not None]
+            pixels = [p for p in (row_inputs(args.benchmark, r, args.max_tiles, model.cfg)[1] for r, _ in batch) if p is not None]
             pv = torch.cat(pixels).to(device, dtype) if pixels else None
             res = engine.generate([ids for _, ids in batch], pv, cfg, stop_ids=tok.eos_ids, pad_id=0)
             for (r, _), toks in zip(batch, res.tokens):
