@@ -43,6 +43,7 @@ class GenerateConfig:
     top_p: float = 1.0  # 1 = off
     ignore_eos: bool = False  # force exactly max_new_tokens (the profiling protocol)
     check_every: int = 16  # decode steps between host checks for "all sequences stopped"
+    bucket: int = 128  # decode attends over the written cache slots rounded up to this many (0 = all slots)
 
 
 @dataclass
@@ -101,6 +102,17 @@ def decode_one_token(model: ParVL, token: torch.Tensor, input_pos: torch.Tensor,
     return model.language_model.lm_head(h[:, -1]).float()
 
 
+def decode_step(model: ParVL, token: torch.Tensor, input_pos: torch.Tensor, positions: torch.Tensor,
+                key_valid: torch.Tensor, rows: Rows, done: torch.Tensor, stops: torch.Tensor, pad_id: int,
+                temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One whole generation step on the device, the graph that is compiled: decode_one_token for the
+    token [B] just chosen, sampling, and the stop check. Returns the next token [B], done [B] after it
+    (a stop id seen; stops is empty with ignore_eos) and the token to record [B] (pad_id once stopped)."""
+    logits = decode_one_token(model, token.view(-1, 1), input_pos, positions, key_valid, rows)
+    nxt = sample(logits, temperature, top_k, top_p)
+    return nxt, done | torch.isin(nxt, stops), torch.where(done, pad_id, nxt)
+
+
 class Engine:
     """Holds the model, its static cache and the (compiled) decode step across generate calls.
 
@@ -116,10 +128,10 @@ class Engine:
         self.device = model.language_model.lm_head.weight.device
         self.shared_kv, self.vision_branch, self.language_branch = shared_kv, vision_branch, language_branch
         self.cache_shape: tuple[int, bool, int] | None = None  # (rows, shared, slots)
-        self.decode = decode_one_token
+        self.step = decode_step
+        self.graphs = compile and self.device.type == "cuda"  # CUDA graphs reuse their output buffers
         if compile:
-            cuda = self.device.type == "cuda"
-            self.decode = torch.compile(decode_one_token, mode="reduce-overhead" if cuda else None, fullgraph=True)
+            self.step = torch.compile(decode_step, mode="reduce-overhead" if self.graphs else None, fullgraph=True)
 
     def setup(self, rows: Rows, slots: int) -> int:
         """(Re)allocate the cache only when it is too small or its rows changed, else re-seed each
@@ -159,41 +171,44 @@ class Engine:
         padded = any(len(p) < T for p in prompts)
         key_valid = torch.ones(B, S, dtype=torch.bool, device=dev)  # slots past T are valid once written
         key_valid[:, :T] = valid
-        stops = torch.tensor(stop_ids, device=dev)
-        out = torch.full((B, cfg.max_new_tokens), pad_id, dtype=torch.long, device=dev)
-        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        stops = torch.tensor([] if cfg.ignore_eos else stop_ids, dtype=torch.long, device=dev)
+        sampling = (cfg.temperature, cfg.top_k, cfg.top_p)
 
         sync(dev)
         t0 = time.perf_counter()
         if pixel_values is not None:
             pixel_values = pixel_values.to(dev)
         logits = prefill(model, ids, pixel_values, valid, padded, vision_branch, rows)
-        token = sample(logits, cfg.temperature, cfg.top_k, cfg.top_p)  # [B]
+        token = sample(logits, *sampling)  # [B]
         sync(dev)
         result = Result(tokens=[], prefill_s=time.perf_counter() - t0)
 
         input_pos = torch.tensor([T], device=dev)  # cache slot of the token being fed
         positions = valid.long().sum(-1, keepdim=True)  # [B,1] its rotary position
-        steps = 0
+        done = torch.isin(token, stops)
+        recorded = [token]  # [B] per step, kept on the device
         t0 = time.perf_counter()
-        for i in range(cfg.max_new_tokens):
-            out[:, i] = torch.where(done, pad_id, token)
-            if not cfg.ignore_eos:
-                done |= torch.isin(token, stops)
-            steps = i + 1
-            if callback is not None:
-                callback(i, out[:, i].tolist())
-            if i + 1 == cfg.max_new_tokens:
+        if callback is not None:
+            callback(0, token.tolist())
+        for i in range(1, cfg.max_new_tokens):
+            if not cfg.ignore_eos and i % cfg.check_every == 0 and bool(done.all()):
                 break
-            if not cfg.ignore_eos and (i + 1) % cfg.check_every == 0 and bool(done.all()):
-                break
-            logits = self.decode(model, token.view(B, 1), input_pos, positions, key_valid, rows)
-            token = sample(logits, cfg.temperature, cfg.top_k, cfg.top_p).clone()  # clone: graph outputs are reused
+            # attend over the slots written so far (T + i, the fed token included) rounded up to a
+            # bucket, not the whole cache: fewer keys, and one graph per bucket
+            n = min(S, -(-(T + i) // cfg.bucket) * cfg.bucket) if cfg.bucket else S
+            token, done, rec = self.step(model, token, input_pos, positions, key_valid[:, :n], rows, done, stops, pad_id,
+                                         *sampling)
+            if self.graphs:  # the next replay overwrites its outputs
+                token, done, rec = token.clone(), done.clone(), rec.clone()
+            recorded.append(rec)
             input_pos += 1
             positions += 1
+            if callback is not None:
+                callback(i, rec.tolist())
         sync(dev)
+        steps = len(recorded)
         result.decode_s, result.decode_steps = time.perf_counter() - t0, steps
-        for row in out[:, :steps].tolist():
+        for row in torch.stack(recorded, 1).tolist():
             cut = next((j for j, t in enumerate(row) if t in stop_ids), len(row)) if not cfg.ignore_eos else len(row)
             result.tokens.append(row[:cut])
         return result

@@ -556,3 +556,30 @@ def test_bad_branch_choices_are_refused():
         model.extract_features(pixels, vision_branch=[0])
     with pytest.raises(ValueError, match="sums to 2"):
         model.extract_features(pixels, vision_branch=[0, 1], num_tiles=[1, 1])
+
+
+def test_length_buckets_equal_full_cache_attention():
+    """Decode attends over the written slots rounded up to a bucket: the same logits as over the whole
+    cache (the masked slots weigh exactly 0), and the same tokens, for dense, shared-KV and per-sample
+    rows with left padding."""
+    from generate import decode_one_token, prefill
+
+    model = make_branches_matter(tiny(pv=2, pl=2, seed=50))
+    samples = [prompt(1, text=7, seed=51), prompt(0, text=12, seed=52)]
+    ids, mask, pixels = left_padded(samples)
+    valid, T, S = mask.bool(), ids.shape[1], ids.shape[1] + 300
+    for lb, shared in [(None, False), (None, True), ([1, 0], False)]:
+        rows = model.language_rows(lb, 2, "cpu", shared)
+        model.language_model.setup_cache(rows, S)
+        with torch.no_grad():
+            token = prefill(model, ids, pixels, valid, True, None, rows).argmax(-1, keepdim=True)
+            key_valid = torch.ones(2, S, dtype=torch.bool)
+            key_valid[:, :T] = valid
+            step = (token, torch.tensor([T]), valid.sum(-1, keepdim=True))
+            full = decode_one_token(model, *step, key_valid, rows)
+            bucketed = decode_one_token(model, *step, key_valid[:, : T + 7], rows)  # rewrites the same slot
+        torch.testing.assert_close(bucketed, full, atol=1e-6, rtol=1e-6)
+        prompts = [s.tolist() for s, _ in samples]
+        gen = lambda bucket: Engine(model, shared_kv=shared).generate(  # noqa: E731
+            prompts, pixels, GenerateConfig(max_new_tokens=NEW, ignore_eos=True, bucket=bucket), [], language_branch=lb).tokens
+        assert gen(4) == gen(0)

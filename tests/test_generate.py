@@ -54,14 +54,16 @@ def test_greedy_matches_transformers(checkpoint, reference, family, case):
     assert ours.tokens[0] == hf_greedy(reference(family), ids, pv, NEW)
 
 
-def test_cached_decode_equals_full_recompute(qwen3):
+def test_cached_decode_equals_full_recompute(qwen3, monkeypatch):
+    import generate
+
     _, model, tok = qwen3
     ids = tok.encode(build_prompt("Describe the image.", [2]))
     pv = random_pixels(2, seed=2)
     engine = Engine(model)
     logits_seen = []
-    orig = engine.decode
-    engine.decode = lambda *a: logits_seen.append(orig(*a)) or logits_seen[-1]
+    orig = generate.decode_one_token  # the eager step calls it by name: record every step's logits
+    monkeypatch.setattr(generate, "decode_one_token", lambda *a: logits_seen.append(orig(*a)) or logits_seen[-1])
     tokens = engine.generate([ids], pv, GenerateConfig(max_new_tokens=NEW, ignore_eos=True), tok.eos_ids).tokens[0]
     # full recompute: the whole sequence (prompt with image features + generated tokens) every step
     with torch.no_grad():

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from generate import decode_one_token, prefill
+from generate import decode_one_token, decode_step, prefill
 from parvl import PRESETS, ParConfig, ParVL
 
 FUSED = ("flash_attention", "efficient_attention", "cudnn_attention")  # aten::_scaled_dot_product_<kind>...
@@ -95,7 +95,7 @@ def test_every_attention_case_gets_a_fused_kernel(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_step_has_no_graph_break(device):
-    """torch._dynamo.explain over decode_one_token for 1:1, dense 2:2, shared KV and per-sample pairs."""
+    """torch._dynamo.explain over decode_step for 1:1, dense 2:2, shared KV and per-sample pairs."""
     for pv, pl, choice, shared in ((1, 1, None, False), (2, 2, None, False), (2, 2, None, True), (2, 2, [1, 0], False)):
         model, ids, pixels, valid = model_and_inputs(device, pv, pl)
         rows = model.language_rows(choice, 2, device, shared)
@@ -105,6 +105,9 @@ def test_decode_step_has_no_graph_break(device):
         key_valid[:, :T] = valid
         with torch.no_grad():
             prefill(model, ids, pixels, valid, True, None, rows)
-            explained = torch._dynamo.explain(decode_one_token)(model, ids[:, :1], torch.tensor([T], device=device),
-                                                                valid.sum(-1, keepdim=True), key_valid, rows)
+            # the graph Engine compiles: decode, sampling (top-k, top-p, the exponential race) and the stop check
+            explained = torch._dynamo.explain(decode_step)(model, ids[:, 0], torch.tensor([T], device=device),
+                                                           valid.sum(-1, keepdim=True), key_valid, rows,
+                                                           torch.zeros(2, dtype=torch.bool, device=device),
+                                                           torch.tensor([5, 7], device=device), 0, 0.8, 20, 0.9)
         assert explained.graph_break_count == 0 and explained.graph_count == 1, (pv, pl, choice, shared, explained.break_reasons)
