@@ -75,10 +75,11 @@ class Rows:
         return Rows(index, 1)
 
     def per_tile(self, num_tiles: torch.Tensor) -> Rows:
-        """Sample rows -> the rows of their tiles (num_tiles [B] tiles per sample)."""
+        """Sample rows -> the rows of their tiles (num_tiles [B] tiles per sample, on the host)."""
         if self.dense:
             raise ValueError("per_tile maps a branch per sample to its tiles; dense rows need no mapping")
-        return Rows(self.branch.repeat_interleave(num_tiles.to(self.branch.device)), 1)
+        index = self.branch.repeat_interleave(num_tiles.to(self.branch.device), output_size=int(num_tiles.sum()))
+        return Rows(index, 1)
 
 
 def fold(x: torch.Tensor, rows: Rows) -> torch.Tensor:

@@ -198,17 +198,17 @@ class ParVL(nn.Module):
         if self.cfg.vit is None:
             raise ValueError("this language-only model takes no pixel_values")
         N, per_tile = pixel_values.shape[0], self.cfg.tokens_per_tile
-        slots_B = is_img.sum(1)  # [B]
-        n_slots = int(slots_B.sum())
+        slots = is_img.sum(1).tolist()  # <IMG_CONTEXT> slots of each sample (one host sync)
+        n_slots = sum(slots)
         if n_slots == 0 and self.training:
             # a text-only training batch with a dummy tile (InternVL's image_flags = 0): the ViT still
             # runs, so every FSDP rank issues the same collectives, and contributes exactly nothing
             feats, _ = self.vision(pixel_values, self.vision_rows(None, None, N, pixel_values.device))
             return x + 0.0 * feats.sum(), None
-        if n_slots != N * per_tile or bool((slots_B % per_tile).any()):
-            raise ValueError(f"prompt has {n_slots} <IMG_CONTEXT> tokens (per sample {slots_B.tolist()}) but "
+        if n_slots != N * per_tile or any(n % per_tile for n in slots):
+            raise ValueError(f"prompt has {n_slots} <IMG_CONTEXT> tokens (per sample {slots}) but "
                              f"{N} tiles give {N * per_tile} features, {per_tile} per tile")
-        rows = self.vision_rows(vision_branch, slots_B // per_tile, N, pixel_values.device)
+        rows = self.vision_rows(vision_branch, [n // per_tile for n in slots], N, pixel_values.device)
         feats, weights = self.vision(pixel_values, rows)  # [N,256,C]
         return x.masked_scatter(is_img[..., None], feats.to(x.dtype)), weights
 
