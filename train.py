@@ -43,10 +43,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from aggregate import entropy
-from checkpoint import read_json
+from checkpoint import check_not_run_folder, read_json
 from data import BAD_REASONS, IGNORE, BadRow, SFTData, check_bad_fraction, loss_weights, make_loader, sft_loss, validate
 from parvl import ParVL, config_from_json, is_branch_tensor
-from generate import peak_memory_gib
+from generate import OneLineParser, peak_memory_gib
 from processor import Tokenizer
 
 
@@ -92,6 +92,7 @@ class TrainConfig:
         """Reject bad values before any process group starts."""
         if not self.model or not Path(self.model).is_dir():
             raise ValueError(f"--model {self.model!r}: not a checkpoint folder")
+        check_not_run_folder(Path(self.model))  # runs/11 for runs/11/export: say which folder is meant
         if not self.data or not Path(self.data).is_file():
             raise ValueError(f"--data {self.data!r}: no such meta JSON file")
         if self.max_tiles < 0:
@@ -109,15 +110,6 @@ class TrainConfig:
             raise ValueError(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --out, --overwrite discards it: pass one of them")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """A flag error is one line (not the usage of every flag), printed by rank 0 only; exit 2."""
-
-    def error(self, message: str):
-        if rank() == 0:
-            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
-        sys.exit(2)
 
 
 def parse_args(argv=None) -> TrainConfig:
