@@ -553,9 +553,9 @@ def main(argv=None) -> int:
     """Exit codes: 0 done, 1 bad input or a failure (one line on stderr), 2 bad flags (argparse),
     130 / 143 interrupted by SIGINT / SIGTERM. Under torchrun rank 0 alone prints an error that every
     rank meets alike; torchrun then adds its own report of the failed workers."""
-    code, quiet_exit = 0, False
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    global INTERRUPTED
+    code, quiet_exit, INTERRUPTED = 0, False, 0
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     out = None
     try:
         cfg = parse_args(argv)
@@ -588,10 +588,12 @@ def main(argv=None) -> int:
             kept = checkpoints(out) if out is not None and out.is_dir() else []
             note(f"interrupted by {signal.Signals(signum).name}: the current step was abandoned; "
                  + (f"last complete checkpoint {kept[-1]} (continue with --resume)" if kept else "no checkpoint was saved"))
-        elif isinstance(e, (ValueError, OSError, CheckpointException)):  # bad flags, data, files: one line
+        elif isinstance(e, (ValueError, CheckpointException)):  # bad flags, data, saves: alike on every rank
             code = 1
-            note(f"error: {' '.join(str(e).split()) if not isinstance(e, OSError) else os_cause(e)}"
-                 + (f" ({e.filename})" if isinstance(e, OSError) and e.filename else ""))
+            note(f"error: {' '.join(str(e).split()) if isinstance(e, ValueError) else os_cause(e)}")
+        elif isinstance(e, OSError):  # a file this rank could not read or write: maybe this rank's alone
+            code, where = 1, f" ({e.filename})" if e.filename else ""
+            print(f"error: {'' if rank() == 0 else f'rank {rank()}: '}{os_cause(e)}{where}", file=sys.stderr, flush=True)
         elif isinstance(e, dist.DistBackendError):  # another rank died: its own line says why
             code, quiet_exit = 1, True
             note(f"error: lost contact with another rank ({' '.join(str(e).split())[:200]})")
@@ -599,6 +601,8 @@ def main(argv=None) -> int:
             raise  # a bug: the traceback is the useful report
         return code
     finally:
+        for sig, handler in previous.items():  # main() called in-process (tests) leaves no trace
+            signal.signal(sig, handler)
         if dist.is_initialized():
             if quiet_exit:  # peers may be gone: no barrier to wait on, no teardown that can abort
                 sys.stdout.flush(), sys.stderr.flush()

@@ -1,0 +1,484 @@
+"""Issue 12, "nothing lost, nothing raw": run folders that cannot overwrite each other, checkpoints
+that fall back, and one line (no traceback) for every failure, in train.py, generate.py and
+profiling.py. Each test checks the exit code, that stderr says it in one line, and that what was
+saved before is intact (files byte-identical). Exit codes: 0 ok, 1 bad input or failure, 2 usage,
+130 / 143 interrupted. Runs that must train are subprocesses (two under torchrun with 2 ranks);
+errors raised before training are checked in-process, which is much cheaper."""
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import data as D
+import generate
+import profiling
+import train
+from checkpoint import CheckpointError
+from data import SFTData
+from processor import Tokenizer, load_image, open_rgb
+from test_train import COMMON, ROOT, metrics, run_train, write_dataset
+
+TRAIN = ["--max-tiles", "2", "--dtype", "fp32", "--global-batch", "4", "--num-workers", "0", "--log-every", "1",
+         "--no-activation-checkpointing"]
+assert set(TRAIN) <= set(COMMON)
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under folder: "intact" means this does not change."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    return lines[0]
+
+
+def worker_lines(stderr: str) -> list[str]:
+    """What the workers printed under torchrun: the launcher appends its own failure report (an
+    "E... failed (exitcode: 1)" log line and a ChildFailedError traceback) that no worker controls."""
+    lines = stderr.strip().splitlines()
+    cut = next((i for i, x in enumerate(lines) if "torch/distributed/elastic" in x or x.startswith("Traceback")), len(lines))
+    return lines[:cut]
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint):
+    return checkpoint("qwen3", "original")
+
+
+@pytest.fixture(scope="module")
+def meta(tmp_path_factory):
+    return write_dataset(tmp_path_factory.mktemp("data"), rows=16)
+
+
+@pytest.fixture(scope="module")
+def base_run(model_dir, meta, tmp_path_factory):
+    """A finished 3-step run: checkpoints step_1..3, export, metrics. Tests copy it."""
+    out = tmp_path_factory.mktemp("base") / "run"
+    run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 3, "--save-every", 1,
+              "--keep-last", 5, *TRAIN)
+    return out
+
+
+def copy_run(base: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(base, out)
+    return out
+
+
+def train_main(capsys, *args) -> tuple[int, str, str]:
+    code = train.main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+# -- 1. a run folder belongs to one run ----------------------------------------------------------
+
+
+def test_new_run_into_a_finished_run_is_refused(model_dir, meta, base_run, tmp_path, capsys):
+    out = copy_run(base_run, tmp_path)
+    before = tree(out)
+    code, _, err = train_main(capsys, "--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, *TRAIN)
+    line = one_line(err)
+    assert code == 1 and "already holds a run" in line and "--resume" in line and "--overwrite" in line, line
+    assert tree(out) == before
+
+
+def test_new_run_into_a_finished_run_is_refused_under_torchrun(model_dir, meta, base_run, tmp_path):
+    out = copy_run(base_run, tmp_path)
+    before = tree(out)
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, *TRAIN, nproc=2, check=False)
+    assert res.returncode == 1
+    ours = worker_lines(res.stderr)
+    assert len(ours) == 1 and "already holds a run" in ours[0] and "Traceback" not in "\n".join(ours), res.stderr
+    assert tree(out) == before
+
+
+def test_overwrite_discards_the_old_run_explicitly(model_dir, meta, base_run, tmp_path):
+    out = copy_run(base_run, tmp_path)
+    old_export = tree(out / "export")
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 1, "--overwrite", "--lr-pretrained",
+                    "1e-2", *TRAIN)
+    assert res.returncode == 0 and res.stderr.strip() == "", res.stderr
+    assert [m["step"] for m in metrics(out)] == [1]  # not 1, 2, 3, 1
+    assert sorted(d.name for d in (out / "checkpoints").iterdir()) == ["step_1"]
+    assert tree(out / "export") != old_export and json.loads((out / "config.json").read_text())["max_steps"] == 1
+
+
+@pytest.mark.parametrize("case", ["file", "proc", "sys", "resume+overwrite"])
+def test_unusable_out_is_one_line(model_dir, meta, tmp_path, capsys, case):
+    out = {"file": meta, "proc": Path("/proc/parvl_test/run"), "sys": Path("/sys/parvl_test"),
+           "resume+overwrite": tmp_path / "new"}[case]
+    before = meta.read_bytes()
+    extra = ["--resume", "--overwrite"] if case == "resume+overwrite" else []
+    code, _, err = train_main(capsys, "--model", model_dir, "--data", meta, "--out", out, *extra, *TRAIN)
+    line = one_line(err)
+    needle = {"file": "is a file, not a folder", "proc": "cannot write there", "sys": "cannot write there",
+              "resume+overwrite": "pass one of them"}[case]
+    assert code == 1 and line.startswith("error: ") and needle in line, line
+    assert meta.read_bytes() == before and not (tmp_path / "new").exists()
+
+
+# -- 2. --resume falls back past broken checkpoints -------------------------------------------------
+
+
+def test_resume_falls_back_past_broken_checkpoints(model_dir, meta, base_run, tmp_path):
+    out = copy_run(base_run, tmp_path)
+    ck = out / "checkpoints"
+    (ck / "step_3" / ".metadata").unlink()  # was a bare AssertionError
+    (ck / "step_2" / "train.json").write_text('{"step": 2, "sched')  # was a JSONDecodeError naming no file
+    broken3, broken2, good1 = tree(ck / "step_3"), tree(ck / "step_2"), tree(ck / "step_1")
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 4, "--save-every", 1,
+                    "--keep-last", 5, "--resume", *TRAIN)
+    line = one_line(res.stderr)
+    assert line.startswith(f"resuming from {ck / 'step_1'} at step 1"), line
+    assert "step_3: .metadata is missing" in line and "step_2: train.json is unreadable" in line, line
+    assert tree(ck / "step_1") == good1  # kept byte for byte, and the broken ones set aside, not deleted
+    assert tree(ck / "step_3.broken") == broken3 and tree(ck / "step_2.broken") == broken2
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]  # trimmed to step 1, then continued
+    assert all(train.verify_checkpoint(ck / f"step_{k}") is None for k in (2, 3, 4))
+
+
+def test_resume_falls_back_past_a_truncated_shard_under_torchrun(model_dir, meta, base_run, tmp_path):
+    out = copy_run(base_run, tmp_path)
+    ck = out / "checkpoints"
+    shard = ck / "step_3" / "__0_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    good = {k: tree(ck / f"step_{k}") for k in (1, 2)}
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 3, "--save-every", 1,
+                    "--keep-last", 5, "--resume", *TRAIN, nproc=2)
+    line = one_line(res.stderr)  # once, from rank 0
+    assert line.startswith(f"resuming from {ck / 'step_2'} at step 2"), line
+    assert f"step_3: __0_0.distcp is {size // 2} bytes, the save wrote {size}" in line, line
+    assert {k: tree(ck / f"step_{k}") for k in (1, 2)} == good
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3]
+    assert train.verify_checkpoint(ck / "step_3") is None and (out / "export" / "model.safetensors").is_file()
+
+
+def test_resume_with_no_checkpoint_says_it_starts_fresh_and_names_bad_rows(model_dir, tmp_path):
+    meta = write_dataset(tmp_path / "d", rows=6, bad=2)
+    out = tmp_path / "run"
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, "--resume",
+                    "--max-bad-frac", "0.5", *TRAIN)  # 2 steps of 4: every row once
+    lines = res.stderr.strip().splitlines()
+    assert "Traceback" not in res.stderr and lines[0] == (f"--resume: no usable checkpoint in {out / 'checkpoints'}: "
+                                                         "starting from step 0"), res.stderr
+    # bad rows are named: dataset, line in the file, the file, the cause and the reason
+    bad = sorted(lines[1:])
+    assert len(bad) == 2 and all(x.startswith("warning: skipped bad row tiny line ") and f"of {meta.parent / 'train.jsonl'}"
+                                 in x and "missing.png [missing_image]" in x for x in bad), bad
+    assert {x.split(" line ")[1].split()[0] for x in bad} == {"2", "5"}  # write_dataset puts them there
+
+
+# -- 3. saving and interrupting keep every complete checkpoint --------------------------------------
+
+
+def test_failed_save_is_one_line_and_keeps_complete_checkpoints(model_dir, meta, base_run, tmp_path):
+    out = copy_run(base_run, tmp_path)
+    before = tree(out)
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 4, "--save-every", 1,
+                    "--keep-last", 5, "--resume", "--inject-save-error", "ENOSPC:4", *TRAIN, check=False)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and "Traceback" not in res.stderr and len(lines) == 2, res.stderr[-3000:]
+    assert lines[0].startswith("resuming from") and lines[1] == (
+        f"error: cannot save checkpoint {out / 'checkpoints' / 'step_4.tmp'}: no space left on the device; "
+        f"removed the partial save, kept {out / 'checkpoints' / 'step_3'}"), lines
+    after = tree(out)
+    assert {k: v for k, v in after.items() if k != "metrics.jsonl" and k != "config.json"} == \
+        {k: v for k, v in before.items() if k != "metrics.jsonl" and k != "config.json"}  # no step_4(.tmp), all else intact
+
+
+def test_os_cause_names_the_cause():
+    from torch.distributed.checkpoint.api import CheckpointException
+    import errno
+    for code, words in [(errno.ENOSPC, "no space left"), (errno.EROFS, "read-only"), (errno.EACCES, "permission denied")]:
+        wrapped = CheckpointException("save failed", {1: (OSError(code, os.strerror(code)), None)})
+        try:
+            try:
+                raise OSError(code, os.strerror(code))
+            except OSError as e:
+                raise RuntimeError("enforce fail at inline_container.cc: file write failed") from e
+        except RuntimeError as e:
+            assert words in train.os_cause(e)
+        assert words in train.os_cause(wrapped)
+    assert "RuntimeError: boom" in train.os_cause(RuntimeError("boom"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_abandons_the_step_and_keeps_the_checkpoints(model_dir, tmp_path, sig):
+    meta = write_dataset(tmp_path / "d", rows=8, repeat=20)  # 40 steps: it is still training when signalled
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), "--model", str(model_dir), "--data", str(meta), "--out", str(out),
+           "--save-every", "1", "--keep-last", "50", *TRAIN]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    deadline = time.time() + 120
+    while not (out / "checkpoints" / "step_2").is_dir() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    first = tree(out / "checkpoints" / "step_1")
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    line = one_line(err)
+    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    assert line.startswith(f"interrupted by {sig.name}: the current step was abandoned; last complete checkpoint "), line
+    assert tree(out / "checkpoints" / "step_1") == first
+    names = [d.name for d in (out / "checkpoints").iterdir()]
+    assert not any(n.endswith(".tmp") for n in names), names  # a save cut short leaves nothing behind
+    assert all(train.verify_checkpoint(out / "checkpoints" / n) is None for n in names)
+    assert line.endswith(f"{train.checkpoints(out)[-1]} (continue with --resume)"), line
+
+
+# -- 4. torchrun: flags are rejected once, before the process group ---------------------------------
+
+
+def test_flag_errors_are_one_line_and_quiet_on_other_ranks(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--bogus"])
+    assert e.value.code == 2 and one_line(capsys.readouterr().err).endswith(": error: unrecognized arguments: --bogus (see --help)")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--bogus"])
+    assert e.value.code == 2 and capsys.readouterr().err == ""  # rank 0 has said it
+
+
+# -- 5. misleading messages, silently wrong inputs --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def png(tmp_path_factory):
+    path = tmp_path_factory.mktemp("img") / "photo.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 90, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def gen_main(capsys, *args) -> tuple[int, str, str]:
+    code = generate.main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+@pytest.mark.parametrize("device", ["tpu9", "cuda", "cuda:99"])
+def test_bad_device_is_one_precise_line(model_dir, png, capsys, device):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    code, _, err = gen_main(capsys, png, "q", "--model", model_dir, "--device", device)
+    line = one_line(err)
+    assert code == 1 and f"--device {device}" in line.replace("'", "") and "safetensors" not in line, line
+    assert ("not a device" if device == "tpu9" else "CUDA") in line
+
+
+def test_image_without_question_is_a_usage_error(model_dir, png, capsys):
+    with pytest.raises(SystemExit) as e:
+        generate.main([str(png), "--model", str(model_dir)])
+    line = one_line(capsys.readouterr().err)
+    assert e.value.code == 2 and "no question" in line, line
+
+
+def test_lfs_pointer_and_run_folder_are_named(model_dir, base_run, png, tmp_path, capsys):
+    lfs = tmp_path / "lfs"
+    shutil.copytree(model_dir, lfs)
+    (lfs / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 42\n")
+    code, _, err = gen_main(capsys, png, "q", "--model", lfs)
+    assert code == 1 and "git-LFS pointer" in one_line(err) and "header too large" not in err, err
+    run = copy_run(base_run, tmp_path)
+    before = tree(run)
+    code, _, err = gen_main(capsys, png, "q", "--model", run)
+    assert code == 1 and one_line(err) == f"error: {run}: a training run folder, not a model; its model is {run / 'export'}"
+    shutil.rmtree(run / "export")
+    with pytest.raises(CheckpointError, match="no export yet"):
+        generate.resolve_model(str(run))
+    assert tree(run) == {k: v for k, v in before.items() if not k.startswith("export")}
+
+
+def test_jsonl_given_as_meta_gets_a_hint(model_dir, meta, tmp_path, capsys):
+    jsonl = meta.parent / "train.jsonl"
+    code, _, err = train_main(capsys, "--validate-data", "--model", model_dir, "--data", jsonl, *TRAIN)
+    line = one_line(err)
+    assert code == 1 and "JSONL annotation file" in line and "meta JSON" in line, line
+
+
+def test_sixteen_bit_grey_png_is_scaled_not_clipped(tmp_path):
+    grey = (np.arange(48 * 64, dtype=np.uint32).reshape(48, 64) * 21).astype(np.uint16)  # 0..64491
+    Image.fromarray(grey).save(tmp_path / "g16.png")
+    assert Image.open(tmp_path / "g16.png").mode == "I;16"
+    rgb = np.asarray(open_rgb(tmp_path / "g16.png"))
+    assert rgb.shape == (48, 64, 3) and (rgb == (grey >> 8)[..., None]).all()  # value >> 8, every channel
+    assert (rgb == 255).mean() < 0.01  # convert("RGB") made 99.6 % of it white
+    assert load_image(tmp_path / "g16.png", max_tiles=1).shape == (1, 3, 448, 448)
+
+
+@pytest.mark.parametrize("fmt", ["gif", "tiff"])
+def test_multi_frame_images_use_the_first_frame_and_say_so(tmp_path, capsys, fmt):
+    frames = [Image.new("RGB", (40, 30), (200 * (k == 0), 100 * k, 0)) for k in range(3)]
+    path = tmp_path / f"anim.{fmt}"
+    frames[0].save(path, save_all=True, append_images=frames[1:])
+    rgb = np.asarray(open_rgb(path))
+    assert tuple(rgb[0, 0]) == (200, 0, 0)  # the first frame
+    assert one_line(capsys.readouterr().err) == f"note: {path} has 3 frames (animated or multi-page); using the first"
+
+
+def test_metrics_are_json_with_null_for_nan(base_run):
+    text = (base_run / "metrics.jsonl").read_text()
+
+    def no_nan(name):
+        raise AssertionError(f"{name} in metrics.jsonl")
+
+    rows = [json.loads(line, parse_constant=no_nan) for line in text.splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["mfu"] is None  # CPU: no peak FLOPs, so no MFU
+    assert train.finite({"a": float("nan"), "b": {"c": float("inf")}, "d": 1.0}) == {"a": None, "b": {"c": None}, "d": 1.0}
+
+
+def test_first_turn_from_gpt_is_kept_as_the_official_preprocessing_does(model_dir, tmp_path):
+    """preprocess_internvl2_5 (InternVL's internvl_chat/internvl/train/dataset.py, the template of
+    InternVL3.5) appends every turn in order after the system message and supervises every gpt turn,
+    a leading one too; only the older templates' preprocess functions skip a first non-human turn."""
+    tok = Tokenizer.from_pretrained(model_dir)
+    turns = [("gpt", "Hello there."), ("human", "What is 2+2?"), ("gpt", "Four.")]
+    (tmp_path / "a.jsonl").write_text(json.dumps({"conversations": [{"from": r, "value": v} for r, v in turns]}) + "\n")
+    (tmp_path / "meta.json").write_text(json.dumps({"ds": {"root": ".", "annotation": "a.jsonl"}}))
+    s = SFTData(tmp_path / "meta.json", tok)[0]
+    header = {"human": "user", "gpt": "assistant"}
+    segs = [tok.encode(f"<|im_start|>system\n{D.DEFAULT_SYSTEM_MESSAGE}<|im_end|>\n")] + [
+        tok.encode(f"<|im_start|>{header[r]}\n{v}<|im_end|>\n") for r, v in turns]
+    assert s.input_ids.tolist() == sum(segs, [])
+    n = len(tok.encode("<|im_start|>assistant\n"))
+    want = [-100] * len(segs[0])
+    for (role, _), seg in zip(turns, segs[1:]):
+        want += [-100] * n + seg[n:-1] + [-100] if role == "gpt" else [-100] * len(seg)
+    assert s.labels.tolist() == want
+
+
+def test_role_content_rows_are_told_the_format(model_dir, tmp_path):
+    tok = Tokenizer.from_pretrained(model_dir)
+    rows = [{"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            {"messages": [{"role": "user", "content": "hi"}]}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "meta.json").write_text(json.dumps({"ds": {"root": ".", "annotation": "a.jsonl"}}))
+    data = SFTData(tmp_path / "meta.json", tok)
+    first, second = data[0], data[1]
+    assert isinstance(first, D.BadRow) and "from/value" in first.detail and first.detail.startswith(
+        f"ds line 1 of {tmp_path / 'a.jsonl'}: "), first.detail
+    assert isinstance(second, D.BadRow) and "'messages'" in second.detail and "from/value" in second.detail
+
+
+def test_validate_data_lists_bad_rows_capped(model_dir, tmp_path, capsys, monkeypatch):
+    meta = write_dataset(tmp_path / "d", rows=6, bad=2)
+    jsonl = meta.parent / "train.jsonl"
+    with open(jsonl, "a") as f:  # a blank line, then a row that is not JSON: named by its line in the file
+        f.write("\n{not json\n")
+    before = tree(meta.parent)
+    code, out, err = train_main(capsys, "--validate-data", "--model", model_dir, "--data", meta, "--max-bad-frac", "0.5",
+                                *TRAIN)
+    lines = out.strip().splitlines()
+    assert code == 0 and err == "" and json.loads(lines[-1])["missing_image"] == 2 and json.loads(lines[-1])["bad_row"] == 1
+    listed = lines[:-1]
+    assert len(listed) == 3 and all(x.startswith("bad row: tiny line ") and f"of {jsonl}: " in x for x in listed), listed
+    assert listed[-1].startswith("bad row: tiny line 10 of") and listed[-1].endswith("[bad_row]"), listed  # 9 is blank
+    monkeypatch.setattr(train, "MAX_NAMED", 1)
+    code, out, err = train_main(capsys, "--validate-data", "--model", model_dir, "--data", meta, "--max-bad-frac", "0.1",
+                                *TRAIN)
+    lines = out.strip().splitlines()
+    assert code == 1 and len(lines) == 3 and lines[1] == "... and 2 more bad rows", lines
+    assert one_line(err).startswith("error: 3 of 9 rows are bad")
+    assert tree(meta.parent) == before
+
+
+# -- generation and chat: Ctrl-C, refused turns, text only ------------------------------------------
+
+
+def interrupt_at(monkeypatch, step: int, on_call: int = 1):
+    """Ctrl-C in the middle of the `on_call`-th answer, after `step` streamed tokens."""
+    real, calls = generate.Streamer.__call__, {"n": 0}
+    real_init = generate.Streamer.__init__
+
+    def init(self, *a, **k):
+        calls["n"] += 1
+        self.call_no = calls["n"]
+        real_init(self, *a, **k)
+
+    def call(self, i, tokens):
+        if self.call_no == on_call and i == step:
+            raise KeyboardInterrupt
+        return real(self, i, tokens)
+
+    monkeypatch.setattr(generate.Streamer, "__init__", init)
+    monkeypatch.setattr(generate.Streamer, "__call__", call)
+
+
+def test_ctrl_c_stops_the_answer_cleanly(model_dir, png, capsys, monkeypatch):
+    interrupt_at(monkeypatch, step=3)
+    code, out, err = gen_main(capsys, png, "What is it?", "--model", model_dir, "--max-new-tokens", 8, "--max-tiles", 1,
+                              "--json")
+    assert code == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted", err
+    line = json.loads(out)
+    assert line["interrupted"] is True and line["new_tokens"] <= 3  # at most the three tokens before Ctrl-C
+
+
+def test_chat_text_only_survives_refused_turns_and_ctrl_c(model_dir, capsys, monkeypatch):
+    prompts = []
+    real_generate = generate.Engine.generate
+
+    def spy(self, batch, *a, **k):
+        prompts.append(batch[0])
+        return real_generate(self, batch, *a, **k)
+
+    monkeypatch.setattr(generate.Engine, "generate", spy)
+    interrupt_at(monkeypatch, step=2, on_call=2)  # the second answer is cut short
+    questions = ["Hello?", "Where is <image> here?", "Tell me more.", "Last one."]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(q + "\n" for q in questions)))
+    # no image: a text-only session
+    code, out, err = gen_main(capsys, "--chat", "--model", model_dir, "--max-new-tokens", 4, "--max-tiles", 1)
+    assert code == 0 and "Traceback" not in err, err
+    notes = [x for x in err.splitlines() if x.startswith(("error", "interrupted"))]
+    assert len(notes) == 2 and "placeholder" in notes[0] and "turn dropped" in notes[0], notes
+    assert notes[1] == "interrupted: answer stopped (the conversation goes on)", notes
+    tok = Tokenizer.from_pretrained(model_dir)
+    assert len(prompts) == 3  # every turn but the refused one reached the engine
+    last = tok.decode(prompts[-1])
+    assert "Hello?" in last and "Tell me more." in last and "Last one." in last and "<image>" not in last
+
+
+def test_chat_refuses_a_too_long_turn_and_goes_on(model_dir, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("x " * 41000 + "\nAgain\n"))  # > the 40960-position context
+    code, out, err = gen_main(capsys, "--chat", "--model", model_dir, "--max-new-tokens", 3)
+    notes = [x for x in err.splitlines() if x.startswith("error")]
+    assert code == 0 and "Traceback" not in err and len(notes) == 1, err
+    assert "exceeds the model context" in notes[0] and "turn dropped" in notes[0], notes
+    assert len([x for x in err.splitlines() if x.startswith("load_s=")]) == 1  # the next turn was answered
+
+
+def test_ctrl_c_at_the_chat_prompt_ends_the_session(model_dir, capsys, monkeypatch):
+    def ctrl_c(prompt=""):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", ctrl_c)
+    code, _, err = gen_main(capsys, "--chat", "--model", model_dir, "--max-new-tokens", 3)
+    assert code == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+
+
+# -- profiling.py ----------------------------------------------------------------------------------
+
+
+def test_profiling_closed_pipe_and_bad_device(capsys):
+    proc = subprocess.Popen([sys.executable, str(ROOT / "profiling.py"), "params"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # `| head` that has read enough
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and err == "", err
+    assert profiling.main(["latency", "--device", "tpu9"]) == 1
+    assert "not a device" in one_line(capsys.readouterr().err)
