@@ -243,7 +243,7 @@ def train_flops_per_token(model: ParVL) -> tuple[float, float]:
     return 6.0 * vit * par.pv, 6.0 * (llm * par.pl + head)
 
 
-# -- checkpoints -------------------------------------------------------------------------------
+# -- the run folder and its checkpoints ---------------------------------------------------------
 
 
 CAUSES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
@@ -281,8 +281,6 @@ def os_cause(e: BaseException, folder: Path | None = None) -> str:
             pass
     return f"{type(e).__name__}: {text[:200]}"
 
-
-# -- the run folder ----------------------------------------------------------------------------
 
 RUN_FILES = ("checkpoints", "export", "metrics.jsonl")  # what makes a folder someone's run
 
@@ -344,8 +342,6 @@ def finite(x):
         return {k: finite(v) for k, v in x.items()}
     return x
 
-
-# -- checkpoints -------------------------------------------------------------------------------
 
 STEP_DIR = re.compile(r"step_(\d+)")  # step_N.tmp (a save under way) and step_N.broken do not match
 
