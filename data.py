@@ -23,6 +23,7 @@ never raised. Run the tests: python -m pytest tests/test_data.py -q
 import io
 import json
 import os
+import signal
 from array import array
 from bisect import bisect_right
 from dataclasses import dataclass, field
@@ -398,7 +399,7 @@ def make_loader(data: SFTData, order, rank: int, world: int, global_batch: int, 
     sampler = RankSampler(order, rank, world, global_batch, micro_batch, start_step)
     loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=partial(collate, pad_id=pad_id, image_size=data.image_size),
-                                         pin_memory=pin_memory)
+                                         pin_memory=pin_memory, worker_init_fn=_leave_signals_to_the_trainer)
     for (step, m), batch in zip(sampler.schedule(), loader, strict=True):
         yield step, m, batch
 
@@ -414,6 +415,13 @@ class _Bad(Exception):
         assert reason in BAD_REASONS, reason
         super().__init__(" ".join(detail.split()))  # one line, whatever the cause printed
         self.reason = reason
+
+
+def _leave_signals_to_the_trainer(worker_id: int) -> None:
+    """Ctrl-C or a SIGTERM sent to the process group reaches the loader workers too: they ignore it,
+    the trainer stops (one line) and shuts them down, instead of each dying with its own report."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def _outcome(s) -> str:

@@ -224,14 +224,14 @@ def test_signal_abandons_the_step_and_keeps_the_checkpoints(model_dir, tmp_path,
     meta = write_dataset(tmp_path / "d", rows=8, repeat=20)  # 40 steps: it is still training when signalled
     out = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train.py"), "--model", str(model_dir), "--data", str(meta), "--out", str(out),
-           "--save-every", "1", "--keep-last", "50", *TRAIN]
+           "--save-every", "1", "--keep-last", "50", *TRAIN, "--num-workers", "1"]  # a loader worker gets it too
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
     deadline = time.time() + 120
     while not (out / "checkpoints" / "step_2").is_dir() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.05)
     first = tree(out / "checkpoints" / "step_1")
-    proc.send_signal(sig)
+    os.killpg(proc.pid, sig)  # as Ctrl-C in a terminal or a job scheduler does: the whole process group
     _, err = proc.communicate(timeout=120)
     line = one_line(err)
     assert proc.returncode == 128 + sig, (proc.returncode, err)
