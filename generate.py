@@ -306,7 +306,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not args.inputs:
             p.error("no question: give zero or more images, then the question (or --chat for a session)")
         last = args.inputs[-1]
-        if last.lower().endswith(IMAGE_SUFFIXES) or (len(last) < 4096 and Path(last).is_file()):
+        if (last.lower().endswith(IMAGE_SUFFIXES) and not any(c.isspace() for c in last)) or (
+                len(last) < 4096 and Path(last).is_file()):  # "What is in cat.jpg" stays a question
             p.error(f"no question after {last!r}: the last argument is the question (or use --chat)")
     return args
 

@@ -287,6 +287,7 @@ def test_image_without_question_is_a_usage_error(model_dir, png, capsys):
         generate.main([str(png), "--model", str(model_dir)])
     line = one_line(capsys.readouterr().err)
     assert e.value.code == 2 and "no question" in line, line
+    assert generate.parse_args(["What is in cat.jpg", "--model", str(model_dir)]).inputs == ["What is in cat.jpg"]
 
 
 def test_lfs_pointer_and_run_folder_are_named(model_dir, base_run, png, tmp_path, capsys):
