@@ -12,9 +12,14 @@ tensors / pretrained weights), 3 % linear warm-up then cosine to zero, gradient 
 Parallelism follows torchtitan: activation checkpointing per block, optional torch.compile per
 block, fully_shard on every ViT and LLM block and then the root, MixedPrecisionPolicy (bf16
 parameters, fp32 gradient reduction). Checkpoints are torch.distributed.checkpoint folders written
-atomically (step_N.tmp renamed to step_N when complete); --resume continues from the newest one,
-bit-identically: the data order is a function of (seed, step) and the RNG is reseeded from
-(seed, step, rank) at every step. Runs on GPUs with NCCL and on CPU with gloo (the tests).
+atomically (step_N.tmp renamed to step_N when complete); --resume continues from the newest one
+that verifies, falling back past broken ones, bit-identically: the data order is a function of
+(seed, step) and the RNG is reseeded from (seed, step, rank) at every step. Runs on GPUs with NCCL
+and on CPU with gloo (the tests).
+
+An --out folder belongs to one run (a new run into a used one is refused; --overwrite discards it).
+Failures are one line on stderr, from rank 0; exit codes 0 done, 1 failure, 2 bad flags, 130 / 143
+SIGINT / SIGTERM (the current step is abandoned, complete checkpoints stay).
 """
 from __future__ import annotations
 
@@ -589,8 +594,9 @@ def main(argv=None) -> int:
             note(f"error: {' '.join(str(e).split()) if isinstance(e, ValueError) else os_cause(e)}")
         elif isinstance(e, OSError):  # a file this rank could not read or write: maybe this rank's alone
             code, where = 1, f" ({e.filename})" if e.filename else ""
+            quiet_exit = dist.is_initialized() and dist.get_world_size() > 1  # the others may be mid-collective
             print(f"error: {'' if rank() == 0 else f'rank {rank()}: '}{os_cause(e)}{where}", file=sys.stderr, flush=True)
-        elif isinstance(e, dist.DistBackendError):  # another rank died: its own line says why
+        elif isinstance(e, dist.DistBackendError) or "closed by peer" in str(e):  # another rank left: it says why
             code, quiet_exit = 1, True
             note(f"error: lost contact with another rank ({' '.join(str(e).split())[:200]})")
         else:
