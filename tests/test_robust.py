@@ -4,6 +4,7 @@ profiling.py. Each test checks the exit code, that stderr says it in one line, a
 saved before is intact (files byte-identical). Exit codes: 0 ok, 1 bad input or failure, 2 usage,
 130 / 143 interrupted. Runs that must train are subprocesses (two under torchrun with 2 ranks);
 errors raised before training are checked in-process, which is much cheaper."""
+import errno
 import hashlib
 import io
 import json
@@ -14,11 +15,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch.distributed.checkpoint.api import CheckpointException
 
 import data as D
 import generate
@@ -203,20 +206,23 @@ def test_failed_save_is_one_line_and_keeps_complete_checkpoints(model_dir, meta,
         {k: v for k, v in before.items() if k != "metrics.jsonl" and k != "config.json"}  # no step_4(.tmp), all else intact
 
 
-def test_os_cause_names_the_cause():
-    from torch.distributed.checkpoint.api import CheckpointException
-    import errno
+def test_os_cause_names_the_cause(monkeypatch, tmp_path):
     for code, words in [(errno.ENOSPC, "no space left"), (errno.EROFS, "read-only"), (errno.EACCES, "permission denied")]:
-        wrapped = CheckpointException("save failed", {1: (OSError(code, os.strerror(code)), None)})
+        wrapped = CheckpointException("save failed", {1: (OSError(code, os.strerror(code)), None)})  # DCP, rank 1
+        assert train.os_cause(wrapped) == train.CAUSES[code] and words in train.CAUSES[code]
         try:
             try:
                 raise OSError(code, os.strerror(code))
             except OSError as e:
                 raise RuntimeError("enforce fail at inline_container.cc: file write failed") from e
         except RuntimeError as e:
-            assert words in train.os_cause(e)
-        assert words in train.os_cause(wrapped)
-    assert "RuntimeError: boom" in train.os_cause(RuntimeError("boom"))
+            assert train.os_cause(e) == train.CAUSES[code]
+    # torch's zip writer on a full disk: no errno anywhere, so the free space is what tells
+    zip_error = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file")
+    monkeypatch.setattr(train.shutil, "disk_usage", lambda path: SimpleNamespace(free=3 * 2**20))
+    assert train.os_cause(zip_error, tmp_path).startswith("the disk is (nearly) full, 3 MiB free")
+    monkeypatch.setattr(train.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
+    assert train.os_cause(zip_error, tmp_path).startswith("RuntimeError: [enforce fail")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
