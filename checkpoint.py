@@ -30,9 +30,36 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
                    "added_tokens.json", "special_tokens_map.json", "generation_config.json")
 
 
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"  # how a git-LFS pointer file starts
+
+
+def check_not_lfs_pointer(path: Path) -> None:
+    """A clone without git-lfs leaves ~130-byte pointer files where the weights should be: say so,
+    instead of the parser's complaint (safetensors: "header too large")."""
+    with open(path, "rb") as f:
+        head = f.read(len(LFS_POINTER))
+    if head == LFS_POINTER:
+        raise CheckpointError(f"{path}: a git-LFS pointer, not the file itself (run `git lfs pull` in "
+                              f"{path.parent}, or download the file)")
+
+
+def check_not_run_folder(folder: Path) -> None:
+    """A training run folder (train.py --out) given where a model is expected: name its export."""
+    if (folder / "model.safetensors").exists() or (folder / "model.safetensors.index.json").exists():
+        return
+    if (folder / "export" / "config.json").is_file():
+        raise CheckpointError(f"{folder}: a training run folder, not a model; its model is {folder / 'export'}")
+    if (folder / "checkpoints").is_dir():
+        raise CheckpointError(f"{folder}: a training run folder with no export yet (the run has not finished; "
+                              f"its checkpoints resume training with train.py --resume, they are not a model)")
+
+
 def read_json(path: Path) -> dict:
+    if path.name == "config.json":  # a run folder has one too (train.py's): catch it before it is parsed
+        check_not_run_folder(path.parent)
     if not path.is_file():
         raise CheckpointError(f"{path}: not found (is {path.parent} a checkpoint folder?)")
+    check_not_lfs_pointer(path)
     try:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -87,6 +114,7 @@ def checkpoint_files(folder: Path) -> list[Path]:
     for name in names:
         if not (folder / name).is_file():
             raise CheckpointError(f"{folder / name}: checkpoint shard is missing")
+        check_not_lfs_pointer(folder / name)
     return [folder / name for name in names]
 
 

@@ -23,6 +23,8 @@ never raised. Run the tests: python -m pytest tests/test_data.py -q
 import io
 import json
 import os
+import signal
+import sys
 from array import array
 from bisect import bisect_right
 from dataclasses import dataclass, field
@@ -80,17 +82,17 @@ class SFTData(torch.utils.data.Dataset):
 
         meta = _read_meta(os.fspath(meta_path))
         folder = os.path.dirname(os.path.abspath(meta_path))
-        self.datasets = []  # dicts: name, root, path, offsets, kept, repeat, augment, max_tiles
+        self.datasets = []  # dicts: name, root, path, offsets, lines, kept, repeat, augment, max_tiles
         for name, m in meta.items():
             path = os.path.join(folder, m["annotation"])  # join keeps an absolute path as is
-            offsets = _index_lines(path)
+            offsets, lines = _index_lines(path)
             r = float(m.get("repeat_time", 1))
             if r <= 0:
                 raise ValueError(f"{meta_path}: dataset {name!r} has repeat_time={r}, need > 0")
             # Spec §8.1: r < 1 keeps the first floor(len * r) lines, r > 1 repeats int(r) times.
             kept = int(len(offsets) * r) if r < 1 else len(offsets)
             self.datasets.append(dict(
-                name=name, root=os.path.join(folder, m["root"]), path=path, offsets=offsets,
+                name=name, root=os.path.join(folder, m["root"]), path=path, offsets=offsets, lines=lines,
                 kept=kept, repeat=int(r) if r > 1 else 1, augment=bool(m.get("data_augment", False)),
                 max_tiles=int(m.get("max_dynamic_patch", max_tiles))))
         sizes = [d["kept"] * d["repeat"] for d in self.datasets]
@@ -112,7 +114,8 @@ class SFTData(torch.utils.data.Dataset):
 
     def __getitem__(self, i: int) -> "Sample | BadRow":
         d, line = self.locate(i)
-        where = f"{d['name']} line {line + 1}"
+        lineno = line + 1 if d["lines"] is None else int(d["lines"][line])  # in the file, blank lines counted
+        where = f"{d['name']} line {lineno} of {d['path']}"
         try:
             return self._build(i, d, line)
         except _Bad as e:
@@ -169,10 +172,20 @@ class SFTData(torch.utils.data.Dataset):
         return Sample(input_ids, labels, pixels, num_tiles, i)
 
     def _parse_turns(self, item) -> tuple[str, list[tuple[str, str]]]:
-        """(system message, [(role, text)]) from a row; a leading system turn overrides the default."""
+        """(system message, [(role, text)]) from a row; a leading system turn overrides the default.
+
+        A conversation whose first turn is from gpt keeps it, supervised, right after the system
+        message: that is what the official `preprocess_internvl2_5` (the template of InternVL2.5 to
+        3.5) does. Only the older templates' `preprocess` functions drop a first turn that is not
+        from human."""
         conv = item.get("conversations") if isinstance(item, dict) else None
         if not isinstance(conv, list) or not conv:
-            raise _Bad("bad_row", "no 'conversations' list")
+            other = next((k for k in ("messages", "conversation") if isinstance(item, dict) and k in item), None)
+            raise _Bad("bad_row", "no 'conversations' list" + (
+                f" (found {other!r}: the InternVL format is 'conversations' of from/value turns)" if other else ""))
+        if all(isinstance(t, dict) and {"role", "content"} <= set(t) and "value" not in t for t in conv):
+            raise _Bad("bad_row", "turns have role/content; the InternVL format is from/value, "
+                                  'e.g. {"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}')
         if not all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in conv):
             raise _Bad("bad_row", "every turn needs a string 'value'")
         system = self.system
@@ -296,11 +309,12 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor, weight_sum: float | tor
 # Validation
 
 
-def validate(data: SFTData, num_workers: int = 0) -> dict:
+def validate(data: SFTData, num_workers: int = 0, bad_rows: list | None = None, max_listed: int = 20) -> dict:
     """{"good": n, reason: count for each of BAD_REASONS} over every row after repeat_time.
 
     A repeated row is checked once and counted once per copy: whether a row is usable does not
-    depend on its copy (only the JPEG qualities do).
+    depend on its copy (only the JPEG qualities do). `bad_rows`, if given, receives the first
+    `max_listed` BadRows (each names its file, line and reason).
     """
     rows, weight = [], []
     for k, d in enumerate(data.datasets):
@@ -308,9 +322,11 @@ def validate(data: SFTData, num_workers: int = 0) -> dict:
         weight += [d["repeat"]] * d["kept"]
     counts = dict.fromkeys(("good",) + BAD_REASONS, 0)
     loader = torch.utils.data.DataLoader(data, sampler=rows, batch_size=None,
-                                         collate_fn=_outcome, num_workers=num_workers)
+                                         collate_fn=_bad_or_good, num_workers=num_workers)
     for outcome, w in zip(loader, weight):
-        counts[outcome] += w
+        counts[outcome if outcome == "good" else outcome.reason] += w
+        if outcome != "good" and bad_rows is not None and len(bad_rows) < max_listed:
+            bad_rows.append(outcome)
     return counts
 
 
@@ -384,7 +400,7 @@ def make_loader(data: SFTData, order, rank: int, world: int, global_batch: int, 
     sampler = RankSampler(order, rank, world, global_batch, micro_batch, start_step)
     loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=partial(collate, pad_id=pad_id, image_size=data.image_size),
-                                         pin_memory=pin_memory)
+                                         pin_memory=pin_memory, worker_init_fn=_leave_signals_to_the_trainer)
     for (step, m), batch in zip(sampler.schedule(), loader, strict=True):
         yield step, m, batch
 
@@ -402,16 +418,44 @@ class _Bad(Exception):
         self.reason = reason
 
 
+def _leave_signals_to_the_trainer(worker_id: int) -> None:
+    """Ctrl-C or a SIGTERM sent to the process group reaches the loader workers too: they ignore it,
+    the trainer stops (one line) and shuts them down, instead of each dying with its own report.
+    A trainer that stops while it fetches a batch breaks the pipe of the worker's fd-sharing thread
+    (multiprocessing.resource_sharer), which reports through sys.excepthook: that alone is quiet."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    report = sys.excepthook
+
+    def quiet_if_the_trainer_left(kind, value, tb):
+        if not issubclass(kind, (BrokenPipeError, ConnectionResetError)):
+            report(kind, value, tb)
+
+    sys.excepthook = quiet_if_the_trainer_left
+
+
 def _outcome(s) -> str:
     return s.reason if isinstance(s, BadRow) else "good"
+
+
+def _bad_or_good(s) -> "BadRow | str":
+    return s if isinstance(s, BadRow) else "good"  # a BadRow is small; a Sample's tiles need not travel
 
 
 def _read_meta(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
+            text = f.read()
+        meta = json.loads(text)
     except (OSError, ValueError) as e:
-        raise ValueError(f"cannot read meta file {path}: {type(e).__name__}: {e}") from None
+        hint = ""
+        if isinstance(e, json.JSONDecodeError) and e.msg == "Extra data" and _looks_like_rows(text):
+            hint = (" (this looks like a JSONL annotation file; --data takes the meta JSON that names it: "
+                    '{"name": {"root": "images/", "annotation": "train.jsonl"}})')
+        raise ValueError(f"cannot read meta file {path}: {type(e).__name__}: {e}{hint}") from None
+    if _looks_like_rows(text):
+        raise ValueError(f"meta file {path} holds a conversation row, not datasets: this looks like a JSONL "
+                         f"annotation file; --data takes the meta JSON that names it")
     if not isinstance(meta, dict) or not meta:
         raise ValueError(f"meta file {path} must be a non-empty JSON object of datasets")
     for name, m in meta.items():
@@ -420,14 +464,25 @@ def _read_meta(path: str) -> dict:
     return meta
 
 
-def _index_lines(path: str) -> np.ndarray:
-    """Byte offsets of the non-blank lines of a JSONL file; rows are parsed only when read."""
-    offsets, pos = array("q"), 0  # 8 bytes a line, not a parsed row or a Python int object
+def _looks_like_rows(text: str) -> bool:
+    """Whether a would-be meta file starts with an annotation row (a JSONL file given by mistake)."""
+    try:
+        first = json.loads(text.lstrip().split("\n", 1)[0])
+    except ValueError:
+        return False
+    return isinstance(first, dict) and ("conversations" in first or "image" in first)
+
+
+def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """Byte offsets of the non-blank lines of a JSONL file (rows are parsed only when read), and their
+    1-based line numbers in the file when blank lines make them differ from the row numbers."""
+    offsets, lines, pos, n = array("q"), array("q"), 0, 0  # 8 bytes a line, not a parsed row
     try:
         with open(path, "rb") as f:
-            for line in f:
+            for n, line in enumerate(f, 1):
                 if line.strip():
                     offsets.append(pos)
+                    lines.append(n)
                 pos += len(line)
             if offsets:  # a file that is not JSON Lines at all fails here, not row by row
                 f.seek(offsets[0])
@@ -436,7 +491,8 @@ def _index_lines(path: str) -> np.ndarray:
                     raise ValueError(f"first line is a {type(first).__name__}, not an object")
     except (OSError, ValueError, RecursionError) as e:
         raise ValueError(f"cannot read annotation {path}: {type(e).__name__}: {e}") from None
-    return np.frombuffer(offsets, dtype=np.int64)
+    dense = len(lines) == 0 or lines[-1] == len(lines)  # no blank line before the last row
+    return np.frombuffer(offsets, dtype=np.int64), None if dense else np.frombuffer(lines, dtype=np.int64)
 
 
 def _image_list(item: dict) -> list[str]:

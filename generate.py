@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from aggregate import Choice, Rows
-from checkpoint import CheckpointError, read_json
+from checkpoint import CheckpointError, check_not_run_folder, read_json
 from llm import causal_mask
 from parvl import ParVL, config_from_json
 from processor import ImageError, Tokenizer, build_multi_image_question, build_prompt, load_image
@@ -240,6 +240,7 @@ def resolve_model(name: str | None) -> Path:
     if not name:
         raise ValueError("no model: pass --model DIR or set $PARVL_MODEL")
     if Path(name).is_dir():
+        check_not_run_folder(Path(name))  # runs/22 instead of runs/22/export: say so before anything fails
         return Path(name)
     if Path(name).exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
         raise CheckpointError(f"{name}: not a checkpoint folder")
@@ -253,9 +254,44 @@ def resolve_model(name: str | None) -> Path:
     return Path(snapshot_download(name))
 
 
+def resolve_device(name: str) -> torch.device:
+    """--device as a torch.device, or one line on what is wrong with it (before any file is read,
+    so a missing GPU is not reported as an unreadable checkpoint)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {name!r}: not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"--device {name}: CUDA is not available ({why}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices (0 to "
+                             f"{torch.cuda.device_count() - 1})")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {name}: MPS is not available on this machine; use --device cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {name}: not supported here; use cpu or cuda")
+    return device
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A flag error is one line, not the usage of every flag, and exits 2 (argparse's code); under
+    torchrun only rank 0 prints it (every rank parses the same flags)."""
+
+    def error(self, message: str):
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Answer a question about images (or text) with ParVL / InternVL3.5.")
-    p.add_argument("inputs", nargs="+", help="zero or more image paths, then the question (with --chat: images only)")
+    p = OneLineParser(description="Answer a question about images (or text) with ParVL / InternVL3.5.")
+    p.add_argument("inputs", nargs="*", help="zero or more image paths, then the question (with --chat: images only, "
+                                              "or none for a text-only session)")
     p.add_argument("--model", default=os.environ.get("PARVL_MODEL"), help="checkpoint folder (default: $PARVL_MODEL)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="token budget for the answer (default 512)")
     p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
@@ -281,16 +317,33 @@ def parse_args(argv=None) -> argparse.Namespace:
                      ("--top-p", 0 < args.top_p <= 1), ("--top-k", args.top_k >= 0), ("--max-tiles", args.max_tiles >= 0)]:
         if not ok:
             p.error(f"{name} out of range: {getattr(args, name[2:].replace('-', '_'))}")
+    if not args.chat:  # the last input is the question; an image file there means it was left out
+        if not args.inputs:
+            p.error("no question: give zero or more images, then the question (or --chat for a session)")
+        last = args.inputs[-1]
+        if (last.lower().endswith(IMAGE_SUFFIXES) and not any(c.isspace() for c in last)) or (
+                len(last) < 4096 and Path(last).is_file()):  # "What is in cat.jpg" stays a question
+            p.error(f"no question after {last!r}: the last argument is the question (or use --chat)")
     return args
 
 
+class Interrupted(Exception):
+    """Ctrl-C during an answer: what was generated until then (already on stdout)."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+
 def main(argv=None) -> int:
+    """Exit codes: 0 answered, 1 bad input or a failure (one line on stderr), 2 bad flags
+    (argparse), 130 interrupted (Ctrl-C; in --chat it stops the answer, at the prompt the session)."""
     args = parse_args(argv)
-    device = torch.device(args.device)
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
-        args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     images, question = (args.inputs, None) if args.chat else (args.inputs[:-1], args.inputs[-1])
     try:
+        device = resolve_device(args.device)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
+            args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
         folder = resolve_model(args.model)
         mcfg = config_from_json(read_json(folder / "config.json"), folder)  # tiles and tokens as the model sees them
         if images and mcfg.vit is None:
@@ -320,12 +373,18 @@ def main(argv=None) -> int:
                              top_k=args.top_k, top_p=args.top_p)
         pixel_values = torch.cat(pixel_list).to(dtype) if pixel_list else None
         if args.chat:
-            chat(engine, tok, pixel_values, num_tiles, cfg, args)
-        else:
-            answer(engine, tok, prompt, pixel_values, cfg, args, load_s)
-    except (ImageError, CheckpointError, ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+            return chat(engine, tok, pixel_values, num_tiles, cfg, args)
+        answer(engine, tok, prompt, pixel_values, cfg, args, load_s)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+    except BrokenPipeError:  # `generate.py ... | head`: the reader left; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 1
+    except (ImageError, CheckpointError, ValueError, OSError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    except (KeyboardInterrupt, Interrupted):  # Ctrl-C while loading, or during the one answer
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -335,7 +394,14 @@ def answer(engine: Engine, tok: Tokenizer, prompt: str, pixel_values, cfg: Gener
     torch.manual_seed(args.seed)
     ids = tok.encode(prompt)
     streamed = Streamer(tok, enabled=not args.json)
-    res = engine.generate([ids], pixel_values, cfg, stop_ids=tok.eos_ids, callback=streamed)
+    try:
+        res = engine.generate([ids], pixel_values, cfg, stop_ids=tok.eos_ids, callback=streamed)
+    except KeyboardInterrupt:  # Ctrl-C: end the answer where it is, cleanly, and say so
+        text = tok.decode(streamed.ids).strip()
+        streamed.finish()
+        if args.json:
+            print(json.dumps({"answer": text, "interrupted": True, "new_tokens": len(streamed.ids)}, ensure_ascii=False))
+        raise Interrupted(text) from None
     text = tok.decode(res.tokens[0]).strip()
     streamed.finish()
     n = len(res.tokens[0])
@@ -352,20 +418,32 @@ def answer(engine: Engine, tok: Tokenizer, prompt: str, pixel_values, cfg: Gener
 
 
 def chat(engine, tok, pixel_values, num_tiles, cfg, args) -> int:
+    """Read questions until end of input (0) or Ctrl-C at the prompt (130). A turn that is refused
+    (too long, a stray <image>) prints one line and is dropped; Ctrl-C during an answer stops it,
+    and the part shown stays in the history, as it does in chat interfaces."""
     history: list[tuple[str, str]] = []
     while True:
         try:
             question = input("> " if sys.stdin.isatty() else "").strip()
         except EOFError:
             return 0
+        except KeyboardInterrupt:
+            print("\ninterrupted", file=sys.stderr)
+            return 130
         if not question:
             continue
         if not history and num_tiles and "<image>" not in question:  # as the official chat() stores it
             question = build_multi_image_question(question, len(num_tiles)) if len(num_tiles) > 1 else "<image>\n" + question
-        # the whole history is re-sent each turn; its image tokens stay in the first turn
-        prompt = build_prompt(question, num_tiles, history=history, system=args.system,
-                              tokens_per_tile=engine.model.cfg.tokens_per_tile)
-        history.append((question, answer(engine, tok, prompt, pixel_values, cfg, args)))
+        try:
+            # the whole history is re-sent each turn; its image tokens stay in the first turn
+            prompt = build_prompt(question, num_tiles, history=history, system=args.system,
+                                  tokens_per_tile=engine.model.cfg.tokens_per_tile)
+            history.append((question, answer(engine, tok, prompt, pixel_values, cfg, args)))
+        except ValueError as e:  # this turn only; the session and its history go on
+            print(f"error: {' '.join(str(e).split())} (turn dropped; the conversation goes on)", file=sys.stderr)
+        except Interrupted as e:
+            print("interrupted: answer stopped (the conversation goes on)", file=sys.stderr)
+            history.append((question, e.text))
 
 
 class Streamer:

@@ -15,6 +15,7 @@ Test: python -m pytest tests/test_processor.py -q
 
 import json
 import os
+import sys
 
 import numpy as np
 import torch
@@ -101,17 +102,35 @@ def tile_image(img: Image.Image, max_tiles: int = 12, image_size: int = IMAGE_SI
     return tiles
 
 
+_NOTED: set[str] = set()  # files already reported as multi-frame, once per process
+
+
+def _to_rgb(img: Image.Image, name: str) -> Image.Image:
+    """RGB of the current (first) frame. Deviation from the official transform, which calls
+    convert("RGB") on everything: 16-bit greyscale ("I;16*", or "I" holding values above 255) is
+    scaled to 8 bits as value >> 8, where convert would clip every value above 255 to white. An
+    animated GIF or multi-page TIFF uses its first frame, as the official code does, but says so."""
+    frames = getattr(img, "n_frames", 1)
+    if frames > 1 and name not in _NOTED:
+        _NOTED.add(name)
+        print(f"note: {name} has {frames} frames (animated or multi-page); using the first", file=sys.stderr)
+    if img.mode.startswith("I;16") or (img.mode == "I" and img.getextrema()[1] > 255):
+        grey = np.asarray(img).astype(np.uint32).clip(0, 65535) >> 8  # [H, W], 0..255
+        return Image.fromarray(grey.astype(np.uint8), mode="L").convert("RGB")
+    return img.convert("RGB")
+
+
 def open_rgb(path_or_pil) -> Image.Image:
     """Decode fully and convert to RGB, turning every decoder failure into an ImageError."""
     name = "<PIL image>" if isinstance(path_or_pil, Image.Image) else os.fspath(path_or_pil)
     try:
         if isinstance(path_or_pil, Image.Image):
-            return path_or_pil.convert("RGB")
+            return _to_rgb(path_or_pil, name)
         with Image.open(name) as f:
             # Image.open only reads the header; load() decodes every byte, so a truncated file
             # fails here instead of silently yielding grey pixels later.
             f.load()
-            return f.convert("RGB")
+            return _to_rgb(f, name)
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as e:
         detail = " ".join(str(e).split())  # decoder messages may span lines; keep one line
         raise ImageError(f"cannot read image {name}: {type(e).__name__}: {detail}") from e

@@ -51,13 +51,15 @@ import ctypes
 import dataclasses
 import gc
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from generate import Engine, GenerateConfig
+from generate import Engine, GenerateConfig, OneLineParser, resolve_device
 from llm import LLMConfig
 from parvl import PRESETS, ParVL, ParVLConfig
 from vit import ViTConfig
@@ -398,8 +400,26 @@ def add_run_args(p: argparse.ArgumentParser, arch: str, tiles: int, text_tokens:
     p.add_argument("--json", action="store_true", help="print only the final JSON line, not the table")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 done, 1 bad input or a failure (one line on stderr) or a closed output pipe
+    (`| head`, quietly), 2 bad flags, 130 interrupted (Ctrl-C)."""
+    try:
+        run(argv)
+        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as command-line tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 1
+    except (ValueError, OSError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def run(argv: list[str] | None = None) -> None:
+    parser = OneLineParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("params", help="parameters (meta device) and forward FLOPs per part, Table S3")
     p.add_argument("--arch", default="1b", choices=sorted(ARCHS), help="model size preset (default 1b)")
@@ -450,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
         value = getattr(args, name, None)  # batch: a list for latency, one size for forward; None: not given
         if value is not None and min(value if isinstance(value, list) else [value]) < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
-    device = torch.device(args.device)
+    device = resolve_device(args.device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if args.threads:  # OpenMP threads that wait for each other slow down 100x when another process holds a core
         torch.set_num_threads(args.threads)
@@ -470,4 +490,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

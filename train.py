@@ -12,18 +12,27 @@ tensors / pretrained weights), 3 % linear warm-up then cosine to zero, gradient 
 Parallelism follows torchtitan: activation checkpointing per block, optional torch.compile per
 block, fully_shard on every ViT and LLM block and then the root, MixedPrecisionPolicy (bf16
 parameters, fp32 gradient reduction). Checkpoints are torch.distributed.checkpoint folders written
-atomically (step_N.tmp renamed to step_N when complete); --resume continues from the newest one,
-bit-identically: the data order is a function of (seed, step) and the RNG is reseeded from
-(seed, step, rank) at every step. Runs on GPUs with NCCL and on CPU with gloo (the tests).
+atomically (step_N.tmp renamed to step_N when complete); --resume continues from the newest one
+that verifies, falling back past broken ones, bit-identically: the data order is a function of
+(seed, step) and the RNG is reseeded from (seed, step, rank) at every step. Runs on GPUs with NCCL
+and on CPU with gloo (the tests).
+
+An --out folder belongs to one run (a new run into a used one is refused; --overwrite discards it).
+Failures are one line on stderr, from rank 0; exit codes 0 done, 1 failure, 2 bad flags, 130 / 143
+SIGINT / SIGTERM (the current step is abandoned, complete checkpoints stay).
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
+import re
 import shutil
+import signal
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -31,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
@@ -38,10 +48,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from aggregate import entropy
-from checkpoint import read_json
-from data import BAD_REASONS, SFTData, check_bad_fraction, loss_weights, make_loader, sft_loss, validate
+from checkpoint import check_not_run_folder, read_json
+from data import BAD_REASONS, IGNORE, BadRow, SFTData, check_bad_fraction, loss_weights, make_loader, sft_loss, validate
 from parvl import ParVL, config_from_json, is_branch_tensor
-from generate import peak_memory_gib
+from generate import OneLineParser, peak_memory_gib
 from processor import Tokenizer
 
 
@@ -72,7 +82,8 @@ class TrainConfig:
     freeze_backbone: bool = False  # only prefixes and aggregators train (ParScale's efficient mode)
     save_every: int = 500  # steps between checkpoints (and at the end)
     keep_last: int = 2
-    resume: bool = False
+    resume: bool = False  # continue from the newest checkpoint in --out that verifies (none: start fresh)
+    overwrite: bool = False  # discard what --out holds (checkpoints, export, metrics) and start a new run
     log_every: int = 1
     num_workers: int = 4  # data loading processes per rank
     max_bad_frac: float = 0.01
@@ -80,11 +91,13 @@ class TrainConfig:
     validate_data: bool = False
     stop_after: int = 0  # exit after this step's checkpoint, as if killed (tests); 0 = off
     inject_nan_step: int = 0  # make this step's loss NaN (tests); 0 = off
+    inject_save_error: str = ""  # "ENOSPC:2": the save of step 2 fails with that errno (tests); "" = off
 
     def check(self) -> None:
         """Reject bad values before any process group starts."""
         if not self.model or not Path(self.model).is_dir():
             raise ValueError(f"--model {self.model!r}: not a checkpoint folder")
+        check_not_run_folder(Path(self.model))  # runs/11 for runs/11/export: say which folder is meant
         if not self.data or not Path(self.data).is_file():
             raise ValueError(f"--data {self.data!r}: no such meta JSON file")
         if self.max_tiles < 0:
@@ -100,10 +113,12 @@ class TrainConfig:
             raise ValueError("--warmup-ratio and --max-bad-frac must be in [0, 1), --weight-decay >= 0, --clip > 0")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
+        if self.resume and self.overwrite:
+            raise ValueError("--resume continues the run in --out, --overwrite discards it: pass one of them")
 
 
 def parse_args(argv=None) -> TrainConfig:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     helps = {"model": "checkpoint folder", "data": "meta JSON", "out": "output folder", "pv": "vision branches",
              "pl": "language branches", "lr_new": "peak lr of prefixes and aggregators",
              "lr_pretrained": "peak lr of pretrained weights", "global_batch": "samples per optimizer step",
@@ -111,8 +126,10 @@ def parse_args(argv=None) -> TrainConfig:
              "max_tiles": "image tiles per row, shared by its images (0 = the checkpoint's max_dynamic_patch, 12 for InternVL3.5)", "max_steps": "0 = one epoch",
              "clip": "max gradient norm", "save_every": "steps between checkpoints", "keep_last": "checkpoints kept",
              "num_workers": "data loading processes per rank", "max_bad_frac": "abort above this fraction of bad rows",
-             "peak_tflops": "per-device peak for MFU, 0 = from the device name"}
-    hidden = {"stop_after", "inject_nan_step"}
+             "peak_tflops": "per-device peak for MFU, 0 = from the device name",
+             "resume": "continue from the newest checkpoint in --out that verifies (none: start fresh)",
+             "overwrite": "discard the run --out holds (checkpoints, export, metrics) and start a new one"}
+    hidden = {"stop_after", "inject_nan_step", "inject_save_error"}
     for f in fields(TrainConfig):
         flag, default = "--" + f.name.replace("_", "-"), f.default
         help_ = argparse.SUPPRESS if f.name in hidden else helps.get(f.name, f.name.replace("_", " "))
@@ -128,12 +145,19 @@ def parse_args(argv=None) -> TrainConfig:
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This process's rank; before the process group starts, the one torchrun assigned."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
 def log(msg: str) -> None:
     if rank() == 0:
         print(msg, flush=True)
+
+
+def note(msg: str) -> None:
+    """What a user must see even when stdout goes to a log: stderr, rank 0."""
+    if rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
 
 
 def setup_distributed() -> tuple[torch.device, object]:
@@ -224,28 +248,190 @@ def train_flops_per_token(model: ParVL) -> tuple[float, float]:
     return 6.0 * vit * par.pv, 6.0 * (llm * par.pl + head)
 
 
-# -- checkpoints -------------------------------------------------------------------------------
+# -- the run folder and its checkpoints ---------------------------------------------------------
+
+
+CAUSES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+          errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+          errno.EPERM: "operation not permitted", errno.ENOENT: "no such file or folder",
+          errno.ENOTDIR: "a parent is a file, not a folder", errno.EIO: "input/output error"}
+
+
+def os_cause(e: BaseException, folder: Path | None = None) -> str:
+    """The cause of a failed write or read in a few words: the first OSError in the exception's chain
+    (DCP wraps each rank's failure in a CheckpointException), else its message. torch's zip writer
+    reports a full disk as "file write failed" with no errno, so the free space is checked too."""
+    todo, seen = [e], set()
+    while todo:
+        x = todo.pop(0)
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno:
+            return CAUSES.get(x.errno, os.strerror(x.errno))
+        if isinstance(x, CheckpointException):
+            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
+        todo += [x.__cause__, x.__context__]
+    text = " ".join(str(e).split())
+    for needle, cause in (("No space left", errno.ENOSPC), ("Read-only file system", errno.EROFS),
+                          ("Permission denied", errno.EACCES)):
+        if needle in text:
+            return CAUSES[cause]
+    if folder is not None:
+        try:
+            free = shutil.disk_usage(next(p for p in (folder, *folder.parents) if p.exists())).free
+            if free < 2**30:
+                return f"the disk is (nearly) full, {free / 2**20:.0f} MiB free ({type(e).__name__}: {text[:120]})"
+        except OSError:
+            pass
+    return f"{type(e).__name__}: {text[:200]}"
+
+
+RUN_FILES = ("checkpoints", "export", "metrics.jsonl")  # what makes a folder someone's run
+
+
+def check_out(cfg: TrainConfig) -> None:
+    """A run folder belongs to one run. Refuse, before any process group starts, a new run into an
+    --out that holds another run's checkpoints, export or metrics (it would overwrite the export,
+    mix the metrics and let --keep-last delete the new checkpoints), and an --out that cannot be
+    written. Reads and one temporary file only; --overwrite discards later, on rank 0."""
+    out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: is a file, not a folder")
+    held = [name for name in RUN_FILES if (out / name).exists() and (
+        not (out / name).is_dir() or any((out / name).iterdir()))]
+    if held and not cfg.resume and not cfg.overwrite:
+        raise ValueError(f"--out {out} already holds a run ({', '.join(held)}): pass --resume to continue it, "
+                         f"a new --out, or --overwrite to discard it")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise ValueError(f"--out {out}: cannot write there ({os_cause(e)})") from None
+
+
+def discard_run(out: Path) -> None:
+    """--overwrite: remove the previous run's files (rank 0, before anything new is written)."""
+    for name in (*RUN_FILES, "config.json"):
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
+def trim_metrics(out: Path, step: int) -> None:
+    """On resume, drop metrics lines past the resumed step (and a line torn by a crash), so the file
+    holds each step once. Written to a temporary file and renamed: never half a file."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
+
+
+def finite(x):
+    """NaN and inf as None, so that metrics lines are JSON (json.dumps writes NaN otherwise)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: finite(v) for k, v in x.items()}
+    return x
+
+
+STEP_DIR = re.compile(r"step_(\d+)")  # step_N.tmp (a save under way) and step_N.broken do not match
+
+
+def checkpoint_dirs(out: Path) -> list[Path]:
+    """Every step_N folder, oldest first, whether or not it verifies."""
+    found = [d for d in (out / "checkpoints").glob("step_*") if d.is_dir() and STEP_DIR.fullmatch(d.name)]
+    return sorted(found, key=lambda d: int(d.name.split("_")[1]))
 
 
 def checkpoints(out: Path) -> list[Path]:
     """Complete checkpoints, oldest first; step_N.tmp folders (interrupted saves) do not count."""
-    found = [d for d in (out / "checkpoints").glob("step_*") if d.is_dir() and d.suffix != ".tmp" and (d / "done").exists()]
-    return sorted(found, key=lambda d: int(d.name.split("_")[1]))
+    return [d for d in checkpoint_dirs(out) if (d / "done").exists()]
+
+
+def verify_checkpoint(folder: Path) -> str | None:
+    """Why `folder` cannot be resumed from, or None. Checks the done marker, train.json, and that
+    every file the save wrote (train.json lists them with their sizes) is there with that size; a
+    checkpoint from before that list needs at least DCP's .metadata. JSON and file sizes only: DCP's
+    .metadata is a pickle, so it is read by dcp.load alone."""
+    if not (folder / "done").is_file():
+        return "no done marker (an interrupted save)"
+    try:
+        meta = json.loads((folder / "train.json").read_text())
+    except FileNotFoundError:
+        return "train.json is missing"
+    except (OSError, ValueError) as e:
+        return f"train.json is unreadable ({type(e).__name__}: {' '.join(str(e).split())})"
+    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or "scheduler" not in meta:
+        return "train.json has no step or scheduler"
+    if meta["step"] != int(folder.name.split("_")[1]):
+        return f"train.json says step {meta['step']}"
+    files = {".metadata": None, **meta.get("files", {})}
+    for name, size in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if size is not None and path.stat().st_size != size:
+            return f"{name} is {path.stat().st_size} bytes, the save wrote {size}"
+    return None
 
 
 def save_checkpoint(model, optim, sched, step: int, cfg: TrainConfig) -> None:
+    """DCP save into step_N.tmp, then train.json (with the size of every file), the done marker and
+    one rename, so a folder named step_N is complete. A failed save (full disk, read-only file
+    system, permissions) removes its step_N.tmp, keeps every complete checkpoint and raises one
+    line; every rank learns of a failure on rank 0, so none waits for the others."""
     out = Path(cfg.out) / "checkpoints"
     final, tmp = out / f"step_{step}", out / f"step_{step}.tmp"
+    failure: BaseException | None = None
+    try:
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        dist.barrier()
+        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
+        dcp.save(state, checkpoint_id=str(tmp))
+        injected = cfg.inject_save_error.split(":")  # the hidden test flag, "ERRNO:STEP"
+        if injected[0] and int(injected[1]) == step:  # as if the disk filled up after the shards
+            code = getattr(errno, injected[0])
+            raise OSError(code, os.strerror(code), str(tmp / ".metadata"))
+        dist.barrier()
+        if rank() == 0:
+            try:
+                files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
+                (tmp / "train.json").write_text(json.dumps(
+                    {"step": step, "scheduler": sched.state_dict(), "config": asdict(cfg), "files": files}, indent=2))
+                (tmp / "done").write_text("")
+                tmp.rename(final)  # atomic: a folder named step_N is always complete
+            except OSError as e:
+                failure = e
+        if all_sum(float(failure is not None), device=next(model.parameters()).device)[0]:
+            failure = failure or OSError("the save failed on rank 0")
+    except (OSError, RuntimeError, CheckpointException) as e:  # dcp.save fails on every rank alike
+        failure = e
+    except BaseException:  # interrupted mid-save: the partial folder goes, the complete ones stay
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if failure is not None:
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        kept = checkpoints(Path(cfg.out))
+        raise ValueError(f"cannot save checkpoint {tmp}: {os_cause(failure, out)}; removed the partial save, "
+                         f"kept {kept[-1] if kept else 'no earlier checkpoint'}") from None
     if rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
-    dcp.save(state, checkpoint_id=str(tmp))
-    dist.barrier()
-    if rank() == 0:
-        (tmp / "train.json").write_text(json.dumps({"step": step, "scheduler": sched.state_dict(), "config": asdict(cfg)}, indent=2))
-        (tmp / "done").write_text("")
-        tmp.rename(final)  # atomic: a folder named step_N is always complete
         for old in checkpoints(Path(cfg.out))[: -cfg.keep_last]:
             shutil.rmtree(old)
     dist.barrier()
@@ -261,16 +447,75 @@ def load_checkpoint(model, optim, sched, folder: Path) -> int:
     return meta["step"]
 
 
+def resume(model, optim, sched, out: Path) -> int:
+    """--resume: load the newest checkpoint that verifies and loads, falling back past broken ones,
+    and say in one line which one and what was skipped and why. Broken ones newer than the one
+    loaded are renamed step_N.broken (kept for a look, out of --keep-last's way). No usable
+    checkpoint: start at step 0 and say so. Every rank decides alike from the same files."""
+    skipped, step, chosen = [], 0, None
+    for folder in reversed(checkpoint_dirs(out)):
+        why = verify_checkpoint(folder)
+        if why is None:
+            try:
+                step, chosen = load_checkpoint(model, optim, sched, folder), folder
+                break
+            except (OSError, RuntimeError, ValueError, KeyError, CheckpointException) as e:
+                why = f"cannot be loaded ({os_cause(e)})"
+        skipped.append((folder, why))
+    dist.barrier()
+    if rank() == 0:
+        for folder, _ in skipped:
+            aside = folder.with_name(folder.name + ".broken")
+            for k in range(1, 1000):  # an earlier fallback may have set one aside under that name
+                if not aside.exists():
+                    break
+                aside = folder.with_name(f"{folder.name}.broken{k}")
+            folder.rename(aside)
+    dist.barrier()
+    what = "; ".join(f"{f.name}: {why}" for f, why in skipped)
+    if chosen is None:
+        note(f"--resume: no usable checkpoint in {out / 'checkpoints'}"
+             f"{f' (skipped {what}; renamed .broken)' if skipped else ''}: starting from step 0")
+    else:
+        note(f"resuming from {chosen} at step {step}{f' (skipped {what}; renamed .broken)' if skipped else ''}")
+    return step
+
+
 def export(model: ParVL, cfg: TrainConfig) -> None:
     """The final model as a ParVL safetensors checkpoint (InternVL layout + branch tensors)."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    failure = None
     if rank() == 0:
         with torch.device("meta"):
             plain = ParVL(model.cfg)
         plain.load_state_dict(full, assign=True)
         plain.language_model.model.init_rope("cpu")
-        plain.save(Path(cfg.out) / "export", tokenizer_from=cfg.model)
-    dist.barrier()
+        try:
+            plain.save(Path(cfg.out) / "export", tokenizer_from=cfg.model)
+        except OSError as e:  # the checkpoints stay; a half-written weights file does not
+            (Path(cfg.out) / "export" / "model.safetensors.tmp").unlink(missing_ok=True)
+            failure = f"cannot write the export {Path(cfg.out) / 'export'}: {os_cause(e, Path(cfg.out))}"
+    if all_sum(float(failure is not None), device=next(model.parameters()).device)[0]:
+        raise ValueError(failure or "the export failed on rank 0")
+
+
+MAX_NAMED = 20  # bad rows named one by one (per rank in training, in all for --validate-data)
+
+
+def name_bad_rows(data: SFTData, batches, named: int) -> int:
+    """Name this rank's bad rows on stderr (file, line, why), the first MAX_NAMED of them. A Batch
+    keeps only the counts, so a bad row (the one with no supervised label) is read again for its
+    reason: rare, and cheap next to a training step."""
+    for b in batches:
+        if not b.bad or named >= MAX_NAMED:
+            continue
+        for row, supervised in zip(b.rows, (b.labels != IGNORE).any(1).tolist()):
+            item = data[row] if not supervised and named < MAX_NAMED else None
+            if isinstance(item, BadRow):
+                named += 1
+                print(f"warning: skipped bad row {item.detail} [{item.reason}]"
+                      + (f" (naming no more on rank {rank()})" if named == MAX_NAMED else ""), file=sys.stderr, flush=True)
+    return named
 
 
 # -- the step ----------------------------------------------------------------------------------
@@ -294,10 +539,31 @@ def micro_loss(model: ParVL, batch, weight_sum: float, world: int, device):
     return loss, ent
 
 
+INTERRUPTED = 0  # the first SIGINT / SIGTERM received, 0 = none
+
+
+def on_signal(signum, frame) -> None:
+    """SIGINT and SIGTERM abandon the current step wherever it is: a save under way removes its
+    step_N.tmp, complete checkpoints stay (they are renamed into place atomically)."""
+    global INTERRUPTED
+    INTERRUPTED = INTERRUPTED or signum
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
+    """Exit codes: 0 done, 1 bad input or a failure (one line on stderr), 2 bad flags (argparse),
+    130 / 143 interrupted by SIGINT / SIGTERM. Under torchrun rank 0 alone prints an error that every
+    rank meets alike; torchrun then adds its own report of the failed workers."""
+    global INTERRUPTED
+    code, quiet_exit, INTERRUPTED = 0, False, 0
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    out = None
     try:
         cfg = parse_args(argv)
         cfg.check()
+        out = Path(cfg.out)
+        if not cfg.validate_data:
+            check_out(cfg)
         tok = Tokenizer.from_pretrained(cfg.model)
         mcfg = config_from_json(read_json(Path(cfg.model) / "config.json"), Path(cfg.model))  # tiles as the model sees them
         if mcfg.vit is None:
@@ -306,16 +572,43 @@ def main(argv=None) -> int:
                        image_token_id=mcfg.image_token_id, num_image_token=mcfg.tokens_per_tile,
                        image_size=mcfg.vit.image_size, seed=cfg.seed)
         if cfg.validate_data:
-            counts = validate(data)
+            bad: list[BadRow] = []
+            counts = validate(data, bad_rows=bad, max_listed=MAX_NAMED)
+            for b in bad:  # file:line, reason, detail: one line each, at most MAX_NAMED
+                print(f"bad row: {b.detail} [{b.reason}]")
+            if sum(counts[r] for r in BAD_REASONS) > len(bad):
+                print(f"... and {sum(counts[r] for r in BAD_REASONS) - len(bad)} more bad rows")
             print(json.dumps(counts))
             check_bad_fraction(counts, cfg.max_bad_frac)
             return 0
         return train(cfg, tok, data)
-    except ValueError as e:  # bad flags, data or checkpoints: one line, non-zero exit
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except (KeyboardInterrupt, CheckpointException, Exception) as e:
+        if INTERRUPTED or isinstance(e, KeyboardInterrupt):  # whatever a peer's exit then caused here
+            signum = INTERRUPTED or signal.SIGINT
+            code, quiet_exit = 128 + signum, dist.is_initialized() and dist.get_world_size() > 1
+            kept = checkpoints(out) if out is not None and out.is_dir() else []
+            note(f"interrupted by {signal.Signals(signum).name}: the current step was abandoned; "
+                 + (f"last complete checkpoint {kept[-1]} (continue with --resume)" if kept else "no checkpoint was saved"))
+        elif isinstance(e, (ValueError, CheckpointException)):  # bad flags, data, saves: alike on every rank
+            code = 1
+            note(f"error: {' '.join(str(e).split()) if isinstance(e, ValueError) else os_cause(e)}")
+        elif isinstance(e, OSError):  # a file this rank could not read or write: maybe this rank's alone
+            code, where = 1, f" ({e.filename})" if e.filename else ""
+            quiet_exit = dist.is_initialized() and dist.get_world_size() > 1  # the others may be mid-collective
+            print(f"error: {'' if rank() == 0 else f'rank {rank()}: '}{os_cause(e)}{where}", file=sys.stderr, flush=True)
+        elif isinstance(e, dist.DistBackendError) or "closed by peer" in str(e):  # another rank left: it says why
+            code, quiet_exit = 1, True
+            note(f"error: lost contact with another rank ({' '.join(str(e).split())[:200]})")
+        else:
+            raise  # a bug: the traceback is the useful report
+        return code
     finally:
+        for sig, handler in previous.items():  # main() called in-process (tests) leaves no trace
+            signal.signal(sig, handler)
         if dist.is_initialized():
+            if quiet_exit:  # peers may be gone: no barrier to wait on, no teardown that can abort
+                sys.stdout.flush(), sys.stderr.flush()
+                os._exit(code)
             dist.barrier()  # gloo can abort at exit without it
             dist.destroy_process_group()
 
@@ -331,8 +624,11 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
     total = min(cfg.max_steps, steps_per_epoch) if cfg.max_steps else steps_per_epoch
     out = Path(cfg.out)
     if rank() == 0:
+        if cfg.overwrite:
+            discard_run(out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+    dist.barrier()
     log(f"config {json.dumps(asdict(cfg))}")
 
     model = build_model(cfg, device, mesh)
@@ -341,10 +637,9 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor numel is the global size
     log(f"Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl}, trainable parameters {trainable:,} of "
         f"{sum(p.numel() for p in model.parameters()):,}, {total} steps of {cfg.global_batch} samples on {world} ranks")
-    step = 0
-    if cfg.resume and checkpoints(out):
-        step = load_checkpoint(model, optim, sched, checkpoints(out)[-1])
-        log(f"resumed from {checkpoints(out)[-1]} at step {step}")
+    step = resume(model, optim, sched, out) if cfg.resume else 0
+    if rank() == 0 and cfg.resume:
+        trim_metrics(out, step)  # metrics.jsonl then continues with step + 1
 
     vit_flops, llm_flops = train_flops_per_token(model)
     peak = cfg.peak_tflops or (989.0 if device.type == "cuda" and any(h in torch.cuda.get_device_name(device) for h in ("H100", "H200")) else 0.0)
@@ -353,6 +648,7 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
     loader = make_loader(data, order, rank(), world, cfg.global_batch, cfg.micro_batch, step, cfg.num_workers, pad_id=0)
     bad_total, seen_total, t_start, first_step = {}, 0, time.perf_counter(), step
     pending: list = []
+    named = 0  # bad rows this rank has named on stderr
     for s, _, batch in loader:
         pending.append(batch)
         if len(pending) < micro_per_step:
@@ -362,6 +658,7 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
             break
         torch.manual_seed(cfg.seed + 1_000_003 * (s + 1) + rank())  # the RNG stream is a function of (step, rank)
         t0 = time.perf_counter()
+        named = name_bad_rows(data, batches, named)
         # one all-reduce for everything known before the forward: Eq. 6 weight sum, counts, bad rows by reason
         local = [sum(float(loss_weights(b.labels).sum()) for b in batches), sum(b.num_samples for b in batches),
                  sum(int(b.attention_mask.sum()) for b in batches), sum(b.pixel_values.shape[0] for b in batches),
@@ -403,6 +700,7 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
                     "tokens_per_s": (text_tokens + vit_tokens) / dt,
                     "mfu": mfu, "step_flops": flops, "peak_gib": peak_memory_gib(device), "eta_s": eta,
                     "entropy_vision": ent_v, "entropy_language": ent_l, "bad_rows": bad_total}
+            line = finite(line)  # NaN (no MFU on CPU, no branch weights) as null: JSON has no NaN
             log(json.dumps(line))
             if rank() == 0:
                 with open(out / "metrics.jsonl", "a") as f:

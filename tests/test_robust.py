@@ -1,0 +1,333 @@
+"""Issue 12, "nothing lost, nothing raw", for train.py and data.py: run folders that cannot overwrite
+each other, checkpoints that fall back, and one line (no traceback) for every failure (generate.py,
+profiling.py and images: test_robust_cli.py). Each test checks the exit code, that stderr says it in
+one line, and that what was saved before is intact (files byte-identical). Exit codes: 0 ok, 1 bad
+input or failure, 2 usage, 130 / 143 interrupted. Runs that must train are subprocesses (two under
+torchrun with 2 ranks); errors raised before training are checked in-process, much cheaper."""
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from torch.distributed.checkpoint.api import CheckpointException
+
+import data as D
+import train
+from data import SFTData
+from processor import Tokenizer
+from test_train import COMMON, ROOT, metrics, run_train, write_dataset
+
+TRAIN = ["--max-tiles", "2", "--dtype", "fp32", "--global-batch", "4", "--num-workers", "0", "--log-every", "1",
+         "--no-activation-checkpointing"]
+assert set(TRAIN) <= set(COMMON)
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under folder: "intact" means this does not change."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def one_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    return lines[0]
+
+
+def worker_lines(stderr: str) -> list[str]:
+    """What the workers printed under torchrun: the launcher appends its own failure report (an
+    "E... failed (exitcode: 1)" log line and a ChildFailedError traceback) that no worker controls."""
+    lines = stderr.strip().splitlines()
+    cut = next((i for i, x in enumerate(lines) if "torch/distributed/elastic" in x or x.startswith("Traceback")), len(lines))
+    return lines[:cut]
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint):
+    return checkpoint("qwen3", "original")
+
+
+@pytest.fixture(scope="module")
+def meta(tmp_path_factory):
+    return write_dataset(tmp_path_factory.mktemp("data"), rows=16)
+
+
+@pytest.fixture(scope="module")
+def base_run(model_dir, meta, tmp_path_factory):
+    """A finished 3-step run: checkpoints step_1..3, export, metrics. Tests copy it."""
+    out = tmp_path_factory.mktemp("base") / "run"
+    run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 3, "--save-every", 1,
+              "--keep-last", 5, *TRAIN)
+    return out
+
+
+def copy_run(base: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "run"
+    shutil.copytree(base, out)
+    return out
+
+
+def train_main(capsys, *args) -> tuple[int, str, str]:
+    code = train.main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+# -- 1. a run folder belongs to one run ----------------------------------------------------------
+
+
+def test_new_run_into_a_finished_run_is_refused(model_dir, meta, base_run, tmp_path, capsys):
+    out = copy_run(base_run, tmp_path)
+    before = tree(out)
+    code, _, err = train_main(capsys, "--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, *TRAIN)
+    line = one_line(err)
+    assert code == 1 and "already holds a run" in line and "--resume" in line and "--overwrite" in line, line
+    assert tree(out) == before
+
+
+def test_new_run_into_a_finished_run_is_refused_under_torchrun(model_dir, meta, base_run, tmp_path):
+    out = copy_run(base_run, tmp_path)
+    before = tree(out)
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, *TRAIN, nproc=2, check=False)
+    assert res.returncode == 1
+    ours = worker_lines(res.stderr)
+    assert len(ours) == 1 and "already holds a run" in ours[0] and "Traceback" not in "\n".join(ours), res.stderr
+    assert tree(out) == before
+
+
+def test_overwrite_discards_the_old_run_explicitly(model_dir, meta, base_run, tmp_path):
+    out = copy_run(base_run, tmp_path)
+    old_export = tree(out / "export")
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 1, "--overwrite", "--lr-pretrained",
+                    "1e-2", *TRAIN)
+    assert res.returncode == 0 and res.stderr.strip() == "", res.stderr
+    assert [m["step"] for m in metrics(out)] == [1]  # not 1, 2, 3, 1
+    assert sorted(d.name for d in (out / "checkpoints").iterdir()) == ["step_1"]
+    assert tree(out / "export") != old_export and json.loads((out / "config.json").read_text())["max_steps"] == 1
+
+
+@pytest.mark.parametrize("case", ["file", "proc", "sys", "resume+overwrite"])
+def test_unusable_out_is_one_line(model_dir, meta, tmp_path, capsys, case):
+    out = {"file": meta, "proc": Path("/proc/parvl_test/run"), "sys": Path("/sys/parvl_test"),
+           "resume+overwrite": tmp_path / "new"}[case]
+    before = meta.read_bytes()
+    extra = ["--resume", "--overwrite"] if case == "resume+overwrite" else []
+    code, _, err = train_main(capsys, "--model", model_dir, "--data", meta, "--out", out, *extra, *TRAIN)
+    line = one_line(err)
+    needle = {"file": "is a file, not a folder", "proc": "cannot write there", "sys": "cannot write there",
+              "resume+overwrite": "pass one of them"}[case]
+    assert code == 1 and line.startswith("error: ") and needle in line, line
+    assert meta.read_bytes() == before and not (tmp_path / "new").exists()
+
+
+# -- 2. --resume falls back past broken checkpoints -------------------------------------------------
+
+
+def test_resume_falls_back_past_broken_checkpoints(model_dir, meta, base_run, tmp_path):
+    out = copy_run(base_run, tmp_path)
+    ck = out / "checkpoints"
+    (ck / "step_3" / ".metadata").unlink()  # was a bare AssertionError
+    (ck / "step_2" / "train.json").write_text('{"step": 2, "sched')  # was a JSONDecodeError naming no file
+    broken3, broken2, good1 = tree(ck / "step_3"), tree(ck / "step_2"), tree(ck / "step_1")
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 4, "--save-every", 1,
+                    "--keep-last", 5, "--resume", *TRAIN)
+    line = one_line(res.stderr)
+    assert line.startswith(f"resuming from {ck / 'step_1'} at step 1"), line
+    assert "step_3: .metadata is missing" in line and "step_2: train.json is unreadable" in line, line
+    assert tree(ck / "step_1") == good1  # kept byte for byte, and the broken ones set aside, not deleted
+    assert tree(ck / "step_3.broken") == broken3 and tree(ck / "step_2.broken") == broken2
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]  # trimmed to step 1, then continued
+    assert all(train.verify_checkpoint(ck / f"step_{k}") is None for k in (2, 3, 4))
+
+
+def test_resume_falls_back_past_a_truncated_shard_under_torchrun(model_dir, meta, base_run, tmp_path):
+    out = copy_run(base_run, tmp_path)
+    ck = out / "checkpoints"
+    shard = ck / "step_3" / "__0_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    good = {k: tree(ck / f"step_{k}") for k in (1, 2)}
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 3, "--save-every", 1,
+                    "--keep-last", 5, "--resume", *TRAIN, nproc=2)
+    line = one_line(res.stderr)  # once, from rank 0
+    assert line.startswith(f"resuming from {ck / 'step_2'} at step 2"), line
+    assert f"step_3: __0_0.distcp is {size // 2} bytes, the save wrote {size}" in line, line
+    assert {k: tree(ck / f"step_{k}") for k in (1, 2)} == good
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3]
+    assert train.verify_checkpoint(ck / "step_3") is None and (out / "export" / "model.safetensors").is_file()
+
+
+def test_resume_with_no_checkpoint_says_it_starts_fresh_and_names_bad_rows(model_dir, tmp_path):
+    meta = write_dataset(tmp_path / "d", rows=6, bad=2)
+    out = tmp_path / "run"
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, "--resume",
+                    "--max-bad-frac", "0.5", *TRAIN)  # 2 steps of 4: every row once
+    lines = res.stderr.strip().splitlines()
+    assert "Traceback" not in res.stderr and lines[0] == (f"--resume: no usable checkpoint in {out / 'checkpoints'}: "
+                                                         "starting from step 0"), res.stderr
+    # bad rows are named: dataset, line in the file, the file, the cause and the reason
+    bad = sorted(lines[1:])
+    assert len(bad) == 2 and all(x.startswith("warning: skipped bad row tiny line ") and f"of {meta.parent / 'train.jsonl'}"
+                                 in x and "missing.png [missing_image]" in x for x in bad), bad
+    assert {x.split(" line ")[1].split()[0] for x in bad} == {"2", "5"}  # write_dataset puts them there
+
+
+# -- 3. saving and interrupting keep every complete checkpoint --------------------------------------
+
+
+def test_failed_save_is_one_line_and_keeps_complete_checkpoints(model_dir, meta, base_run, tmp_path):
+    out = copy_run(base_run, tmp_path)
+    before = tree(out)
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 4, "--save-every", 1,
+                    "--keep-last", 5, "--resume", "--inject-save-error", "ENOSPC:4", *TRAIN, check=False)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and "Traceback" not in res.stderr and len(lines) == 2, res.stderr[-3000:]
+    assert lines[0].startswith("resuming from") and lines[1] == (
+        f"error: cannot save checkpoint {out / 'checkpoints' / 'step_4.tmp'}: no space left on the device; "
+        f"removed the partial save, kept {out / 'checkpoints' / 'step_3'}"), lines
+    after = tree(out)
+    assert {k: v for k, v in after.items() if k != "metrics.jsonl" and k != "config.json"} == \
+        {k: v for k, v in before.items() if k != "metrics.jsonl" and k != "config.json"}  # no step_4(.tmp), all else intact
+
+
+def test_os_cause_names_the_cause(monkeypatch, tmp_path):
+    for code, words in [(errno.ENOSPC, "no space left"), (errno.EROFS, "read-only"), (errno.EACCES, "permission denied")]:
+        wrapped = CheckpointException("save failed", {1: (OSError(code, os.strerror(code)), None)})  # DCP, rank 1
+        assert train.os_cause(wrapped) == train.CAUSES[code] and words in train.CAUSES[code]
+        try:
+            try:
+                raise OSError(code, os.strerror(code))
+            except OSError as e:
+                raise RuntimeError("enforce fail at inline_container.cc: file write failed") from e
+        except RuntimeError as e:
+            assert train.os_cause(e) == train.CAUSES[code]
+    # torch's zip writer on a full disk: no errno anywhere, so the free space is what tells
+    zip_error = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file")
+    monkeypatch.setattr(train.shutil, "disk_usage", lambda path: SimpleNamespace(free=3 * 2**20))
+    assert train.os_cause(zip_error, tmp_path).startswith("the disk is (nearly) full, 3 MiB free")
+    monkeypatch.setattr(train.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
+    assert train.os_cause(zip_error, tmp_path).startswith("RuntimeError: [enforce fail")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_abandons_the_step_and_keeps_the_checkpoints(model_dir, tmp_path, sig):
+    meta = write_dataset(tmp_path / "d", rows=8, repeat=20)  # 40 steps: it is still training when signalled
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "train.py"), "--model", str(model_dir), "--data", str(meta), "--out", str(out),
+           "--save-every", "1", "--keep-last", "50", *TRAIN, "--num-workers", "1"]  # a loader worker gets it too
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+    deadline = time.time() + 120
+    while not (out / "checkpoints" / "step_2").is_dir() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    first = tree(out / "checkpoints" / "step_1")
+    os.killpg(proc.pid, sig)  # as Ctrl-C in a terminal or a job scheduler does: the whole process group
+    _, err = proc.communicate(timeout=120)
+    line = one_line(err)
+    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    assert line.startswith(f"interrupted by {sig.name}: the current step was abandoned; last complete checkpoint "), line
+    assert tree(out / "checkpoints" / "step_1") == first
+    names = [d.name for d in (out / "checkpoints").iterdir()]
+    assert not any(n.endswith(".tmp") for n in names), names  # a save cut short leaves nothing behind
+    assert all(train.verify_checkpoint(out / "checkpoints" / n) is None for n in names)
+    assert line.endswith(f"{train.checkpoints(out)[-1]} (continue with --resume)"), line
+
+
+# -- 4. torchrun: flags are rejected once, before the process group ---------------------------------
+
+
+def test_flag_errors_are_one_line_and_quiet_on_other_ranks(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--bogus"])
+    assert e.value.code == 2 and one_line(capsys.readouterr().err).endswith(": error: unrecognized arguments: --bogus (see --help)")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--bogus"])
+    assert e.value.code == 2 and capsys.readouterr().err == ""  # rank 0 has said it
+
+
+# -- 5. misleading messages, silently wrong inputs (generate.py, images: test_robust_cli.py) ------
+
+
+def test_jsonl_given_as_meta_gets_a_hint(model_dir, meta, tmp_path, capsys):
+    jsonl = meta.parent / "train.jsonl"
+    code, _, err = train_main(capsys, "--validate-data", "--model", model_dir, "--data", jsonl, *TRAIN)
+    line = one_line(err)
+    assert code == 1 and "JSONL annotation file" in line and "meta JSON" in line, line
+
+
+def test_metrics_are_json_with_null_for_nan(base_run):
+    text = (base_run / "metrics.jsonl").read_text()
+
+    def no_nan(name):
+        raise AssertionError(f"{name} in metrics.jsonl")
+
+    rows = [json.loads(line, parse_constant=no_nan) for line in text.splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["mfu"] is None  # CPU: no peak FLOPs, so no MFU
+    assert train.finite({"a": float("nan"), "b": {"c": float("inf")}, "d": 1.0}) == {"a": None, "b": {"c": None}, "d": 1.0}
+
+
+def test_first_turn_from_gpt_is_kept_as_the_official_preprocessing_does(model_dir, tmp_path):
+    """preprocess_internvl2_5 (InternVL's internvl_chat/internvl/train/dataset.py, the template of
+    InternVL3.5) appends every turn in order after the system message and supervises every gpt turn,
+    a leading one too; only the older templates' preprocess functions skip a first non-human turn."""
+    tok = Tokenizer.from_pretrained(model_dir)
+    turns = [("gpt", "Hello there."), ("human", "What is 2+2?"), ("gpt", "Four.")]
+    (tmp_path / "a.jsonl").write_text(json.dumps({"conversations": [{"from": r, "value": v} for r, v in turns]}) + "\n")
+    (tmp_path / "meta.json").write_text(json.dumps({"ds": {"root": ".", "annotation": "a.jsonl"}}))
+    s = SFTData(tmp_path / "meta.json", tok)[0]
+    header = {"human": "user", "gpt": "assistant"}
+    segs = [tok.encode(f"<|im_start|>system\n{D.DEFAULT_SYSTEM_MESSAGE}<|im_end|>\n")] + [
+        tok.encode(f"<|im_start|>{header[r]}\n{v}<|im_end|>\n") for r, v in turns]
+    assert s.input_ids.tolist() == sum(segs, [])
+    n = len(tok.encode("<|im_start|>assistant\n"))
+    want = [-100] * len(segs[0])
+    for (role, _), seg in zip(turns, segs[1:]):
+        want += [-100] * n + seg[n:-1] + [-100] if role == "gpt" else [-100] * len(seg)
+    assert s.labels.tolist() == want
+
+
+def test_role_content_rows_are_told_the_format(model_dir, tmp_path):
+    tok = Tokenizer.from_pretrained(model_dir)
+    rows = [{"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            {"messages": [{"role": "user", "content": "hi"}]}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "meta.json").write_text(json.dumps({"ds": {"root": ".", "annotation": "a.jsonl"}}))
+    data = SFTData(tmp_path / "meta.json", tok)
+    first, second = data[0], data[1]
+    assert isinstance(first, D.BadRow) and "from/value" in first.detail and first.detail.startswith(
+        f"ds line 1 of {tmp_path / 'a.jsonl'}: "), first.detail
+    assert isinstance(second, D.BadRow) and "'messages'" in second.detail and "from/value" in second.detail
+
+
+def test_validate_data_lists_bad_rows_capped(model_dir, tmp_path, capsys, monkeypatch):
+    meta = write_dataset(tmp_path / "d", rows=6, bad=2)
+    jsonl = meta.parent / "train.jsonl"
+    with open(jsonl, "a") as f:  # a blank line, then a row that is not JSON: named by its line in the file
+        f.write("\n{not json\n")
+    before = tree(meta.parent)
+    code, out, err = train_main(capsys, "--validate-data", "--model", model_dir, "--data", meta, "--max-bad-frac", "0.5",
+                                *TRAIN)
+    lines = out.strip().splitlines()
+    assert code == 0 and err == "" and json.loads(lines[-1])["missing_image"] == 2 and json.loads(lines[-1])["bad_row"] == 1
+    listed = lines[:-1]
+    assert len(listed) == 3 and all(x.startswith("bad row: tiny line ") and f"of {jsonl}: " in x for x in listed), listed
+    assert listed[-1].startswith("bad row: tiny line 10 of") and listed[-1].endswith("[bad_row]"), listed  # 9 is blank
+    monkeypatch.setattr(train, "MAX_NAMED", 1)
+    code, out, err = train_main(capsys, "--validate-data", "--model", model_dir, "--data", meta, "--max-bad-frac", "0.1",
+                                *TRAIN)
+    lines = out.strip().splitlines()
+    assert code == 1 and len(lines) == 3 and lines[1] == "... and 2 more bad rows", lines
+    assert one_line(err).startswith("error: 3 of 9 rows are bad")
+    assert tree(meta.parent) == before
+
+

@@ -1,0 +1,183 @@
+"""Issue 12 for generate.py, profiling.py and images: one line (no traceback) for every failure, the
+exit codes (0 ok, 1 bad input or failure, 2 usage, 130 interrupted), Ctrl-C that stops an answer
+and not the chat, refused chat turns that keep the session, text-only chat, 16-bit greyscale and
+multi-frame images. In-process (generate.main, profiling.main) where it can be: much cheaper."""
+import io
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import generate
+import profiling
+from checkpoint import CheckpointError
+from processor import Tokenizer, load_image, open_rgb
+from test_robust import one_line, tree
+from test_train import ROOT
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint):
+    return checkpoint("qwen3", "original")
+
+
+@pytest.fixture(scope="module")
+def png(tmp_path_factory):
+    path = tmp_path_factory.mktemp("img") / "photo.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 90, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def gen_main(capsys, *args) -> tuple[int, str, str]:
+    code = generate.main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+@pytest.mark.parametrize("device", ["tpu9", "cuda", "cuda:99"])
+def test_bad_device_is_one_precise_line(model_dir, png, capsys, device):
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    code, _, err = gen_main(capsys, png, "q", "--model", model_dir, "--device", device)
+    line = one_line(err)
+    assert code == 1 and f"--device {device}" in line.replace("'", "") and "safetensors" not in line, line
+    assert ("not a device" if device == "tpu9" else "CUDA") in line
+
+
+def test_image_without_question_is_a_usage_error(model_dir, png, capsys):
+    with pytest.raises(SystemExit) as e:
+        generate.main([str(png), "--model", str(model_dir)])
+    line = one_line(capsys.readouterr().err)
+    assert e.value.code == 2 and "no question" in line, line
+    assert generate.parse_args(["What is in cat.jpg", "--model", str(model_dir)]).inputs == ["What is in cat.jpg"]
+
+
+def test_lfs_pointer_and_run_folder_are_named(model_dir, png, tmp_path, capsys):
+    lfs = tmp_path / "lfs"
+    shutil.copytree(model_dir, lfs)
+    (lfs / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 42\n")
+    code, _, err = gen_main(capsys, png, "q", "--model", lfs)
+    assert code == 1 and "git-LFS pointer" in one_line(err) and "header too large" not in err, err
+    run = tmp_path / "run"  # what train.py --out leaves: checkpoints, and the export at the end
+    shutil.copytree(model_dir, run / "export")
+    (run / "checkpoints" / "step_3").mkdir(parents=True)
+    (run / "checkpoints" / "step_3" / "done").write_text("")
+    (run / "config.json").write_text(json.dumps({"model": str(model_dir), "out": str(run)}))  # train.py's, not a model's
+    before = tree(run)
+    code, _, err = gen_main(capsys, png, "q", "--model", run)
+    assert code == 1 and one_line(err) == f"error: {run}: a training run folder, not a model; its model is {run / 'export'}"
+    shutil.rmtree(run / "export")
+    with pytest.raises(CheckpointError, match="no export yet"):
+        generate.resolve_model(str(run))
+    assert tree(run) == {k: v for k, v in before.items() if not k.startswith("export")}
+
+
+def test_sixteen_bit_grey_png_is_scaled_not_clipped(tmp_path):
+    grey = (np.arange(48 * 64, dtype=np.uint32).reshape(48, 64) * 21).astype(np.uint16)  # 0..64491
+    Image.fromarray(grey).save(tmp_path / "g16.png")
+    assert Image.open(tmp_path / "g16.png").mode == "I;16"
+    rgb = np.asarray(open_rgb(tmp_path / "g16.png"))
+    assert rgb.shape == (48, 64, 3) and (rgb == (grey >> 8)[..., None]).all()  # value >> 8, every channel
+    assert (rgb == 255).mean() < 0.01  # convert("RGB") made 99.6 % of it white
+    assert load_image(tmp_path / "g16.png", max_tiles=1).shape == (1, 3, 448, 448)
+
+
+@pytest.mark.parametrize("fmt", ["gif", "tiff"])
+def test_multi_frame_images_use_the_first_frame_and_say_so(tmp_path, capsys, fmt):
+    frames = [Image.new("RGB", (40, 30), (200 * (k == 0), 100 * k, 0)) for k in range(3)]
+    path = tmp_path / f"anim.{fmt}"
+    frames[0].save(path, save_all=True, append_images=frames[1:])
+    rgb = np.asarray(open_rgb(path))
+    assert tuple(rgb[0, 0]) == (200, 0, 0)  # the first frame
+    assert one_line(capsys.readouterr().err) == f"note: {path} has 3 frames (animated or multi-page); using the first"
+
+
+# -- generation and chat: Ctrl-C, refused turns, text only ------------------------------------------
+
+
+def interrupt_at(monkeypatch, step: int, on_call: int = 1):
+    """Ctrl-C in the middle of the `on_call`-th answer, after `step` streamed tokens."""
+    real, calls = generate.Streamer.__call__, {"n": 0}
+    real_init = generate.Streamer.__init__
+
+    def init(self, *a, **k):
+        calls["n"] += 1
+        self.call_no = calls["n"]
+        real_init(self, *a, **k)
+
+    def call(self, i, tokens):
+        if self.call_no == on_call and i == step:
+            raise KeyboardInterrupt
+        return real(self, i, tokens)
+
+    monkeypatch.setattr(generate.Streamer, "__init__", init)
+    monkeypatch.setattr(generate.Streamer, "__call__", call)
+
+
+def test_ctrl_c_stops_the_answer_cleanly(model_dir, png, capsys, monkeypatch):
+    interrupt_at(monkeypatch, step=3)
+    code, out, err = gen_main(capsys, png, "What is it?", "--model", model_dir, "--max-new-tokens", 8, "--max-tiles", 1,
+                              "--json")
+    assert code == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted", err
+    line = json.loads(out)
+    assert line["interrupted"] is True and line["new_tokens"] <= 3  # at most the three tokens before Ctrl-C
+
+
+def test_chat_text_only_survives_refused_turns_and_ctrl_c(model_dir, capsys, monkeypatch):
+    prompts = []
+    real_generate = generate.Engine.generate
+
+    def spy(self, batch, *a, **k):
+        prompts.append(batch[0])
+        return real_generate(self, batch, *a, **k)
+
+    monkeypatch.setattr(generate.Engine, "generate", spy)
+    interrupt_at(monkeypatch, step=2, on_call=2)  # the second answer is cut short
+    questions = ["Hello?", "Where is <image> here?", "Tell me more.", "Last one."]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(q + "\n" for q in questions)))
+    # no image: a text-only session
+    code, out, err = gen_main(capsys, "--chat", "--model", model_dir, "--max-new-tokens", 4, "--max-tiles", 1)
+    assert code == 0 and "Traceback" not in err, err
+    notes = [x for x in err.splitlines() if x.startswith(("error", "interrupted"))]
+    assert len(notes) == 2 and "placeholder" in notes[0] and "turn dropped" in notes[0], notes
+    assert notes[1] == "interrupted: answer stopped (the conversation goes on)", notes
+    tok = Tokenizer.from_pretrained(model_dir)
+    assert len(prompts) == 3  # every turn but the refused one reached the engine
+    last = tok.decode(prompts[-1])
+    assert "Hello?" in last and "Tell me more." in last and "Last one." in last and "<image>" not in last
+
+
+def test_chat_refuses_a_too_long_turn_and_goes_on(model_dir, capsys, monkeypatch):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("x " * 41000 + "\nAgain\n"))  # > the 40960-position context
+    code, out, err = gen_main(capsys, "--chat", "--model", model_dir, "--max-new-tokens", 3)
+    notes = [x for x in err.splitlines() if x.startswith("error")]
+    assert code == 0 and "Traceback" not in err and len(notes) == 1, err
+    assert "exceeds the model context" in notes[0] and "turn dropped" in notes[0], notes
+    assert len([x for x in err.splitlines() if x.startswith("load_s=")]) == 1  # the next turn was answered
+
+
+def test_ctrl_c_at_the_chat_prompt_ends_the_session(model_dir, capsys, monkeypatch):
+    def ctrl_c(prompt=""):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", ctrl_c)
+    code, _, err = gen_main(capsys, "--chat", "--model", model_dir, "--max-new-tokens", 3)
+    assert code == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+
+
+# -- profiling.py ----------------------------------------------------------------------------------
+
+
+def test_profiling_closed_pipe_and_bad_device(capsys):
+    proc = subprocess.Popen([sys.executable, str(ROOT / "profiling.py"), "params"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # `| head` that has read enough
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and err == "", err
+    assert profiling.main(["latency", "--device", "tpu9"]) == 1
+    assert "not a device" in one_line(capsys.readouterr().err)
