@@ -4,4 +4,4 @@
 #   bash bench/h200.sh --dry-run [OUT]   the same steps on CPU at tiny sizes (CI)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-exec python bench/h200.py "$@"
+exec "${PYTHON:-python}" bench/h200.py "$@"   # PYTHON: the interpreter with torch (default: python on PATH)

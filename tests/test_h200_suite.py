@@ -1,6 +1,8 @@
 """bench/h200.sh --dry-run: the GPU suite's own plumbing on CPU at tiny sizes (CI has no GPU)."""
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -8,7 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_suite_dry_run_writes_every_figure(tmp_path):
     res = subprocess.run(["bash", str(REPO / "bench" / "h200.sh"), "--dry-run", str(tmp_path)], capture_output=True,
-                         text=True, timeout=600)
+                         text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     result = json.loads((tmp_path / "h200.json").read_text())
     assert {k: result[k]["status"] for k in ("tests", "latency", "training")} == dict.fromkeys(("tests", "latency", "training"), "ok")
