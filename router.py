@@ -323,13 +323,13 @@ def label(cfg: LabelConfig) -> int:
            "pv": model.cfg.par.pv, "pl": model.cfg.par.pl, "pairs": [[v, l] for v in range(model.cfg.par.pv) for l in range(model.cfg.par.pl)],
            "vision_width": model.cfg.vit.hidden_size, "text_width": model.cfg.llm.hidden_size,
            "im_start_id": tok.token_to_id(IM_START), "dtype": dtype, "nll": "mean token CE over the supervised (Eq. 6) tokens"}
+    same = lambda other: all(other.get(k) == v for k, v in job.items() if k not in ("checkpoint", "data"))  # noqa: E731
     if (out / "labels.json").exists():
-        done = read_json(out / "labels.json")
-        if any(done.get(k) != job[k] for k in ("fingerprint", "data_fingerprint", "batch_size")):
-            raise RouterError(f"{out}: holds labels of another checkpoint, data set or batch size; remove it or pick another --out")
+        if not same(read_json(out / "labels.json")):
+            raise RouterError(f"{out}: holds labels of another checkpoint, data set or setting; remove it or pick another --out")
         log(f"{out}: already complete")
         return 0
-    if (parts / "job.json").exists() and read_json(parts / "job.json") != job:  # every rank checks
+    if (parts / "job.json").exists() and not same(read_json(parts / "job.json")):  # every rank checks
         raise RouterError(f"{parts}: partial labels of another checkpoint, data set or setting; remove it or pick another --out")
     barrier()
     if rank() == 0:
@@ -365,27 +365,31 @@ def label(cfg: LabelConfig) -> int:
             log(f"stopping after {i + 1} chunks (--stop-after)")
             return 0
     barrier()
+    bad = dict.fromkeys(BAD_REASONS, 0)  # every rank reads the counts, so every rank stops on too many
+    for k in range(chunks):
+        if not name(k).exists():
+            raise RouterError(f"{name(k)}: missing; rerun the same command to finish labelling")
+        with safe_open(str(name(k)), framework="pt") as f:
+            for r, n in json.loads(f.metadata()["bad"]).items():
+                bad[r] += n
+    check_bad_fraction({"rows": job["rows"], **bad}, cfg.max_bad_frac)
+    barrier()  # every rank has read the parts before rank 0 merges and removes them
     if rank() == 0:
-        merge(parts, out, job, chunks, cfg.max_bad_frac)
+        merge(parts, out, job | {"bad_rows": bad}, chunks)
     barrier()
     return 0
 
 
-def merge(parts: Path, out: Path, job: dict, chunks: int, max_bad_frac: float) -> None:
+def merge(parts: Path, out: Path, job: dict, chunks: int) -> None:
     """Concatenate the chunk files in chunk order into OUT/labels.safetensors + OUT/labels.json."""
-    tensors, bad = {k: [] for k in LABEL_KEYS}, dict.fromkeys(BAD_REASONS, 0)
+    tensors = {k: [] for k in LABEL_KEYS}
     for k in range(chunks):
-        path = parts / f"chunk_{k:06d}.safetensors"
-        if not path.exists():
-            raise RouterError(f"{path}: missing; rerun the same command to finish labelling")
-        with safe_open(str(path), framework="pt") as f:
+        with safe_open(str(parts / f"chunk_{k:06d}.safetensors"), framework="pt") as f:
             for key in LABEL_KEYS:
                 tensors[key].append(f.get_tensor(key))
-            for r, n in json.loads(f.metadata()["bad"]).items():
-                bad[r] += n
     merged = {k: torch.cat(v) for k, v in tensors.items()}
-    meta = job | {"samples": len(merged["rows"]), "bad_rows": bad}
-    check_bad_fraction({"rows": job["rows"], **bad}, max_bad_frac)
+    meta = job | {"samples": len(merged["rows"])}
+    bad = job["bad_rows"]
     save_file(merged, str(out / "labels.safetensors"), metadata={"format": "pt"})
     (out / "labels.json").write_text(json.dumps(meta, indent=2))  # written last: marks the labels complete
     shutil.rmtree(parts)
