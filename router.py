@@ -226,7 +226,7 @@ def fingerprint(model: ParVL) -> str:
     for name, t in sorted(model.state_dict().items()):
         h.update(f"{name}{tuple(t.shape)};".encode())
         if is_branch_tensor(name) or t.ndim <= 1:
-            h.update(t.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+            h.update(t.detach().to("cpu", torch.bfloat16).reshape(-1).view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -540,7 +540,7 @@ def state_hash(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, x in sorted(model.state_dict().items()):
         h.update(name.encode())
-        h.update(x.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(x.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -612,6 +612,7 @@ def evaluate(cfg: EvalConfig) -> int:
         cells = "  ".join(f"{matrix[i, j].item():.4f} [{result['pair_acc'][i][j]:.2f}]" for j in range(Pl))
         print(f"  ViT {i}:  {cells}  | {result['vision_marginal'][i]:.4f}")
     print("  LLM   :  " + "  ".join(f"{x:.4f}       " for x in result["language_marginal"]))
+    print(f"  router's choices (rows v, columns l): {result['router_pairs']}")
     out = Path(cfg.out or Path(cfg.router) / "eval.json")
     out.write_text(json.dumps(result, indent=2))
     log(f"wrote {out}")

@@ -3,8 +3,8 @@
     python tests/bench_router.py                      # CPU, fp32, profiling.py's "mid" model, ~5 min
     python tests/bench_router.py --device cuda --dtype bf16 --batch 8 --iters 5
 
-Measured side by side in one run, the three engines interleaved in every iteration (so load
-changes on a shared machine hit all of them alike):
+Measured side by side in one run, the three engines interleaved (in rotating order) in every
+iteration, so load changes on a shared machine hit all of them alike; the best iteration counts:
 - time per sample of routed generation (Engine(router=): vision gate, one ViT branch, language gate,
   one LLM branch per sample) vs dense 4:4 generation vs a 1:1 model with the same backbone weights
   (no prefixes, no aggregators). Goal: routed <= 1.15 x 1:1 and <= 0.35 x dense.
@@ -91,8 +91,10 @@ def main() -> int:
     engines = {"routed 4:4": Engine(big, router=router), "dense 4:4": Engine(copy.deepcopy(big)), "1:1": Engine(one)}
     times = {k: [] for k in engines}
     pairs = None
+    names = list(engines)
     for it in range(args.iters + 1):  # iteration 0 warms up (cache allocation, allocator)
-        for name, engine in engines.items():
+        for name in names[it % 3:] + names[: it % 3]:  # rotate the order: no engine always runs first
+            engine = engines[name]
             res = []
             dt = timed(lambda: res.append(engine.generate(ids, pix, cfg, [])))
             pairs = res[0].pairs if res[0].pairs is not None else pairs
