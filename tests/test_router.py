@@ -176,6 +176,25 @@ def test_labels_do_not_depend_on_world_size_and_resume(model23, labelled, tmp_pa
         assert json.loads((tmp_path / other / "labels.json").read_text()) == json.loads((one / "labels.json").read_text())
 
 
+def test_router_training_does_not_depend_on_world_size(model23, labelled, tmp_path):
+    _, labels = labelled
+    args = ["train", "--model", str(model23), "--labels", str(labels), "--steps", "12", "--global-batch", "4",
+            "--log-every", "4", "--lr", "1e-2", "--check-samples", "1"]
+    assert run_router(*args, "--out", tmp_path / "one") == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(29500 + os.getpid() % 200), str(ROOT / "router.py"), *args, "--out", str(tmp_path / "two")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode == 0, res.stderr[-3000:]
+    one, two = (load_file(str(tmp_path / d / "router.safetensors")) for d in ("one", "two"))
+    for k in one:  # the same global batches, the order of the gradient sums differs: Adam's g / sqrt(v)
+        # turns that rounding into up to ~1e-4 on weights whose gradient is ~0; the updates are ~1e-1
+        torch.testing.assert_close(one[k], two[k], rtol=0, atol=1e-3)
+        assert (one[k] - two[k]).abs().mean() < 1e-5
+    m1, m2 = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("one", "two"))
+    assert [m["step"] for m in m1] == [4, 8, 12] and [m["loss"] for m in m1] == pytest.approx([m["loss"] for m in m2], rel=1e-5)
+    assert [m["pair_histogram"] for m in m1] == [m["pair_histogram"] for m in m2]
+
+
 # -- learning a planted preference --------------------------------------------------------------
 
 QUESTIONS = [["What colour dominates", "Which colour is most common", "Name the main colour"],
