@@ -347,6 +347,15 @@ def test_routed_generation_equals_single_pair_generation():
     assert calls[1][1].fold == 1 and calls[1][1].branch.tolist() == [v for v, n in zip(want, tiles) for _ in range(n)]
     assert model.language_model.model.layers[0].self_attn.kv_cache.k.shape[0] == len(prompts)  # B rows, not Pl*B
     for (ids, x), (v, l), got in zip(batch, pairs, res.tokens):
+        # the pair by hand, sample alone: the gates' argmax on the thumbnail (last tile) patch embedding,
+        # the mean text embedding (no <|im_start|> here: the whole prompt but its image tokens)
+        with torch.no_grad():
+            t = torch.tensor(ids)
+            text = model.language_model.model.embed_tokens(t[t != 300]).mean(0, keepdim=True)
+            image = torch.zeros(1, 64) if x is None else model.vision_model.embeddings(x[-1:])[:, 1:].mean(1)
+            want_v = int(r.vision_gate(image, text).argmax()) if x is not None else None
+            conn = torch.zeros(1, 64) if x is None else model.extract_features(x, want_v).mean((0, 1))[None]
+            assert (v, l) == (want_v, int(r.language_gate(conn, text).argmax()))
         alone = Engine(model, vision_branch=v or 0, language_branch=l).generate([ids], x, cfg, []).tokens[0]
         assert got == alone, (v, l)
 
