@@ -326,7 +326,7 @@ def main(argv=None) -> int:
                 raise ValueError(f"{name} {value} out of range: the checkpoint has {count} branches")
         router = None
         if args.router:
-            from router import load_router  # imported here: router.py imports this module's neighbours
+            from router import load_router  # only needed with --router
             router = load_router(args.router, model)
             log(f"router {args.router}: one branch pair per prompt")
         engine = Engine(model, compile=args.compile if args.compile is not None else device.type == "cuda",

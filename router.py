@@ -681,7 +681,12 @@ class EvalConfig:
     dtype: str = ""
 
 
-HELP = {"batch_size": "rows per forward", "max_tiles": "448 px tiles per row", "max_seq_len": "tokens; longer rows are skipped",
+HELP = {"model": "ParVL checkpoint folder", "data": "meta JSON in the official InternVL format (train, eval: default the labels' own)",
+        "labels": "labels folder written by `label`", "router": "router folder written by `train`",
+        "out": "output folder (label: labels; train: router) or, for eval, the JSON file (default ROUTER/eval.json)",
+        "lr": "peak AdamW learning rate", "weight_decay": "AdamW weight decay", "warmup_ratio": "linear warm-up fraction, then cosine",
+        "log_every": "steps (label: chunks) between log lines", "seed": "seed (train: order and init; label: augmentation; eval: random pairs)",
+        "batch_size": "rows per forward", "max_tiles": "448 px tiles per row", "max_seq_len": "tokens; longer rows are skipped",
         "num_workers": "data loading processes", "max_bad_frac": "abort above this fraction of bad rows",
         "hidden": "gate hidden width", "tau": "teacher temperature (Eq. E1)", "global_batch": "samples per step, any world size",
         "steps": "optimizer steps", "check_samples": "samples rechecked against the model", "dtype": "fp32 or bf16 (default: bf16 on CUDA, fp32 on CPU)"}
