@@ -35,7 +35,8 @@ Choices where Appendix E is silent (all cheap):
   (assistant turns, unweighted). Pair order in the labels: c[v, l], row-major (v outer).
 - The labels also store the gate inputs (image and text features, and every vision branch's
   connector feature). The model is frozen, so they are fixed; training reads them instead of running
-  the model for every step, and rechecks a few samples against the model first.
+  the model for every step, and rechecks a few samples against the model first. Cost: (C + (Pv+1) D)
+  fp32 values a sample, 24 KB for InternVL3.5-1B at Pv = 4.
 - Pair accuracy: the chosen pair attains the sample's minimum NLL (ties count as correct).
 
 Shape legend: B samples, N tiles, M images, T tokens, Pv / Pl branches, C ViT width, D LLM width.
