@@ -409,6 +409,8 @@ def load_labels(path: str | Path, model: ParVL | None = None) -> tuple[dict, dic
     for k, shape in want.items():
         if k not in t or tuple(t[k].shape) != shape:
             raise RouterError(f"{folder}: labels.safetensors {k} has shape {tuple(t[k].shape) if k in t else None}, expected {shape}")
+    if not S:
+        raise RouterError(f"{folder}: holds no labelled samples (every row was bad?)")
     if not bool(torch.isfinite(t["nll"]).all()):
         raise RouterError(f"{folder}: non-finite NLLs in the labels")
     if model is not None and meta["fingerprint"] != fingerprint(model):
