@@ -52,6 +52,7 @@ class Result:
     prefill_s: float = 0.0  # time to first token (ViT + connector + LLM prefill + first sample)
     decode_s: float = 0.0
     decode_steps: int = 0
+    pairs: list[tuple[int | None, int]] | None = None  # routed: (vision, language) branch per prompt, vision None without image
 
 
 # -- sampling ---------------------------------------------------------------------------------
@@ -80,11 +81,12 @@ def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -
 
 @torch.no_grad()
 def prefill(model: ParVL, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, valid: torch.Tensor,
-            padded: bool, vision_branch: Choice, rows: Rows) -> torch.Tensor:
+            padded: bool, vision_branch: Choice, rows: Rows, features: torch.Tensor | None = None) -> torch.Tensor:
     """Run the prompt ([B,T], left-padded where valid is False) into token slots 0..T-1 of the cache
-    (the branch prefixes sit in front of them); return the fp32 logits of the last position [B,V]."""
+    (the branch prefixes sit in front of them); return the fp32 logits of the last position [B,V].
+    features: connector output [N,256,D] already computed (by a router), so the ViT does not rerun."""
     B, T = input_ids.shape
-    x, _ = model.embed(input_ids, pixel_values, vision_branch)  # [B,T,C] with image features in place
+    x, _ = model.embed(input_ids, pixel_values, vision_branch, features)  # [B,T,C] with image features in place
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B,T], 0 at each prompt's first token
     slots = torch.arange(T, device=x.device)
     mask = causal_mask(valid, slots) if padded else None  # None: fused causal kernels
@@ -120,13 +122,20 @@ class Engine:
     (ParVL Appendix C.2; an approximation that saves memory; dense language branches only).
     vision_branch / language_branch (aggregate.Choice): the default branch choice of every call,
     None = all branches fused, an int = one pair for every sample; `generate` can override it with
-    a branch per sample."""
+    a branch per sample.
+    router (router.Router): pick (vision, language) per prompt by argmax and run only that pair, in
+    calls that give no branches; it cannot be combined with default branches or shared KV."""
 
     def __init__(self, model: ParVL, compile: bool = False, shared_kv: bool = False,
-                 vision_branch: Choice = None, language_branch: Choice = None):
+                 vision_branch: Choice = None, language_branch: Choice = None, router=None):
         self.model = model
         self.device = model.language_model.lm_head.weight.device
         self.shared_kv, self.vision_branch, self.language_branch = shared_kv, vision_branch, language_branch
+        if router is not None:
+            if shared_kv or vision_branch is not None or language_branch is not None:
+                raise ValueError("a router picks the branches per sample: no shared_kv, vision_branch or language_branch with it")
+            router.check(model)
+        self.router = router
         self.cache_shape: tuple[int, bool, int] | None = None  # (rows, shared, slots)
         self.step = decode_step
         self.graphs = compile and self.device.type == "cuda"  # CUDA graphs reuse their output buffers
@@ -158,16 +167,29 @@ class Engine:
         model, dev = self.model, self.device
         B, T = len(prompts), max(len(p) for p in prompts)
         context_check(T, cfg.max_new_tokens, model.cfg.llm.max_position_embeddings)
-        vision_branch = self.vision_branch if vision_branch is None else vision_branch
-        language_branch = self.language_branch if language_branch is None else language_branch
-        rows = model.language_rows(language_branch, B, dev, self.shared_kv)
-        S = self.setup(rows, T + cfg.max_new_tokens)
         ids = torch.full((B, T), pad_id, dtype=torch.long)
         valid = torch.zeros(B, T, dtype=torch.bool)
         for b, p in enumerate(prompts):  # left padding: every prompt ends at slot T-1
             ids[b, T - len(p):] = torch.tensor(p)
             valid[b, T - len(p):] = True
         ids, valid = ids.to(dev), valid.to(dev)
+        features, pairs, route_s = None, None, 0.0
+        if self.router is not None and vision_branch is None and language_branch is None:
+            # routed: the vision gate, the chosen ViT branch per sample, the language gate; the
+            # connector features are kept for the prefill (timed as part of the time to first token)
+            sync(dev)
+            t0 = time.perf_counter()
+            if pixel_values is not None:
+                pixel_values = pixel_values.to(dev)
+            vision_branch, language_branch, features = self.router.route(model, ids, valid, pixel_values)
+            has_image = (ids == model.cfg.image_token_id).any(1).tolist()
+            pairs = [(v if img else None, lang) for v, lang, img in zip(vision_branch, language_branch, has_image)]
+            sync(dev)
+            route_s = time.perf_counter() - t0
+        vision_branch = self.vision_branch if vision_branch is None else vision_branch
+        language_branch = self.language_branch if language_branch is None else language_branch
+        rows = model.language_rows(language_branch, B, dev, self.shared_kv)
+        S = self.setup(rows, T + cfg.max_new_tokens)
         padded = any(len(p) < T for p in prompts)
         key_valid = torch.ones(B, S, dtype=torch.bool, device=dev)  # slots past T are valid once written
         key_valid[:, :T] = valid
@@ -178,10 +200,10 @@ class Engine:
         t0 = time.perf_counter()
         if pixel_values is not None:
             pixel_values = pixel_values.to(dev)
-        logits = prefill(model, ids, pixel_values, valid, padded, vision_branch, rows)
+        logits = prefill(model, ids, pixel_values, valid, padded, vision_branch, rows, features)
         token = sample(logits, *sampling)  # [B]
         sync(dev)
-        result = Result(tokens=[], prefill_s=time.perf_counter() - t0)
+        result = Result(tokens=[], prefill_s=time.perf_counter() - t0 + route_s, pairs=pairs)
 
         input_pos = torch.tensor([T], device=dev)  # cache slot of the token being fed
         positions = valid.long().sum(-1, keepdim=True)  # [B,1] its rotary position
@@ -310,9 +332,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(less memory, an approximation; paper Appendix C.2)")
     p.add_argument("--vision-branch", type=int, default=None, help="ParVL: run only this vision branch (default: all, fused)")
     p.add_argument("--language-branch", type=int, default=None, help="ParVL: run only this language branch (default: all, fused)")
+    p.add_argument("--router", default=None, help="ParVL: a router folder (router.py train); runs one (vision, language) "
+                                                  "branch pair per prompt, chosen by the router (default: none)")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn session; images enter the first turn")
     p.add_argument("--json", action="store_true", help="print one JSON line with the answer and metrics instead of text")
     args = p.parse_args(argv)
+    for flag, used in (("--vision-branch", args.vision_branch is not None),
+                       ("--language-branch", args.language_branch is not None), ("--shared-kv", args.shared_kv)):
+        if args.router and used:
+            p.exit(2, f"error: --router picks the branches per prompt; it cannot be combined with {flag}\n")
     for name, ok in [("--max-new-tokens", args.max_new_tokens >= 1), ("--temperature", args.temperature >= 0),
                      ("--top-p", 0 < args.top_p <= 1), ("--top-k", args.top_k >= 0), ("--max-tiles", args.max_tiles >= 0)]:
         if not ok:
@@ -367,8 +395,14 @@ def main(argv=None) -> int:
         for name, value, count in (("--vision-branch", args.vision_branch, par.pv), ("--language-branch", args.language_branch, par.pl)):
             if value is not None and not 0 <= value < count:
                 raise ValueError(f"{name} {value} out of range: the checkpoint has {count} branches")
+        router = None
+        if args.router:
+            from router import load_router  # only needed with --router
+            router = load_router(args.router, model)
+            log(f"router {args.router}: one branch pair per prompt")
         engine = Engine(model, compile=args.compile if args.compile is not None else device.type == "cuda",
-                        shared_kv=args.shared_kv, vision_branch=args.vision_branch, language_branch=args.language_branch)
+                        shared_kv=args.shared_kv, vision_branch=args.vision_branch, language_branch=args.language_branch,
+                        router=router)
         cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p)
         pixel_values = torch.cat(pixel_list).to(dtype) if pixel_list else None
@@ -410,6 +444,8 @@ def answer(engine: Engine, tok: Tokenizer, prompt: str, pixel_values, cfg: Gener
         "decode_tok_s": round((res.decode_steps - 1) / res.decode_s, 2) if res.decode_steps > 1 else None,
         "peak_gib": round(peak_memory_gib(engine.device), 3), "prompt_tokens": len(ids),
     }
+    if res.pairs is not None:  # routed: the (vision, language) branch pair that ran
+        metrics["pair"] = list(res.pairs[0])
     if args.json:
         print(json.dumps({"answer": text, **metrics}, ensure_ascii=False))
     else:

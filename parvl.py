@@ -185,12 +185,19 @@ class ParVL(nn.Module):
         return self.vision(pixel_values, rows)[0]
 
     def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-              vision_branch: Choice = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              vision_branch: Choice = None, features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token embeddings [B,T,C] with the image features written, in order, into the <IMG_CONTEXT>
         slots, and the vision branch weights (None without images or without fusion). A sample's
-        tiles are told by its <IMG_CONTEXT> count (tokens_per_tile each)."""
+        tiles are told by its <IMG_CONTEXT> count (tokens_per_tile each). features: the connector
+        output [N,tokens_per_tile,C] of these tiles when it is already computed (router.py runs the
+        chosen vision branch before picking the language branch); then no ViT runs here."""
         x = self.language_model.model.embed_tokens(input_ids)  # [B,T,C]
         is_img = input_ids == self.cfg.image_token_id  # [B,T]
+        if features is not None:
+            if int(is_img.sum()) != features.shape[0] * features.shape[1]:
+                raise ValueError(f"prompt has {int(is_img.sum())} <IMG_CONTEXT> tokens but the features give "
+                                 f"{features.shape[0] * features.shape[1]}")
+            return x.masked_scatter(is_img[..., None], features.to(x.dtype)), None
         if pixel_values is None:
             if is_img.any():
                 raise ValueError("input_ids hold <IMG_CONTEXT> tokens but no pixel_values were given")

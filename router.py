@@ -1,0 +1,774 @@
+"""The factorized sparse router of ParVL (paper Appendix E; Table 3; Table S9 for the evaluation
+layout): two small gates pick one (vision, language) branch pair per sample, and only that pair runs,
+so a checkpoint trained with Pv:Pl branches is executed at 1:1 cost.
+
+    python router.py label --model CKPT --data META.json --out LABELS        # offline path teacher
+    torchrun --nproc-per-node 8 router.py label --model CKPT --data META.json --out LABELS
+    torchrun --nproc-per-node 8 router.py train --model CKPT --labels LABELS --data META.json --out DIR
+    python router.py eval --model CKPT --router DIR --labels HELDOUT          # Table 3 / S9 layout
+    python generate.py image.png "Question?" --model CKPT --router DIR --json
+
+Sequential routing (E): the vision gate reads a pooled thumbnail feature and the frozen text
+embeddings and picks v; only branch v of the ViT runs; the language gate reads its pooled connector
+output and the text embeddings and picks l; generation runs (v, l) only (generate.Engine(router=)).
+Offline path teacher: `label` stores the answer NLL c[v,l] of every pair for every sample. Training
+fits the gates to the soft teacher of Eq. E1 with the loss of Eq. E2 (`path_teacher`, `router_loss`).
+
+Choices where Appendix E is silent (all cheap):
+- Vision-gate image feature: the mean over patches of the ViT *patch embedding* (conv + position
+  embedding) of each image's thumbnail, the last tile of the image (its only tile when it has one),
+  averaged over the sample's images. It comes before any ViT block, and the branches differ only in
+  their block prefixes, so no branch runs before the choice; it costs one conv over one tile and,
+  unlike pixel statistics, is the representation the ViT itself starts from.
+- Text feature: the mean frozen LLM token embedding of the last user turn (the tokens between the
+  last two <|im_start|> of the prompt, <IMG_CONTEXT> excluded; the whole prompt if it has fewer).
+  The system message is left out: it is the same for every sample and would dilute the question.
+  In training data the prompt is everything before the first supervised token.
+- Language-gate image feature: the mean connector output of the chosen vision branch over all image
+  tokens of the sample.
+- Each gate: both inputs through a parameter-free LayerNorm (image and text features differ in scale),
+  concatenated, Linear -> GELU -> Linear to P logits; hidden 256 as in the paper.
+- Text-only samples: no ViT runs. The vision gate is skipped (its loss term is masked; the sample
+  executes vision index 0, which nothing reads, and reports None); the language gate reads a zero
+  image feature (LayerNorm maps it to zero).
+- The answer NLL of a pair is the mean token cross-entropy over the supervised tokens of Eq. 6
+  (assistant turns, unweighted). Pair order in the labels: c[v, l], row-major (v outer).
+- The labels also store the gate inputs (image and text features, and every vision branch's
+  connector feature). The model is frozen, so they are fixed; training reads them instead of running
+  the model for every step, and rechecks a few samples against the model first. Cost: (C + (Pv+1) D)
+  fp32 values a sample, 24 KB for InternVL3.5-1B at Pv = 4.
+- Pair accuracy: the chosen pair attains the sample's minimum NLL (ties count as correct).
+
+Shape legend: B samples, N tiles, M images, T tokens, Pv / Pl branches, C ViT width, D LLM width.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from checkpoint import CheckpointError, read_json
+from data import BAD_REASONS, IGNORE, BadRow, SFTData, check_bad_fraction, collate
+from llm import causal_mask
+from parvl import ParVL, is_branch_tensor
+from processor import IM_START, Tokenizer
+
+
+class RouterError(ValueError):
+    """A router, labels file or data set that does not fit; the message is one line naming it."""
+
+
+@dataclass
+class RouterConfig:
+    pv: int = 4  # vision branches of the checkpoint it routes
+    pl: int = 4  # language branches
+    vision_width: int = 1024  # C: ViT width (the patch embedding)
+    text_width: int = 1024  # D: LLM width (token embeddings and connector output)
+    hidden: int = 256  # gate hidden width (Appendix E)
+    im_start_id: int = 151644  # <|im_start|>, bounds the question (Qwen tokenizer)
+    fingerprint: str = ""  # of the checkpoint it was trained for (see `fingerprint`)
+
+
+class Gate(nn.Module):
+    """Two features [B,X], [B,Y] -> branch logits [B,P]: parameter-free LayerNorm on each, concat, MLP."""
+
+    def __init__(self, widths: tuple[int, int], hidden: int, branches: int):
+        super().__init__()
+        self.fc1 = nn.Linear(sum(widths), hidden)
+        self.fc2 = nn.Linear(hidden, branches)
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a, b = a.to(self.fc1.weight.dtype), b.to(self.fc1.weight.dtype)
+        x = torch.cat([F.layer_norm(a, a.shape[-1:]), F.layer_norm(b, b.shape[-1:])], dim=-1)  # [B,X+Y]
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: RouterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.vision_gate = Gate((cfg.vision_width, cfg.text_width), cfg.hidden, cfg.pv)
+        self.language_gate = Gate((cfg.text_width, cfg.text_width), cfg.hidden, cfg.pl)
+
+    def forward(
+        self,
+        image: torch.Tensor,  # [B,C] pooled thumbnail patch embedding (zero for text-only)
+        text: torch.Tensor,  # [B,D] pooled question embedding
+        connector: torch.Tensor,  # [B,Pv,D] pooled connector output of every vision branch (training)
+        has_image: torch.Tensor,  # [B] bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # vision logits [B,Pv], language logits [B,Pl], v [B]
+        """The training path: the language gate reads the branch the vision gate currently picks."""
+        logits_v = self.vision_gate(image, text)
+        v = torch.where(has_image, logits_v.argmax(-1), 0)  # text-only: no vision choice
+        chosen = connector[torch.arange(len(v), device=v.device), v] * has_image[:, None]  # [B,D]
+        return logits_v, self.language_gate(chosen, text), v
+
+    @torch.no_grad()
+    def route(self, model: ParVL, input_ids: torch.Tensor, valid: torch.Tensor,
+              pixel_values: torch.Tensor | None) -> tuple[list[int], list[int], torch.Tensor | None]:
+        """Inference: (vision branch [B], language branch [B], the chosen branches' connector output
+        [N,256,D] or None) for a batch of prompts ([B,T], valid False on padding). The vision gate
+        runs before any ViT block; then each sample's tiles run its own branch once."""
+        image_id, per_tile = model.cfg.image_token_id, model.cfg.tokens_per_tile
+        text = text_feature(model, input_ids, question_span(input_ids, valid, self.cfg.im_start_id, image_id))
+        tiles = image_tiles(input_ids, image_id, per_tile)
+        num_tiles = torch.tensor([sum(t) for t in tiles], device=input_ids.device)  # [B]
+        v = torch.zeros(len(tiles), dtype=torch.long, device=input_ids.device)
+        connector, features = torch.zeros_like(text), None
+        if pixel_values is not None and pixel_values.shape[0]:
+            v = torch.where(num_tiles > 0, self.vision_gate(thumbnail_feature(model, pixel_values, tiles), text).argmax(-1), 0)
+            features = model.extract_features(pixel_values, v, num_tiles=num_tiles)  # [N,256,D]
+            connector = pool_tiles(features, num_tiles)
+        return v.tolist(), self.language_gate(connector, text).argmax(-1).tolist(), features
+
+    def check(self, model: ParVL, where: str = "router") -> None:
+        """Refuse a model this router was not trained for."""
+        c, par = self.cfg, model.cfg.par
+        if model.cfg.vit is None:
+            raise RouterError(f"{where}: routes multimodal checkpoints; this one is language-only")
+        if (c.pv, c.pl) != (par.pv, par.pl):
+            raise RouterError(f"{where}: trained for Pv:Pl = {c.pv}:{c.pl}, the model has {par.pv}:{par.pl}")
+        widths = (model.cfg.vit.hidden_size, model.cfg.llm.hidden_size)
+        if (c.vision_width, c.text_width) != widths:
+            raise RouterError(f"{where}: trained for ViT / LLM width {c.vision_width} / {c.text_width}, "
+                              f"the model has {widths[0]} / {widths[1]}")
+        if c.fingerprint and c.fingerprint != fingerprint(model):
+            raise RouterError(f"{where}: trained for checkpoint {c.fingerprint}, the model is {fingerprint(model)}")
+
+
+# -- gate inputs ------------------------------------------------------------------------------
+
+
+def question_span(input_ids: torch.Tensor, prompt: torch.Tensor, im_start_id: int, image_id: int) -> torch.Tensor:
+    """[B,T] bool: the last user turn of each prompt (prompt [B,T] marks its tokens), see module docstring."""
+    starts = (input_ids == im_start_id) & prompt  # [B,T]
+    after = starts.flip(-1).cumsum(-1).flip(-1)  # [B,T] <|im_start|> at or after each position
+    span = (after == 1) & ~starts
+    span = torch.where(starts.sum(-1, keepdim=True) >= 2, span, True)  # fewer than two turns: all of it
+    return span & prompt & (input_ids != image_id)
+
+
+def text_feature(model: ParVL, input_ids: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
+    """Mean frozen token embedding over span [B,T] -> [B,D] fp32."""
+    x = model.language_model.model.embed_tokens(input_ids).float()  # [B,T,D]
+    return (x * span[..., None]).sum(1) / span.sum(1, keepdim=True).clamp(min=1)
+
+
+def image_tiles(input_ids: torch.Tensor, image_id: int, per_tile: int) -> list[list[int]]:
+    """Tiles of each image of each sample, read off the runs of <IMG_CONTEXT> tokens ([B] lists)."""
+    out = []
+    for row in (input_ids == image_id).long():
+        edges = torch.diff(row, prepend=row.new_zeros(1), append=row.new_zeros(1))  # +1 run start, -1 run end
+        starts, ends = (edges == 1).nonzero()[:, 0], (edges == -1).nonzero()[:, 0]
+        out.append([(int(e - s)) // per_tile for s, e in zip(starts, ends)])
+    return out
+
+
+def thumbnail_feature(model: ParVL, pixel_values: torch.Tensor, tiles: list[list[int]]) -> torch.Tensor:
+    """Mean patch embedding of each image's last tile (its thumbnail), averaged per sample -> [B,C] fp32."""
+    last = torch.tensor([n for t in tiles for n in t]).cumsum(0) - 1  # [M] index of every image's last tile
+    sample = torch.tensor([b for b, t in enumerate(tiles) for _ in t])  # [M]
+    emb = model.vision_model.embeddings(pixel_values[last.to(pixel_values.device)])[:, 1:].float().mean(1)  # [M,C]
+    out = emb.new_zeros(len(tiles), emb.shape[-1]).index_add_(0, sample.to(emb.device), emb)
+    return out / torch.tensor([max(len(t), 1) for t in tiles], device=emb.device)[:, None]
+
+
+def pool_tiles(features: torch.Tensor, num_tiles: torch.Tensor) -> torch.Tensor:
+    """Connector output [N,256,D] -> mean per sample [B,D] fp32 (num_tiles [B]; zero without tiles)."""
+    per_tile = features.float().mean(1)  # [N,D]; every tile has the same token count
+    sample = torch.repeat_interleave(torch.arange(len(num_tiles), device=features.device), num_tiles.to(features.device))
+    out = per_tile.new_zeros(len(num_tiles), per_tile.shape[-1]).index_add_(0, sample, per_tile)
+    return out / num_tiles.to(out.device).clamp(min=1)[:, None]
+
+
+# -- Eq. E1, E2 -------------------------------------------------------------------------------
+
+
+def path_teacher(nll: torch.Tensor, tau: float) -> torch.Tensor:
+    """Eq. E1: q(v,l|x) = softmax over all Pv*Pl pairs of -(c[v,l] - min c) / tau, for nll c [B,Pv,Pl]."""
+    c = nll.float().flatten(1)  # [B,Pv*Pl]
+    return (-(c - c.min(-1, keepdim=True).values) / tau).softmax(-1).view_as(nll)
+
+
+def router_loss(logits_v: torch.Tensor, logits_l: torch.Tensor, nll: torch.Tensor, v: torch.Tensor,
+                has_image: torch.Tensor, tau: float) -> torch.Tensor:
+    """Eq. E2 per sample [B]: 1/2 CE(q_v, p_v) + 1/2 CE(q_l, p_l), with q_v(v) = sum_l q(v,l) the vision
+    target and q_l(l) ∝ exp(-c[v_hat,l] / tau) the language target given the gate's current choice v
+    [B]. Text-only samples (has_image False) carry no vision term."""
+    q_v = path_teacher(nll, tau).sum(-1)  # [B,Pv]
+    c = nll.float()[torch.arange(len(v), device=v.device), v]  # [B,Pl]
+    q_l = (-(c - c.min(-1, keepdim=True).values) / tau).softmax(-1)
+    ce_v = -(q_v * logits_v.float().log_softmax(-1)).sum(-1)
+    ce_l = -(q_l * logits_l.float().log_softmax(-1)).sum(-1)
+    return 0.5 * ce_v * has_image + 0.5 * ce_l
+
+
+# -- the offline path teacher -----------------------------------------------------------------
+
+
+def fingerprint(model: ParVL) -> str:
+    """A short id of a checkpoint: every tensor's name and shape, and the values of the branch tensors
+    and every 1-D tensor (norms, biases) rounded to bf16, so fp32 and bf16 loads agree."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}{tuple(t.shape)};".encode())
+        if is_branch_tensor(name) or t.ndim <= 1:
+            h.update(t.detach().to("cpu", torch.bfloat16).reshape(-1).view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def data_fingerprint(data: SFTData) -> str:
+    """The annotation files' bytes, names, repeats, tile budgets and row count of a data set."""
+    h = hashlib.sha256(f"{len(data)};{data.max_seq_len};{data.seed};".encode())
+    for d in data.datasets:
+        h.update(f"{d['name']};{d['kept']};{d['repeat']};{d['max_tiles']};{d['augment']};".encode())
+        with open(d["path"], "rb") as f:
+            h.update(hashlib.file_digest(f, "sha256").digest())
+    return h.hexdigest()[:16]
+
+
+def positions_and_mask(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotary positions [B,T] and attention mask (None without padding), as ParVL.forward_with_weights."""
+    B, T = valid.shape
+    if bool(valid.all()):
+        return torch.arange(T, device=valid.device).expand(B, T), None
+    return (valid.long().cumsum(-1) - 1).clamp(min=0), causal_mask(valid, torch.arange(T, device=valid.device))
+
+
+def answer_nll(model: ParVL, h: torch.Tensor, labels: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """Mean next-token CE over the supervised tokens of every row of final-normed states h [R,T,D]
+    (row r is sample r % B of labels [B,T]) -> [R] fp32. The lm_head runs on supervised positions only."""
+    R, B = h.shape[0], labels.shape[0]
+    target = labels[:, 1:].repeat(R // B, 1)  # [R,T-1] column t scores token t+1
+    sel = target != IGNORE
+    hs, tg, row = h[:, :-1][sel], target[sel], sel.nonzero()[:, 0]  # [n,D], [n], [n]
+    total = torch.zeros(R, device=h.device)
+    for i in range(0, len(tg), chunk):
+        logits = model.language_model.lm_head(hs[i:i + chunk]).float()
+        total.index_add_(0, row[i:i + chunk], F.cross_entropy(logits, tg[i:i + chunk], reduction="none"))
+    return total / sel.sum(1).clamp(min=1)
+
+
+@torch.no_grad()
+def label_batch(model: ParVL, batch, im_start_id: int) -> dict[str, torch.Tensor]:
+    """The Pv x Pl answer NLLs and the gate inputs of a collated batch (data.collate, good rows only).
+    Each vision branch's features are computed once; all language branches of it run folded in one pass."""
+    dev = model.language_model.lm_head.weight.device
+    ids, labels, valid = batch.input_ids.to(dev), batch.labels.to(dev), batch.attention_mask.to(dev)
+    pix = batch.pixel_values.to(dev, model.language_model.lm_head.weight.dtype)
+    B, T = ids.shape
+    par, image_id = model.cfg.par, model.cfg.image_token_id
+    first = (labels != IGNORE).long().argmax(1)  # [B] the first answer token: the prompt ends before it
+    prompt = valid & (torch.arange(T, device=dev) < first[:, None])
+    text = text_feature(model, ids, question_span(ids, prompt, im_start_id, image_id))
+    tiles = image_tiles(ids, image_id, model.cfg.tokens_per_tile)
+    num_tiles = torch.tensor([sum(t) for t in tiles], device=dev)
+    image = thumbnail_feature(model, pix, tiles) if pix.shape[0] else text.new_zeros(B, model.cfg.vit.hidden_size)
+    positions, mask = positions_and_mask(valid)
+    nll = torch.zeros(B, par.pv, par.pl, device=dev)
+    connector = torch.zeros(B, par.pv, text.shape[-1], device=dev)
+    for v in range(par.pv):
+        if not pix.shape[0] and v:  # no image in the batch: the vision branch changes nothing
+            nll[:, v] = nll[:, 0]
+            continue
+        features = model.extract_features(pix, v) if pix.shape[0] else None  # [N,256,D] branch v, once
+        if features is not None:
+            connector[:, v] = pool_tiles(features, num_tiles)
+        x, _ = model.embed(ids, None, features=features)
+        h = model.language_model(x, positions, mask)  # [Pl*B,T,D] every language branch, branch-major
+        nll[:, v] = answer_nll(model, h, labels).view(par.pl, B).T
+    return {"rows": torch.tensor(batch.rows), "nll": nll.cpu(), "image": image.cpu(), "text": text.cpu(),
+            "connector": connector.cpu(), "has_image": (num_tiles > 0).cpu()}
+
+
+LABEL_KEYS = ("rows", "nll", "image", "text", "connector", "has_image")
+
+
+def _items(items: list) -> list:
+    return items  # a DataLoader collate_fn that keeps the samples (module level: picklable for workers)
+
+
+def label(cfg: LabelConfig) -> int:
+    """Label every row of cfg.data in chunks of cfg.batch_size rows; rank r of W takes chunks r, r+W, ...
+    Each chunk is written to OUT/parts as it completes (so a rerun resumes) and rank 0 merges them in
+    chunk order, so the result does not depend on the world size."""
+    device, world = setup()
+    out, parts = Path(cfg.out), Path(cfg.out) / "parts"
+    dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    model = load_model(cfg.model, dtype, device)
+    if model.cfg.vit is None or model.cfg.par.pv * model.cfg.par.pl == 1:
+        raise RouterError(f"{cfg.model}: a router needs a multimodal checkpoint with more than one branch pair, "
+                          f"it has Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl}")
+    tok = Tokenizer.from_pretrained(cfg.model)
+    if tok.token_to_id(IM_START) is None:
+        raise RouterError(f"{cfg.model}: the tokenizer has no {IM_START} token")
+    data = SFTData(cfg.data, tok, max_tiles=cfg.max_tiles, max_seq_len=cfg.max_seq_len,
+                   image_token_id=model.cfg.image_token_id, seed=cfg.seed)
+    job = {"checkpoint": str(cfg.model), "fingerprint": fingerprint(model), "data": str(cfg.data),
+           "data_fingerprint": data_fingerprint(data), "rows": len(data), "batch_size": cfg.batch_size,
+           "max_tiles": cfg.max_tiles, "max_seq_len": cfg.max_seq_len, "seed": cfg.seed,
+           "pv": model.cfg.par.pv, "pl": model.cfg.par.pl, "pairs": [[v, l] for v in range(model.cfg.par.pv) for l in range(model.cfg.par.pl)],
+           "vision_width": model.cfg.vit.hidden_size, "text_width": model.cfg.llm.hidden_size,
+           "im_start_id": tok.token_to_id(IM_START), "dtype": dtype, "nll": "mean token CE over the supervised (Eq. 6) tokens"}
+    same = lambda other: all(other.get(k) == v for k, v in job.items() if k not in ("checkpoint", "data"))  # noqa: E731
+    if (out / "labels.json").exists():
+        if not same(read_json(out / "labels.json")):
+            raise RouterError(f"{out}: holds labels of another checkpoint, data set or setting; remove it or pick another --out")
+        log(f"{out}: already complete")
+        return 0
+    if (parts / "job.json").exists() and not same(read_json(parts / "job.json")):  # every rank checks
+        raise RouterError(f"{parts}: partial labels of another checkpoint, data set or setting; remove it or pick another --out")
+    barrier()
+    if rank() == 0:
+        parts.mkdir(parents=True, exist_ok=True)
+        (parts / "job.json").write_text(json.dumps(job, indent=2))
+    barrier()
+    chunks = math.ceil(len(data) / cfg.batch_size)
+    name = lambda k: parts / f"chunk_{k:06d}.safetensors"  # noqa: E731
+    mine = [k for k in range(rank(), chunks, world)]
+    todo = [k for k in mine if not name(k).exists()]
+    log(f"label: {len(data)} rows in {chunks} chunks of {cfg.batch_size} on {world} ranks, Pv x Pl = "
+        f"{job['pv']} x {job['pl']}; rank 0 resumes with {len(mine) - len(todo)} of its {len(mine)} chunks done")
+    sampler = [list(range(k * cfg.batch_size, min((k + 1) * cfg.batch_size, len(data)))) for k in todo]
+    loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, num_workers=cfg.num_workers, collate_fn=_items)
+    t0, samples = time.perf_counter(), 0
+    for i, (k, items) in enumerate(zip(todo, loader, strict=True)):
+        good = [s for s in items if not isinstance(s, BadRow)]
+        bad = {r: sum(isinstance(s, BadRow) and s.reason == r for s in items) for r in BAD_REASONS}
+        if good:
+            result = label_batch(model, collate(good, pad_id=0), job["im_start_id"])
+        else:  # a chunk of bad rows only
+            result = {k_: torch.zeros(0, *shape) for k_, shape in (("nll", (job["pv"], job["pl"])), ("image", (job["vision_width"],)),
+                      ("text", (job["text_width"],)), ("connector", (job["pv"], job["text_width"])))}
+            result |= {"rows": torch.zeros(0, dtype=torch.long), "has_image": torch.zeros(0, dtype=torch.bool)}
+        save_file(result, str(name(k)) + ".tmp", metadata={"bad": json.dumps(bad)})
+        os.replace(str(name(k)) + ".tmp", name(k))  # a chunk file is always complete
+        samples += len(good)
+        dt = time.perf_counter() - t0
+        if rank() == 0 and (i + 1 == len(todo) or (i + 1) % cfg.log_every == 0):
+            print(f"label: chunk {i + 1}/{len(todo)} of rank 0, {samples / dt:.2f} samples/s, "
+                  f"ETA {dt / (i + 1) * (len(todo) - i - 1):.0f} s", file=sys.stderr, flush=True)
+        if cfg.stop_after and i + 1 >= cfg.stop_after:
+            log(f"stopping after {i + 1} chunks (--stop-after)")
+            return 0
+    barrier()
+    bad = dict.fromkeys(BAD_REASONS, 0)  # every rank reads the counts, so every rank stops on too many
+    for k in range(chunks):
+        if not name(k).exists():
+            raise RouterError(f"{name(k)}: missing; rerun the same command to finish labelling")
+        with safe_open(str(name(k)), framework="pt") as f:
+            for r, n in json.loads(f.metadata()["bad"]).items():
+                bad[r] += n
+    check_bad_fraction({"rows": job["rows"], **bad}, cfg.max_bad_frac)
+    barrier()  # every rank has read the parts before rank 0 merges and removes them
+    if rank() == 0:
+        merge(parts, out, job | {"bad_rows": bad}, chunks)
+    barrier()
+    return 0
+
+
+def merge(parts: Path, out: Path, job: dict, chunks: int) -> None:
+    """Concatenate the chunk files in chunk order into OUT/labels.safetensors + OUT/labels.json."""
+    tensors = {k: [] for k in LABEL_KEYS}
+    for k in range(chunks):
+        with safe_open(str(parts / f"chunk_{k:06d}.safetensors"), framework="pt") as f:
+            for key in LABEL_KEYS:
+                tensors[key].append(f.get_tensor(key))
+    merged = {k: torch.cat(v) for k, v in tensors.items()}
+    meta = job | {"samples": len(merged["rows"])}
+    bad = job["bad_rows"]
+    save_file(merged, str(out / "labels.safetensors"), metadata={"format": "pt"})
+    (out / "labels.json").write_text(json.dumps(meta, indent=2))  # written last: marks the labels complete
+    shutil.rmtree(parts)
+    log(f"labels: {meta['samples']} samples, bad rows {bad} -> {out}")
+
+
+def load_labels(path: str | Path, model: ParVL | None = None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a labels folder, checked for completeness and, given a model, against it."""
+    folder = Path(path)
+    if not (folder / "labels.json").is_file() or not (folder / "labels.safetensors").is_file():
+        raise RouterError(f"{folder}: not a complete labels folder (labels.json + labels.safetensors; see router.py label)")
+    meta, t = read_json(folder / "labels.json"), load_file(str(folder / "labels.safetensors"))
+    S, pv, pl = meta.get("samples"), meta.get("pv"), meta.get("pl")
+    want = {"rows": (S,), "nll": (S, pv, pl), "image": (S, meta.get("vision_width")), "text": (S, meta.get("text_width")),
+            "connector": (S, pv, meta.get("text_width")), "has_image": (S,)}
+    for k, shape in want.items():
+        if k not in t or tuple(t[k].shape) != shape:
+            raise RouterError(f"{folder}: labels.safetensors {k} has shape {tuple(t[k].shape) if k in t else None}, expected {shape}")
+    if not S:
+        raise RouterError(f"{folder}: holds no labelled samples (every row was bad?)")
+    if not bool(torch.isfinite(t["nll"]).all()):
+        raise RouterError(f"{folder}: non-finite NLLs in the labels")
+    if model is not None and meta["fingerprint"] != fingerprint(model):
+        raise RouterError(f"{folder}: labelled with checkpoint {meta['fingerprint']} ({meta['checkpoint']}), "
+                          f"the model is {fingerprint(model)}")
+    return meta, t
+
+
+def open_data(meta: dict, data_path: str | None, model: ParVL, where: str) -> SFTData:
+    """The data set a labels file was computed on (data_path, or the one it names), checked to be the same."""
+    path = data_path or meta["data"]
+    tok = Tokenizer.from_pretrained(model.source_dir)
+    data = SFTData(path, tok, max_tiles=meta["max_tiles"], max_seq_len=meta["max_seq_len"],
+                   image_token_id=model.cfg.image_token_id, seed=meta["seed"])
+    if data_fingerprint(data) != meta["data_fingerprint"]:
+        raise RouterError(f"{where}: labelled on data {meta['data_fingerprint']} ({meta['data']}), "
+                          f"{path} is {data_fingerprint(data)} (other rows or annotation files)")
+    return data
+
+
+# -- training the gates -----------------------------------------------------------------------
+
+
+def train(cfg: TrainRouterConfig) -> int:
+    """Fit the two gates to the labels (Eq. E2, AdamW, 3 % warm-up then cosine); everything else frozen.
+    Global step s reads samples s*G..(s+1)*G of a stream of seeded epoch permutations; rank r takes its
+    G/W slice, and the gradients are summed over ranks, so the run does not depend on the world size."""
+    from train import lr_lambda  # the same schedule as the model's SFT
+
+    device, world = setup()
+    meta, _ = load_labels(cfg.labels)
+    model = load_model(cfg.model, meta["dtype"], device)  # the labels' dtype, so check_labels compares like with like
+    meta, t = load_labels(cfg.labels, model)
+    data = open_data(meta, cfg.data, model, cfg.labels)
+    if cfg.global_batch % world:
+        raise RouterError(f"--global-batch {cfg.global_batch} does not split into {world} ranks")
+    frozen = state_hash(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    check_labels(model, data, meta, t, cfg.check_samples)
+    torch.manual_seed(cfg.seed)
+    rcfg = RouterConfig(pv=meta["pv"], pl=meta["pl"], vision_width=meta["vision_width"], text_width=meta["text_width"],
+                        hidden=cfg.hidden, im_start_id=meta["im_start_id"], fingerprint=meta["fingerprint"])
+    router = Router(rcfg).to(device)
+    log(f"router config {json.dumps(asdict(rcfg))}, train config {json.dumps(asdict(cfg))}")
+    optim = torch.optim.AdamW(router.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(cfg.steps, cfg.warmup_ratio))
+    t = {k: v.to(device) for k, v in t.items()}
+    S, G, local = len(t["rows"]), cfg.global_batch, cfg.global_batch // world
+    stream = torch.cat([torch.randperm(S, generator=torch.Generator().manual_seed(cfg.seed + e))
+                        for e in range(math.ceil(cfg.steps * G / S))])
+    out = Path(cfg.out)
+    if rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.jsonl").write_text("")
+    for step in range(cfg.steps):
+        idx = stream[step * G + rank() * local: step * G + (rank() + 1) * local].to(device)
+        logits_v, logits_l, v = router(t["image"][idx], t["text"][idx], t["connector"][idx], t["has_image"][idx])
+        loss = router_loss(logits_v, logits_l, t["nll"][idx], v, t["has_image"][idx], cfg.tau).sum() / G
+        optim.zero_grad(set_to_none=True)
+        loss.backward()
+        if world > 1:  # sum the ranks' shares of the global-batch mean: one flat all-reduce
+            grads = torch.cat([p.grad.flatten() for p in router.parameters()])
+            dist.all_reduce(grads)
+            for p, g in zip(router.parameters(), grads.split([p.numel() for p in router.parameters()])):
+                p.grad.copy_(g.view_as(p))
+        lr = sched.get_last_lr()[0]
+        optim.step()
+        sched.step()
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            m = gate_metrics(logits_v.detach(), logits_l.detach(), v, t["nll"][idx], t["has_image"][idx], loss.detach() * G, cfg.tau)
+            line = {"step": step + 1, "lr": lr, **summarize(m, device, rcfg)}
+            log(json.dumps(line))
+            if rank() == 0:
+                with open(out / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps(line) + "\n")
+    if state_hash(model) != frozen:
+        raise AssertionError("the frozen model changed during router training")
+    log(f"frozen model unchanged (sha256 {frozen[:16]}): only the gates trained")
+    if rank() == 0:
+        save_router(router, out, {"train": asdict(cfg), "labels": {k: meta[k] for k in ("checkpoint", "data", "samples")}})
+        log(f"saved {out / 'router.safetensors'}")
+    barrier()
+    return 0
+
+
+def gate_metrics(logits_v, logits_l, v, nll, has_image, loss_sum, tau: float) -> dict[str, torch.Tensor]:
+    """Sums over a batch: loss, gate and pair accuracy against the teacher's argmax, entropies, histogram."""
+    B, Pv, Pl = nll.shape
+    l_hat = logits_l.argmax(-1)
+    q_v = path_teacher(nll, tau).sum(-1)
+    c = nll[torch.arange(B, device=v.device), v]  # [B,Pl] given the chosen vision branch
+    chosen = c[torch.arange(B, device=v.device), l_hat]
+    ent = lambda z: -(z.softmax(-1) * z.log_softmax(-1)).sum(-1)  # noqa: E731
+    img = has_image.float()
+    return {"n": torch.tensor(float(B), device=v.device), "n_image": img.sum(), "loss": loss_sum,
+            "vision_acc": ((logits_v.argmax(-1) == q_v.argmax(-1)).float() * img).sum(),
+            "language_acc": (l_hat == c.argmin(-1)).float().sum(),
+            "pair_acc": (chosen <= nll.flatten(1).min(-1).values).float().sum(),
+            "entropy_vision": (ent(logits_v.float()) * img).sum(), "entropy_language": ent(logits_l.float()).sum(),
+            "pairs": torch.bincount(v * Pl + l_hat, minlength=Pv * Pl).float()}
+
+
+def summarize(m: dict[str, torch.Tensor], device, rcfg: RouterConfig) -> dict:
+    """All-reduce the sums of gate_metrics over ranks and turn them into means and a histogram."""
+    flat = torch.cat([x.flatten().float() for x in m.values()]).to(device)
+    if dist.is_initialized():
+        dist.all_reduce(flat)
+    keys, vals = list(m), flat[:-rcfg.pv * rcfg.pl].tolist()
+    s = dict(zip(keys[:-1], vals))
+    n, ni = s["n"], max(s["n_image"], 1)
+    return {"loss": s["loss"] / n, "vision_acc": s["vision_acc"] / ni, "language_acc": s["language_acc"] / n,
+            "pair_acc": s["pair_acc"] / n, "entropy_vision": s["entropy_vision"] / ni,
+            "entropy_language": s["entropy_language"] / n,
+            "pair_histogram": [int(x) for x in flat[-rcfg.pv * rcfg.pl:].tolist()]}
+
+
+def check_labels(model: ParVL, data: SFTData, meta: dict, t: dict, n: int) -> None:
+    """Recompute the NLLs and gate inputs of the first n labelled samples and compare them to the file."""
+    if not n or not len(t["rows"]):
+        return
+    got = label_batch(model, collate([data[int(r)] for r in t["rows"][:n]], pad_id=0), meta["im_start_id"])
+    tol = 1e-3 if meta["dtype"] == "fp32" else 5e-2  # other batch composition, other padding: rounding differs
+    for k in ("nll", "image", "text", "connector"):
+        if not torch.allclose(got[k], t[k][:n].to(got[k].device), rtol=tol, atol=tol / 10):
+            raise RouterError(f"labels {k} of rows {t['rows'][:n].tolist()} differ from what the model gives: stale labels?")
+
+
+def state_hash(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, x in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(x.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def save_router(router: Router, folder: Path, extra: dict) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in router.state_dict().items()}, str(folder / "router.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"router": asdict(router.cfg), **extra}, indent=2))
+
+
+def load_router(path: str | Path, model: ParVL | None = None) -> Router:
+    """A router folder (config.json + router.safetensors), checked against `model` when given."""
+    folder = Path(path)
+    raw = read_json(folder / "config.json")
+    try:
+        cfg = RouterConfig(**raw["router"])
+    except (KeyError, TypeError) as e:
+        raise RouterError(f"{folder}/config.json: not a router config ({type(e).__name__}: {e})") from None
+    if not (folder / "router.safetensors").is_file():
+        raise RouterError(f"{folder}: no router.safetensors")
+    state = load_file(str(folder / "router.safetensors"))
+    router = Router(cfg)
+    want = {k: tuple(v.shape) for k, v in router.state_dict().items()}
+    if {k: tuple(v.shape) for k, v in state.items()} != want:
+        raise RouterError(f"{folder}/router.safetensors: tensors do not match its config.json")
+    router.load_state_dict(state)
+    if model is not None:
+        router.check(model, str(folder))
+        router.to(model.language_model.lm_head.weight.device)
+    return router.eval()
+
+
+# -- evaluation (Table 3 rows, Table S9 matrix) -----------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(cfg: EvalConfig) -> int:
+    device, _ = setup()
+    model = load_model(cfg.model, cfg.dtype, device)
+    router = load_router(cfg.router, model)
+    meta, t = load_labels(cfg.labels, model)
+    if meta["im_start_id"] != router.cfg.im_start_id:
+        raise RouterError(f"{cfg.labels}: labelled with another tokenizer than the router was trained with")
+    nll, has_image = t["nll"].to(device), t["has_image"].to(device)
+    S, Pv, Pl = nll.shape
+    logits_v, logits_l, v = router(t["image"].to(device), t["text"].to(device), t["connector"].to(device), has_image)
+    ar = torch.arange(S, device=device)
+    best = nll.flatten(1).min(-1).values
+    g = torch.Generator().manual_seed(cfg.seed)
+    rand = torch.randint(0, Pv * Pl, (S,), generator=g).to(device)
+    choices = {"random pair": (rand // Pl, rand % Pl), "router": (v, logits_l.argmax(-1)),
+               "oracle": (nll.flatten(1).argmin(-1) // Pl, nll.flatten(1).argmin(-1) % Pl)}
+    rows = {}
+    for name, (cv, cl) in choices.items():
+        c = nll[ar, cv, cl]
+        rows[name] = {"nll": c.mean().item(), "pair_acc": (c <= best).double().mean().item()}
+    rows["dense"] = {"nll": dense_nll(model, open_data(meta, cfg.data, model, cfg.labels), t["rows"], cfg.batch_size).mean().item(),
+                     "pair_acc": None}
+    matrix = nll.mean(0)  # [Pv,Pl]
+    result = {"samples": S, "pv": Pv, "pl": Pl, "rows": rows, "pair_nll": matrix.tolist(),
+              "pair_acc": (nll <= best[:, None, None]).double().mean(0).tolist(),
+              "vision_marginal": matrix.mean(1).tolist(), "language_marginal": matrix.mean(0).tolist(),
+              "router_pairs": torch.bincount(v * Pl + logits_l.argmax(-1), minlength=Pv * Pl).view(Pv, Pl).tolist()}
+    print(f"{S} held-out samples, mean answer NLL (lower is better), pair accuracy = chosen pair is the best")
+    for name, r in rows.items():
+        acc = "-" if r["pair_acc"] is None else f"{r['pair_acc']:.3f}"
+        print(f"  {name:<12} nll {r['nll']:.4f}  pair acc {acc}")
+    print("  fixed pairs: nll [pair acc], rows = vision branch, columns = language branch; last column/row: marginal")
+    for i in range(Pv):
+        cells = "  ".join(f"{matrix[i, j].item():.4f} [{result['pair_acc'][i][j]:.2f}]" for j in range(Pl))
+        print(f"  ViT {i}:  {cells}  | {result['vision_marginal'][i]:.4f}")
+    print("  LLM   :  " + "  ".join(f"{x:.4f}       " for x in result["language_marginal"]))
+    print(f"  router's choices (rows v, columns l): {result['router_pairs']}")
+    out = Path(cfg.out or Path(cfg.router) / "eval.json")
+    out.write_text(json.dumps(result, indent=2))
+    log(f"wrote {out}")
+    return 0
+
+
+def dense_nll(model: ParVL, data: SFTData, rows: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Answer NLL [S] of every labelled row under dense aggregation (all branches, fused)."""
+    dev, out = model.language_model.lm_head.weight.device, []
+    for i in range(0, len(rows), batch_size):
+        batch = collate([data[int(r)] for r in rows[i:i + batch_size]], pad_id=0)
+        ids, valid = batch.input_ids.to(dev), batch.attention_mask.to(dev)
+        pix = batch.pixel_values.to(dev, model.language_model.lm_head.weight.dtype)
+        x, _ = model.embed(ids, pix if pix.shape[0] else None)
+        h, _ = model.hidden(x, *positions_and_mask(valid))  # [B,T,D] fused
+        out.append(answer_nll(model, h, batch.labels.to(dev)))
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+# -- commands ---------------------------------------------------------------------------------
+
+
+@dataclass
+class LabelConfig:
+    model: str = ""  # ParVL checkpoint folder (Pv:Pl > 1:1)
+    data: str = ""  # meta JSON in the official InternVL format (data.py)
+    out: str = ""  # labels folder: labels.safetensors + labels.json
+    batch_size: int = 4  # rows per chunk and forward
+    max_tiles: int = 12
+    max_seq_len: int = 32768
+    seed: int = 0  # data augmentation seed (data.SFTData)
+    dtype: str = ""  # fp32 / bf16; default bf16 on CUDA, fp32 on CPU
+    num_workers: int = 2
+    max_bad_frac: float = 0.01
+    log_every: int = 10  # chunks between progress lines
+    stop_after: int = 0  # exit after this many chunks, as if killed (tests); 0 = off
+
+
+@dataclass
+class TrainRouterConfig:
+    model: str = ""
+    labels: str = ""
+    data: str = ""  # the labels' data set, checked; default: the path stored in the labels
+    out: str = ""  # router folder: router.safetensors + config.json + metrics.jsonl
+    hidden: int = 256
+    tau: float = 0.1  # teacher temperature of Eq. E1
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.03
+    global_batch: int = 128
+    steps: int = 1200
+    seed: int = 0
+    log_every: int = 50
+    check_samples: int = 2  # labelled samples recomputed with the model before training
+
+
+@dataclass
+class EvalConfig:
+    model: str = ""
+    router: str = ""
+    labels: str = ""  # held-out labels
+    data: str = ""  # default: the path stored in the labels
+    out: str = ""  # JSON result; default ROUTER/eval.json
+    seed: int = 0  # of the random-pair baseline
+    batch_size: int = 4  # dense forward
+    dtype: str = ""
+
+
+HELP = {"model": "ParVL checkpoint folder", "data": "meta JSON in the official InternVL format (train, eval: default the labels' own)",
+        "labels": "labels folder written by `label`", "router": "router folder written by `train`",
+        "out": "output folder (label: labels; train: router) or, for eval, the JSON file (default ROUTER/eval.json)",
+        "lr": "peak AdamW learning rate", "weight_decay": "AdamW weight decay", "warmup_ratio": "linear warm-up fraction, then cosine",
+        "log_every": "steps (label: chunks) between log lines", "seed": "seed (train: order and init; label: augmentation; eval: random pairs)",
+        "batch_size": "rows per forward", "max_tiles": "448 px tiles per row", "max_seq_len": "tokens; longer rows are skipped",
+        "num_workers": "data loading processes", "max_bad_frac": "abort above this fraction of bad rows",
+        "hidden": "gate hidden width", "tau": "teacher temperature (Eq. E1)", "global_batch": "samples per step, any world size",
+        "steps": "optimizer steps", "check_samples": "samples rechecked against the model", "dtype": "fp32 or bf16 (default: bf16 on CUDA, fp32 on CPU)"}
+
+
+REQUIRED = {"label": ("model", "data", "out"), "train": ("model", "labels", "out"), "eval": ("model", "router", "labels")}
+
+
+def add_flags(p: argparse.ArgumentParser, cls, required: tuple[str, ...]) -> None:
+    """One flag per dataclass field, with its type and default."""
+    for f in fields(cls):
+        help_ = argparse.SUPPRESS if f.name == "stop_after" else f"{HELP.get(f.name, f.name.replace('_', ' '))} (default {f.default!r})"
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, help=help_,
+                       required=f.name in required)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, cls in (("label", LabelConfig), ("train", TrainRouterConfig), ("eval", EvalConfig)):
+        add_flags(sub.add_parser(name, help=f"{name} (see the module docstring)"), cls, REQUIRED[name])
+    args = vars(p.parse_args(argv))
+    command = args.pop("command")
+    try:
+        cfg = {"label": LabelConfig, "train": TrainRouterConfig, "eval": EvalConfig}[command](**args)
+        for name in ("batch_size", "max_tiles", "max_seq_len", "global_batch", "steps", "hidden", "log_every"):
+            if getattr(cfg, name, 1) <= 0:
+                raise RouterError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+        if getattr(cfg, "tau", 1.0) <= 0 or getattr(cfg, "lr", 1.0) <= 0:
+            raise RouterError("--tau and --lr must be positive")
+        for name in ("model", "router", "labels"):
+            if getattr(cfg, name, None) and not Path(getattr(cfg, name)).is_dir():
+                raise RouterError(f"--{name} {getattr(cfg, name)}: not a folder")
+        if getattr(cfg, "data", "") and not Path(cfg.data).is_file():
+            raise RouterError(f"--data {cfg.data}: no such meta JSON file")
+        return {"label": label, "train": train, "eval": evaluate}[command](cfg)
+    except (ValueError, CheckpointError) as e:  # RouterError, bad data or checkpoints: one line, exit 1
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.barrier()  # gloo can abort at exit without it
+            dist.destroy_process_group()
+
+
+# -- helpers ----------------------------------------------------------------------------------
+
+
+def setup() -> tuple[torch.device, int]:
+    """torchrun sets RANK / WORLD_SIZE; a plain `python router.py` is one process with no process group."""
+    cuda = torch.cuda.is_available()
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    return device, dist.get_world_size() if dist.is_initialized() else 1
+
+
+def load_model(path: str, dtype: str, device) -> ParVL:
+    dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
+    if dtype not in ("fp32", "bf16"):
+        raise RouterError(f"--dtype must be fp32 or bf16, got {dtype!r}")
+    return ParVL.from_pretrained(path, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], device=device)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def log(msg: str) -> None:
+    if rank() == 0:
+        print(msg, file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,436 @@
+"""router.py (paper Appendix E): Eq. E1/E2 by hand, labels against plain single-pair forwards (and
+world-size / resume invariance), learning a planted preference with the model frozen, routed
+generation against single-pair generation, and bad input refused with one line."""
+import hashlib
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file, save_file
+
+import generate
+import router
+from data import SFTData, token_nll
+from generate import Engine, GenerateConfig
+from parvl import PRESETS, ParConfig, ParVL
+from processor import Tokenizer, build_prompt, load_image
+from router import Router, RouterConfig, RouterError, path_teacher, router_loss
+from test_train import write_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread for this module: on the shared 2-core machine two OpenMP threads per
+    process oversubscribe the cores, and these tiny models ran 3-4x slower (94 s vs 26 s measured)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- Eq. E1, E2 by hand -------------------------------------------------------------------------
+
+
+def test_teacher_and_loss_equal_hand_computation():
+    tau = 0.1
+    nll = torch.tensor([
+        [[2.0, 2.1, 2.5], [2.0, 3.0, 2.2]],  # a tie for the best pair: (0,0) and (1,0)
+        [[1000.0, 1000.05, 1001.0], [1000.2, 1000.0, 1000.3]],  # large NLLs: exp(-c/tau) underflows unshifted
+        [[5.0, 5.0, 5.0], [5.0, 5.0, 5.0]],  # all equal: uniform
+    ])
+    q = path_teacher(nll, tau)
+    for b in range(3):
+        c = nll[b].double()
+        m = c.min()
+        e = [[math.exp(-(c[v, l] - m) / tau) for l in range(3)] for v in range(2)]
+        z = sum(map(sum, e))
+        for v in range(2):
+            for l in range(3):
+                assert q[b, v, l].item() == pytest.approx(e[v][l] / z, rel=1e-6, abs=1e-12)
+    assert q[0, 0, 0] == q[0, 1, 0] and torch.allclose(q[2], torch.full((2, 3), 1 / 6))
+    assert torch.isfinite(q).all() and torch.allclose(q.flatten(1).sum(-1), torch.ones(3))
+
+    logits_v = torch.tensor([[0.3, -0.2], [1.0, 2.0], [0.0, 0.0]])
+    logits_l = torch.tensor([[0.1, 0.5, -1.0], [2.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    v_hat = torch.tensor([1, 1, 0])
+    has_image = torch.tensor([True, True, False])
+    got = router_loss(logits_v, logits_l, nll, v_hat, has_image, tau)
+    for b in range(3):
+        c = nll[b].double()
+        qv = [sum(math.exp(-(c[v, l] - c.min()) / tau) for l in range(3)) for v in range(2)]
+        qv = [x / sum(qv) for x in qv]
+        row = c[v_hat[b]]
+        ql = [math.exp(-(row[l] - row.min()) / tau) for l in range(3)]  # q_l(l | v_hat) ∝ exp(-c[v_hat,l]/tau)
+        ql = [x / sum(ql) for x in ql]
+        lpv = torch.log_softmax(logits_v[b].double(), -1)
+        lpl = torch.log_softmax(logits_l[b].double(), -1)
+        ce_v = -sum(qv[v] * lpv[v].item() for v in range(2))
+        ce_l = -sum(ql[l] * lpl[l].item() for l in range(3))
+        want = 0.5 * ce_v * bool(has_image[b]) + 0.5 * ce_l  # text-only: no vision term
+        assert got[b].item() == pytest.approx(want, rel=1e-6)
+    # the language target given v_hat is the pair teacher's conditional q(v_hat, l) / q_v(v_hat)
+    cond = q[1, 1] / q[1, 1].sum()
+    row = nll[1, 1].double()
+    torch.testing.assert_close(cond.double(), torch.softmax(-(row - row.min()) / tau, -1), rtol=1e-6, atol=1e-9)
+
+
+# -- labels -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model23(checkpoint, tmp_path_factory) -> Path:
+    """A 2:3 ParVL checkpoint with large random prefixes, so branches differ visibly."""
+    model = ParVL.from_pretrained(checkpoint("qwen3", "original"), pv=2, pl=3)
+    torch.manual_seed(0)
+    model.init_branches(std=0.5)
+    folder = tmp_path_factory.mktemp("m23") / "ckpt"
+    model.save(folder)
+    return folder
+
+
+def run_router(*args) -> int:
+    return router.main([str(a) for a in args])
+
+
+LABEL = ["--num-workers", "0", "--max-tiles", "2", "--max-bad-frac", "0.5", "--batch-size", "2"]
+
+
+@pytest.fixture(scope="module")
+def labelled(model23, tmp_path_factory):
+    """4 good rows (an image of 3 tiles, one of 1, two images with two answers, text only) and a missing
+    image: 5 rows, 3 chunks of 2, labelled in one process."""
+    root = tmp_path_factory.mktemp("labels")
+    meta = write_dataset(root / "data", rows=4, bad=1)
+    rng = np.random.default_rng(1)  # a 2:1 first image: 2 tiles + thumbnail at --max-tiles 2
+    Image.fromarray(rng.integers(0, 255, (90, 180, 3), dtype=np.uint8)).save(root / "data" / "img0.png")
+    assert run_router("label", "--model", model23, "--data", meta, "--out", root / "one", *LABEL) == 0
+    return meta, root / "one"
+
+
+def test_labels_equal_single_pair_forwards(model23, labelled):
+    meta, out = labelled
+    info, t = router.load_labels(out)
+    assert info["samples"] == 4 and info["bad_rows"]["missing_image"] == 1 and info["rows"] == 5
+    assert info["pairs"] == [[v, l] for v in range(2) for l in range(3)] and t["nll"].shape == (4, 2, 3)
+    model = ParVL.from_pretrained(model23)
+    tok = Tokenizer.from_pretrained(model23)
+    data = SFTData(meta, tok, max_tiles=2)
+    kinds = set()
+    for k in (0, 2, 3):  # one image / two images, two answers / text only (write_dataset's row pattern)
+        s = data[int(t["rows"][k])]
+        pix = s.pixel_values if s.pixel_values.shape[0] else None
+        kinds.add(len(s.num_tiles))
+        n = int((s.labels[1:] != -100).sum())
+        with torch.no_grad():
+            for v in range(2):
+                for l in range(3):
+                    logits = model(s.input_ids[None], pix, vision_branch=v, language_branch=l)
+                    want = token_nll(logits, s.labels[None]).sum() / n
+                    torch.testing.assert_close(t["nll"][k, v, l], want, rtol=1e-5, atol=1e-5)
+            # the gate inputs are what inference computes from the prompt alone (ids before the answer)
+            if pix is not None:
+                for v in range(2):
+                    feats = model.extract_features(pix, v)
+                    torch.testing.assert_close(t["connector"][k, v], feats.float().mean((0, 1)), rtol=1e-5, atol=1e-6)
+            first = int((s.labels != -100).nonzero()[0])
+            ids = s.input_ids[None, :first]
+            span = router.question_span(ids, torch.ones_like(ids, dtype=torch.bool), info["im_start_id"], model.cfg.image_token_id)
+            assert tok.decode(ids[span].tolist()).startswith("user\n<img></img>") or pix is None
+            torch.testing.assert_close(t["text"][k], router.text_feature(model, ids, span)[0])
+        assert bool(t["has_image"][k]) == (pix is not None)
+    assert kinds == {0, 1, 2} and data[int(t["rows"][0])].num_tiles == [3]  # 2 tiles + thumbnail
+    text_only = ~t["has_image"]
+    assert text_only.any() and torch.equal(t["nll"][text_only, 0], t["nll"][text_only, 1])  # no ViT: same NLL
+    assert (t["nll"][t["has_image"], 0] != t["nll"][t["has_image"], 1]).all()  # the vision branches matter
+
+
+def test_labels_do_not_depend_on_world_size_and_resume(model23, labelled, tmp_path):
+    meta, one = labelled
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(29700 + os.getpid() % 200), str(ROOT / "router.py"), "label", "--model", str(model23), "--data", str(meta),
+           "--out", str(tmp_path / "two"), *LABEL]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "label: chunk" in res.stderr  # progress on stderr
+    # interrupted after one chunk, then resumed
+    assert run_router("label", "--model", model23, "--data", meta, "--out", tmp_path / "cut", *LABEL, "--stop-after", "1") == 0
+    assert not (tmp_path / "cut" / "labels.json").exists() and len(list((tmp_path / "cut" / "parts").glob("chunk_*"))) == 1
+    assert run_router("label", "--model", model23, "--data", meta, "--out", tmp_path / "cut", *LABEL) == 0
+    ref = load_file(str(one / "labels.safetensors"))
+    for other in ("two", "cut"):
+        got = load_file(str(tmp_path / other / "labels.safetensors"))
+        assert torch.equal(got["rows"], ref["rows"]) and torch.equal(got["has_image"], ref["has_image"])
+        for k in ("nll", "image", "text", "connector"):  # CPU threads may differ; the chunks do not
+            torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-6)
+        assert json.loads((tmp_path / other / "labels.json").read_text()) == json.loads((one / "labels.json").read_text())
+
+
+def test_router_training_does_not_depend_on_world_size(model23, labelled, tmp_path):
+    _, labels = labelled
+    args = ["train", "--model", str(model23), "--labels", str(labels), "--steps", "12", "--global-batch", "4",
+            "--log-every", "4", "--lr", "1e-2", "--check-samples", "1"]
+    assert run_router(*args, "--out", tmp_path / "one") == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(29500 + os.getpid() % 200), str(ROOT / "router.py"), *args, "--out", str(tmp_path / "two")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode == 0, res.stderr[-3000:]
+    one, two = (load_file(str(tmp_path / d / "router.safetensors")) for d in ("one", "two"))
+    for k in one:  # the same global batches, the order of the gradient sums differs: Adam's g / sqrt(v)
+        # turns that rounding into up to ~1e-4 on weights whose gradient is ~0; the updates are ~1e-1
+        torch.testing.assert_close(one[k], two[k], rtol=0, atol=1e-3)
+        assert (one[k] - two[k]).abs().mean() < 1e-5
+    m1, m2 = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("one", "two"))
+    assert [m["step"] for m in m1] == [4, 8, 12] and [m["loss"] for m in m1] == pytest.approx([m["loss"] for m in m2], rel=1e-5)
+    assert [m["pair_histogram"] for m in m1] == [m["pair_histogram"] for m in m2]
+
+
+# -- learning a planted preference --------------------------------------------------------------
+
+QUESTIONS = [["What colour dominates", "Which colour is most common", "Name the main colour"],
+             ["Count the shapes", "How many objects are there", "Count what you see"],
+             ["Describe it", "Describe the picture", "Tell me what this is"]]
+TAILS = ["", " here", " please", " now", " in this image", " briefly", " quickly", " for me"]
+
+
+def planted_data(folder: Path, n: int, seed: int) -> tuple[Path, list[tuple[int, int]]]:
+    """n one-tile rows; image class k (red or blue, noisy) and question class j (3 phrasings x tails)."""
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(seed)
+    lines, classes = [], []
+    for i in range(n):
+        k, j = i % 2, (i // 2) % 3
+        base = np.array([[200, 40, 40], [40, 40, 200]][k], dtype=np.float64)
+        img = np.clip(base + rng.normal(0, 30, (64, 64, 3)), 0, 255).astype(np.uint8)
+        Image.fromarray(img).save(folder / f"{i}.png")
+        q = QUESTIONS[j][rng.integers(3)] + TAILS[rng.integers(len(TAILS))] + "?"
+        lines.append({"image": f"{i}.png", "conversations": [{"from": "human", "value": f"<image>\n{q}"},
+                                                             {"from": "gpt", "value": "Fine."}]})
+        classes.append((k, j))
+    (folder / "a.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    meta = {"planted": {"root": str(folder), "annotation": str(folder / "a.jsonl"), "repeat_time": 1, "length": n}}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder / "meta.json", classes
+
+
+def plant(labels: Path, classes: list[tuple[int, int]], seed: int) -> None:
+    """Replace the NLLs: the best vision branch is the image class, the best language branch the question class."""
+    t = load_file(str(labels / "labels.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    for b, row in enumerate(t["rows"].tolist()):
+        k, j = classes[row]
+        v, l = torch.arange(2)[:, None], torch.arange(3)[None, :]
+        t["nll"][b] = 3.0 + 1.0 * (v != k) + 0.8 * (l != j) + 0.1 * torch.rand(2, 3, generator=g)
+    save_file(t, str(labels / "labels.safetensors"))
+
+
+def sha(folder: Path) -> str:
+    return hashlib.sha256((folder / "model.safetensors").read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def model23_shallow(model23, tmp_path_factory) -> Path:
+    """model23's widths and tokenizer with one ViT and one LLM block (the planted NLLs replace its own)."""
+    cfg = ParVL.from_pretrained(model23).cfg
+    cfg = replace(cfg, vit=replace(cfg.vit, num_layers=1), llm=replace(cfg.llm, num_layers=1))
+    folder = tmp_path_factory.mktemp("shallow") / "ckpt"
+    ParVL.from_config(cfg, seed=1).save(folder, tokenizer_from=model23)
+    return folder
+
+
+def test_router_learns_planted_preference(model23_shallow, tmp_path, capsys):
+    model23 = model23_shallow
+    train_meta, train_cls = planted_data(tmp_path / "train", 30, seed=1)
+    held_meta, held_cls = planted_data(tmp_path / "held", 20, seed=2)  # >= 95 %: at most one miss
+    common = ["--num-workers", "0", "--max-tiles", "1", "--batch-size", "10"]
+    assert run_router("label", "--model", model23, "--data", train_meta, "--out", tmp_path / "L", *common) == 0
+    assert run_router("label", "--model", model23, "--data", held_meta, "--out", tmp_path / "H", *common) == 0
+    plant(tmp_path / "L", train_cls, 0)
+    plant(tmp_path / "H", held_cls, 1)
+    before, state = sha(model23), ParVL.from_pretrained(model23).state_dict()
+    capsys.readouterr()
+    assert run_router("train", "--model", model23, "--labels", tmp_path / "L", "--data", train_meta, "--out", tmp_path / "R",
+                      "--steps", "300", "--global-batch", "32", "--lr", "3e-3", "--log-every", "100", "--check-samples", "0") == 0
+    err = capsys.readouterr().err
+    assert "frozen model unchanged" in err
+    logs = [json.loads(x) for x in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logs] == [100, 200, 300] and logs[-1]["loss"] < logs[0]["loss"]
+    assert sum(logs[-1]["pair_histogram"]) == 32 and 0 <= logs[-1]["entropy_vision"] <= math.log(2)
+    # frozen: the checkpoint file and every tensor of the model are bit-identical
+    after = ParVL.from_pretrained(model23).state_dict()
+    assert sha(model23) == before and all(torch.equal(state[k], after[k]) for k in state)
+    assert set(load_file(str(tmp_path / "R" / "router.safetensors"))) == {
+        f"{g}_gate.{fc}.{p}" for g in ("vision", "language") for fc in ("fc1", "fc2") for p in ("weight", "bias")}
+
+    assert run_router("eval", "--model", model23, "--router", tmp_path / "R", "--labels", tmp_path / "H") == 0
+    out = capsys.readouterr().out
+    res = json.loads((tmp_path / "R" / "eval.json").read_text())
+    rows = res["rows"]
+    assert rows["router"]["pair_acc"] >= 0.95, rows
+    assert rows["oracle"]["pair_acc"] == 1.0 and rows["random pair"]["pair_acc"] < 0.5
+    assert rows["oracle"]["nll"] <= rows["router"]["nll"] < rows["random pair"]["nll"]
+    matrix = torch.tensor(res["pair_nll"])
+    assert matrix.shape == (2, 3) and res["vision_marginal"] == pytest.approx(matrix.mean(1).tolist())
+    assert res["language_marginal"] == pytest.approx(matrix.mean(0).tolist())
+    assert "router" in out and "ViT 1" in out
+    # dense aggregation is computed with the full model (router.dense_nll): check it on two samples by hand
+    model, tok = ParVL.from_pretrained(model23), Tokenizer.from_pretrained(model23)
+    data = SFTData(held_meta, tok, max_tiles=1)
+    with torch.no_grad():
+        dense = [float(token_nll(model(data[r].input_ids[None], data[r].pixel_values), data[r].labels[None]).sum()
+                       / int((data[r].labels[1:] != -100).sum())) for r in (0, 1)]
+        got = router.dense_nll(model, data, torch.tensor([0, 1]), 2)
+    assert got.tolist() == pytest.approx(dense, rel=1e-5) and math.isfinite(rows["dense"]["nll"])
+    # the same choices in eval (from the stored gate inputs) as at inference (from the prompt)
+    r = router.load_router(tmp_path / "R", model)
+    s = data[0]
+    prompt = s.input_ids[None, : int((s.labels != -100).nonzero()[0])]
+    v, l, _ = r.route(model, prompt, torch.ones_like(prompt, dtype=torch.bool), s.pixel_values)
+    assert (v[0], l[0]) == held_cls[0]
+
+
+# -- routed generation --------------------------------------------------------------------------
+
+
+def tiny23(seed=0) -> ParVL:
+    cfg = replace(PRESETS["tiny"], par=ParConfig(pv=2, pl=3, vit_prefix_len=5, llm_prefix_len=4))
+    model = ParVL.from_config(cfg, seed=seed).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("prefix_k", "prefix_v")):
+                p.normal_(std=1.0)  # branches that differ: different pairs give different tokens
+    return model
+
+
+def prompt(tiles: int, seed: int, text: int = 12, img: int = 300):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, img, (text,), generator=g)
+    if tiles:
+        ids = torch.cat([ids[:3], torch.full((256 * tiles,), img), ids[3:]])
+    return ids.tolist(), (torch.randn(tiles, 3, 448, 448, generator=g) if tiles else None)
+
+
+def test_routed_generation_equals_single_pair_generation():
+    model = tiny23()
+    torch.manual_seed(3)
+    r = Router(RouterConfig(pv=2, pl=3, vision_width=64, text_width=64, hidden=32, im_start_id=301)).eval()
+    with torch.no_grad():
+        for p in r.parameters():
+            p.normal_(std=1.0)  # a random router whose choice varies from prompt to prompt
+    batch = [prompt(1, 0), prompt(0, 1, text=20), prompt(3, 2), prompt(2, 3), prompt(1, 4, text=7), prompt(0, 5)]
+    prompts, pix = [p for p, _ in batch], torch.cat([x for _, x in batch if x is not None])
+    calls = []
+    vit0 = model.vision_model.encoder.layers[0]
+    hooks = [r.vision_gate.register_forward_hook(lambda *a: calls.append(("gate", None))),
+             vit0.register_forward_hook(lambda m, args, out: calls.append(("vit", args[1])))]
+    cfg = GenerateConfig(max_new_tokens=6, ignore_eos=True)
+    res = Engine(model, router=r).generate(prompts, pix, cfg, [])
+    for h in hooks:
+        h.remove()
+    pairs = res.pairs
+    assert [p[0] is None for p in pairs] == [False, True, False, False, False, True]  # text-only: no vision choice
+    assert len(set(pairs)) >= 3, pairs  # the router really picks different pairs in one batch
+    # the vision gate runs first; then one ViT pass with each tile running its sample's branch only
+    assert [c[0] for c in calls] == ["gate", "vit"]
+    tiles = [0 if x is None else x.shape[0] for _, x in batch]
+    want = [v if v is not None else 0 for v, _ in pairs]
+    assert calls[1][1].fold == 1 and calls[1][1].branch.tolist() == [v for v, n in zip(want, tiles) for _ in range(n)]
+    assert model.language_model.model.layers[0].self_attn.kv_cache.k.shape[0] == len(prompts)  # B rows, not Pl*B
+    for (ids, x), (v, l), got in zip(batch, pairs, res.tokens):
+        # the pair by hand, sample alone: the gates' argmax on the thumbnail (last tile) patch embedding,
+        # the mean text embedding (no <|im_start|> here: the whole prompt but its image tokens)
+        with torch.no_grad():
+            t = torch.tensor(ids)
+            text = model.language_model.model.embed_tokens(t[t != 300]).mean(0, keepdim=True)
+            image = torch.zeros(1, 64) if x is None else model.vision_model.embeddings(x[-1:])[:, 1:].mean(1)
+            want_v = int(r.vision_gate(image, text).argmax()) if x is not None else None
+            conn = torch.zeros(1, 64) if x is None else model.extract_features(x, want_v).mean((0, 1))[None]
+            assert (v, l) == (want_v, int(r.language_gate(conn, text).argmax()))
+        alone = Engine(model, vision_branch=v or 0, language_branch=l).generate([ids], x, cfg, []).tokens[0]
+        assert got == alone, (v, l)
+
+
+def test_generate_cli_router_and_bad_routers(model23, tmp_path, capsys):
+    model, tok = ParVL.from_pretrained(model23), Tokenizer.from_pretrained(model23)
+    torch.manual_seed(0)
+    cfg = RouterConfig(pv=2, pl=3, vision_width=64, text_width=64, hidden=16,
+                       im_start_id=tok.token_to_id("<|im_start|>"), fingerprint=router.fingerprint(model))
+    router.save_router(Router(cfg), tmp_path / "R", {})
+    png = tmp_path / "img.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (200, 300, 3), dtype=np.uint8)).save(png)
+    res = subprocess.run([sys.executable, str(ROOT / "generate.py"), str(png), "What is this?", "--model", str(model23),
+                          "--router", str(tmp_path / "R"), "--max-new-tokens", "5", "--max-tiles", "2", "--json"],
+                         capture_output=True, text=True, timeout=300, env=ENV)
+    assert res.returncode == 0, res.stderr
+    out = json.loads(res.stdout)
+    pv = load_image(png, max_tiles=2)
+    ids = tok.encode(build_prompt("What is this?", [pv.shape[0]]))
+    want = Engine(model, router=router.load_router(tmp_path / "R", model)).generate([ids], pv, GenerateConfig(max_new_tokens=5), tok.eos_ids)
+    assert tuple(out["pair"]) == want.pairs[0] and out["answer"] == tok.decode(want.tokens[0]).strip()
+
+    # bad routers: another Pv x Pl, another width, tensors that do not match the config: one line, exit 1
+    router.save_router(Router(replace(cfg, pv=3)), tmp_path / "R33", {})
+    router.save_router(Router(replace(cfg, text_width=96)), tmp_path / "Rw", {})
+    router.save_router(Router(replace(cfg, hidden=8)), tmp_path / "Rt", {})
+    (tmp_path / "Rt" / "config.json").write_text(json.dumps({"router": vars(cfg) | {"hidden": 16}}))
+    for folder, needle in (("R33", "Pv:Pl = 3:3"), ("Rw", "width"), ("Rt", "do not match")):
+        rc = generate.main([str(png), "Hi?", "--model", str(model23), "--router", str(tmp_path / folder), "--max-new-tokens", "2"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 1 and err[-1].startswith("error: ") and needle in err[-1], err
+    with pytest.raises(RouterError, match="checkpoint"):
+        other = ParVL.from_pretrained(model23)
+        with torch.no_grad():
+            other.language_aggregator.mlp[2].bias.add_(1.0)
+        router.load_router(tmp_path / "R", other)
+    for flag in (["--vision-branch", "0"], ["--language-branch", "1"], ["--shared-kv"]):
+        with pytest.raises(SystemExit) as e:
+            generate.main([str(png), "Hi?", "--model", str(model23), "--router", str(tmp_path / "R"), *flag])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and flag[0] in err[0], err
+
+
+# -- bad input for router.py ----------------------------------------------------------------------
+
+
+def test_bad_input_refused_with_one_line(model23, labelled, checkpoint, tmp_path, capsys):
+    meta, labels = labelled
+    other_meta = write_dataset(tmp_path / "other", rows=5)
+    other_model = ParVL.from_pretrained(model23)
+    with torch.no_grad():
+        other_model.language_model.model.norm.weight.mul_(1.5)
+    other_model.save(tmp_path / "other_model")
+    bad_labels = tmp_path / "bad_labels"
+    bad_labels.mkdir()
+    t = load_file(str(labels / "labels.safetensors"))
+    save_file(t | {"nll": t["nll"][:, :1].contiguous()}, str(bad_labels / "labels.safetensors"))
+    (bad_labels / "labels.json").write_text((labels / "labels.json").read_text())
+    stale = tmp_path / "stale"  # the right shapes and fingerprints, other numbers
+    stale.mkdir()
+    save_file(t | {"nll": t["nll"] + 0.5}, str(stale / "labels.safetensors"))
+    (stale / "labels.json").write_text((labels / "labels.json").read_text())
+    cases = [
+        (["train", "--model", model23, "--labels", labels, "--data", other_meta, "--out", tmp_path / "x"], "labelled on data"),
+        (["train", "--model", tmp_path / "other_model", "--labels", labels, "--out", tmp_path / "x"], "labelled with checkpoint"),
+        (["train", "--model", model23, "--labels", bad_labels, "--out", tmp_path / "x"], "nll has shape"),
+        (["train", "--model", model23, "--labels", tmp_path, "--out", tmp_path / "x"], "not a complete labels folder"),
+        (["train", "--model", model23, "--labels", stale, "--out", tmp_path / "x"], "stale labels"),
+        (["label", "--model", model23, "--data", other_meta, "--out", labels, *LABEL], "another checkpoint, data set"),
+        (["label", "--model", checkpoint("qwen3", "original"), "--data", meta, "--out", tmp_path / "y", *LABEL], "Pv:Pl = 1:1"),
+        (["train", "--model", model23, "--labels", labels, "--out", tmp_path / "x", "--steps", "0"], "--steps"),
+        (["eval", "--model", model23, "--router", tmp_path / "none", "--labels", labels], "--router"),
+    ]
+    for args, needle in cases:
+        assert run_router(*args) == 1, args
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (args, err)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y" / "labels.json").exists()
