@@ -59,7 +59,7 @@ MAX_NEW_TOKENS = 4096
 TOTAL_MAX_TILES = 64  # set_max_num's total_max_num: a row's images share 64 tiles
 GROUPS = {"General": ("MMMU_DEV_VAL",), "Math": ("MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath"),
           "OCR": ("ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")}
-CONFIG_FIELDS = ("model", "pv", "pl", "vision_branch", "language_branch", "shared_kv")
+CONFIG_FIELDS = ("model", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router")
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 
 
@@ -183,11 +183,16 @@ def run(args) -> int:
     for name, value, count in (("--vision-branch", args.vision_branch, par.pv), ("--language-branch", args.language_branch, par.pl)):
         if value is not None and not 0 <= value < count:
             raise ValueError(f"{name} {value} out of range: the checkpoint has {count} branches")
+    router = None
+    if args.router:
+        from router import load_router  # only with --router
+        router = load_router(args.router, model)  # refuses a router trained for another checkpoint
     engine = Engine(model, compile=device.type == "cuda" if args.compile is None else args.compile, shared_kv=args.shared_kv,
-                    vision_branch=args.vision_branch, language_branch=args.language_branch)
+                    vision_branch=args.vision_branch, language_branch=args.language_branch, router=router)
     cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=0.0)
     meta = {"benchmark": args.benchmark, "model": str(folder), "pv": par.pv, "pl": par.pl,
-            "vision_branch": args.vision_branch, "language_branch": args.language_branch, "shared_kv": args.shared_kv}
+            "vision_branch": args.vision_branch, "language_branch": args.language_branch, "shared_kv": args.shared_kv,
+            "router": args.router}
     if rank == 0:
         log(f"{args.benchmark}: {len(rows)} rows, {len(done)} done, {len(todo)} to run on {world} rank(s); "
             f"Pv:Pl = {par.pv}:{par.pl}, {dtype}, {device}, batch {args.batch_size}")
@@ -211,10 +216,11 @@ def run(args) -> int:
             pixels = [p for p in (row_inputs(args.benchmark, r, args.max_tiles, model.cfg)[1] for r, _ in batch) if p is not None]
             pv = torch.cat(pixels).to(device, dtype) if pixels else None
             res = engine.generate([ids for _, ids in batch], pv, cfg, stop_ids=tok.eos_ids, pad_id=0)
-            for (r, _), toks in zip(batch, res.tokens):
+            for k, ((r, _), toks) in enumerate(zip(batch, res.tokens)):
                 # the official chat(): batch_decode(skip_special_tokens=True), split at the separator, strip
                 text = tok.decode(toks, skip_special_tokens=True).split("<|im_end|>")[0].strip()
-                f.write(json.dumps({"index": r["index"], "prediction": text, **meta, "new_tokens": len(toks)},
+                routed = {"pair": list(res.pairs[k])} if res.pairs is not None else {}  # the router's (v, l)
+                f.write(json.dumps({"index": r["index"], "prediction": text, **meta, "new_tokens": len(toks), **routed},
                                    ensure_ascii=False) + "\n")
                 new_tokens += len(toks)
             f.flush()
@@ -412,6 +418,9 @@ def report(args) -> int:
             key = (int(s["pv"]), int(s["pl"]), s.get("vision_branch"), s.get("language_branch"), bool(s.get("shared_kv")))
         except (OSError, IndexError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise DataError(f"{name}: not a score file with benchmark, score, pv, pl ({type(e).__name__}: {e})") from None
+        if s.get("router"):
+            raise DataError(f"{name}: a routed run (--router); the allocation tables take dense and fixed-pair runs "
+                            f"only, compare routed scores directly (Table 3)")
         if bench not in BENCHMARKS:
             raise DataError(f"{name}: unknown benchmark {bench!r}")
         if bench in runs.setdefault(key, {}):
@@ -559,6 +568,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument("--shared-kv", action="store_true", help="one mean-reduced token KV cache per sample (Appendix C.2)")
     r.add_argument("--vision-branch", type=int, default=None, help="run only this vision branch (Table S9; default all)")
     r.add_argument("--language-branch", type=int, default=None, help="run only this language branch (default all)")
+    r.add_argument("--router", default=None, help="router folder (router.py train): one branch pair per row, chosen "
+                                                  "by the router (Table 3; default: none)")
     s = sub.add_parser("score", help="score predictions with the benchmark's native metric")
     s.add_argument("--benchmark", required=True)
     s.add_argument("--data", required=True, help="the benchmark's VLMEvalKit TSV")

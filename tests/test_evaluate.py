@@ -641,3 +641,39 @@ def test_judge_wemath_mathvision_logicvista(tmp_path, capsys):
     assert "MCQ-EXTRACT WEMATH Q:Angle?  O:There are several options: \nA. 30\nB. 60\n A:sixty degrees" in sent
     assert "MATHV V1\nRatio?\nModel respone: about three fifthsExtracted answer:" in sent
     assert sent.count("LOGIC Q:Which? A:I pick A and C") == 2  # retried at temperature 0.5
+
+
+def test_run_with_a_router_gives_the_routed_engines_answers(checkpoint, tmp_path, capsys):
+    """--router: each row runs the pair the router picks; predictions and pairs equal Engine(router=...);
+    report keeps routed runs out of the allocation grids with one line."""
+    import router as router_mod
+
+    torch.manual_seed(0)
+    model = ParVL.from_pretrained(checkpoint("qwen3", "original"), pv=2, pl=2)
+    model.init_branches(std=2.0)
+    model.save(tmp_path / "parvl")
+    model, tok = ParVL.from_pretrained(tmp_path / "parvl"), Tokenizer.from_pretrained(tmp_path / "parvl")
+    cfg = router_mod.RouterConfig(pv=2, pl=2, vision_width=model.cfg.vit.hidden_size, text_width=model.cfg.llm.hidden_size,
+                                  hidden=16, im_start_id=tok.token_to_id("<|im_start|>"), fingerprint=router_mod.fingerprint(model))
+    torch.manual_seed(1)
+    router_mod.save_router(router_mod.Router(cfg), tmp_path / "R", {})
+    rows = [{"index": str(k), "question": q, "answer": "['x']", "image": png_b64(16 + 8 * k, 16, k)}
+            for k, q in enumerate(["Read it.", "What colour?", "Count them."])]
+    tsv = write_tsv(tmp_path / "t.tsv", rows)
+    rc, _, _ = main_out(capsys, "run", "--benchmark", "TextVQA_VAL", "--data", tsv, "--model", tmp_path / "parvl",
+                        "--out", tmp_path / "p.jsonl", "--max-new-tokens", NEW, "--router", tmp_path / "R", "--batch-size", 1)
+    assert rc == 0
+    preds = {p["index"]: p for p in read_preds(tmp_path / "p.jsonl")}
+    engine = Engine(model, router=router_mod.load_router(tmp_path / "R", model))
+    for r in rows:
+        pil = Image.open(io.BytesIO(base64.b64decode(r["image"]))).convert("RGB")
+        tiles = load_image(pil, max_tiles=6)
+        ids = tok.encode(build_prompt(f"<image>\n{r['question']}\nAnswer the question using a single word or phrase.", [tiles.shape[0]]))
+        res = engine.generate([ids], tiles, GenerateConfig(max_new_tokens=NEW), tok.eos_ids)
+        assert preds[r["index"]]["prediction"] == tok.decode(res.tokens[0], skip_special_tokens=True).strip()
+        assert preds[r["index"]]["pair"] == list(res.pairs[0]) and preds[r["index"]]["router"] == str(tmp_path / "R")
+    score = tmp_path / "score.json"
+    assert main_out(capsys, "score", "--benchmark", "TextVQA_VAL", "--data", tsv, "--predictions", tmp_path / "p.jsonl",
+                    "--out", score)[0] == 0
+    rc, _, err = main_out(capsys, "report", score, "--out", tmp_path / "rep")
+    assert rc == 1 and "a routed run" in err and len(err.strip().splitlines()) == 1
