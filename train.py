@@ -389,7 +389,7 @@ def verify_checkpoint(folder: Path) -> str | None:
     return None
 
 
-def save_checkpoint(model, optim, sched, step: int, cfg: TrainConfig) -> None:
+def save_checkpoint(model, optim, sched, step: int, cfg: TrainConfig, counts: dict) -> None:
     """DCP save into step_N.tmp, then train.json (with the size of every file), the done marker and
     one rename, so a folder named step_N is complete. A failed save (full disk, read-only file
     system, permissions) removes its step_N.tmp, keeps every complete checkpoint and raises one
@@ -412,7 +412,8 @@ def save_checkpoint(model, optim, sched, step: int, cfg: TrainConfig) -> None:
             try:
                 files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
                 (tmp / "train.json").write_text(json.dumps(
-                    {"step": step, "scheduler": sched.state_dict(), "config": asdict(cfg), "files": files}, indent=2))
+                    {"step": step, "scheduler": sched.state_dict(), "config": asdict(cfg), "counts": counts,
+                     "files": files}, indent=2))
                 (tmp / "done").write_text("")
                 tmp.rename(final)  # atomic: a folder named step_N is always complete
             except OSError as e:
@@ -437,27 +438,53 @@ def save_checkpoint(model, optim, sched, step: int, cfg: TrainConfig) -> None:
     dist.barrier()
 
 
-def load_checkpoint(model, optim, sched, folder: Path) -> int:
+def load_checkpoint(model, optim, sched, folder: Path) -> dict:
+    """Model, optimizer and scheduler state from `folder`; returns its train.json. The scheduler goes on
+    from the saved step on *this* run's schedule (lr_lambda of this run's total): each group's rate is
+    set to base_lr * lambda(step) now, so a run whose --max-steps changed does not take its first
+    step at the old schedule's last rate. With the same flags this is the value the scheduler had."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
     dcp.load(state, checkpoint_id=str(folder))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optim, state["optim"])
     meta = json.loads((folder / "train.json").read_text())
     sched.load_state_dict(meta["scheduler"])
-    return meta["step"]
+    for group, base, f in zip(optim.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * f(meta["step"])
+    sched._last_lr = [group["lr"] for group in optim.param_groups]
+    return meta
 
 
-def resume(model, optim, sched, out: Path) -> int:
+# Flags a resumed run must share with the run it continues: they fix the data order, the loss and the
+# update rule, so a change would silently make a different run. --max-steps may change (the schedule
+# is rebuilt for the new total); the others (logging, saving, workers, compile) do not change the maths.
+RESUME_FIXED = ("data", "seed", "global_batch", "max_seq_len", "max_tiles", "pv", "pl", "lr_new", "lr_pretrained",
+                "weight_decay", "warmup_ratio", "clip", "dtype", "freeze_vit", "freeze_connector", "freeze_llm",
+                "freeze_backbone")
+
+
+def check_resumed_flags(meta: dict, cfg: TrainConfig, folder: Path) -> None:
+    saved = meta.get("config", {})
+    for name in RESUME_FIXED:
+        if name in saved and saved[name] != getattr(cfg, name):
+            raise ValueError(f"--resume: {folder} was trained with --{name.replace('_', '-')} {saved[name]}, this run "
+                             f"asks for {getattr(cfg, name)}; resume with the same value, or start a new run in another --out")
+
+
+def resume(model, optim, sched, out: Path, cfg: TrainConfig) -> tuple[int, dict]:
     """--resume: load the newest checkpoint that verifies and loads, falling back past broken ones,
     and say in one line which one and what was skipped and why. Broken ones newer than the one
     loaded are renamed step_N.broken (kept for a look, out of --keep-last's way). No usable
-    checkpoint: start at step 0 and say so. Every rank decides alike from the same files."""
-    skipped, step, chosen = [], 0, None
+    checkpoint: start at step 0 and say so. Every rank decides alike from the same files. A checkpoint
+    of a run with other RESUME_FIXED flags is refused with one line. Returns the step and train.json."""
+    skipped, step, chosen, meta = [], 0, None, {}
     for folder in reversed(checkpoint_dirs(out)):
         why = verify_checkpoint(folder)
         if why is None:
+            check_resumed_flags(json.loads((folder / "train.json").read_text()), cfg, folder)
             try:
-                step, chosen = load_checkpoint(model, optim, sched, folder), folder
+                meta, chosen = load_checkpoint(model, optim, sched, folder), folder
+                step = meta["step"]
                 break
             except (OSError, RuntimeError, ValueError, KeyError, CheckpointException) as e:
                 why = f"cannot be loaded ({os_cause(e)})"
@@ -477,8 +504,10 @@ def resume(model, optim, sched, out: Path) -> int:
         note(f"--resume: no usable checkpoint in {out / 'checkpoints'}"
              f"{f' (skipped {what}; renamed .broken)' if skipped else ''}: starting from step 0")
     else:
-        note(f"resuming from {chosen} at step {step}{f' (skipped {what}; renamed .broken)' if skipped else ''}")
-    return step
+        was = meta.get("config", {}).get("max_steps", cfg.max_steps)
+        schedule = f"; --max-steps {was} -> {cfg.max_steps}: the new schedule from step {step}" if was != cfg.max_steps else ""
+        note(f"resuming from {chosen} at step {step}{schedule}{f' (skipped {what}; renamed .broken)' if skipped else ''}")
+    return step, meta
 
 
 def export(model: ParVL, cfg: TrainConfig) -> None:
@@ -637,7 +666,7 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor numel is the global size
     log(f"Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl}, trainable parameters {trainable:,} of "
         f"{sum(p.numel() for p in model.parameters()):,}, {total} steps of {cfg.global_batch} samples on {world} ranks")
-    step = resume(model, optim, sched, out) if cfg.resume else 0
+    step, meta = resume(model, optim, sched, out, cfg) if cfg.resume else (0, {})
     if rank() == 0 and cfg.resume:
         trim_metrics(out, step)  # metrics.jsonl then continues with step + 1
 
@@ -646,7 +675,8 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
     order = data.epoch_order(cfg.seed)
     micro_per_step = cfg.global_batch // (world * cfg.micro_batch)
     loader = make_loader(data, order, rank(), world, cfg.global_batch, cfg.micro_batch, step, cfg.num_workers, pad_id=0)
-    bad_total, seen_total, t_start, first_step = {}, 0, time.perf_counter(), step
+    counts = meta.get("counts", {"seen": 0, "bad": {}})  # bad-row counts go on from the checkpoint
+    bad_total, seen_total, t_start, first_step = dict(counts["bad"]), counts["seen"], time.perf_counter(), step
     pending: list = []
     named = 0  # bad rows this rank has named on stderr
     for s, _, batch in loader:
@@ -706,7 +736,7 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
                 with open(out / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(line) + "\n")
         if step % cfg.save_every == 0 or step == total:
-            save_checkpoint(model, optim, sched, step, cfg)
+            save_checkpoint(model, optim, sched, step, cfg, {"seen": seen_total, "bad": bad_total})
         if cfg.stop_after and step >= cfg.stop_after:
             log(f"stopping after step {step} (--stop-after)")
             return 0

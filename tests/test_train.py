@@ -223,3 +223,26 @@ def test_bad_flags_rejected_before_start(model_dir, meta, tmp_path):
         res = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, timeout=120)
         assert res.returncode != 0 and needle in res.stderr.strip().splitlines()[-1], res.stderr
         assert not (tmp_path / "x").exists()
+
+
+def test_resume_with_more_steps_follows_the_new_schedule(model_dir, tmp_path):
+    """2 steps, then --resume --max-steps 4: steps 3 and 4 take the 4-step schedule's rates (not the
+    2-step schedule's final 0.0), the bad-row counts go on from the checkpoint (equal to an unbroken
+    4-step run's), and a resume that changes a flag fixing the run (--seed) is refused in one line."""
+    data = write_dataset(tmp_path / "d", rows=14, bad=2)  # 16 rows: four global batches of 4
+    args = ["--model", model_dir, "--data", data, "--pv", "1", "--pl", "2", "--save-every", "1", "--max-bad-frac", "0.5",
+            "--warmup-ratio", "0.5", *COMMON]
+    run_train(*args, "--out", tmp_path / "full", "--max-steps", "4")
+    run_train(*args, "--out", tmp_path / "ext", "--max-steps", "2")
+    res = run_train(*args, "--out", tmp_path / "ext", "--max-steps", "4", "--resume")
+    assert "--max-steps 2 -> 4" in res.stderr, res.stderr
+    full, ext = metrics(tmp_path / "full"), metrics(tmp_path / "ext")
+    assert [m["step"] for m in ext] == [1, 2, 3, 4]
+    f = lr_lambda(4, 0.5)
+    for m in ext[2:]:  # the rate an update uses is base * lambda(step before it), on the new schedule
+        assert m["lr"]["branches"] == pytest.approx(8e-5 * f(m["step"] - 1), rel=1e-12) and m["lr"]["branches"] > 0
+    assert [m["bad_rows"] for m in ext] == [m["bad_rows"] for m in full] and sum(full[-1]["bad_rows"].values()) == 2
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ext" / "checkpoints" / "step_4").iterdir()}
+    res = run_train(*args, "--out", tmp_path / "ext", "--max-steps", "4", "--resume", "--seed", "7", check=False)
+    assert res.returncode == 1 and "--seed" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ext" / "checkpoints" / "step_4").iterdir()} == before
