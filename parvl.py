@@ -204,20 +204,25 @@ class ParVL(nn.Module):
             return x, None
         if self.cfg.vit is None:
             raise ValueError("this language-only model takes no pixel_values")
-        N, per_tile = pixel_values.shape[0], self.cfg.tokens_per_tile
-        slots = is_img.sum(1).tolist()  # <IMG_CONTEXT> slots of each sample (one host sync)
-        n_slots = sum(slots)
-        if n_slots == 0 and self.training:
-            # a text-only training batch with a dummy tile (InternVL's image_flags = 0): the ViT still
-            # runs, so every FSDP rank issues the same collectives, and contributes exactly nothing
-            feats, _ = self.vision(pixel_values, self.vision_rows(None, None, N, pixel_values.device))
-            return x + 0.0 * feats.sum(), None
-        if n_slots != N * per_tile or any(n % per_tile for n in slots):
-            raise ValueError(f"prompt has {n_slots} <IMG_CONTEXT> tokens (per sample {slots}) but "
-                             f"{N} tiles give {N * per_tile} features, {per_tile} per tile")
-        rows = self.vision_rows(vision_branch, [n // per_tile for n in slots], N, pixel_values.device)
+        N, per_tile, device = pixel_values.shape[0], self.cfg.tokens_per_tile, pixel_values.device
+        if vision_branch is None or isinstance(vision_branch, int):  # every tile alike: no per-sample count needed
+            rows = self.vision_rows(vision_branch, None, N, device)
+            if not self.training:  # training skips the host sync: data.py checked every row
+                self.image_slots(is_img, N)
+        else:
+            rows = self.vision_rows(vision_branch, [n // per_tile for n in self.image_slots(is_img, N)], N, device)
         feats, weights = self.vision(pixel_values, rows)  # [N,256,C]
+        # A text-only training batch carries a dummy tile (InternVL's image_flags = 0): it fills no slot,
+        # but the ViT still runs, so every FSDP rank issues the same collectives (its gradient is zero).
         return x.masked_scatter(is_img[..., None], feats.to(x.dtype)), weights
+
+    def image_slots(self, is_img: torch.Tensor, tiles: int) -> list[int]:
+        """<IMG_CONTEXT> slots of each sample (one host sync), checked against the tiles given."""
+        per_tile, slots = self.cfg.tokens_per_tile, is_img.sum(1).tolist()
+        if sum(slots) != tiles * per_tile or any(n % per_tile for n in slots):
+            raise ValueError(f"prompt has {sum(slots)} <IMG_CONTEXT> tokens (per sample {slots}) but "
+                             f"{tiles} tiles give {tiles * per_tile} features, {per_tile} per tile")
+        return slots
 
     def hidden(
         self,

@@ -550,20 +550,27 @@ def name_bad_rows(data: SFTData, batches, named: int) -> int:
 # -- the step ----------------------------------------------------------------------------------
 
 
-def micro_loss(model: ParVL, batch, weight_sum: float, world: int, device):
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor to `device` without waiting for it: pinned and non-blocking on CUDA."""
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
+
+
+def micro_loss(model: ParVL, batch, weight_sum: float | torch.Tensor, world: int, device):
     """This micro-batch's share of the Eq. 6 loss (data.sft_loss over the global weight sum), times
     the world size since FSDP averages gradients over ranks. Also returns the branch weights'
     entropies (nan if none)."""
-    ids, labels = batch.input_ids.to(device), batch.labels.to(device)
-    pixels = batch.pixel_values.to(device)
-    if pixels.shape[0] == 0 and model.cfg.vit is not None:
+    ids, labels = to_device(batch.input_ids, device), to_device(batch.labels, device)
+    pixels = to_device(batch.pixel_values, device)
+    tiles = pixels.shape[0]
+    if tiles == 0 and model.cfg.vit is not None:
         size = model.cfg.vit.image_size
         pixels = torch.zeros(1, 3, size, size, device=device)  # text only: a dummy tile, see ParVL.embed
     # no padding (e.g. one sample per micro-batch): no mask, so attention keeps the causal fast path
-    mask = None if bool(batch.attention_mask.all()) else batch.attention_mask.to(device)  # a CPU tensor: no sync
+    mask = None if bool(batch.attention_mask.all()) else to_device(batch.attention_mask, device)  # checked on the host
     logits, w_vision, w_language = model.forward_with_weights(ids, pixels if pixels.shape[0] else None, mask)
     loss = sft_loss(logits, labels, weight_sum) * world
-    nan = torch.tensor(float("nan"), device=device)
+    nan = torch.full((), float("nan"), device=device)  # a fill, not a host-to-device copy
+    w_vision = w_vision if tiles else None  # a dummy tile's weights say nothing
     ent = torch.stack([entropy(w.detach()) if w is not None else nan for w in (w_vision, w_language)])  # no host sync
     return loss, ent
 
@@ -674,7 +681,8 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
     peak = cfg.peak_tflops or (989.0 if device.type == "cuda" and any(h in torch.cuda.get_device_name(device) for h in ("H100", "H200")) else 0.0)
     order = data.epoch_order(cfg.seed)
     micro_per_step = cfg.global_batch // (world * cfg.micro_batch)
-    loader = make_loader(data, order, rank(), world, cfg.global_batch, cfg.micro_batch, step, cfg.num_workers, pad_id=0)
+    loader = make_loader(data, order, rank(), world, cfg.global_batch, cfg.micro_batch, step, cfg.num_workers, pad_id=0,
+                         pin_memory=device.type == "cuda")  # pinned batches copy to the GPU without a host wait
     counts = meta.get("counts", {"seen": 0, "bad": {}})  # bad-row counts go on from the checkpoint
     bad_total, seen_total, t_start, first_step = dict(counts["bad"]), counts["seen"], time.perf_counter(), step
     pending: list = []
@@ -689,25 +697,30 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
         torch.manual_seed(cfg.seed + 1_000_003 * (s + 1) + rank())  # the RNG stream is a function of (step, rank)
         t0 = time.perf_counter()
         named = name_bad_rows(data, batches, named)
-        # one all-reduce for everything known before the forward: Eq. 6 weight sum, counts, bad rows by reason
-        local = [sum(float(loss_weights(b.labels).sum()) for b in batches), sum(b.num_samples for b in batches),
-                 sum(int(b.attention_mask.sum()) for b in batches), sum(b.pixel_values.shape[0] for b in batches),
-                 *(sum(b.bad.get(r, 0) for b in batches) for r in BAD_REASONS)]
-        norm, good, text_tokens, tiles, *bad = all_sum(*local, device=device)
-        loss_sum, ents = 0.0, []
+        # one all-reduce for everything known before the forward (Eq. 6 weight sum, counts, bad rows by
+        # reason); it stays on the device, where the loss divides by the weight sum, and the host reads
+        # it together with the loss and the gradient norm: one host sync per step
+        local = torch.tensor([sum(float(loss_weights(b.labels).sum()) for b in batches), sum(b.num_samples for b in batches),
+                              sum(int(b.attention_mask.sum()) for b in batches), sum(b.pixel_values.shape[0] for b in batches),
+                              *(sum(b.bad.get(r, 0) for b in batches) for r in BAD_REASONS)], dtype=torch.float64)
+        counts = to_device(local, device)
+        dist.all_reduce(counts)
+        loss_sum, ents = torch.zeros((), device=device), []
         for i, batch in enumerate(batches):
             model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once per step
-            loss, ent = micro_loss(model, batch, max(norm, 1e-12), world, device)
+            loss, ent = micro_loss(model, batch, counts[0].clamp_min(1e-12), world, device)
             if cfg.inject_nan_step == s + 1:
                 loss = loss * float("nan")
             loss.backward()
-            loss_sum += loss.detach()
+            loss_sum = loss_sum + loss.detach()
             ents.append(ent)
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-        loss_value = all_sum(float(loss_sum) / world, device=device)[0]
-        if not (math.isfinite(loss_value) and math.isfinite(float(grad_norm))):
-            raise ValueError(f"step {s + 1}: non-finite loss {loss_value} or grad norm {float(grad_norm)}; "
+        dist.all_reduce(loss_sum)  # the global loss is the ranks' sum over the world size (see micro_loss)
+        _, good, text_tokens, tiles, *bad, loss_value, grad_value = torch.cat(  # the step's one host sync
+            [counts, torch.stack([loss_sum / world, grad_norm]).double()]).tolist()
+        if not (math.isfinite(loss_value) and math.isfinite(grad_value)):
+            raise ValueError(f"step {s + 1}: non-finite loss {loss_value} or grad norm {grad_value}; "
                              f"stopped before the update, last checkpoint kept")
         lrs = {g["name"]: g["lr"] for g in optim.param_groups}  # the rates this update uses
         optim.step()
@@ -726,7 +739,7 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
             mfu = flops / dt / world / (peak * 1e12) if peak else float("nan")
             ent_v, ent_l = torch.stack(ents).nanmean(0).tolist()  # nan: no branch weights this step
             eta = (time.perf_counter() - t_start) / (step - first_step) * (total - step)
-            line = {"step": step, "loss": loss_value, "grad_norm": float(grad_norm), "lr": lrs,
+            line = {"step": step, "loss": loss_value, "grad_norm": grad_value, "lr": lrs,
                     "tokens_per_s": (text_tokens + vit_tokens) / dt,
                     "mfu": mfu, "step_flops": flops, "peak_gib": peak_memory_gib(device), "eta_s": eta,
                     "entropy_vision": ent_v, "entropy_language": ent_l, "bad_rows": bad_total}

@@ -59,3 +59,34 @@ def test_reduce_overhead_decode_equals_eager(pv, pl, shared, pairs):
     for _ in range(3):  # warm-up, recording, replay
         got = compiled(model, *step).clone()
     torch.testing.assert_close(got, want, atol=3e-2, rtol=2e-2)  # bf16: 8 bits of mantissa, two orders of sums
+
+
+def test_training_micro_batch_has_no_host_sync():
+    """train.micro_loss forward and backward on a 2:2 model with images, padding and a text-only
+    row, under torch.cuda.set_sync_debug_mode("error"): any host synchronisation raises."""
+    from data import IGNORE, Sample, collate
+    from train import micro_loss
+
+    cfg = replace(PRESETS["tiny"], par=ParConfig(pv=2, pl=2, vit_prefix_len=8, llm_prefix_len=8))
+    model = ParVL.from_config(cfg, torch.float32, "cuda").train()
+    per, g = cfg.tokens_per_tile, torch.Generator().manual_seed(0)
+    samples = []
+    for k, (tiles, text) in enumerate([(1, 20), (0, 13)]):
+        ids = torch.randint(0, cfg.image_token_id, (text,), generator=g)
+        if tiles:
+            ids = torch.cat([ids[:2], torch.full((per * tiles,), cfg.image_token_id), ids[2:]])
+        labels = torch.full_like(ids, IGNORE)
+        labels[-5:] = ids[-5:]
+        samples.append(Sample(ids, labels, torch.randn(tiles, 3, 448, 448, generator=g), [tiles] if tiles else [], k))
+    batch = collate(samples, pad_id=0)
+    batch.input_ids, batch.labels = batch.input_ids.pin_memory(), batch.labels.pin_memory()
+    batch.attention_mask, batch.pixel_values = batch.attention_mask.pin_memory(), batch.pixel_values.pin_memory()
+    weight_sum = torch.ones((), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, ent = micro_loss(model, batch, weight_sum, 1, torch.device("cuda"))
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss).item() and all(p.grad is not None for n, p in model.named_parameters() if "prefix" in n)
