@@ -187,14 +187,15 @@ class Aggregator(nn.Module):
         fused_BTC = torch.einsum("btp,pbtc->btc", w_BTP, z_PBTC.float())  # weighted sum in fp32
         return fused_BTC.to(z.dtype), w_BTP
 
-    def reset_parameters(self) -> None:
+    def initial_values(self) -> dict[str, torch.Tensor]:
         """Start from uniform weights: the last layer is zero, so the MLP emits equal logits and the
-        fused state is the plain mean of the branches until training moves it (see parvl.init_branches)."""
-        if self.kind == "mlp":
-            nn.init.normal_(self.mlp[0].weight, std=0.02)
-            nn.init.zeros_(self.mlp[0].bias)
-            nn.init.zeros_(self.mlp[2].weight)
-            nn.init.zeros_(self.mlp[2].bias)
+        fused state is the plain mean of the branches until training moves it (fp32, on the CPU, drawn
+        from the CPU generator; see parvl.ParVL.branch_init). Mean aggregation has no parameters."""
+        if self.kind != "mlp":
+            return {}
+        (w0, b0), (w2, b2) = ((m.weight, m.bias) for m in (self.mlp[0], self.mlp[2]))
+        return {"mlp.0.weight": torch.empty(w0.shape).normal_(std=0.02), "mlp.0.bias": torch.zeros(b0.shape),
+                "mlp.2.weight": torch.zeros(w2.shape), "mlp.2.bias": torch.zeros(b2.shape)}
 
 
 def entropy(w_BTP: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,6 @@ import re
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 
 class CheckpointError(ValueError):
@@ -127,31 +126,84 @@ def parscale_key(key: str) -> str:
     return "language_model." + key  # model.embed_tokens / model.layers.* / model.norm
 
 
-def read_checkpoint(folder: Path, dtype: torch.dtype | None, device, parscale_branches: int = 0) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint under canonical keys, read shard by shard straight to `device`
-    (one copy in memory), cast to `dtype` if given; -HF q/k/v rows fused back into qkv.
-    parscale_branches > 0 reads a ParScale checkpoint with that many branches."""
-    rename = parscale_key if parscale_branches else canonical_key
-    state: dict[str, torch.Tensor] = {}
-    for file in checkpoint_files(folder):
-        try:
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
-                for key in f.keys():
-                    t = f.get_tensor(key)
-                    state[rename(key)] = t if dtype is None else t.to(dtype)
-        except Exception as e:  # a truncated or non-safetensors file: name it, keep one line
-            if isinstance(e, CheckpointError):
-                raise
-            raise CheckpointError(f"{file}: unreadable safetensors file ({type(e).__name__}: {e})") from None
-    for key in [k for k in state if ".attn.qkv.q." in k]:
-        parts = [state.pop(key.replace(".qkv.q.", f".qkv.{x}.")) for x in "qkv"]
-        state[key.replace(".qkv.q.", ".qkv.")] = torch.cat(parts, dim=0)  # rows [q | k | v]
-    first = "language_aggregator.mlp.0.weight"
-    if parscale_branches and first in state:
-        w = state[first]  # [C, C*P] with input column h*P + p (hidden-major)
-        P = parscale_branches
-        state[first] = w.view(w.shape[0], -1, P).transpose(1, 2).reshape(w.shape[0], -1)  # column p*C + h
-    return state
+# safetensors dtype names -> torch dtypes (the format: an 8-byte little-endian header length, a JSON
+# header of {name: {dtype, shape, data_offsets}}, then the raw little-endian bytes)
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+
+
+class CheckpointReader:
+    """A checkpoint's tensors under canonical keys, read one at a time, or rows a:b of one, straight
+    from the safetensors files with plain reads (no memory map): only the bytes asked for are read
+    and held. -HF q/k/v rows are fused back into qkv (rows q | k | v); a ParScale aggregator's
+    columns are permuted to branch-major. parscale_branches > 0 reads a ParScale checkpoint."""
+
+    def __init__(self, folder: Path, device="cpu", parscale_branches: int = 0):
+        rename = parscale_key if parscale_branches else canonical_key
+        self.folder, self.device, self.parscale = folder, device, parscale_branches
+        self.parts: dict[str, list[tuple]] = {}  # canonical key -> [(file, dtype, shape, byte offset)]
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        for file in checkpoint_files(folder):
+            for key, (dtype, shape, offset) in safetensors_header(file).items():
+                self.parts[rename(key)] = [(file, dtype, shape, offset)]
+                self.shapes[rename(key)] = shape
+        for key in [k for k in self.parts if ".attn.qkv.q." in k]:  # -HF: q, k, v -> one qkv
+            names = [key.replace(".qkv.q.", f".qkv.{x}.") for x in "qkv"]
+            fused = key.replace(".qkv.q.", ".qkv.")
+            self.parts[fused] = [part for name in names for part in self.parts.pop(name)]
+            shapes = [self.shapes.pop(name) for name in names]
+            self.shapes[fused] = (sum(shape[0] for shape in shapes), *shapes[0][1:])
+
+    def keys(self) -> set[str]:
+        return set(self.parts)
+
+    def rows(self, key: str, start: int = 0, stop: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows start:stop (dim 0) of one tensor, on the reader's device; only those bytes are read."""
+        shape = self.shapes[key]
+        stop = (shape[0] if shape else 1) if stop is None else stop
+        pieces, first = [], 0
+        for file, part_dtype, shape, offset in self.parts[key]:
+            n = shape[0] if shape else 1
+            a, b = max(start - first, 0), min(stop - first, n)  # this part's rows of start:stop
+            first += n
+            if a >= b and shape:
+                continue
+            row = part_dtype.itemsize * (int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1)
+            with open(file, "rb") as f:
+                f.seek(offset + a * row)
+                data = f.read((b - a) * row if shape else row)
+            if len(data) != ((b - a) * row if shape else row):
+                raise CheckpointError(f"{file}: truncated safetensors file (tensor {key} is cut short)")
+            t = torch.frombuffer(bytearray(data), dtype=part_dtype).reshape((b - a, *shape[1:]) if shape else ())
+            pieces.append(t)
+        t = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if self.parscale and key == "language_aggregator.mlp.0.weight":  # [C, C*P], column h*P + p -> p*C + h
+            t = t.reshape(t.shape[0], -1, self.parscale).transpose(1, 2).reshape(t.shape[0], -1)
+        return t.to(device=self.device, dtype=dtype or t.dtype)
+
+
+def safetensors_header(file: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
+    """{name: (dtype, shape, absolute byte offset)} of one safetensors file; a file that is not one
+    (truncated, another format) is refused in one line naming it."""
+    try:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if size <= 0 or size > 100_000_000:
+                raise ValueError(f"header length {size}")
+            header = json.loads(f.read(size))
+            end = f.seek(0, 2)
+        out = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            a, b = info["data_offsets"]
+            if 8 + size + b > end:
+                raise ValueError(f"tensor {name} ends at byte {8 + size + b}, the file has {end}")
+            out[name] = (SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), 8 + size + a)
+        return out
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: unreadable safetensors file ({type(e).__name__}: {e})") from None
 
 
 def check_keys(expected: set[str], found: set[str], folder: Path) -> None:

@@ -32,7 +32,7 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 from aggregate import Aggregator, Choice, Rows, unfold
-from checkpoint import TOKENIZER_FILES, CheckpointError, check_keys, read_checkpoint, read_json
+from checkpoint import TOKENIZER_FILES, CheckpointError, CheckpointReader, check_keys, read_json
 from llm import LLM, LLMConfig, causal_mask
 from processor import IMG_CONTEXT, Tokenizer, load_image  # noqa: F401  (load_image is public API)
 from vit import ViT, ViTConfig
@@ -262,18 +262,25 @@ class ParVL(nn.Module):
                 language_branch: Choice = None) -> torch.Tensor:  # [B,T,V] logits
         return self.forward_with_weights(input_ids, pixel_values, attention_mask, vision_branch, language_branch)[0]
 
+    def branch_init(self, std: float = 0.02) -> dict[str, torch.Tensor]:
+        """Initial values (fp32, on the CPU) of the ParVL tensors of a model started from an InternVL3.5
+        checkpoint, drawn in a fixed order from the CPU generator. Prefixes ~ N(0, std^2), as ParScale
+        does: random prefixes are enough to make the branches diverge, and small ones start every
+        branch close to the pretrained model. The aggregators start uniform (zero last layer), so the
+        first step sees the mean of the branches. Works on a meta model (train.py's sharded loading)."""
+        values = {name: torch.empty(p.shape).normal_(std=std) for name, p in self.named_parameters()
+                  if name.endswith(("prefix_k", "prefix_v"))}
+        for name, agg in (("vision_aggregator", self.vision_aggregator), ("language_aggregator", self.language_aggregator)):
+            if agg is not None:
+                values |= {f"{name}.{k}": v for k, v in agg.initial_values().items()}
+        return values
+
     @torch.no_grad()
     def init_branches(self, std: float = 0.02) -> None:
-        """Initialise the ParVL tensors of a model started from an InternVL3.5 checkpoint.
-        Prefixes ~ N(0, std^2), as ParScale does: random prefixes are enough to make the branches
-        diverge, and small ones start every branch close to the pretrained model. The aggregators
-        start uniform (zero last layer), so the first step sees the mean of the branches."""
-        for name, p in self.named_parameters():
-            if name.endswith(("prefix_k", "prefix_v")):
-                nn.init.normal_(p, std=std)
-        for agg in (self.vision_aggregator, self.language_aggregator):
-            if agg is not None:
-                agg.reset_parameters()
+        """Set the ParVL tensors to branch_init's values."""
+        params = dict(self.named_parameters())
+        for name, value in self.branch_init(std).items():
+            params[name].copy_(value)
 
     # -- loading and saving ---------------------------------------------------------------------
 
@@ -299,30 +306,14 @@ class ParVL(nn.Module):
         branches from a plain InternVL checkpoint: the new tensors are set by `init_branches`."""
         folder = Path(path)
         raw = read_json(folder / "config.json")
-        parscale = int(raw.get("parscale_n", 0)) if "parscale_n" in raw else 0
-        state = read_checkpoint(folder, dtype, device, parscale_branches=parscale)
-        cfg = config_from_json(raw, folder, tied="language_model.lm_head.weight" not in state)
-        saved = cfg.par
-        if par is not None or pv is not None or pl is not None:
-            par = replace(par or saved, **{k: v for k, v in (("pv", pv), ("pl", pl)) if v is not None})
-            if (saved.pv, saved.pl) != (1, 1) and (saved.pv, saved.pl) != (par.pv, par.pl):
-                raise CheckpointError(f"{folder}: holds Pv:Pl = {saved.pv}:{saved.pl} branches, cannot load as {par.pv}:{par.pl}")
-            cfg = replace(cfg, par=par)
+        reader = CheckpointReader(folder, device, parscale_branches=int(raw.get("parscale_n", 0)))
         with torch.device("meta"):
-            model = cls(cfg)
-        expected = set(model.state_dict().keys())
-        if cfg.llm.tie_word_embeddings:
-            expected.discard("language_model.lm_head.weight")
-        new = {k for k in expected if is_branch_tensor(k)}
-        fresh = not any(is_branch_tensor(k) for k in state)  # a plain InternVL checkpoint: start branches
-        check_keys(expected - new if fresh else expected, set(state), folder)
-        for key, p in model.state_dict().items():
-            if key in state and state[key].shape != p.shape:
-                raise CheckpointError(f"{folder}: {key} has shape {list(state[key].shape)}, the config needs {list(p.shape)}")
-        model.load_state_dict(state, strict=False, assign=True)
-        if cfg.llm.tie_word_embeddings:
+            model = cls(cls.config_for(folder, raw, reader.keys(), pv, pl, par))
+        new = model.check_checkpoint(reader, folder)
+        model.load_state_dict({k: reader.rows(k, dtype=dtype) for k in reader.keys()}, strict=False, assign=True)
+        if model.cfg.llm.tie_word_embeddings:
             model.language_model.lm_head.weight = model.language_model.model.embed_tokens.weight
-        if fresh and new:
+        if new:
             like = model.language_model.model.embed_tokens.weight
             for name in new:  # materialise the meta tensors the checkpoint does not have
                 owner, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
@@ -331,6 +322,34 @@ class ParVL(nn.Module):
         model.language_model.model.init_rope(device)
         model.source_dir = folder
         return model.eval()
+
+    @classmethod
+    def config_for(cls, folder: Path, raw: dict, keys: set[str], pv: int | None = None, pl: int | None = None,
+                   par: ParConfig | None = None) -> ParVLConfig:
+        """The config of a checkpoint folder (its config.json `raw` and tensor names `keys`), with the
+        branch counts asked for; a ParVL checkpoint only loads as the Pv:Pl it was saved with."""
+        cfg = config_from_json(raw, folder, tied="language_model.lm_head.weight" not in keys)
+        saved = cfg.par
+        if par is not None or pv is not None or pl is not None:
+            par = replace(par or saved, **{k: v for k, v in (("pv", pv), ("pl", pl)) if v is not None})
+            if (saved.pv, saved.pl) != (1, 1) and (saved.pv, saved.pl) != (par.pv, par.pl):
+                raise CheckpointError(f"{folder}: holds Pv:Pl = {saved.pv}:{saved.pl} branches, cannot load as {par.pv}:{par.pl}")
+            cfg = replace(cfg, par=par)
+        return cfg
+
+    def check_checkpoint(self, reader: CheckpointReader, folder: Path) -> set[str]:
+        """Refuse a checkpoint whose keys or shapes do not fit this model; return the branch tensors it
+        lacks, which start from branch_init (a plain InternVL checkpoint under Pv, Pl > 1)."""
+        expected = set(self.state_dict().keys())
+        if self.cfg.llm.tie_word_embeddings:
+            expected.discard("language_model.lm_head.weight")
+        new = {k for k in expected if is_branch_tensor(k)}
+        fresh = not any(is_branch_tensor(k) for k in reader.keys())
+        check_keys(expected - new if fresh else expected, reader.keys(), folder)
+        for key, p in self.state_dict().items():
+            if key in reader.shapes and reader.shapes[key] != tuple(p.shape):
+                raise CheckpointError(f"{folder}: {key} has shape {list(reader.shapes[key])}, the config needs {list(p.shape)}")
+        return new if fresh else set()
 
     def save(self, path: str | Path, tokenizer_from: str | Path | None = None) -> None:
         """Write config.json and model.safetensors in the original InternVL layout plus the ParVL

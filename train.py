@@ -48,7 +48,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from aggregate import entropy
-from checkpoint import check_not_run_folder, read_json
+from checkpoint import CheckpointReader, check_not_run_folder, read_json
 from data import BAD_REASONS, IGNORE, BadRow, SFTData, check_bad_fraction, loss_weights, make_loader, sft_loss, validate
 from parvl import ParVL, config_from_json, is_branch_tensor
 from generate import OneLineParser, peak_memory_gib
@@ -185,11 +185,17 @@ def all_sum(*values: float, device) -> list[float]:
 
 
 def build_model(cfg: TrainConfig, device, mesh) -> ParVL:
-    """Load on CPU (every rank draws the same new branch tensors from the same seed), freeze, wrap
-    blocks with activation checkpointing and compile, then fully_shard blocks and root."""
-    torch.manual_seed(cfg.seed)
-    par_kw = {k: v for k, v in (("pv", cfg.pv), ("pl", cfg.pl)) if v is not None}
-    model = ParVL.from_pretrained(cfg.model, dtype=torch.float32, device="cpu", **par_kw).train()
+    """Build on the meta device, freeze, wrap blocks with activation checkpointing and compile,
+    fully_shard blocks and root, then let every rank materialise its own rows only (load_shards):
+    no rank ever holds the whole model, in any dtype."""
+    folder = Path(cfg.model)
+    raw = read_json(folder / "config.json")
+    reader = CheckpointReader(folder, parscale_branches=int(raw.get("parscale_n", 0)))
+    with torch.device("meta"):
+        model = ParVL(ParVL.config_for(folder, raw, reader.keys(), cfg.pv, cfg.pl)).train()
+    new = model.check_checkpoint(reader, folder)
+    torch.manual_seed(cfg.seed)  # every rank draws the same new branch tensors, as ParVL.from_pretrained does
+    fresh = {k: v for k, v in model.branch_init().items() if k in new}
     for name, p in model.named_parameters():
         frozen = (cfg.freeze_backbone and not is_branch_tensor(name)) or (
             not is_branch_tensor(name) and (
@@ -211,11 +217,30 @@ def build_model(cfg: TrainConfig, device, mesh) -> ParVL:
             fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     register_fsdp_forward_method(model, "forward_with_weights")  # the root all-gathers for this entry point too
-    model.to(device)
+    model.to_empty(device=device)
+    load_shards(model, reader, fresh)
     model.language_model.model.init_rope(device)
     return model
 
 
+@torch.no_grad()
+def load_shards(model: ParVL, reader: CheckpointReader, fresh: dict[str, torch.Tensor]) -> None:
+    """Fill each rank's shard of every parameter: FSDP2 splits dim 0 as torch.chunk does (ceil(n /
+    world) rows each), so this rank reads rows [r*c, (r+1)*c) of each tensor from the safetensors
+    files, cast to fp32 one slice at a time; new branch tensors come from `fresh` (drawn alike on
+    every rank). The host holds this rank's shards and one slice in flight, never the checkpoint."""
+    world, r = dist.get_world_size(), rank()
+    for key, t in model.state_dict().items():  # tied lm_head: the same tensor as embed_tokens, filled once
+        if key not in reader.keys() and key not in fresh:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        n = t.shape[0]
+        c = -(-n // world)
+        a, b = min(r * c, n), min((r + 1) * c, n)
+        assert local.shape[0] == b - a, (key, tuple(local.shape), a, b)  # FSDP2's even-chunk layout
+        if b > a:
+            src = reader.rows(key, a, b) if key in reader.keys() else fresh[key][a:b]
+            local.copy_(src.to(local.dtype))
 def param_groups(model: ParVL, cfg: TrainConfig) -> list[dict]:
     """New branch tensors at lr_new, pretrained weights at lr_pretrained; weight decay on everything,
     as the official DeepSpeed recipe applies it (one group, biases and norms included)."""
