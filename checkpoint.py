@@ -170,12 +170,12 @@ class CheckpointReader:
             if a >= b and shape:
                 continue
             row = part_dtype.itemsize * (int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1)
+            data = bytearray((b - a) * row if shape else row)
             with open(file, "rb") as f:
                 f.seek(offset + a * row)
-                data = f.read((b - a) * row if shape else row)
-            if len(data) != ((b - a) * row if shape else row):
-                raise CheckpointError(f"{file}: truncated safetensors file (tensor {key} is cut short)")
-            t = torch.frombuffer(bytearray(data), dtype=part_dtype).reshape((b - a, *shape[1:]) if shape else ())
+                if f.readinto(data) != len(data):
+                    raise CheckpointError(f"{file}: truncated safetensors file (tensor {key} is cut short)")
+            t = torch.frombuffer(data, dtype=part_dtype).reshape((b - a, *shape[1:]) if shape else ())
             pieces.append(t)
         t = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
         if self.parscale and key == "language_aggregator.mlp.0.weight":  # [C, C*P], column h*P + p -> p*C + h
