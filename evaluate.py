@@ -154,7 +154,7 @@ def read_jsonl(path: Path) -> list[dict]:
 def run(args) -> int:
     import torch.distributed as dist
 
-    from generate import Engine, GenerateConfig, resolve_model
+    from generate import GenerateConfig, engine_from_flags, resolve_model
     from parvl import ParVL
     from processor import Tokenizer
 
@@ -180,15 +180,7 @@ def run(args) -> int:
     tok = Tokenizer.from_pretrained(folder)
     model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
     par = model.cfg.par
-    for name, value, count in (("--vision-branch", args.vision_branch, par.pv), ("--language-branch", args.language_branch, par.pl)):
-        if value is not None and not 0 <= value < count:
-            raise ValueError(f"{name} {value} out of range: the checkpoint has {count} branches")
-    router = None
-    if args.router:
-        from router import load_router  # only with --router
-        router = load_router(args.router, model)  # refuses a router trained for another checkpoint
-    engine = Engine(model, compile=device.type == "cuda" if args.compile is None else args.compile, shared_kv=args.shared_kv,
-                    vision_branch=args.vision_branch, language_branch=args.language_branch, router=router)
+    engine = engine_from_flags(model, args)
     cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=0.0)
     meta = {"benchmark": args.benchmark, "model": str(folder), "pv": par.pv, "pl": par.pl,
             "vision_branch": args.vision_branch, "language_branch": args.language_branch, "shared_kv": args.shared_kv,

@@ -236,6 +236,24 @@ class Engine:
         return result
 
 
+def engine_from_flags(model: ParVL, args: argparse.Namespace) -> Engine:
+    """The Engine the branch flags ask for (generate.py and evaluate.py): --vision-branch and
+    --language-branch checked against the checkpoint, --router loaded and checked, --compile on by
+    default on CUDA."""
+    par = model.cfg.par
+    for name, value, count in (("--vision-branch", args.vision_branch, par.pv), ("--language-branch", args.language_branch, par.pl)):
+        if value is not None and not 0 <= value < count:
+            raise ValueError(f"{name} {value} out of range: the checkpoint has {count} branches")
+    router = None
+    if args.router:
+        from router import load_router  # only needed with --router
+        router = load_router(args.router, model)  # refuses a router trained for another checkpoint
+        log(f"router {args.router}: one branch pair per prompt")
+    cuda = model.language_model.lm_head.weight.device.type == "cuda"
+    return Engine(model, compile=cuda if args.compile is None else args.compile, shared_kv=args.shared_kv,
+                  vision_branch=args.vision_branch, language_branch=args.language_branch, router=router)
+
+
 def context_check(prompt_len: int, max_new_tokens: int, limit: int) -> None:
     """Refuse a prompt whose tokens plus the token budget exceed the model context (positions)."""
     if prompt_len + max_new_tokens > limit:
@@ -391,18 +409,7 @@ def main(argv=None) -> int:
         model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
         load_s = time.perf_counter() - t0
         log(f"loaded {folder} in {load_s:.2f} s ({dtype}, {device}, Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl})")
-        par = model.cfg.par
-        for name, value, count in (("--vision-branch", args.vision_branch, par.pv), ("--language-branch", args.language_branch, par.pl)):
-            if value is not None and not 0 <= value < count:
-                raise ValueError(f"{name} {value} out of range: the checkpoint has {count} branches")
-        router = None
-        if args.router:
-            from router import load_router  # only needed with --router
-            router = load_router(args.router, model)
-            log(f"router {args.router}: one branch pair per prompt")
-        engine = Engine(model, compile=args.compile if args.compile is not None else device.type == "cuda",
-                        shared_kv=args.shared_kv, vision_branch=args.vision_branch, language_branch=args.language_branch,
-                        router=router)
+        engine = engine_from_flags(model, args)
         cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              top_k=args.top_k, top_p=args.top_p)
         pixel_values = torch.cat(pixel_list).to(dtype) if pixel_list else None
