@@ -523,6 +523,7 @@ def main(argv=None) -> int:
         folder = resolve_model(args.model, args.revision)
         mcfg = config_from_json(read_json(folder / "config.json"), folder)  # tiles and tokens as the model sees them
         rows = read_questions(Path(args.batch)) if args.batch else []  # bad rows fail before the weights load
+        done = answered_lines(Path(args.out), rows, Path(args.batch)) if args.batch and args.out else set()
         if any(r["paths"] for r in rows) and mcfg.vit is None:
             raise ValueError(f"{folder}: a language-only model takes no images ({args.batch} has some)")
         if images and mcfg.vit is None:
@@ -554,7 +555,7 @@ def main(argv=None) -> int:
         if args.chat:
             return chat_session(engine, tok, pixel_values, num_tiles, cfg, args)
         if args.batch:
-            return answer_file(engine, tok, rows, cfg, args)
+            return answer_file(engine, tok, rows, done, cfg, args)
         answer(engine, tok, prompt, pixel_values, cfg, args, load_s)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
     except BrokenPipeError:  # `generate.py ... | head`: the reader left; nothing more to say
@@ -687,11 +688,10 @@ def answered_lines(out: Path, rows: list[dict], questions: Path) -> set[int]:
     return done
 
 
-def answer_file(engine: Engine, tok: Tokenizer, rows: list[dict], cfg: GenerateConfig, args) -> int:
-    """--batch: answer the rows --batch-size at a time, in input order, each answer written and
-    flushed as its batch ends ({"line", "image", "question", "answer"}), progress on stderr."""
+def answer_file(engine: Engine, tok: Tokenizer, rows: list[dict], done: set[int], cfg: GenerateConfig, args) -> int:
+    """--batch: answer the rows not in `done` --batch-size at a time, in input order, each answer written
+    and flushed as its batch ends ({"line", "image", "question", "answer"}), progress on stderr."""
     questions, out = Path(args.batch), Path(args.out) if args.out else None
-    done = answered_lines(out, rows, questions) if out else set()
     todo = [r for r in rows if r["line"] not in done]
     if done:
         log(f"{out}: {len(done)} of {len(rows)} questions already answered; {len(todo)} to go")
