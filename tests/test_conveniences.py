@@ -4,6 +4,7 @@ the one line when it cannot be had, InternVL's chat() / batch_chat() on the engi
 --num-workers, and the plot commands with and without matplotlib."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -242,3 +243,86 @@ def test_batch_bad_input_is_one_line(tiny, questions, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         generate.main(["--batch", str(path), "question?", "--model", str(folder)])
     assert e.value.code == 2 and "--batch reads images and questions" in one_line(capsys.readouterr().err)
+
+
+# -- 5. training progress and defaults; 6. plots ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run_dir(checkpoint, tmp_path_factory):
+    """A 3-step tiny training run with --dtype auto (the default): its folder and stderr."""
+    from test_train import COMMON, run_train, write_dataset
+
+    root = tmp_path_factory.mktemp("run")
+    meta = write_dataset(root / "data", rows=12)
+    res = run_train("--model", checkpoint("qwen3", "original"), "--data", meta, "--out", root / "run", "--pl", "2",
+                    "--max-steps", "3", *COMMON, "--dtype", "auto")
+    return root / "run", res.stderr
+
+
+def test_human_progress_line_and_dtype_auto(run_dir):
+    out, stderr = run_dir
+    human = [x for x in stderr.splitlines() if x.startswith("step ")]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(human) == len(metrics) == 3, stderr
+    for k, (line, m) in enumerate(zip(human, metrics), 1):
+        fields = line.split(" | ")
+        assert fields[0] == f"step {k}/3" and fields[1] == f"loss {m['loss']:.4f}", line
+        assert fields[2] == f"grad norm {m['grad_norm']:.3f}"
+        assert fields[3] == f"lr branches {m['lr']['branches']:.2e} pretrained {m['lr']['pretrained']:.2e}"
+        assert fields[4] == f"{m['tokens_per_s']:,.0f} tokens/s" and fields[5] == "MFU n/a"  # no peak known on CPU
+        assert re.fullmatch(r"elapsed \d+:\d\d:\d\d", fields[6]) and fields[7] == f"eta {generate.hms(m['eta_s'])}"
+    assert human[-1].endswith("eta 0:00:00")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "fp32"  # auto on CPU
+    assert generate.hms(3725.9) == "1:02:05"
+
+
+def test_num_workers_default_fits_the_cpus(monkeypatch):
+    import train
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for cpus, ranks, want in ((1, None, 1), (2, None, 2), (16, None, 4), (16, "8", 2), (4, "8", 1)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        if ranks:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        assert train.default_workers() == want, (cpus, ranks)
+    assert train.TrainConfig().dtype == "auto"
+
+
+def png_ok(path, size) -> None:
+    img = Image.open(path)
+    assert img.format == "PNG" and img.size == size
+    assert np.asarray(img.convert("L")).std() > 5  # something is drawn
+
+
+def test_train_plot_and_latency_plot(run_dir, tmp_path, capsys):
+    pytest.importorskip("matplotlib")  # requirements-dev.txt has it; test_plots_without_matplotlib covers its absence
+    import profiling
+    import train
+
+    out, _ = run_dir
+    assert train.main(["plot", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out / "metrics.png")
+    png_ok(out / "metrics.png", (1000, 650))
+    png = tmp_path / "latency.png"
+    assert profiling.main(["latency", "--arch", "tiny", "--pv", "2", "--pl", "2", "--baseline", "--batch", "1", "2",
+                           "--new-tokens", "2", "--iters", "1", "--warmup", "0", "--tiles", "1", "--text-tokens", "8",
+                           "--plot", str(png), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {(r["pv"], r["batch"]) for r in rows} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    png_ok(png, (1000, 400))
+
+
+def test_plots_without_matplotlib_are_one_line(run_dir, tmp_path, capsys, monkeypatch):
+    import profiling
+    import train
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    out, _ = run_dir
+    assert train.main(["plot", str(out), "--out", str(tmp_path / "m.png")]) == 1
+    assert one_line(capsys.readouterr().err) == "error: matplotlib is not installed (it draws the plot): pip install matplotlib"
+    assert profiling.main(["latency", "--arch", "tiny", "--plot", str(tmp_path / "l.png")]) == 1  # before measuring
+    assert "pip install matplotlib" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "m.png").exists() and not (tmp_path / "l.png").exists()
+    assert train.main(["plot", str(tmp_path)]) == 1
+    assert "metrics.jsonl: no such file" in one_line(capsys.readouterr().err)
