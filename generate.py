@@ -1,9 +1,15 @@
 """Generation with ParVL / InternVL3.5: a gpt-fast style engine and the `generate.py` command.
 
-    python generate.py image.png "Describe the image." --model path/to/InternVL3_5-1B
-    python generate.py a.png b.png "Image-1: <image>\\nImage-2: <image>\\nWhat differs?" --model DIR
-    python generate.py "A text-only question" --model DIR
-    python generate.py image.png --chat --model DIR   # interactive multi-turn session
+    python generate.py image.png "Describe the image."    # OpenGVLab/InternVL3_5-1B, fetched once into the hub cache
+    python generate.py image.png "Describe the image." --model path/to/InternVL3_5-1B   # or a hub id, or $PARVL_MODEL
+    python generate.py a.png b.png $'Image-1: <image>\\nImage-2: <image>\\nWhat differs?'
+    python generate.py "A text-only question"
+    python generate.py image.png --chat                 # interactive multi-turn session (no image: text only)
+    python generate.py --batch questions.jsonl --out answers.jsonl   # resumable; rows {"image", "question"}
+
+In Python, InternVL's own convenience API works on ParVL: model.chat(tokenizer, pixel_values,
+question, dict(max_new_tokens=256, do_sample=False)) and model.batch_chat(...), implemented here
+(`chat`, `batch_chat`) on the engine.
 
 The engine: the prompt is prefilled once into a static KV cache (allocated once, written in
 place), then `decode_one_token` runs one step at a time, compiled with torch.compile
@@ -462,21 +468,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="torch device: cpu, cuda or cuda:N (default cuda if available, else cpu)")
     p.add_argument("--max-tiles", type=int, default=0,
-                   help="image tiles per image, thumbnail excluded (default 0: the checkpoint's max_dynamic_patch, 12 for InternVL3.5)")
-    p.add_argument("--system", default=None, help="system message (default: InternVL's own)")
+                   help="448 px tiles per image, thumbnail excluded (default 0: the checkpoint's max_dynamic_patch, 12 for InternVL3.5)")
+    p.add_argument("--system", default=None, help="system message text (default: InternVL's own)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA, off for CPU)")
     p.add_argument("--shared-kv", action="store_true",
                    help="ParVL: one mean-reduced token KV cache per sample instead of one per language branch "
                         "(less memory, an approximation; paper Appendix C.2)")
-    p.add_argument("--vision-branch", type=int, default=None, help="ParVL: run only this vision branch (default: all, fused)")
-    p.add_argument("--language-branch", type=int, default=None, help="ParVL: run only this language branch (default: all, fused)")
+    p.add_argument("--vision-branch", type=int, default=None, help="ParVL: run only vision branch 0..Pv-1 (default: all, fused)")
+    p.add_argument("--language-branch", type=int, default=None, help="ParVL: run only language branch 0..Pl-1 (default: all, fused)")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn session; images enter the first turn")
     p.add_argument("--json", action="store_true", help="print one JSON line with the answer and metrics instead of text")
     p.add_argument("--batch", metavar="QUESTIONS.jsonl", default=None,
                    help='answer every row {"image": path or list of paths (optional, relative to the file), '
                         '"question": ...} of a JSONL file; answers as JSONL in input order')
-    p.add_argument("--batch-size", type=int, default=8, help="--batch: questions generated together, in rows (default 8)")
+    p.add_argument("--batch-size", type=int, default=8, help="--batch: questions per generate call, left-padded together (default 8)")
     p.add_argument("--out", metavar="FILE", default=None,
                    help="--batch: answers file, appended to; rows it already answers are skipped (resume) "
                         "(default: stdout, no resume)")
@@ -513,7 +519,8 @@ class Interrupted(Exception):
 
 def main(argv=None) -> int:
     """Exit codes: 0 answered, 1 bad input or a failure (one line on stderr), 2 bad flags
-    (argparse), 130 interrupted (Ctrl-C; in --chat it stops the answer, at the prompt the session)."""
+    (argparse), 130 interrupted (Ctrl-C; in --chat it stops the answer, at the prompt the session;
+    in --batch the answers written so far stay, and a rerun with the same --out resumes)."""
     args = parse_args(argv)
     images, question = (args.inputs, None) if args.chat or args.batch else (args.inputs[:-1], args.inputs[-1])
     try:

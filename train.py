@@ -127,11 +127,12 @@ class TrainConfig:
 
 
 def parse_args(argv=None) -> TrainConfig:
-    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                      epilog="train.py plot RUN [--out FILE.png]: one PNG of a run's metrics.jsonl (train.py plot --help)")
     helps = {
         "model": "InternVL3.5 or ParVL checkpoint folder", "data": "meta JSON in the official InternVL SFT format",
-        "out": "run folder: config, metrics.jsonl, checkpoints, export", "pv": "vision branches Pv (default: the checkpoint's)",
-        "pl": "language branches Pl (default: the checkpoint's)", "lr_new": "peak learning rate of prefixes and aggregators",
+        "out": "run folder: config, metrics.jsonl, checkpoints, export", "pv": "vision branches Pv; None = the checkpoint's",
+        "pl": "language branches Pl; None = the checkpoint's", "lr_new": "peak learning rate of prefixes and aggregators",
         "lr_pretrained": "peak learning rate of the pretrained weights", "weight_decay": "AdamW weight decay",
         "warmup_ratio": "fraction of the steps in linear warm-up, in [0, 1)", "clip": "max gradient norm (L2)",
         "global_batch": "samples per optimizer step, any world size", "micro_batch": "samples per forward per rank",
@@ -143,7 +144,7 @@ def parse_args(argv=None) -> TrainConfig:
         "freeze_vit": "do not train the ViT", "freeze_connector": "do not train mlp1", "freeze_llm": "do not train the LLM",
         "freeze_backbone": "train only prefixes and aggregators", "save_every": "steps between checkpoints",
         "keep_last": "checkpoints kept", "log_every": "steps between log lines",
-        "num_workers": "data loading processes per rank (default: 4, at most the CPUs per local rank)",
+        "num_workers": "data loading processes per rank; the default is 4, or the CPUs per local rank if fewer",
         "max_bad_frac": "abort above this fraction of bad rows, in [0, 1]",
         "peak_tflops": "per-device bf16 peak in TFLOP/s for MFU, 0 = from the device name (H100/H200: 989)",
         "validate_data": "count and name bad rows, then exit without training",

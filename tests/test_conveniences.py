@@ -326,3 +326,28 @@ def test_plots_without_matplotlib_are_one_line(run_dir, tmp_path, capsys, monkey
     assert not (tmp_path / "m.png").exists() and not (tmp_path / "l.png").exists()
     assert train.main(["plot", str(tmp_path)]) == 1
     assert "metrics.jsonl: no such file" in one_line(capsys.readouterr().err)
+
+
+def test_every_flag_has_help(monkeypatch, capsys):
+    import profiling
+    import train
+
+    seen, command = [], [None]
+    real = __import__("argparse").ArgumentParser.add_argument
+
+    def record(self, *names, **kw):
+        seen.append((command[0], names, kw.get("help")))
+        return real(self, *names, **kw)
+
+    monkeypatch.setattr("argparse.ArgumentParser.add_argument", record)
+    for command[0], parse, argv in (("generate", generate.parse_args, ["--help"]), ("train", train.parse_args, ["--help"]),
+                                    ("profiling", profiling.run, ["--help"]), ("plot", train.main, ["plot", "--help"])):
+        with pytest.raises(SystemExit):
+            parse(argv)
+    capsys.readouterr()
+    assert {c for c, _, _ in seen} == {"generate", "train", "profiling", "plot"}
+    assert len([1 for c, _, _ in seen if c == "profiling"]) > 30  # every subcommand's flags, built before --help exits
+    missing = [(c, names) for c, names, help_ in seen if names != ("-h", "--help") and not help_]
+    assert not missing, missing  # train's test-only flags carry argparse.SUPPRESS, which is a help value
+    generate_help = {names[0]: h for c, names, h in seen if c == "generate"}
+    assert "tokens" in generate_help["--max-new-tokens"] and "(0, 1]" in generate_help["--top-p"]
