@@ -123,17 +123,22 @@ def engine_answer(model, tok, prompts: list[str], pixels, n: int = 6) -> list[st
     return [tok.decode(t, skip_special_tokens=True).strip() for t in out.tokens]
 
 
-def test_chat_equals_the_engine_and_keeps_the_official_history(tiny):
+def test_chat_equals_the_engine_and_keeps_the_official_history(tiny, monkeypatch):
     _, model, tok = tiny
     pv = random_pixels(2, seed=5)
+    seen = []  # the prompts chat() hands the engine (the tiny model's answers alone tell little apart)
+    real_generate = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, prompts, *a, **k: seen.append(prompts)
+                        or real_generate(self, prompts, *a, **k))
     first, history = model.chat(tok, pv, "What is it?", dict(CFG), return_history=True)
     q1 = "<image>\nWhat is it?"  # as the official chat() stores a first question without a placeholder
-    assert history == [(q1, first)]
+    assert history == [(q1, first)] and seen[0] == [tok.encode(build_prompt(q1, [2]))]
     assert [first] == engine_answer(model, tok, [build_prompt(q1, [2])], pv)
     engine = model.engine
     second, history2 = model.chat(tok, pv, "And the colour?", dict(CFG), history=history, return_history=True)
     assert history2 == [(q1, first), ("And the colour?", second)] and history == [(q1, first)]
     assert [second] == engine_answer(model, tok, [build_prompt("And the colour?", [2], history=history)], pv)
+    assert seen[2] == seen[3]  # chat's second turn and the engine call of the expected prompt
     assert model.engine is engine  # one engine per model
     multi = "Image-1: <image>\nImage-2: <image>\nWhat differs?"
     pv3 = random_pixels(3, seed=6)
@@ -154,8 +159,12 @@ def test_generation_config_maps_like_transformers():
         to(dict(repetition_penalty=1.1))
 
 
-def test_batch_chat_equals_one_by_one_chat_and_the_engine(tiny):
+def test_batch_chat_equals_one_by_one_chat_and_the_engine(tiny, monkeypatch):
     _, model, tok = tiny
+    seen = []  # (prompts, pixels) of each engine call
+    real_generate = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, prompts, pv, *a, **k: seen.append((prompts, pv))
+                        or real_generate(self, prompts, pv, *a, **k))
     pv = torch.cat([random_pixels(2, seed=7), random_pixels(1, seed=8)])
     questions = ["Describe the image in detail.", "Hi", "<image>\nWhat?"]
     got = model.batch_chat(tok, pv, questions, dict(CFG), num_patches_list=[2, 0, 1])
@@ -163,6 +172,7 @@ def test_batch_chat_equals_one_by_one_chat_and_the_engine(tiny):
                    model.chat(tok, pv[2:], questions[2], CFG)]
     prompts = [build_prompt("<image>\n" + questions[0], [2]), build_prompt("Hi", []), build_prompt(questions[2], [1])]
     assert got == engine_answer(model, tok, prompts, pv)
+    assert seen[0][0] == seen[-1][0] and torch.equal(seen[0][1], seen[-1][1])  # one batch: the expected prompts
     with pytest.raises(ValueError, match="no history"):
         model.batch_chat(tok, pv, questions, CFG, num_patches_list=[2, 0, 1], history=[])
     with pytest.raises(ValueError, match="num_patches_list"):
@@ -189,14 +199,20 @@ def questions(tmp_path_factory):
     return path, rows
 
 
-FLAGS = ["--max-new-tokens", "5", "--max-tiles", "2"]
+FLAGS = ["--max-new-tokens", "5", "--max-tiles", "1"]
 
 
-def test_batch_equals_one_by_one_and_resumes(tiny, questions, tmp_path, capsys):
+def test_batch_equals_one_by_one_and_resumes(tiny, questions, tmp_path, capsys, monkeypatch):
     folder = tiny[0]
     path, rows = questions
     out = tmp_path / "answers.jsonl"
+    calls = []  # (prompts, pixel_values) of every engine call: the tiny model's answers alone tell little apart
+    real_generate = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, prompts, pv, *a, **k: calls.append((prompts, pv))
+                        or real_generate(self, prompts, pv, *a, **k))
     assert generate.main(["--batch", str(path), "--out", str(out), "--batch-size", "2", "--model", str(folder), *FLAGS]) == 0
+    batched, calls[:] = list(calls), []
+    assert [len(p) for p, _ in batched] == [2, 2, 1]  # --batch-size rows per engine call
     err = capsys.readouterr().err
     assert "answered 5/5" in err and "samples/s" in err and "eta 0:00:00" in err
     got = [json.loads(x) for x in out.read_text().splitlines()]
@@ -207,6 +223,10 @@ def test_batch_equals_one_by_one_and_resumes(tiny, questions, tmp_path, capsys):
                               *FLAGS]) == 0
         assert g["answer"] == json.loads(capsys.readouterr().out)["answer"], g
         assert g["question"] == row["question"] and g.get("image") == row.get("image")
+    # the engine saw exactly the one-by-one prompts and tiles, in order
+    assert [p for ps, _ in batched for p in ps] == [p for ps, _ in calls for p in ps]
+    cat = lambda cs: torch.cat([pv for _, pv in cs if pv is not None])  # noqa: E731
+    assert torch.equal(cat(batched), cat(calls))
     full = out.read_text()
     # killed during the third answer: two whole lines and a torn one; the rerun answers the rest
     lines = full.splitlines(keepends=True)
