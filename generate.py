@@ -376,22 +376,25 @@ def hub_snapshot(repo: str, revision: str | None) -> Path:
     local = repo.split("/")[-1]
     elsewhere = f"download it where the hub is reachable (hf download {repo}{pin} --local-dir {local}) and pass --model {local}"
     try:
-        import huggingface_hub
+        from huggingface_hub import constants, snapshot_download
         from huggingface_hub.utils import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
                                            RepositoryNotFoundError, RevisionNotFoundError)
     except ImportError:
         raise CheckpointError(f"{repo}: not a local folder, and huggingface_hub is not installed to fetch it "
                               f"(pip install huggingface_hub); or {elsewhere}") from None
     kw = dict(revision=revision, allow_patterns=HUB_FILES)
+    try:  # the cache first: no network round trip, and it works offline
+        cached = Path(snapshot_download(repo, local_files_only=True, **kw))
+    except LocalEntryNotFoundError:
+        cached = None
+    if cached is not None and weights_complete(cached):
+        return cached
+    if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE=1: no download to attempt
+        state = "incomplete in" if cached is not None else "not in"
+        raise CheckpointError(f"{repo}{pin}: {state} the hub cache, and HF_HUB_OFFLINE is set; {elsewhere}")
     try:
-        try:  # the cache first: no network round trip, and it works offline
-            folder = Path(huggingface_hub.snapshot_download(repo, local_files_only=True, **kw))
-            if weights_complete(folder):
-                return folder
-        except LocalEntryNotFoundError:
-            pass
-        log(f"downloading {repo}{pin} into {huggingface_hub.constants.HF_HUB_CACHE} (once; later runs read it there)")
-        folder = Path(huggingface_hub.snapshot_download(repo, **kw))
+        log(f"downloading {repo}{pin} into {constants.HF_HUB_CACHE} (once; later runs read it there)")
+        folder = Path(snapshot_download(repo, **kw))
     except GatedRepoError:
         raise CheckpointError(f"{repo}: a gated model; accept its terms on the hub and log in (hf auth login)") from None
     except RepositoryNotFoundError:

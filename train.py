@@ -577,7 +577,8 @@ def progress_line(m: dict, total: int, elapsed: float) -> str:
     lr = " ".join(f"{name} {v:.2e}" for name, v in m["lr"].items())
     mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
     return (f"step {m['step']}/{total} | loss {m['loss']:.4f} | grad norm {m['grad_norm']:.3f} | lr {lr} | "
-            f"{m['tokens_per_s']:,.0f} tokens/s | MFU {mfu} | elapsed {hms(elapsed)} | eta {hms(m['eta_s'])}")
+            f"{m['tokens_per_s']:,.0f} tokens/s | MFU {mfu} | peak {m['peak_gib']:.1f} GiB | elapsed {hms(elapsed)} | "
+            f"eta {hms(m['eta_s'])}")
 
 
 # -- train.py plot RUN --------------------------------------------------------------------------

@@ -85,7 +85,7 @@ def test_default_model_from_the_hub_cache_offline(tiny, tmp_path, capsys):
     assert generate.main(["Hello?", "--model", str(folder), "--max-new-tokens", "4", "--json"]) == 0
     assert json.loads(res.stdout)["answer"] == json.loads(capsys.readouterr().out)["answer"]
     res = run_python(f"""
-        import json, generate
+        import json, sys, generate
         from checkpoint import CheckpointError
         out = {{"main": str(generate.resolve_model()), "pinned": str(generate.resolve_model(None, "{pinned}"))}}
         for name in ("OpenGVLab/Missing", "Someone/partial"):
@@ -93,14 +93,29 @@ def test_default_model_from_the_hub_cache_offline(tiny, tmp_path, capsys):
                 generate.resolve_model(name)
             except CheckpointError as e:
                 out[name] = str(e)
-        print(json.dumps(out))
+        print(json.dumps(out), flush=True)
+        sys.exit(generate.main(["Hello?", "--model", "OpenGVLab/Missing"]))  # offline, not cached: one line, 1
     """, hub_env(cache))
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 1 and "hf download OpenGVLab/Missing" in one_line(res.stderr), res.stderr
     out = json.loads(res.stdout)
     assert out["main"] == str(snap) and out["pinned"] == str(other)
-    assert "not in the hub cache and the hub cannot be reached" in out["OpenGVLab/Missing"]
+    assert "not in the hub cache, and HF_HUB_OFFLINE is set" in out["OpenGVLab/Missing"]
+    assert "incomplete in the hub cache" in out["Someone/partial"]
     assert "hf download OpenGVLab/Missing --local-dir Missing" in out["OpenGVLab/Missing"]
     assert "hf download Someone/partial" in out["Someone/partial"]  # incomplete copy in the cache: not loaded
+
+
+def test_no_network_is_one_error_line(tmp_path):
+    env = {k: v for k, v in hub_env(tmp_path / "empty").items() if k != "HF_HUB_OFFLINE"}
+    env |= {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "2"}  # a port nothing listens on: refused at once
+    res = subprocess.run([sys.executable, str(ROOT / "generate.py"), "Hello?"], env=env, capture_output=True, text=True,
+                         timeout=120)
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and "Traceback" not in res.stderr and len(lines) == 2, res.stderr
+    assert lines[0].startswith("downloading OpenGVLab/InternVL3_5-1B into")  # the attempt, announced
+    assert lines[1] == ("error: OpenGVLab/InternVL3_5-1B: not in the hub cache and the hub cannot be reached; download it "
+                        "where the hub is reachable (hf download OpenGVLab/InternVL3_5-1B --local-dir InternVL3_5-1B) "
+                        "and pass --model InternVL3_5-1B")
 
 
 def test_without_huggingface_hub_one_line_says_how(tmp_path):
@@ -291,7 +306,8 @@ def test_human_progress_line_and_dtype_auto(run_dir):
         assert fields[2] == f"grad norm {m['grad_norm']:.3f}"
         assert fields[3] == f"lr branches {m['lr']['branches']:.2e} pretrained {m['lr']['pretrained']:.2e}"
         assert fields[4] == f"{m['tokens_per_s']:,.0f} tokens/s" and fields[5] == "MFU n/a"  # no peak known on CPU
-        assert re.fullmatch(r"elapsed \d+:\d\d:\d\d", fields[6]) and fields[7] == f"eta {generate.hms(m['eta_s'])}"
+        assert fields[6] == f"peak {m['peak_gib']:.1f} GiB" and len(fields) == 9
+        assert re.fullmatch(r"elapsed \d+:\d\d:\d\d", fields[7]) and fields[8] == f"eta {generate.hms(m['eta_s'])}"
     assert human[-1].endswith("eta 0:00:00")
     assert json.loads((out / "config.json").read_text())["dtype"] == "fp32"  # auto on CPU
     assert generate.hms(3725.9) == "1:02:05"
