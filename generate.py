@@ -530,10 +530,10 @@ def main(argv=None) -> int:
         device = resolve_device(args.device)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
             args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+        rows = read_questions(Path(args.batch)) if args.batch else []  # bad rows fail before any model is fetched
+        done = answered_lines(Path(args.out), rows, Path(args.batch)) if args.batch and args.out else set()
         folder = resolve_model(args.model, args.revision)
         mcfg = config_from_json(read_json(folder / "config.json"), folder)  # tiles and tokens as the model sees them
-        rows = read_questions(Path(args.batch)) if args.batch else []  # bad rows fail before the weights load
-        done = answered_lines(Path(args.out), rows, Path(args.batch)) if args.batch and args.out else set()
         if any(r["paths"] for r in rows) and mcfg.vit is None:
             raise ValueError(f"{folder}: a language-only model takes no images ({args.batch} has some)")
         if images and mcfg.vit is None:
