@@ -548,7 +548,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     r = sub.add_parser("run", help="generate predictions for a benchmark TSV")
     r.add_argument("--benchmark", required=True, help=f"VLMEvalKit dataset name: {', '.join(BENCHMARKS)}")
     r.add_argument("--data", required=True, help="the benchmark's VLMEvalKit TSV")
-    r.add_argument("--model", default=os.environ.get("PARVL_MODEL"), help="checkpoint folder (default: $PARVL_MODEL)")
+    r.add_argument("--model", default=os.environ.get("PARVL_MODEL"), help="checkpoint folder or hub repo id (default: $PARVL_MODEL, else OpenGVLab/InternVL3_5-1B)")
     r.add_argument("--out", required=True, help="predictions JSONL; rows already there are skipped (resume)")
     r.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default 8)")
     r.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help=f"token budget per answer (default {MAX_NEW_TOKENS}, VLMEvalKit's)")

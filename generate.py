@@ -1,9 +1,15 @@
 """Generation with ParVL / InternVL3.5: a gpt-fast style engine and the `generate.py` command.
 
-    python generate.py image.png "Describe the image." --model path/to/InternVL3_5-1B
-    python generate.py a.png b.png "Image-1: <image>\\nImage-2: <image>\\nWhat differs?" --model DIR
-    python generate.py "A text-only question" --model DIR
-    python generate.py image.png --chat --model DIR   # interactive multi-turn session
+    python generate.py image.png "Describe the image."    # OpenGVLab/InternVL3_5-1B, fetched once into the hub cache
+    python generate.py image.png "Describe the image." --model path/to/InternVL3_5-1B   # or a hub id, or $PARVL_MODEL
+    python generate.py a.png b.png $'Image-1: <image>\\nImage-2: <image>\\nWhat differs?'
+    python generate.py "A text-only question"
+    python generate.py image.png --chat                 # interactive multi-turn session (no image: text only)
+    python generate.py --batch questions.jsonl --out answers.jsonl   # resumable; rows {"image", "question"}
+
+In Python, InternVL's own convenience API works on ParVL: model.chat(tokenizer, pixel_values,
+question, dict(max_new_tokens=256, do_sample=False)) and model.batch_chat(...), implemented here
+(`chat`, `batch_chat`) on the engine.
 
 The engine: the prompt is prefilled once into a static KV cache (allocated once, written in
 place), then `decode_one_token` runs one step at a time, compiled with torch.compile
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import sys
 import time
@@ -32,7 +39,8 @@ from aggregate import Choice, Rows
 from checkpoint import CheckpointError, check_not_run_folder, read_json
 from llm import causal_mask
 from parvl import ParVL, config_from_json
-from processor import ImageError, Tokenizer, build_multi_image_question, build_prompt, load_image
+from processor import (IMAGE_PLACEHOLDER, IMG_CONTEXT, IMG_END, IMG_START, ImageError, Tokenizer,
+                       build_multi_image_question, build_prompt, load_image)
 
 
 @dataclass
@@ -272,26 +280,184 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
 
 
+# -- InternVL's chat() and batch_chat() on the engine -------------------------------------------
+# The convenience API of InternVLChatModel (the official remote code), re-implemented on Engine, so
+# `model.chat(tokenizer, pixel_values, question, generation_config)` ports unchanged. ParVL.chat and
+# ParVL.batch_chat delegate here; the model keeps one Engine (model.engine), made on first use.
+
+
+def engine_of(model: ParVL) -> Engine:
+    """The model's Engine, created on the first chat: compiled on CUDA, as the command's default.
+    Assign model.engine = Engine(model, ...) first for other settings (branches, shared KV)."""
+    if model.engine is None:
+        model.engine = Engine(model, compile=model.language_model.lm_head.weight.device.type == "cuda")
+    return model.engine
+
+
+GENERATION_KEYS = {"max_new_tokens", "do_sample", "temperature", "top_p", "top_k", "num_beams", "eos_token_id",
+                   "pad_token_id"}
+
+
+def to_generate_config(generation_config: dict | GenerateConfig | None) -> GenerateConfig:
+    """A transformers-style generation_config dict, as InternVL's chat() takes it, as a GenerateConfig:
+    do_sample=False is greedy; with do_sample, temperature, top_p and top_k keep transformers' defaults
+    (1.0, 1.0, 50). Without max_new_tokens: GenerateConfig's 512. eos/pad ids are the tokenizer's, as
+    chat() sets them itself; beam search and other options are refused rather than ignored."""
+    if isinstance(generation_config, GenerateConfig):
+        return generation_config
+    gc = {k: v for k, v in (generation_config or {}).items() if v is not None}
+    unknown = sorted(set(gc) - GENERATION_KEYS)
+    if unknown or gc.get("num_beams", 1) != 1:
+        raise ValueError(f"generation_config: {unknown or 'num_beams > 1'} not supported here "
+                         f"(supported: {', '.join(sorted(GENERATION_KEYS))}; num_beams 1 only)")
+    sample = bool(gc.get("do_sample", False))
+    return GenerateConfig(max_new_tokens=gc.get("max_new_tokens", GenerateConfig.max_new_tokens),
+                          temperature=gc.get("temperature", 1.0) if sample else 0.0,
+                          top_k=gc.get("top_k", 50) if sample else 0, top_p=gc.get("top_p", 1.0) if sample else 1.0)
+
+
+def model_pixels(model: ParVL, pixel_values: torch.Tensor | None, num_patches_list: list[int]) -> torch.Tensor | None:
+    """pixel_values on the model's device and in its dtype, checked against num_patches_list."""
+    if pixel_values is None:
+        if any(num_patches_list):
+            raise ValueError(f"num_patches_list {num_patches_list} lists tiles but pixel_values is None")
+        return None
+    if model.cfg.vit is None:
+        raise ValueError("a language-only model takes no pixel_values")
+    if pixel_values.shape[0] != sum(num_patches_list):
+        raise ValueError(f"pixel_values holds {pixel_values.shape[0]} tiles but num_patches_list {num_patches_list} "
+                         f"sums to {sum(num_patches_list)}")
+    weight = model.mlp1[1].weight
+    return pixel_values.to(device=weight.device, dtype=weight.dtype)
+
+
+def chat(model: ParVL, tokenizer: Tokenizer, pixel_values: torch.Tensor | None, question: str,
+         generation_config: dict | GenerateConfig | None, history: list[tuple[str, str]] | None = None,
+         return_history: bool = False, num_patches_list: list[int] | None = None, verbose: bool = False,
+         system: str | None = None):
+    """InternVLChatModel.chat: answer `question` about the tiles in pixel_values [N,3,448,448] (None:
+    text only); num_patches_list gives the tiles of each image (default: one image of all N tiles),
+    history the earlier (question, answer) turns. As the official code, a first question with images
+    but no <image> gets "<image>\n" in front, and the history keeps the question so changed. Returns
+    the response, or (response, history + [(question, response)]) with return_history (a new list;
+    the official code also appends to the caller's). system: the system message (default InternVL's)."""
+    if num_patches_list is None:
+        num_patches_list = [pixel_values.shape[0]] if pixel_values is not None else []
+    pixels = model_pixels(model, pixel_values, list(num_patches_list))
+    history = list(history or [])
+    if not history and num_patches_list and IMAGE_PLACEHOLDER not in question:
+        question = IMAGE_PLACEHOLDER + "\n" + question
+    prompt = build_prompt(question, list(num_patches_list), history=history, system=system,
+                          tokens_per_tile=model.cfg.tokens_per_tile)
+    out = engine_of(model).generate([tokenizer.encode(prompt)], pixels, to_generate_config(generation_config),
+                                    tokenizer.eos_ids)
+    response = tokenizer.decode(out.tokens[0], skip_special_tokens=True).strip()
+    if verbose:  # the query as the official verbose print shows it: images as <image>
+        print(re.sub(f"{IMG_START}(?:{IMG_CONTEXT})*{IMG_END}", IMAGE_PLACEHOLDER, prompt), response)
+    return (response, history + [(question, response)]) if return_history else response
+
+
+def batch_chat(model: ParVL, tokenizer: Tokenizer, pixel_values: torch.Tensor | None, questions: list[str],
+               generation_config: dict | GenerateConfig | None, num_patches_list: list[int] | None = None,
+               history=None, return_history: bool = False, verbose: bool = False,
+               system: str | None = None) -> list[str]:
+    """InternVLChatModel.batch_chat: one answer per question, generated as one left-padded batch.
+    Question i sees the next num_patches_list[i] tiles of pixel_values (one image; 0 = text only; default
+    none without pixel_values, all of them for a single question) and gets "<image>\n" in front when it
+    has no placeholder. No history, as in the official code (chat() holds conversations)."""
+    if history is not None or return_history:
+        raise ValueError("batch_chat takes no history (as InternVL's); use chat() for a conversation")
+    if num_patches_list is None:
+        if pixel_values is not None and len(questions) != 1:
+            raise ValueError(f"{len(questions)} questions share pixel_values: pass num_patches_list (tiles per question)")
+        num_patches_list = [0 if pixel_values is None else pixel_values.shape[0]] * len(questions)
+    if len(num_patches_list) != len(questions):
+        raise ValueError(f"num_patches_list has {len(num_patches_list)} entries for {len(questions)} questions")
+    pixels = model_pixels(model, pixel_values, list(num_patches_list))
+    prompts = []
+    for question, n in zip(questions, num_patches_list):
+        if n and IMAGE_PLACEHOLDER not in question:
+            question = IMAGE_PLACEHOLDER + "\n" + question
+        prompts.append(build_prompt(question, [n] if n else [], system=system, tokens_per_tile=model.cfg.tokens_per_tile))
+    if verbose and pixels is not None:
+        print(f"dynamic ViT batch size: {pixels.shape[0]}")
+    out = engine_of(model).generate([tokenizer.encode(p) for p in prompts], pixels,
+                                    to_generate_config(generation_config), tokenizer.eos_ids)
+    return [tokenizer.decode(t, skip_special_tokens=True).strip() for t in out.tokens]
+
+
 # -- the command ------------------------------------------------------------------------------
 
 
-def resolve_model(name: str | None) -> Path:
-    """A local folder, or a hub name fetched with huggingface_hub when it is installed."""
-    if not name:
-        raise ValueError("no model: pass --model DIR or set $PARVL_MODEL")
+DEFAULT_MODEL = "OpenGVLab/InternVL3_5-1B"  # the original layout, which parvl.py reads natively
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name, as the hub spells repo ids
+HUB_FILES = ["*.json", "*.safetensors", "*.txt"]  # config, weights, tokenizer: not the remote code or example media
+
+
+def resolve_model(name: str | None = None, revision: str | None = None) -> Path:
+    """The checkpoint folder for --model: a local folder, else a hub repo id, fetched once into
+    huggingface_hub's cache (HF_HUB_CACHE / HF_HOME) and read from there on later runs, offline too.
+    No name: $PARVL_MODEL, else DEFAULT_MODEL. revision (a branch, tag or commit) pins a hub model."""
+    name = name or os.environ.get("PARVL_MODEL") or DEFAULT_MODEL
     if Path(name).is_dir():
+        if revision:
+            raise ValueError(f"--revision {revision}: {name} is a local folder, not a hub model")
         check_not_run_folder(Path(name))  # runs/22 instead of runs/22/export: say so before anything fails
         return Path(name)
-    if Path(name).exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise CheckpointError(f"{name}: not a checkpoint folder")
+    if Path(name).exists() or not HUB_ID.fullmatch(name) or name.startswith("."):
+        raise CheckpointError(f"{name}: not a checkpoint folder (nor a hub model id such as {DEFAULT_MODEL})")
+    return hub_snapshot(name, revision)
+
+
+def hub_snapshot(repo: str, revision: str | None) -> Path:
+    """The cached snapshot of a hub model, downloaded (with huggingface_hub's progress bars) only if the
+    cache lacks it or holds an incomplete copy. Every failure is one line naming the way out."""
+    pin = f" --revision {revision}" if revision else ""
+    local = repo.split("/")[-1]
+    elsewhere = f"download it where the hub is reachable (hf download {repo}{pin} --local-dir {local}) and pass --model {local}"
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.utils import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                           RepositoryNotFoundError, RevisionNotFoundError)
     except ImportError:
-        raise CheckpointError(
-            f"{name}: not a local folder; download it first (pip install huggingface_hub; "
-            f"huggingface-cli download {name} --local-dir DIR) and pass --model DIR"
-        ) from None
-    return Path(snapshot_download(name))
+        raise CheckpointError(f"{repo}: not a local folder, and huggingface_hub is not installed to fetch it "
+                              f"(pip install huggingface_hub); or {elsewhere}") from None
+    kw = dict(revision=revision, allow_patterns=HUB_FILES)
+    try:  # the cache first: no network round trip, and it works offline
+        cached = Path(snapshot_download(repo, local_files_only=True, **kw))
+    except LocalEntryNotFoundError:
+        cached = None
+    if cached is not None and weights_complete(cached):
+        return cached
+    if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE=1: no download to attempt
+        state = "incomplete in" if cached is not None else "not in"
+        raise CheckpointError(f"{repo}{pin}: {state} the hub cache, and HF_HUB_OFFLINE is set; {elsewhere}")
+    try:
+        log(f"downloading {repo}{pin} into {constants.HF_HUB_CACHE} (once; later runs read it there)")
+        folder = Path(snapshot_download(repo, **kw))
+    except GatedRepoError:
+        raise CheckpointError(f"{repo}: a gated model; accept its terms on the hub and log in (hf auth login)") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"{repo}: not a local folder, and no hub model of that name "
+                              f"(a private one needs hf auth login)") from None
+    except RevisionNotFoundError:
+        raise CheckpointError(f"{repo}: the hub has no revision {revision!r}") from None
+    except LocalEntryNotFoundError:  # not cached, and offline (HF_HUB_OFFLINE) or the hub is unreachable
+        raise CheckpointError(f"{repo}{pin}: not in the hub cache and the hub cannot be reached; {elsewhere}") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise CheckpointError(f"{repo}: download failed ({type(e).__name__}: {e}); {elsewhere}") from None
+    if not weights_complete(folder):
+        raise CheckpointError(f"{folder}: the cached {repo} is incomplete (no config.json or weights); {elsewhere}")
+    return folder
+
+
+def weights_complete(folder: Path) -> bool:
+    """config.json and every weight file there (an interrupted download leaves a partial snapshot)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        return (folder / "config.json").is_file() and all((folder / s).is_file() for s in shards)
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -331,29 +497,40 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".we
 def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineParser(description="Answer a question about images (or text) with ParVL / InternVL3.5.")
     p.add_argument("inputs", nargs="*", help="zero or more image paths, then the question (with --chat: images only, "
-                                              "or none for a text-only session)")
-    p.add_argument("--model", default=os.environ.get("PARVL_MODEL"), help="checkpoint folder (default: $PARVL_MODEL)")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="token budget for the answer (default 512)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, 1 = off (default 1.0)")
+                                              "or none for a text-only session; with --batch: nothing)")
+    p.add_argument("--model", default=os.environ.get("PARVL_MODEL"),
+                   help=f"checkpoint folder or hub repo id (default: $PARVL_MODEL, else {DEFAULT_MODEL}, downloaded "
+                        f"once into the huggingface_hub cache)")
+    p.add_argument("--revision", default=None, help="hub branch, tag or commit of --model (default: main)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="token budget per answer, in tokens (default 512)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, >= 0; 0 = greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass in (0, 1], 1 = off (default 1.0)")
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens, 0 = off (default 0)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights and activations (default bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="torch device (default cuda if available, else cpu)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="torch device: cpu, cuda or cuda:N (default cuda if available, else cpu)")
     p.add_argument("--max-tiles", type=int, default=0,
-                   help="image tiles per image, thumbnail excluded (default 0: the checkpoint's max_dynamic_patch, 12 for InternVL3.5)")
-    p.add_argument("--system", default=None, help="system message (default: InternVL's own)")
+                   help="448 px tiles per image, thumbnail excluded (default 0: the checkpoint's max_dynamic_patch, 12 for InternVL3.5)")
+    p.add_argument("--system", default=None, help="system message text (default: InternVL's own)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA, off for CPU)")
     p.add_argument("--shared-kv", action="store_true",
                    help="ParVL: one mean-reduced token KV cache per sample instead of one per language branch "
                         "(less memory, an approximation; paper Appendix C.2)")
-    p.add_argument("--vision-branch", type=int, default=None, help="ParVL: run only this vision branch (default: all, fused)")
-    p.add_argument("--language-branch", type=int, default=None, help="ParVL: run only this language branch (default: all, fused)")
+    p.add_argument("--vision-branch", type=int, default=None, help="ParVL: run only vision branch 0..Pv-1 (default: all, fused)")
+    p.add_argument("--language-branch", type=int, default=None, help="ParVL: run only language branch 0..Pl-1 (default: all, fused)")
     p.add_argument("--router", default=None, help="ParVL: a router folder (router.py train); runs one (vision, language) "
                                                   "branch pair per prompt, chosen by the router (default: none)")
     p.add_argument("--chat", action="store_true", help="interactive multi-turn session; images enter the first turn")
     p.add_argument("--json", action="store_true", help="print one JSON line with the answer and metrics instead of text")
+    p.add_argument("--batch", metavar="QUESTIONS.jsonl", default=None,
+                   help='answer every row {"image": path or list of paths (optional, relative to the file), '
+                        '"question": ...} of a JSONL file; answers as JSONL in input order')
+    p.add_argument("--batch-size", type=int, default=8, help="--batch: questions per generate call, left-padded together (default 8)")
+    p.add_argument("--out", metavar="FILE", default=None,
+                   help="--batch: answers file, appended to; rows it already answers are skipped (resume) "
+                        "(default: stdout, no resume)")
     args = p.parse_args(argv)
     for flag, used in (("--vision-branch", args.vision_branch is not None),
                        ("--language-branch", args.language_branch is not None), ("--shared-kv", args.shared_kv)):
@@ -363,6 +540,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                      ("--top-p", 0 < args.top_p <= 1), ("--top-k", args.top_k >= 0), ("--max-tiles", args.max_tiles >= 0)]:
         if not ok:
             p.error(f"{name} out of range: {getattr(args, name[2:].replace('-', '_'))}")
+    if args.batch is not None:
+        if args.inputs or args.chat or args.json:
+            p.error("--batch reads images and questions from its file: no inputs, --chat or --json with it")
+        if args.batch_size < 1:
+            p.error(f"--batch-size out of range: {args.batch_size}")
+        return args
+    if args.out is not None:
+        p.error("--out goes with --batch")
     if not args.chat:  # the last input is the question; an image file there means it was left out
         if not args.inputs:
             p.error("no question: give zero or more images, then the question (or --chat for a session)")
@@ -383,15 +568,20 @@ class Interrupted(Exception):
 
 def main(argv=None) -> int:
     """Exit codes: 0 answered, 1 bad input or a failure (one line on stderr), 2 bad flags
-    (argparse), 130 interrupted (Ctrl-C; in --chat it stops the answer, at the prompt the session)."""
+    (argparse), 130 interrupted (Ctrl-C; in --chat it stops the answer, at the prompt the session;
+    in --batch the answers written so far stay, and a rerun with the same --out resumes)."""
     args = parse_args(argv)
-    images, question = (args.inputs, None) if args.chat else (args.inputs[:-1], args.inputs[-1])
+    images, question = (args.inputs, None) if args.chat or args.batch else (args.inputs[:-1], args.inputs[-1])
     try:
         device = resolve_device(args.device)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[
             args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-        folder = resolve_model(args.model)
+        rows = read_questions(Path(args.batch)) if args.batch else []  # bad rows fail before any model is fetched
+        done = answered_lines(Path(args.out), rows, Path(args.batch)) if args.batch and args.out else set()
+        folder = resolve_model(args.model, args.revision)
         mcfg = config_from_json(read_json(folder / "config.json"), folder)  # tiles and tokens as the model sees them
+        if any(r["paths"] for r in rows) and mcfg.vit is None:
+            raise ValueError(f"{folder}: a language-only model takes no images ({args.batch} has some)")
         if images and mcfg.vit is None:
             raise ValueError(f"{folder}: a language-only model takes no images")
         pixel_list = [load_image(path, max_tiles=args.max_tiles or mcfg.max_dynamic_patch, use_thumbnail=mcfg.use_thumbnail,
@@ -414,7 +604,9 @@ def main(argv=None) -> int:
                              top_k=args.top_k, top_p=args.top_p)
         pixel_values = torch.cat(pixel_list).to(dtype) if pixel_list else None
         if args.chat:
-            return chat(engine, tok, pixel_values, num_tiles, cfg, args)
+            return chat_session(engine, tok, pixel_values, num_tiles, cfg, args)
+        if args.batch:
+            return answer_file(engine, tok, rows, done, cfg, args)
         answer(engine, tok, prompt, pixel_values, cfg, args, load_s)
         sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
     except BrokenPipeError:  # `generate.py ... | head`: the reader left; nothing more to say
@@ -460,7 +652,7 @@ def answer(engine: Engine, tok: Tokenizer, prompt: str, pixel_values, cfg: Gener
     return text
 
 
-def chat(engine, tok, pixel_values, num_tiles, cfg, args) -> int:
+def chat_session(engine, tok, pixel_values, num_tiles, cfg, args) -> int:
     """Read questions until end of input (0) or Ctrl-C at the prompt (130). A turn that is refused
     (too long, a stray <image>) prints one line and is dropped; Ctrl-C during an answer stops it,
     and the part shown stays in the history, as it does in chat interfaces."""
@@ -487,6 +679,119 @@ def chat(engine, tok, pixel_values, num_tiles, cfg, args) -> int:
         except Interrupted as e:
             print("interrupted: answer stopped (the conversation goes on)", file=sys.stderr)
             history.append((question, e.text))
+
+
+# -- --batch: a JSONL file of questions -----------------------------------------------------------
+
+
+def read_questions(path: Path) -> list[dict]:
+    """The rows of a --batch file: {"line", "image" (as written), "question", "paths"}; every image path
+    (relative to the file) must exist. A bad row is one line naming it, before any weights load."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--batch {path}: cannot read ({e})") from None
+    rows = []
+    for n, raw in enumerate(text.splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {n}: not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not row["question"].strip():
+            raise ValueError(f'{path} line {n}: needs a "question" string')
+        image = row.get("image")
+        names = [] if image is None else [image] if isinstance(image, str) else image
+        if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
+            raise ValueError(f'{path} line {n}: "image" must be a path or a list of paths')
+        paths = [path.parent / x for x in names]  # an absolute x stays itself
+        for f in paths:
+            if not f.is_file():
+                raise ImageError(f"{path} line {n}: no image file {f}")
+        rows.append({"line": n, "image": image, "question": row["question"], "paths": paths})
+    if not rows:
+        raise ValueError(f"--batch {path}: no questions")
+    return rows
+
+
+def answered_lines(out: Path, rows: list[dict], questions: Path) -> set[int]:
+    """Question lines the answers file `out` already holds. A last line without its newline (the run
+    was killed while writing it) is cut off; an answer to another file's question is refused."""
+    if not out.is_file():
+        return set()
+    by_line, done, keep = {r["line"]: r["question"] for r in rows}, set(), 0
+    data = out.read_bytes()
+    for raw in data.splitlines(keepends=True):
+        if not raw.endswith(b"\n"):
+            break
+        try:
+            rec = json.loads(raw)
+            line = rec["line"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{out}: not an answers file of generate.py --batch; pass another --out") from None
+        if by_line.get(line) != rec.get("question"):
+            raise ValueError(f"{out}: answers another file (line {line} is not that question of {questions}); "
+                             f"pass another --out")
+        done.add(line)
+        keep += len(raw)
+    if keep < len(data):
+        with open(out, "r+b") as f:
+            f.truncate(keep)
+    return done
+
+
+def answer_file(engine: Engine, tok: Tokenizer, rows: list[dict], done: set[int], cfg: GenerateConfig, args) -> int:
+    """--batch: answer the rows not in `done` --batch-size at a time, in input order, each answer written
+    and flushed as its batch ends ({"line", "image", "question", "answer"}), progress on stderr."""
+    questions, out = Path(args.batch), Path(args.out) if args.out else None
+    todo = [r for r in rows if r["line"] not in done]
+    if done:
+        log(f"{out}: {len(done)} of {len(rows)} questions already answered; {len(todo)} to go")
+    mcfg, limit = engine.model.cfg, engine.model.cfg.llm.max_position_embeddings
+    dtype = engine.model.language_model.lm_head.weight.dtype
+    torch.manual_seed(args.seed)
+    sink = open(out, "a", encoding="utf-8") if out else sys.stdout
+    t0, tty = time.perf_counter(), sys.stderr.isatty()
+    try:
+        for start in range(0, len(todo), args.batch_size):
+            batch, prompts, pixels = todo[start:start + args.batch_size], [], []
+            for r in batch:
+                tiles = [load_image(f, max_tiles=args.max_tiles or mcfg.max_dynamic_patch, use_thumbnail=mcfg.use_thumbnail,
+                                    image_size=mcfg.vit.image_size) for f in r["paths"]]
+                question = r["question"]
+                if len(tiles) > 1 and IMAGE_PLACEHOLDER not in question:
+                    question = build_multi_image_question(question, len(tiles))
+                try:  # the command's own prompt for one question, so each answer is the one-by-one answer
+                    prompts.append(tok.encode(build_prompt(question, [t.shape[0] for t in tiles], system=args.system,
+                                                           tokens_per_tile=mcfg.tokens_per_tile)))
+                    context_check(len(prompts[-1]), cfg.max_new_tokens, limit)
+                except ValueError as e:
+                    raise ValueError(f"{questions} line {r['line']}: {e}") from None
+                pixels += tiles
+            res = engine.generate(prompts, torch.cat(pixels).to(dtype) if pixels else None, cfg, tok.eos_ids)
+            for r, ids in zip(batch, res.tokens):
+                row = {"line": r["line"], **({"image": r["image"]} if r["image"] is not None else {}),
+                       "question": r["question"], "answer": tok.decode(ids).strip()}
+                sink.write(json.dumps(row, ensure_ascii=False) + "\n")
+            sink.flush()
+            n, dt = start + len(batch), time.perf_counter() - t0
+            eta = dt / n * (len(todo) - n)
+            print(f"{chr(13) if tty else ''}answered {n}/{len(todo)}, {n / dt:.2f} samples/s, elapsed {hms(dt)}, "
+                  f"eta {hms(eta)}", end="" if tty and n < len(todo) else "\n", file=sys.stderr, flush=True)
+    finally:
+        if out:
+            sink.close()
+    if out and done and todo and min(r["line"] for r in todo) < max(done):  # the old file was no prefix
+        ordered = sorted(out.read_text(encoding="utf-8").splitlines(keepends=True), key=lambda x: json.loads(x)["line"])
+        out.write_text("".join(ordered), encoding="utf-8")
+    return 0
+
+
+def hms(seconds: float) -> str:
+    """Seconds as h:mm:ss."""
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
 class Streamer:

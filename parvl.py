@@ -145,6 +145,7 @@ class ParVL(nn.Module):
         self.vision_aggregator = Aggregator(par.pv, Cv, par.lambda_v, par.aggregation) if par.pv > 1 else None
         self.language_aggregator = Aggregator(par.pl, C, par.lambda_l, par.aggregation) if par.pl > 1 else None
         self.source_dir: Path | None = None  # the folder from_pretrained read: save() copies its tokenizer
+        self.engine = None  # generate.Engine of chat() / batch_chat(), made on their first call
 
     # -- forward -------------------------------------------------------------------------------
     # vision_branch / language_branch (aggregate.Choice): None runs all branches of the tower and
@@ -274,6 +275,22 @@ class ParVL(nn.Module):
             if agg is not None:
                 values |= {f"{name}.{k}": v for k, v in agg.initial_values().items()}
         return values
+
+    # -- InternVL's convenience API: thin delegates, the implementation is generate.chat / batch_chat
+
+    def chat(self, tokenizer, pixel_values, question, generation_config, history=None, return_history=False,
+             num_patches_list=None, verbose=False, system=None):
+        """InternVLChatModel.chat, same arguments: see generate.chat."""
+        from generate import chat  # generation lives in generate.py, which imports this module
+        return chat(self, tokenizer, pixel_values, question, generation_config, history, return_history,
+                    num_patches_list, verbose, system)
+
+    def batch_chat(self, tokenizer, pixel_values, questions, generation_config, num_patches_list=None,
+                   history=None, return_history=False, verbose=False, system=None):
+        """InternVLChatModel.batch_chat, same arguments: see generate.batch_chat."""
+        from generate import batch_chat
+        return batch_chat(self, tokenizer, pixel_values, questions, generation_config, num_patches_list, history,
+                          return_history, verbose, system)
 
     @torch.no_grad()
     def init_branches(self, std: float = 0.02) -> None:

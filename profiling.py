@@ -5,6 +5,7 @@ C.1, C.2, Tables 4 and S7) for ParVL, on random weights: no checkpoint is needed
     python profiling.py params --all                       # the nine Pv:Pl in {1,2,4}^2 of --arch (1b)
     python profiling.py params --all --json                # one JSON object per configuration and line
     python profiling.py latency --arch 1b --pv 4 --pl 4 --batch 1 2 4 8 --baseline --compare-shared --compile
+    python profiling.py latency ... --plot latency.png     # latency and peak memory against batch size (matplotlib)
     python profiling.py forward --arch mid --configs 1:1 2:2 4:4   # one forward pass per Pv:Pl, side by side
 
 Parameters are counted from the real module tree built on the meta device, so no weight is
@@ -390,14 +391,51 @@ def add_run_args(p: argparse.ArgumentParser, arch: str, tiles: int, text_tokens:
     p.add_argument("--arch", default=arch, choices=sorted(ARCHS), help=f"size preset, random weights (default {arch})")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="weights and activations (default bf16 on CUDA, else fp32)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="torch device (default cuda if available)")
+                   help="torch device: cpu, cuda or cuda:N (default cuda if available)")
     p.add_argument("--tiles", type=int, default=tiles, help=f"448 px tiles per sample, 256 tokens each (default {tiles})")
     p.add_argument("--text-tokens", type=int, default=text_tokens, help=f"non-image tokens per sample (default {text_tokens})")
-    p.add_argument("--warmup", type=int, default=warmup, help=f"untimed calls first (default {warmup})")
+    p.add_argument("--warmup", type=int, default=warmup, help=f"untimed calls before the timed ones (default {warmup})")
     p.add_argument("--seed", type=int, default=0, help="weights and inputs (default 0)")
-    p.add_argument("--threads", type=int, help="CPU threads; 1 resists a busy shared machine (default: torch's)")
+    p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads); 1 resists a busy shared machine (default: torch's)")
     p.add_argument("--trace", metavar="DIR", help="also write a Chrome trace (+ CUDA memory snapshot) per row")
     p.add_argument("--json", action="store_true", help="print only the final JSON line, not the table")
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend. matplotlib is optional (train.py plot, --plot):
+    without it, one line saying how to get it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("matplotlib is not installed (it draws the plot): pip install matplotlib") from None
+    return plt
+
+
+def plot_latency(rows: list[dict], png: Path) -> None:
+    """Latency per sample and peak memory against batch size, one line per configuration (Pv:Pl,
+    standard or shared KV): the view of the paper's Figure 4 / Table 4."""
+    plt = pyplot()
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+    configs = dict.fromkeys((r["pv"], r["pl"], r["shared_kv"]) for r in rows)  # in run order
+    for pv, pl, shared in configs:
+        mine = sorted((r for r in rows if (r["pv"], r["pl"], r["shared_kv"]) == (pv, pl, shared)), key=lambda r: r["batch"])
+        label = f"{pv}:{pl}" + (" shared KV" if shared else "")
+        batches = [r["batch"] for r in mine]
+        ax_t.plot(batches, [1e3 * r["latency_s"] for r in mine], marker="o", label=label)
+        ax_m.plot(batches, [r["peak_gib"] for r in mine], marker="o", label=label)
+    for ax, what in ((ax_t, "latency per sample (ms)"), (ax_m, f"peak memory (GiB, {rows[0]['memory']})")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["batch"] for r in rows}), [str(b) for b in sorted({r["batch"] for r in rows})])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"arch {rows[0]['arch']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -435,14 +473,16 @@ def run(argv: list[str] | None = None) -> None:
     add_run_args(lat, "1b", 3, 256, 3)
     lat.add_argument("--pv", type=int, default=1, help="ViT branches Pv (default 1)")
     lat.add_argument("--pl", type=int, default=1, help="LLM branches Pl (default 1)")
-    lat.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8], help="batch sizes (default 1 2 4 8)")
+    lat.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8], help="batch sizes, samples per generate call (default 1 2 4 8)")
     lat.add_argument("--new-tokens", type=int, default=128, help="generated tokens per sample, forced (default 128)")
-    lat.add_argument("--iters", type=int, default=10, help="timed calls (default 10)")
+    lat.add_argument("--iters", type=int, default=10, help="timed generate calls per batch size (default 10)")
     lat.add_argument("--shared-kv", action="store_true", help="one mean-reduced token KV cache per sample (C.2)")
     lat.add_argument("--compare-shared", action="store_true", help="profile standard and shared KV in one run")
     lat.add_argument("--baseline", action="store_true", help="profile standard 1:1 first, as Table 4's reference")
     lat.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                      help="torch.compile the decode step (CUDA graphs on GPU; default off)")
+    lat.add_argument("--plot", metavar="FILE.png", default=None,
+                     help="also write latency and peak memory against batch size per configuration (needs matplotlib)")
     fwd = sub.add_parser("forward", help="time one full forward pass per Pv:Pl, interleaved, medians and ratios")
     add_run_args(fwd, "mid", 1, 128, 1)
     fwd.add_argument("--configs", type=branch_pair, nargs="+", default=[(1, 1), (2, 2), (4, 4)],
@@ -470,6 +510,8 @@ def run(argv: list[str] | None = None) -> None:
         value = getattr(args, name, None)  # batch: a list for latency, one size for forward; None: not given
         if value is not None and min(value if isinstance(value, list) else [value]) < low:
             parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    if getattr(args, "plot", None):
+        pyplot()  # a missing matplotlib is said before the measurement, not after it
     device = resolve_device(args.device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     if args.threads:  # OpenMP threads that wait for each other slow down 100x when another process holds a core
@@ -481,6 +523,8 @@ def run(argv: list[str] | None = None) -> None:
               f"{args.tiles} tiles + {args.text_tokens} text tokens per sample")
     if args.command == "latency":
         rows, columns = run_latency(args, device, dtype), LATENCY_COLUMNS
+        if args.plot:
+            plot_latency(rows, Path(args.plot))
     else:
         rows, columns = run_forward(args, device, dtype), FORWARD_COLUMNS
     if not args.json:

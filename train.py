@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 8 train.py --pv 2 --pl 2 --model InternVL3_5-1B --data meta.json --out runs/22
     python train.py --validate-data --model InternVL3_5-1B --data meta.json   # count bad rows, no training
+    python train.py plot runs/22                                                # runs/22/metrics.png (matplotlib)
 
 Full-parameter SFT for one epoch from an InternVL3.5 (or ParVL) checkpoint on data in the official
 InternVL format (data.py). The loss is Eq. 6: every supervised token of sample b weighs 1/sqrt(n_b),
@@ -34,7 +35,7 @@ import signal
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -51,8 +52,14 @@ from aggregate import entropy
 from checkpoint import CheckpointReader, check_not_run_folder, read_json
 from data import BAD_REASONS, IGNORE, BadRow, SFTData, check_bad_fraction, loss_weights, make_loader, sft_loss, validate
 from parvl import ParVL, config_from_json, is_branch_tensor
-from generate import OneLineParser, peak_memory_gib
+from generate import OneLineParser, hms, peak_memory_gib
 from processor import Tokenizer
+
+
+def default_workers() -> int:
+    """Data loading processes per rank: 4, or fewer when this process may use fewer CPUs per local rank."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(4, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
 
 @dataclass
@@ -73,7 +80,7 @@ class TrainConfig:
     max_tiles: int = 0  # tiles per row, shared by its images; 0 = the checkpoint's max_dynamic_patch (12)
     max_steps: int = 0  # 0 = one epoch
     seed: int = 42
-    dtype: str = "bf16"  # parameter dtype inside FSDP's mixed precision: bf16 or fp32
+    dtype: str = "auto"  # parameter dtype inside FSDP's mixed precision: bf16, fp32, or auto (bf16 on CUDA, fp32 on CPU)
     compile: bool = False  # torch.compile every block
     activation_checkpointing: bool = True
     freeze_vit: bool = False
@@ -85,7 +92,7 @@ class TrainConfig:
     resume: bool = False  # continue from the newest checkpoint in --out that verifies (none: start fresh)
     overwrite: bool = False  # discard what --out holds (checkpoints, export, metrics) and start a new run
     log_every: int = 1
-    num_workers: int = 4  # data loading processes per rank
+    num_workers: int = default_workers()  # data loading processes per rank
     max_bad_frac: float = 0.01
     peak_tflops: float = 0.0  # per-device bf16 peak for MFU; 0 = from the device name (H100/H200: 989)
     validate_data: bool = False
@@ -111,24 +118,38 @@ class TrainConfig:
                 raise ValueError(f"--{name} must be a positive integer, got {getattr(self, name)}")
         if not 0 <= self.warmup_ratio < 1 or not 0 <= self.max_bad_frac <= 1 or self.weight_decay < 0 or self.clip <= 0:
             raise ValueError("--warmup-ratio and --max-bad-frac must be in [0, 1), --weight-decay >= 0, --clip > 0")
-        if self.dtype not in ("bf16", "fp32"):
-            raise ValueError(f"--dtype must be bf16 or fp32, got {self.dtype!r}")
+        if self.dtype not in ("auto", "bf16", "fp32"):
+            raise ValueError(f"--dtype must be auto, bf16 or fp32, got {self.dtype!r}")
+        if self.num_workers < 0:
+            raise ValueError(f"--num-workers must be >= 0 (0 = load in the training process), got {self.num_workers}")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --out, --overwrite discards it: pass one of them")
 
 
 def parse_args(argv=None) -> TrainConfig:
-    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    helps = {"model": "checkpoint folder", "data": "meta JSON", "out": "output folder", "pv": "vision branches",
-             "pl": "language branches", "lr_new": "peak lr of prefixes and aggregators",
-             "lr_pretrained": "peak lr of pretrained weights", "global_batch": "samples per optimizer step",
-             "micro_batch": "samples per forward per rank", "max_seq_len": "tokens; longer rows are skipped",
-             "max_tiles": "image tiles per row, shared by its images (0 = the checkpoint's max_dynamic_patch, 12 for InternVL3.5)", "max_steps": "0 = one epoch",
-             "clip": "max gradient norm", "save_every": "steps between checkpoints", "keep_last": "checkpoints kept",
-             "num_workers": "data loading processes per rank", "max_bad_frac": "abort above this fraction of bad rows",
-             "peak_tflops": "per-device peak for MFU, 0 = from the device name",
-             "resume": "continue from the newest checkpoint in --out that verifies (none: start fresh)",
-             "overwrite": "discard the run --out holds (checkpoints, export, metrics) and start a new one"}
+    p = OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+                      epilog="train.py plot RUN [--out FILE.png]: one PNG of a run's metrics.jsonl (train.py plot --help)")
+    helps = {
+        "model": "InternVL3.5 or ParVL checkpoint folder", "data": "meta JSON in the official InternVL SFT format",
+        "out": "run folder: config, metrics.jsonl, checkpoints, export", "pv": "vision branches Pv; None = the checkpoint's",
+        "pl": "language branches Pl; None = the checkpoint's", "lr_new": "peak learning rate of prefixes and aggregators",
+        "lr_pretrained": "peak learning rate of the pretrained weights", "weight_decay": "AdamW weight decay",
+        "warmup_ratio": "fraction of the steps in linear warm-up, in [0, 1)", "clip": "max gradient norm (L2)",
+        "global_batch": "samples per optimizer step, any world size", "micro_batch": "samples per forward per rank",
+        "max_seq_len": "tokens per row, image tokens included; longer rows are skipped",
+        "max_tiles": "448 px image tiles per row, shared by its images (0 = the checkpoint's max_dynamic_patch, 12 for InternVL3.5)",
+        "max_steps": "optimizer steps, 0 = one epoch", "seed": "data order and RNG seed",
+        "dtype": "parameter dtype inside FSDP mixed precision (gradients reduce in fp32); auto = bf16 on CUDA, fp32 on CPU",
+        "compile": "torch.compile every ViT and LLM block", "activation_checkpointing": "recompute each block in backward",
+        "freeze_vit": "do not train the ViT", "freeze_connector": "do not train mlp1", "freeze_llm": "do not train the LLM",
+        "freeze_backbone": "train only prefixes and aggregators", "save_every": "steps between checkpoints",
+        "keep_last": "checkpoints kept", "log_every": "steps between log lines",
+        "num_workers": "data loading processes per rank; the default is 4, or the CPUs per local rank if fewer",
+        "max_bad_frac": "abort above this fraction of bad rows, in [0, 1]",
+        "peak_tflops": "per-device bf16 peak in TFLOP/s for MFU, 0 = from the device name (H100/H200: 989)",
+        "validate_data": "count and name bad rows, then exit without training",
+        "resume": "continue from the newest checkpoint in --out that verifies (none: start fresh)",
+        "overwrite": "discard the run --out holds (checkpoints, export, metrics) and start a new one"}
     hidden = {"stop_after", "inject_nan_step", "inject_save_error"}
     for f in fields(TrainConfig):
         flag, default = "--" + f.name.replace("_", "-"), f.default
@@ -137,7 +158,8 @@ def parse_args(argv=None) -> TrainConfig:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
         else:
             kind = {"pv": int, "pl": int}.get(f.name, type(default))
-            p.add_argument(flag, type=kind, default=default, help=help_)
+            choices = ["auto", "bf16", "fp32"] if f.name == "dtype" else None
+            p.add_argument(flag, type=kind, default=default, choices=choices, help=help_)
     return TrainConfig(**vars(p.parse_args(argv)))
 
 
@@ -611,11 +633,83 @@ def on_signal(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+def progress_line(m: dict, total: int, elapsed: float) -> str:
+    """The human line of a log step, for stderr, from its metrics line (null MFU: no peak known)."""
+    lr = " ".join(f"{name} {v:.2e}" for name, v in m["lr"].items())
+    mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
+    return (f"step {m['step']}/{total} | loss {m['loss']:.4f} | grad norm {m['grad_norm']:.3f} | lr {lr} | "
+            f"{m['tokens_per_s']:,.0f} tokens/s | MFU {mfu} | peak {m['peak_gib']:.1f} GiB | elapsed {hms(elapsed)} | "
+            f"eta {hms(m['eta_s'])}")
+
+
+# -- train.py plot RUN --------------------------------------------------------------------------
+
+PANELS = (("loss", ("loss",)), ("grad norm", ("grad_norm",)), ("learning rate", ("lr",)),
+          ("branch-weight entropy (nats)", ("entropy_vision", "entropy_language")))
+
+
+def plot_run(run: Path, png: Path | None = None) -> Path:
+    """One PNG of a run's metrics.jsonl against step: loss, grad norm, lr per group (log scale), and
+    the entropies of the vision and language branch weights (collapse shows as a drop)."""
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ValueError(f"{metrics}: no such file (RUN is a train.py --out folder)")
+    rows = []
+    for raw in metrics.read_text().splitlines():
+        try:
+            rows.append(json.loads(raw))
+        except json.JSONDecodeError:  # the last line of a run that is writing it
+            continue
+    if not rows:
+        raise ValueError(f"{metrics}: no log steps yet")
+    from profiling import pyplot  # matplotlib is optional: imported only here, one line when missing
+    plt = pyplot()
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
+    for ax, (title, keys) in zip(axes.flat, PANELS):
+        for key in keys:
+            series = ({f"lr {g}": [r["lr"][g] for r in rows] for g in rows[0]["lr"]} if key == "lr"
+                      else {key.replace("entropy_", ""): [math.nan if r.get(key) is None else r[key] for r in rows]})
+            for label, ys in series.items():
+                ax.plot(steps, ys, label=label, marker="." if len(steps) < 50 else None)
+        if key == "lr":
+            ax.set_yscale("log")
+        if len(keys) > 1 or key == "lr":
+            ax.legend(fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    fig.suptitle(str(run), fontsize=10)
+    fig.tight_layout()
+    png = png or run / "metrics.png"
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png
+
+
+def plot_main(argv: list[str]) -> int:
+    p = OneLineParser(prog="train.py plot", description="Plot RUN/metrics.jsonl (loss, grad norm, lr, branch-weight "
+                                                          "entropies against step) as one PNG; needs matplotlib.")
+    p.add_argument("run", help="run folder (train.py --out) holding metrics.jsonl")
+    p.add_argument("--out", default=None, help="PNG file to write (default RUN/metrics.png)")
+    args = p.parse_args(argv)
+    try:
+        print(plot_run(Path(args.run), Path(args.out) if args.out else None))
+    except (ValueError, OSError) as e:
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv=None) -> int:
-    """Exit codes: 0 done, 1 bad input or a failure (one line on stderr), 2 bad flags (argparse),
+    """`train.py plot RUN` plots a run; anything else trains. Exit codes: 0 done, 1 bad input or a failure (one line on stderr), 2 bad flags (argparse),
     130 / 143 interrupted by SIGINT / SIGTERM. Under torchrun rank 0 alone prints an error that every
     rank meets alike; torchrun then adds its own report of the failed workers."""
     global INTERRUPTED
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["plot"]:  # before the training parser: its flags stay as they are
+        return plot_main(argv[1:])
     code, quiet_exit, INTERRUPTED = 0, False, 0
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     out = None
@@ -676,6 +770,8 @@ def main(argv=None) -> int:
 
 def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
     device, mesh = setup_distributed()
+    if cfg.dtype == "auto":  # resolved before config.json is written, so the run records what it used
+        cfg = replace(cfg, dtype="bf16" if device.type == "cuda" else "fp32")
     world = dist.get_world_size()
     if cfg.global_batch % (world * cfg.micro_batch):
         raise ValueError(f"--global-batch {cfg.global_batch} must divide into {world} ranks x --micro-batch {cfg.micro_batch}")
@@ -770,6 +866,7 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
                     "entropy_vision": ent_v, "entropy_language": ent_l, "bad_rows": bad_total}
             line = finite(line)  # NaN (no MFU on CPU, no branch weights) as null: JSON has no NaN
             log(json.dumps(line))
+            note(progress_line(line, total, time.perf_counter() - t_start))
             if rank() == 0:
                 with open(out / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(line) + "\n")

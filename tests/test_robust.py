@@ -8,6 +8,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -36,8 +37,16 @@ def tree(folder: Path) -> dict[str, str]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
+PROGRESS = re.compile(r"step \d+/\d+ \| ")  # train.py's human line per log step (stderr), not a note
+
+
+def notes(text: str) -> list[str]:
+    """The lines of stderr that are not training progress lines."""
+    return [x for x in text.strip().splitlines() if not PROGRESS.match(x)]
+
+
 def one_line(text: str) -> str:
-    lines = text.strip().splitlines()
+    lines = notes(text)
     assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
     return lines[0]
 
@@ -45,7 +54,7 @@ def one_line(text: str) -> str:
 def worker_lines(stderr: str) -> list[str]:
     """What the workers printed under torchrun: the launcher appends its own failure report (an
     "E... failed (exitcode: 1)" log line and a ChildFailedError traceback) that no worker controls."""
-    lines = stderr.strip().splitlines()
+    lines = notes(stderr)
     cut = next((i for i, x in enumerate(lines) if "torch/distributed/elastic" in x or x.startswith("Traceback")), len(lines))
     return lines[:cut]
 
@@ -108,7 +117,7 @@ def test_overwrite_discards_the_old_run_explicitly(model_dir, meta, base_run, tm
     old_export = tree(out / "export")
     res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 1, "--overwrite", "--lr-pretrained",
                     "1e-2", *TRAIN)
-    assert res.returncode == 0 and res.stderr.strip() == "", res.stderr
+    assert res.returncode == 0 and notes(res.stderr) == [], res.stderr
     assert [m["step"] for m in metrics(out)] == [1]  # not 1, 2, 3, 1
     assert sorted(d.name for d in (out / "checkpoints").iterdir()) == ["step_1"]
     assert tree(out / "export") != old_export and json.loads((out / "config.json").read_text())["max_steps"] == 1
@@ -171,7 +180,7 @@ def test_resume_with_no_checkpoint_says_it_starts_fresh_and_names_bad_rows(model
     out = tmp_path / "run"
     res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, "--resume",
                     "--max-bad-frac", "0.5", *TRAIN)  # 2 steps of 4: every row once
-    lines = res.stderr.strip().splitlines()
+    lines = notes(res.stderr)
     assert "Traceback" not in res.stderr and lines[0] == (f"--resume: no usable checkpoint in {out / 'checkpoints'}: "
                                                          "starting from step 0"), res.stderr
     # bad rows are named: dataset, line in the file, the file, the cause and the reason
@@ -189,7 +198,7 @@ def test_failed_save_is_one_line_and_keeps_complete_checkpoints(model_dir, meta,
     before = tree(out)
     res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 4, "--save-every", 1,
                     "--keep-last", 5, "--resume", "--inject-save-error", "ENOSPC:4", *TRAIN, check=False)
-    lines = res.stderr.strip().splitlines()
+    lines = notes(res.stderr)
     assert res.returncode == 1 and "Traceback" not in res.stderr and len(lines) == 2, res.stderr[-3000:]
     assert lines[0].startswith("resuming from") and lines[1] == (
         f"error: cannot save checkpoint {out / 'checkpoints' / 'step_4.tmp'}: no space left on the device; "
