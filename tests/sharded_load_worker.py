@@ -6,7 +6,6 @@ import resource
 import sys
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
