@@ -18,33 +18,27 @@ that verifies, falling back past broken ones, bit-identically: the data order is
 (seed, step) and the RNG is reseeded from (seed, step, rank) at every step. Runs on GPUs with NCCL
 and on CPU with gloo (the tests).
 
-An --out folder belongs to one run (a new run into a used one is refused; --overwrite discards it).
+An --out folder belongs to one run (a new run into a used one is refused; --overwrite discards it);
+runs.py keeps the folder: checkpoints, resume, metrics, export.
 Failures are one line on stderr, from rank 0; exit codes 0 done, 1 failure, 2 bad flags, 130 / 143
 SIGINT / SIGTERM (the current step is abandoned, complete checkpoints stay).
 """
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import math
 import os
-import re
-import shutil
 import signal
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
-                                                     set_model_state_dict, set_optimizer_state_dict)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
@@ -54,6 +48,8 @@ from data import BAD_REASONS, IGNORE, BadRow, SFTData, check_bad_fraction, loss_
 from parvl import ParVL, config_from_json, is_branch_tensor
 from generate import OneLineParser, hms, peak_memory_gib
 from processor import Tokenizer
+from runs import (check_out, checkpoints, discard_run, export, finite, note, os_cause, rank, resume,
+                  save_checkpoint, trim_metrics)
 
 
 def default_workers() -> int:
@@ -166,20 +162,9 @@ def parse_args(argv=None) -> TrainConfig:
 # -- distributed helpers ------------------------------------------------------------------------
 
 
-def rank() -> int:
-    """This process's rank; before the process group starts, the one torchrun assigned."""
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-
-
 def log(msg: str) -> None:
     if rank() == 0:
         print(msg, flush=True)
-
-
-def note(msg: str) -> None:
-    """What a user must see even when stdout goes to a log: stderr, rank 0."""
-    if rank() == 0:
-        print(msg, file=sys.stderr, flush=True)
 
 
 def setup_distributed() -> tuple[torch.device, object]:
@@ -195,12 +180,6 @@ def setup_distributed() -> tuple[torch.device, object]:
     if cuda:
         torch.cuda.set_device(device)
     return device, init_device_mesh(device.type, (dist.get_world_size(),))
-
-
-def all_sum(*values: float, device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return t.tolist()
 
 
 # -- model -------------------------------------------------------------------------------------
@@ -293,286 +272,6 @@ def train_flops_per_token(model: ParVL) -> tuple[float, float]:
     llm = sum(p.numel() for n, p in model.named_parameters() if n.startswith("language_model.model.layers") and p.ndim == 2)
     head = model.language_model.lm_head.weight.numel()
     return 6.0 * vit * par.pv, 6.0 * (llm * par.pl + head)
-
-
-# -- the run folder and its checkpoints ---------------------------------------------------------
-
-
-CAUSES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
-          errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
-          errno.EPERM: "operation not permitted", errno.ENOENT: "no such file or folder",
-          errno.ENOTDIR: "a parent is a file, not a folder", errno.EIO: "input/output error"}
-
-
-def os_cause(e: BaseException, folder: Path | None = None) -> str:
-    """The cause of a failed write or read in a few words: the first OSError in the exception's chain
-    (DCP wraps each rank's failure in a CheckpointException), else its message. torch's zip writer
-    reports a full disk as "file write failed" with no errno, so the free space is checked too."""
-    todo, seen = [e], set()
-    while todo:
-        x = todo.pop(0)
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if isinstance(x, OSError) and x.errno:
-            return CAUSES.get(x.errno, os.strerror(x.errno))
-        if isinstance(x, CheckpointException):
-            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
-        todo += [x.__cause__, x.__context__]
-    text = " ".join(str(e).split())
-    for needle, cause in (("No space left", errno.ENOSPC), ("Read-only file system", errno.EROFS),
-                          ("Permission denied", errno.EACCES)):
-        if needle in text:
-            return CAUSES[cause]
-    if folder is not None:
-        try:
-            free = shutil.disk_usage(next(p for p in (folder, *folder.parents) if p.exists())).free
-            if free < 2**30:
-                return f"the disk is (nearly) full, {free / 2**20:.0f} MiB free ({type(e).__name__}: {text[:120]})"
-        except OSError:
-            pass
-    return f"{type(e).__name__}: {text[:200]}"
-
-
-RUN_FILES = ("checkpoints", "export", "metrics.jsonl")  # what makes a folder someone's run
-
-
-def check_out(cfg: TrainConfig) -> None:
-    """A run folder belongs to one run. Refuse, before any process group starts, a new run into an
-    --out that holds another run's checkpoints, export or metrics (it would overwrite the export,
-    mix the metrics and let --keep-last delete the new checkpoints), and an --out that cannot be
-    written. Reads and one temporary file only; --overwrite discards later, on rank 0."""
-    out = Path(cfg.out)
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--out {out}: is a file, not a folder")
-    held = [name for name in RUN_FILES if (out / name).exists() and (
-        not (out / name).is_dir() or any((out / name).iterdir()))]
-    if held and not cfg.resume and not cfg.overwrite:
-        raise ValueError(f"--out {out} already holds a run ({', '.join(held)}): pass --resume to continue it, "
-                         f"a new --out, or --overwrite to discard it")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as e:
-        raise ValueError(f"--out {out}: cannot write there ({os_cause(e)})") from None
-
-
-def discard_run(out: Path) -> None:
-    """--overwrite: remove the previous run's files (rank 0, before anything new is written)."""
-    for name in (*RUN_FILES, "config.json"):
-        path = out / name
-        if path.is_dir():
-            shutil.rmtree(path)
-        elif path.exists():
-            path.unlink()
-
-
-def trim_metrics(out: Path, step: int) -> None:
-    """On resume, drop metrics lines past the resumed step (and a line torn by a crash), so the file
-    holds each step once. Written to a temporary file and renamed: never half a file."""
-    path = out / "metrics.jsonl"
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line + "\n")
-        except (ValueError, KeyError, TypeError):
-            pass
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(kept))
-    tmp.replace(path)
-
-
-def finite(x):
-    """NaN and inf as None, so that metrics lines are JSON (json.dumps writes NaN otherwise)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: finite(v) for k, v in x.items()}
-    return x
-
-
-STEP_DIR = re.compile(r"step_(\d+)")  # step_N.tmp (a save under way) and step_N.broken do not match
-
-
-def checkpoint_dirs(out: Path) -> list[Path]:
-    """Every step_N folder, oldest first, whether or not it verifies."""
-    found = [d for d in (out / "checkpoints").glob("step_*") if d.is_dir() and STEP_DIR.fullmatch(d.name)]
-    return sorted(found, key=lambda d: int(d.name.split("_")[1]))
-
-
-def checkpoints(out: Path) -> list[Path]:
-    """Complete checkpoints, oldest first; step_N.tmp folders (interrupted saves) do not count."""
-    return [d for d in checkpoint_dirs(out) if (d / "done").exists()]
-
-
-def verify_checkpoint(folder: Path) -> str | None:
-    """Why `folder` cannot be resumed from, or None. Checks the done marker, train.json, and that
-    every file the save wrote (train.json lists them with their sizes) is there with that size; a
-    checkpoint from before that list needs at least DCP's .metadata. JSON and file sizes only: DCP's
-    .metadata is a pickle, so it is read by dcp.load alone."""
-    if not (folder / "done").is_file():
-        return "no done marker (an interrupted save)"
-    try:
-        meta = json.loads((folder / "train.json").read_text())
-    except FileNotFoundError:
-        return "train.json is missing"
-    except (OSError, ValueError) as e:
-        return f"train.json is unreadable ({type(e).__name__}: {' '.join(str(e).split())})"
-    if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or "scheduler" not in meta:
-        return "train.json has no step or scheduler"
-    if meta["step"] != int(folder.name.split("_")[1]):
-        return f"train.json says step {meta['step']}"
-    files = {".metadata": None, **meta.get("files", {})}
-    for name, size in files.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if size is not None and path.stat().st_size != size:
-            return f"{name} is {path.stat().st_size} bytes, the save wrote {size}"
-    return None
-
-
-def save_checkpoint(model, optim, sched, step: int, cfg: TrainConfig, counts: dict) -> None:
-    """DCP save into step_N.tmp, then train.json (with the size of every file), the done marker and
-    one rename, so a folder named step_N is complete. A failed save (full disk, read-only file
-    system, permissions) removes its step_N.tmp, keeps every complete checkpoint and raises one
-    line; every rank learns of a failure on rank 0, so none waits for the others."""
-    out = Path(cfg.out) / "checkpoints"
-    final, tmp = out / f"step_{step}", out / f"step_{step}.tmp"
-    failure: BaseException | None = None
-    try:
-        if rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
-        state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
-        dcp.save(state, checkpoint_id=str(tmp))
-        injected = cfg.inject_save_error.split(":")  # the hidden test flag, "ERRNO:STEP"
-        if injected[0] and int(injected[1]) == step:  # as if the disk filled up after the shards
-            code = getattr(errno, injected[0])
-            raise OSError(code, os.strerror(code), str(tmp / ".metadata"))
-        dist.barrier()
-        if rank() == 0:
-            try:
-                files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
-                (tmp / "train.json").write_text(json.dumps(
-                    {"step": step, "scheduler": sched.state_dict(), "config": asdict(cfg), "counts": counts,
-                     "files": files}, indent=2))
-                (tmp / "done").write_text("")
-                tmp.rename(final)  # atomic: a folder named step_N is always complete
-            except OSError as e:
-                failure = e
-        if all_sum(float(failure is not None), device=next(model.parameters()).device)[0]:
-            failure = failure or OSError("the save failed on rank 0")
-    except (OSError, RuntimeError, CheckpointException) as e:  # dcp.save fails on every rank alike
-        failure = e
-    except BaseException:  # interrupted mid-save: the partial folder goes, the complete ones stay
-        if rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if failure is not None:
-        if rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        kept = checkpoints(Path(cfg.out))
-        raise ValueError(f"cannot save checkpoint {tmp}: {os_cause(failure, out)}; removed the partial save, "
-                         f"kept {kept[-1] if kept else 'no earlier checkpoint'}") from None
-    if rank() == 0:
-        for old in checkpoints(Path(cfg.out))[: -cfg.keep_last]:
-            shutil.rmtree(old)
-    dist.barrier()
-
-
-def load_checkpoint(model, optim, sched, folder: Path) -> dict:
-    """Model, optimizer and scheduler state from `folder`; returns its train.json. The scheduler goes on
-    from the saved step on *this* run's schedule (lr_lambda of this run's total): each group's rate is
-    set to base_lr * lambda(step) now, so a run whose --max-steps changed does not take its first
-    step at the old schedule's last rate. With the same flags this is the value the scheduler had."""
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
-    dcp.load(state, checkpoint_id=str(folder))
-    set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optim, state["optim"])
-    meta = json.loads((folder / "train.json").read_text())
-    sched.load_state_dict(meta["scheduler"])
-    for group, base, f in zip(optim.param_groups, sched.base_lrs, sched.lr_lambdas):
-        group["lr"] = base * f(meta["step"])
-    sched._last_lr = [group["lr"] for group in optim.param_groups]
-    return meta
-
-
-# Flags a resumed run must share with the run it continues: they fix the data order, the loss and the
-# update rule, so a change would silently make a different run. --max-steps may change (the schedule
-# is rebuilt for the new total); the others (logging, saving, workers, compile) do not change the maths.
-RESUME_FIXED = ("data", "seed", "global_batch", "max_seq_len", "max_tiles", "pv", "pl", "lr_new", "lr_pretrained",
-                "weight_decay", "warmup_ratio", "clip", "dtype", "freeze_vit", "freeze_connector", "freeze_llm",
-                "freeze_backbone")
-
-
-def check_resumed_flags(meta: dict, cfg: TrainConfig, folder: Path) -> None:
-    saved = meta.get("config", {})
-    for name in RESUME_FIXED:
-        if name in saved and saved[name] != getattr(cfg, name):
-            raise ValueError(f"--resume: {folder} was trained with --{name.replace('_', '-')} {saved[name]}, this run "
-                             f"asks for {getattr(cfg, name)}; resume with the same value, or start a new run in another --out")
-
-
-def resume(model, optim, sched, out: Path, cfg: TrainConfig) -> tuple[int, dict]:
-    """--resume: load the newest checkpoint that verifies and loads, falling back past broken ones,
-    and say in one line which one and what was skipped and why. Broken ones newer than the one
-    loaded are renamed step_N.broken (kept for a look, out of --keep-last's way). No usable
-    checkpoint: start at step 0 and say so. Every rank decides alike from the same files. A checkpoint
-    of a run with other RESUME_FIXED flags is refused with one line. Returns the step and train.json."""
-    skipped, step, chosen, meta = [], 0, None, {}
-    for folder in reversed(checkpoint_dirs(out)):
-        why = verify_checkpoint(folder)
-        if why is None:
-            check_resumed_flags(json.loads((folder / "train.json").read_text()), cfg, folder)
-            try:
-                meta, chosen = load_checkpoint(model, optim, sched, folder), folder
-                step = meta["step"]
-                break
-            except (OSError, RuntimeError, ValueError, KeyError, CheckpointException) as e:
-                why = f"cannot be loaded ({os_cause(e)})"
-        skipped.append((folder, why))
-    dist.barrier()
-    if rank() == 0:
-        for folder, _ in skipped:
-            aside = folder.with_name(folder.name + ".broken")
-            for k in range(1, 1000):  # an earlier fallback may have set one aside under that name
-                if not aside.exists():
-                    break
-                aside = folder.with_name(f"{folder.name}.broken{k}")
-            folder.rename(aside)
-    dist.barrier()
-    what = "; ".join(f"{f.name}: {why}" for f, why in skipped)
-    if chosen is None:
-        note(f"--resume: no usable checkpoint in {out / 'checkpoints'}"
-             f"{f' (skipped {what}; renamed .broken)' if skipped else ''}: starting from step 0")
-    else:
-        was = meta.get("config", {}).get("max_steps", cfg.max_steps)
-        schedule = f"; --max-steps {was} -> {cfg.max_steps}: the new schedule from step {step}" if was != cfg.max_steps else ""
-        note(f"resuming from {chosen} at step {step}{schedule}{f' (skipped {what}; renamed .broken)' if skipped else ''}")
-    return step, meta
-
-
-def export(model: ParVL, cfg: TrainConfig) -> None:
-    """The final model as a ParVL safetensors checkpoint (InternVL layout + branch tensors)."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    failure = None
-    if rank() == 0:
-        with torch.device("meta"):
-            plain = ParVL(model.cfg)
-        plain.load_state_dict(full, assign=True)
-        plain.language_model.model.init_rope("cpu")
-        try:
-            plain.save(Path(cfg.out) / "export", tokenizer_from=cfg.model)
-        except OSError as e:  # the checkpoints stay; a half-written weights file does not
-            (Path(cfg.out) / "export" / "model.safetensors.tmp").unlink(missing_ok=True)
-            failure = f"cannot write the export {Path(cfg.out) / 'export'}: {os_cause(e, Path(cfg.out))}"
-    if all_sum(float(failure is not None), device=next(model.parameters()).device)[0]:
-        raise ValueError(failure or "the export failed on rank 0")
 
 
 MAX_NAMED = 20  # bad rows named one by one (per rank in training, in all for --validate-data)

@@ -21,6 +21,7 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
 import data as D
+import runs
 import train
 from data import SFTData
 from processor import Tokenizer
@@ -154,7 +155,7 @@ def test_resume_falls_back_past_broken_checkpoints(model_dir, meta, base_run, tm
     assert tree(ck / "step_1") == good1  # kept byte for byte, and the broken ones set aside, not deleted
     assert tree(ck / "step_3.broken") == broken3 and tree(ck / "step_2.broken") == broken2
     assert [m["step"] for m in metrics(out)] == [1, 2, 3, 4]  # trimmed to step 1, then continued
-    assert all(train.verify_checkpoint(ck / f"step_{k}") is None for k in (2, 3, 4))
+    assert all(runs.verify_checkpoint(ck / f"step_{k}") is None for k in (2, 3, 4))
 
 
 def test_resume_falls_back_past_a_truncated_shard_under_torchrun(model_dir, meta, base_run, tmp_path):
@@ -172,7 +173,7 @@ def test_resume_falls_back_past_a_truncated_shard_under_torchrun(model_dir, meta
     assert f"step_3: __0_0.distcp is {size // 2} bytes, the save wrote {size}" in line, line
     assert {k: tree(ck / f"step_{k}") for k in (1, 2)} == good
     assert [m["step"] for m in metrics(out)] == [1, 2, 3]
-    assert train.verify_checkpoint(ck / "step_3") is None and (out / "export" / "model.safetensors").is_file()
+    assert runs.verify_checkpoint(ck / "step_3") is None and (out / "export" / "model.safetensors").is_file()
 
 
 def test_resume_with_no_checkpoint_says_it_starts_fresh_and_names_bad_rows(model_dir, tmp_path):
@@ -211,20 +212,20 @@ def test_failed_save_is_one_line_and_keeps_complete_checkpoints(model_dir, meta,
 def test_os_cause_names_the_cause(monkeypatch, tmp_path):
     for code, words in [(errno.ENOSPC, "no space left"), (errno.EROFS, "read-only"), (errno.EACCES, "permission denied")]:
         wrapped = CheckpointException("save failed", {1: (OSError(code, os.strerror(code)), None)})  # DCP, rank 1
-        assert train.os_cause(wrapped) == train.CAUSES[code] and words in train.CAUSES[code]
+        assert runs.os_cause(wrapped) == runs.CAUSES[code] and words in runs.CAUSES[code]
         try:
             try:
                 raise OSError(code, os.strerror(code))
             except OSError as e:
                 raise RuntimeError("enforce fail at inline_container.cc: file write failed") from e
         except RuntimeError as e:
-            assert train.os_cause(e) == train.CAUSES[code]
+            assert runs.os_cause(e) == runs.CAUSES[code]
     # torch's zip writer on a full disk: no errno anywhere, so the free space is what tells
     zip_error = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file")
-    monkeypatch.setattr(train.shutil, "disk_usage", lambda path: SimpleNamespace(free=3 * 2**20))
-    assert train.os_cause(zip_error, tmp_path).startswith("the disk is (nearly) full, 3 MiB free")
-    monkeypatch.setattr(train.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
-    assert train.os_cause(zip_error, tmp_path).startswith("RuntimeError: [enforce fail")
+    monkeypatch.setattr(runs.shutil, "disk_usage", lambda path: SimpleNamespace(free=3 * 2**20))
+    assert runs.os_cause(zip_error, tmp_path).startswith("the disk is (nearly) full, 3 MiB free")
+    monkeypatch.setattr(runs.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
+    assert runs.os_cause(zip_error, tmp_path).startswith("RuntimeError: [enforce fail")
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -247,8 +248,8 @@ def test_signal_abandons_the_step_and_keeps_the_checkpoints(model_dir, tmp_path,
     assert tree(out / "checkpoints" / "step_1") == first
     names = [d.name for d in (out / "checkpoints").iterdir()]
     assert not any(n.endswith(".tmp") for n in names), names  # a save cut short leaves nothing behind
-    assert all(train.verify_checkpoint(out / "checkpoints" / n) is None for n in names)
-    assert line.endswith(f"{train.checkpoints(out)[-1]} (continue with --resume)"), line
+    assert all(runs.verify_checkpoint(out / "checkpoints" / n) is None for n in names)
+    assert line.endswith(f"{runs.checkpoints(out)[-1]} (continue with --resume)"), line
 
 
 # -- 4. torchrun: flags are rejected once, before the process group ---------------------------------
@@ -282,7 +283,7 @@ def test_metrics_are_json_with_null_for_nan(base_run):
 
     rows = [json.loads(line, parse_constant=no_nan) for line in text.splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["mfu"] is None  # CPU: no peak FLOPs, so no MFU
-    assert train.finite({"a": float("nan"), "b": {"c": float("inf")}, "d": 1.0}) == {"a": None, "b": {"c": None}, "d": 1.0}
+    assert runs.finite({"a": float("nan"), "b": {"c": float("inf")}, "d": 1.0}) == {"a": None, "b": {"c": None}, "d": 1.0}
 
 
 def test_first_turn_from_gpt_is_kept_as_the_official_preprocessing_does(model_dir, tmp_path):
