@@ -3,15 +3,25 @@ internvl_chat_finetune.py of OpenGVLab/InternVL).
 
 A meta JSON names the datasets; each is a JSONL annotation file of chat rows, optionally with
 images. `SFTData` turns row i into token ids, labels and pixel tiles exactly as the official
-`preprocess_internvl2_5` does, `collate` pads a micro-batch, `loss_weights` gives the
-1/sqrt(n) token weights of Eq. 6 (InternVL's `len2weight` with square reduction), and `RankSampler` / `make_loader` cut a seeded epoch
-order into global batches, ranks and micro-batches so that resuming and re-sharding never change
-which rows a step sees.
+`preprocess_internvl2_5` does, `collate` pads a micro-batch of one sample per row, `pack_rows` /
+`collate_packed` put several samples in each row, `loss_weights` gives the 1/sqrt(n) token weights
+of Eq. 6 (InternVL's `len2weight` with square reduction), per sample, and `RankSampler` /
+`make_loader` cut a seeded epoch order into global batches, ranks and micro-batches so that resuming
+and re-sharding never change which rows a step sees.
 
     data = SFTData("meta.json", Tokenizer.from_pretrained(ckpt), max_tiles=12, max_seq_len=32768)
     order = data.epoch_order(seed=42)
-    for step, micro, batch in make_loader(data, order, rank, world, 512, 4, 0, 8, pad_id):
-        ...  # batch.input_ids [B,T], batch.labels [B,T], batch.pixel_values [N,3,448,448]
+    for step, batches in make_loader(data, order, rank, world, 512, 1, 0, 8, pad_id, packing=True):
+        ...  # each batch: input_ids [B,T], labels [B,T], segment_ids [B,T], pixel_values [N,3,448,448]
+
+Packing (`make_loader(packing=True)`, train.py's default). The bounded buffer is this rank's share of
+one optimizer step (global_batch / world samples, in the seeded order), so a step keeps exactly its
+samples and resuming keeps its meaning. First fit in order: each sample goes into the first row that
+still has room for it within max_seq_len tokens, else opens a new row; micro-batches are
+`micro_batch` consecutive rows, padded to their longest row. The waste is that padding plus the
+rows' unused tails, typically a few percent once samples are much shorter than max_seq_len (train.py
+logs it as pad_frac). The number of micro-batches then differs between ranks and steps; train.py
+evens it out.
 
 Meta file: {name: {"root", "annotation", "repeat_time", "length", "data_augment",
 "max_dynamic_patch"?}}. A relative "annotation" or "root" is taken relative to the meta file's
@@ -242,16 +252,17 @@ class Batch:
     num_tiles: list[int]          # tiles per batch row (0 for text-only and bad rows), sums to N
     num_samples: int              # good rows
     bad: dict = field(default_factory=dict)  # reason -> count of bad rows in this batch
-    rows: list[int] = field(default_factory=list)  # global row index of each batch row
+    rows: list[int] = field(default_factory=list)  # global row index of each sample, in batch order
+    segment_ids: torch.Tensor | None = None  # [B, T] int64 when packed: sample 0, 1, ... of the row, then padding
+    bad_rows: list[int] = field(default_factory=list)  # global row index of each bad row counted in `bad`
 
 
 def collate(items: list, pad_id: int, image_size: int = IMAGE_SIZE) -> Batch:
     """Right-pad samples into one Batch; a BadRow becomes a 1-token dummy row with no labels.
 
     Keeping bad rows as rows (instead of dropping them) keeps B and every row's position fixed, so
-    a global batch means the same thing however it is split over ranks and micro-batches. Each row
-    holds one sample today; packing later puts several samples in a row, with position_ids
-    restarting per sample and `rows`/`num_tiles` becoming per-sample lists.
+    a global batch means the same thing however it is split over ranks and micro-batches (packed
+    batches, collate_packed, drop them and only count them).
     """
     lengths = [len(s.input_ids) if isinstance(s, Sample) else 1 for s in items]
     B, T = len(items), max(lengths, default=1)
@@ -271,19 +282,86 @@ def collate(items: list, pad_id: int, image_size: int = IMAGE_SIZE) -> Batch:
     pixel_values = torch.cat(pix) if pix else torch.zeros(0, 3, image_size, image_size)
     return Batch(input_ids, labels, mask, torch.arange(T).expand(B, T).contiguous(), pixel_values,
                  [sum(s.num_tiles) if isinstance(s, Sample) else 0 for s in items],
-                 sum(isinstance(s, Sample) for s in items), bad, [s.row for s in items])
+                 sum(isinstance(s, Sample) for s in items), bad, [s.row for s in items],
+                 bad_rows=[s.row for s in items if isinstance(s, BadRow)])
 
 
-def loss_weights(labels: torch.Tensor) -> torch.Tensor:
-    """Eq. 6 weights [B, T]: w[b, t] = 1/sqrt(n_b) where labels[b, t+1] is supervised.
+def pack_rows(lengths: list[int], max_len: int) -> list[list[int]]:
+    """First fit in order: the indices of the samples in each row, every row at most max_len tokens."""
+    rows, used = [], []
+    for i, n in enumerate(lengths):
+        assert n <= max_len, (n, max_len)  # SFTData skips longer rows as too_long
+        r = next((r for r, u in enumerate(used) if u + n <= max_len), len(rows))
+        if r == len(rows):
+            rows.append([]), used.append(0)
+        rows[r].append(i)
+        used[r] += n
+    return rows
+
+
+def collate_packed(rows: list[list[Sample]], pad_id: int, image_size: int = IMAGE_SIZE) -> Batch:
+    """Samples packed into rows: each row holds its samples one after another, right-padded to the
+    longest row; segment_ids number the samples of a row 0, 1, ... and the padding after them gets the
+    next id; positions restart per sample; the tiles follow row by row, sample by sample."""
+    T = max((sum(len(s.input_ids) for s in row) for row in rows), default=1)
+    B = len(rows)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    labels = torch.full((B, T), IGNORE, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.bool)
+    segments, positions = torch.zeros((B, T), dtype=torch.long), torch.zeros((B, T), dtype=torch.long)
+    for b, row in enumerate(rows):
+        t = 0
+        for k, s in enumerate(row):
+            n = len(s.input_ids)
+            input_ids[b, t:t + n], labels[b, t:t + n], segments[b, t:t + n] = s.input_ids, s.labels, k
+            positions[b, t:t + n], mask[b, t:t + n] = torch.arange(n), True
+            t += n
+        segments[b, t:] = len(row)
+    samples = [s for row in rows for s in row]
+    pix = [s.pixel_values for s in samples]
+    pixel_values = torch.cat(pix) if pix else torch.zeros(0, 3, image_size, image_size)
+    return Batch(input_ids, labels, mask, positions, pixel_values, [sum(sum(s.num_tiles) for s in row) for row in rows],
+                 len(samples), {}, [s.row for s in samples], segments)
+
+
+def pack_step(items: list, max_seq_len: int, rows_per_batch: int, pad_id: int, image_size: int = IMAGE_SIZE) -> list[Batch]:
+    """One rank's samples of one optimizer step -> its packed micro-batches (pack_rows, then
+    rows_per_batch rows each). Bad rows take no room; they are counted in the first micro-batch."""
+    good = [s for s in items if isinstance(s, Sample)]
+    rows = [[good[i] for i in row] for row in pack_rows([len(s.input_ids) for s in good], max_seq_len)]
+    batches = [collate_packed(rows[i:i + rows_per_batch], pad_id, image_size) for i in range(0, len(rows), rows_per_batch)]
+    bad = [s for s in items if isinstance(s, BadRow)]
+    if bad:
+        if not batches:
+            batches.append(filler_batch(pad_id, image_size))
+        for s in bad:
+            batches[0].bad[s.reason] = batches[0].bad.get(s.reason, 0) + 1
+            batches[0].bad_rows.append(s.row)
+    return batches
+
+
+def filler_batch(pad_id: int, image_size: int = IMAGE_SIZE) -> Batch:
+    """A packed micro-batch with no sample (one pad token, no label): a rank with fewer micro-batches
+    than the others in a step runs these, so every rank issues the same FSDP collectives."""
+    one = torch.full((1, 1), pad_id, dtype=torch.long)
+    return Batch(one, torch.full_like(one, IGNORE), torch.zeros((1, 1), dtype=torch.bool), torch.zeros_like(one),
+                 torch.zeros(0, 3, image_size, image_size), [0], 0, {}, [], torch.zeros_like(one))
+
+
+def loss_weights(labels: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Eq. 6 weights [B, T]: w[b, t] = 1/sqrt(n) where labels[b, t+1] is supervised, n the number of
+    supervised labels of its sample: the row's (one sample per row), or its segment's in a packed row
+    (segment_ids [B, T]), where a prediction across two samples weighs 0.
 
     Column t weighs the prediction made at position t (target labels[:, t+1]); the last column is
-    0. n_b counts the sample's supervised labels (rows with none get w = 0).
+    0. Samples with no supervised label get w = 0. No host sync: training calls it on the device.
     """
     sup = labels != IGNORE  # [B, T]
-    n = sup.sum(dim=1, keepdim=True).clamp(min=1).float()  # [B, 1]
+    seg = torch.zeros_like(labels) if segment_ids is None else segment_ids
+    per_segment = torch.zeros(labels.shape, device=labels.device).scatter_add_(1, seg, sup.float())  # [B, T]: column s, segment s
+    n = per_segment.gather(1, seg).clamp(min=1)  # [B, T] supervised labels of each token's sample
     w = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
-    w[:, :-1] = sup[:, 1:].float() / n.sqrt()
+    w[:, :-1] = (sup[:, 1:] & (seg[:, 1:] == seg[:, :-1])).float() / n[:, 1:].sqrt()
     return w
 
 
@@ -296,12 +374,14 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return ce.view(B, T - 1)
 
 
-def sft_loss(logits: torch.Tensor, labels: torch.Tensor, weight_sum: float | torch.Tensor) -> torch.Tensor:
+def sft_loss(logits: torch.Tensor, labels: torch.Tensor, weight_sum: float | torch.Tensor,
+             segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Eq. 6 (ParVL paper, Appendix A.1; InternVL's square-root loss re-weighting): every supervised
     token of sample b weighs 1/sqrt(n_b), and the weighted sum of token losses is divided by
     `weight_sum`, the sum of the weights over the whole global batch (all micro-batches and ranks,
-    loss_weights(...).sum() all-reduced), so the loss does not depend on how the batch is split."""
-    w = loss_weights(labels)[:, :-1]  # [B, T-1]
+    loss_weights(...).sum() all-reduced), so the loss does not depend on how the batch is split, nor
+    on whether its samples are packed (segment_ids, see loss_weights)."""
+    w = loss_weights(labels, segment_ids)[:, :-1]  # [B, T-1]
     return (token_nll(logits, labels) * w).sum() / weight_sum
 
 
@@ -390,19 +470,36 @@ class RankSampler:
 
 
 def make_loader(data: SFTData, order, rank: int, world: int, global_batch: int, micro_batch: int,
-                start_step: int, num_workers: int, pad_id: int, pin_memory: bool = False):
-    """Yield (step, micro_index, Batch) for this rank, decoding images in worker processes.
+                start_step: int, num_workers: int, pad_id: int, pin_memory: bool = False, packing: bool = False):
+    """Yield (step, [Batch, ...]) for this rank, one optimizer step at a time, decoding images in
+    worker processes. Unpacked: global_batch / world / micro_batch micro-batches of micro_batch
+    samples, one per row (collate). Packed: the step's samples packed into rows of at most
+    data.max_seq_len tokens, micro_batch rows per micro-batch (pack_step; see the module docstring).
 
-    The DataLoader returns batches in sampler order whatever the number of workers, and every row
+    The DataLoader returns items in sampler order whatever the number of workers, and every row
     is a pure function of its index (augmentation included), so the output does not depend on
     num_workers.
     """
+    if packing:  # samples travel one by one (every worker decodes some); the step is packed here
+        sampler = RankSampler(order, rank, world, global_batch, None, start_step)
+        indices = (i for step in range(start_step, sampler.num_steps) for i in sampler.rows(step))
+        loader = iter(torch.utils.data.DataLoader(data, sampler=indices, batch_size=None, collate_fn=_keep,
+                                                  num_workers=num_workers, worker_init_fn=_leave_signals_to_the_trainer))
+        for step in range(start_step, sampler.num_steps):
+            items = [next(loader) for _ in range(sampler.local)]
+            yield step, pack_step(items, data.max_seq_len, micro_batch, pad_id, data.image_size)
+        return
     sampler = RankSampler(order, rank, world, global_batch, micro_batch, start_step)
     loader = torch.utils.data.DataLoader(data, batch_sampler=sampler, num_workers=num_workers,
                                          collate_fn=partial(collate, pad_id=pad_id, image_size=data.image_size),
                                          pin_memory=pin_memory, worker_init_fn=_leave_signals_to_the_trainer)
+    per_step = sampler.local // sampler.micro
+    batches = []
     for (step, m), batch in zip(sampler.schedule(), loader, strict=True):
-        yield step, m, batch
+        batches.append(batch)
+        if m == per_step - 1:
+            yield step, batches
+            batches = []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -436,6 +533,10 @@ def _leave_signals_to_the_trainer(worker_id: int) -> None:
 
 def _outcome(s) -> str:
     return s.reason if isinstance(s, BadRow) else "good"
+
+
+def _keep(item):
+    return item  # a DataLoader collate_fn that passes one Sample or BadRow through (module level: picklable)
 
 
 def _bad_or_good(s) -> "BadRow | str":

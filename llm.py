@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aggregate import Rows, fold, mean_branches, prefix_attention, shared_kv_attention, shared_kv_mask
+from aggregate import Rows, fold, mean_branches, packed_mask, prefix_attention, shared_kv_attention, shared_kv_mask
 
 
 @dataclass
@@ -262,6 +262,7 @@ class LLM(nn.Module):
         mask: torch.Tensor | None = None,  # [B,1,T,S] bool over token slots; None = causal, no padding
         input_pos: torch.Tensor | None = None,  # [T] token slots in the cache; None = no cache
         rows: Rows | None = None,  # which branch each row runs (aggregate.Rows); None: all P, dense
+        segments: torch.Tensor | None = None,  # [B,T] packed rows: the sample of each token (aggregate.packed_mask)
     ) -> torch.Tensor:  # [R,T,C] final-normed hidden states of every row ([P*B,T,C] dense, branch-major)
         dec, Lp = self.model, self.prefix_len
         B, T, _ = x.shape
@@ -272,7 +273,10 @@ class LLM(nn.Module):
         cos = dec.rope_cos[positions].to(x.dtype)  # [B,T,D], cast like the reference does
         sin = dec.rope_sin[positions].to(x.dtype)
         x, cos, sin = fold(x, rows), fold(cos, rows), fold(sin, rows)  # [R,T,...]
-        if rows.shared_kv:
+        if segments is not None:  # samples packed in rows, no cache: the mask covers the prefix slots too
+            assert mask is None and input_pos is None, "packed rows take no mask and no cache"
+            mask = packed_mask(segments, rows, Lp, flex=x.is_cuda)  # CUDA: a BlockMask for flex_attention
+        elif rows.shared_kv:
             mask = shared_kv_mask(mask, B, T, rows.fold, Lp, x.device)
         elif mask is not None and Lp > 0:  # the prefix slots are visible to every token
             mask = fold(torch.cat([mask.new_ones(B, 1, T, Lp), mask], dim=-1), rows)  # [R,1,T,Lp+S]

@@ -31,7 +31,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
-from aggregate import Aggregator, Choice, Rows, unfold
+from aggregate import Aggregator, Choice, Rows, segment_positions, unfold
 from checkpoint import TOKENIZER_FILES, CheckpointError, CheckpointReader, check_keys, read_json
 from llm import LLM, LLMConfig, causal_mask
 from processor import IMG_CONTEXT, Tokenizer, load_image  # noqa: F401  (load_image is public API)
@@ -232,10 +232,11 @@ class ParVL(nn.Module):
         mask: torch.Tensor | None = None,  # [B,1,T,S] bool over token slots, None = causal without padding
         input_pos: torch.Tensor | None = None,  # [T] KV-cache token slots, None = no cache
         rows: Rows | None = None,  # which language branch each LLM row runs (language_rows); None: all, fused
+        segments: torch.Tensor | None = None,  # [B,T] packed rows: the sample of each token, see aggregate.py
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B,T,C] final-normed states, weights [B,T,Pl] or None
         if rows is None:
             rows = self.language_rows(None, x.shape[0], x.device)
-        h = self.language_model(x, positions, mask, input_pos, rows)  # [R,T,C]
+        h = self.language_model(x, positions, mask, input_pos, rows, segments)  # [R,T,C]
         return unfold(h, rows, self.language_aggregator)
 
     def forward_with_weights(
@@ -245,17 +246,24 @@ class ParVL(nn.Module):
         attention_mask: torch.Tensor | None = None,  # [B,T], 1 = token, 0 = (left) padding
         vision_branch: Choice = None,
         language_branch: Choice = None,
+        segment_ids: torch.Tensor | None = None,  # [B,T] packed rows: sample 0, 1, ... of each token, then the padding
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # logits [B,T,V], weights
+        """Logits and the branch weights of a batch: one sample per row (attention_mask: left or right
+        padding), or several packed into each row (segment_ids, training): positions restart at 0 per
+        sample, which attends only to itself and its branch prefixes (aggregate.packed_mask)."""
         x, w_vision = self.embed(input_ids, pixel_values, vision_branch)
         B, T = input_ids.shape
-        if attention_mask is None:
+        rows = self.language_rows(language_branch, B, x.device)
+        if segment_ids is not None:
+            positions, mask = segment_positions(segment_ids), None  # the mask is built per row (LLM.forward)
+        elif attention_mask is None:
             positions = torch.arange(T, device=x.device).expand(B, T)
             mask = None  # plain causal: SDPA's fused kernels
         else:
             valid = attention_mask.bool()
             positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # every prompt starts at position 0
             mask = causal_mask(valid, torch.arange(T, device=x.device))
-        h, w_language = self.hidden(x, positions, mask, rows=self.language_rows(language_branch, B, x.device))
+        h, w_language = self.hidden(x, positions, mask, rows=rows, segments=segment_ids)
         return self.language_model.lm_head(h), w_vision, w_language
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,

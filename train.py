@@ -44,7 +44,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 
 from aggregate import entropy
 from checkpoint import CheckpointReader, check_not_run_folder, read_json
-from data import BAD_REASONS, IGNORE, BadRow, SFTData, check_bad_fraction, loss_weights, make_loader, sft_loss, validate
+from data import (BAD_REASONS, BadRow, SFTData, check_bad_fraction, filler_batch, loss_weights, make_loader, sft_loss,
+                  validate)
 from parvl import ParVL, config_from_json, is_branch_tensor
 from generate import OneLineParser, hms, peak_memory_gib
 from processor import Tokenizer
@@ -71,7 +72,8 @@ class TrainConfig:
     warmup_ratio: float = 0.03
     clip: float = 1.0  # max gradient norm
     global_batch: int = 512  # samples per optimizer step, whatever the world size
-    micro_batch: int = 1  # samples per forward on one rank
+    micro_batch: int = 1  # rows per forward on one rank: a sample each, or several packed (--packing)
+    packing: bool = True  # pack the samples of a step into rows of at most --max-seq-len tokens (data.py)
     max_seq_len: int = 32768
     max_tiles: int = 0  # tiles per row, shared by its images; 0 = the checkpoint's max_dynamic_patch (12)
     max_steps: int = 0  # 0 = one epoch
@@ -131,7 +133,10 @@ def parse_args(argv=None) -> TrainConfig:
         "pl": "language branches Pl; None = the checkpoint's", "lr_new": "peak learning rate of prefixes and aggregators",
         "lr_pretrained": "peak learning rate of the pretrained weights", "weight_decay": "AdamW weight decay",
         "warmup_ratio": "fraction of the steps in linear warm-up, in [0, 1)", "clip": "max gradient norm (L2)",
-        "global_batch": "samples per optimizer step, any world size", "micro_batch": "samples per forward per rank",
+        "global_batch": "samples per optimizer step, any world size",
+        "micro_batch": "rows per forward per rank; a row is one sample, or with --packing as many as fit in --max-seq-len",
+        "packing": "pack each rank's samples of a step into rows of at most --max-seq-len tokens (first fit, in order), "
+                   "each sample attending only to itself; --no-packing: one right-padded row per sample",
         "max_seq_len": "tokens per row, image tokens included; longer rows are skipped",
         "max_tiles": "448 px image tiles per row, shared by its images (0 = the checkpoint's max_dynamic_patch, 12 for InternVL3.5)",
         "max_steps": "optimizer steps, 0 = one epoch", "seed": "data order and RNG seed",
@@ -279,18 +284,27 @@ MAX_NAMED = 20  # bad rows named one by one (per rank in training, in all for --
 
 def name_bad_rows(data: SFTData, batches, named: int) -> int:
     """Name this rank's bad rows on stderr (file, line, why), the first MAX_NAMED of them. A Batch
-    keeps only the counts, so a bad row (the one with no supervised label) is read again for its
-    reason: rare, and cheap next to a training step."""
-    for b in batches:
-        if not b.bad or named >= MAX_NAMED:
-            continue
-        for row, supervised in zip(b.rows, (b.labels != IGNORE).any(1).tolist()):
-            item = data[row] if not supervised and named < MAX_NAMED else None
-            if isinstance(item, BadRow):
-                named += 1
-                print(f"warning: skipped bad row {item.detail} [{item.reason}]"
-                      + (f" (naming no more on rank {rank()})" if named == MAX_NAMED else ""), file=sys.stderr, flush=True)
+    keeps only their indices, so a bad row is read again for its reason: rare, and cheap next to a
+    training step."""
+    for row in (row for b in batches for row in b.bad_rows):
+        if named >= MAX_NAMED:
+            break
+        item = data[row]
+        if isinstance(item, BadRow):
+            named += 1
+            print(f"warning: skipped bad row {item.detail} [{item.reason}]"
+                  + (f" (naming no more on rank {rank()})" if named == MAX_NAMED else ""), file=sys.stderr, flush=True)
     return named
+
+
+def even_out(batches: list, group, pad_id: int, image_size: int) -> list:
+    """Packed steps: give every rank as many micro-batches as the one with the most (filler batches,
+    data.filler_batch), so that all ranks run the same FSDP collectives. The count is all-reduced on
+    the host (a gloo group): no device sync."""
+    n = torch.tensor([len(batches)])
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+    return batches + [filler_batch(pad_id, image_size) for _ in range(max(1, int(n)) - len(batches))]
 
 
 # -- the step ----------------------------------------------------------------------------------
@@ -306,15 +320,17 @@ def micro_loss(model: ParVL, batch, weight_sum: float | torch.Tensor, world: int
     the world size since FSDP averages gradients over ranks. Also returns the branch weights'
     entropies (nan if none)."""
     ids, labels = to_device(batch.input_ids, device), to_device(batch.labels, device)
+    segments = None if batch.segment_ids is None else to_device(batch.segment_ids, device)  # packed rows
     pixels = to_device(batch.pixel_values, device)
     tiles = pixels.shape[0]
     if tiles == 0 and model.cfg.vit is not None:
         size = model.cfg.vit.image_size
         pixels = torch.zeros(1, 3, size, size, device=device)  # text only: a dummy tile, see ParVL.embed
     # no padding (e.g. one sample per micro-batch): no mask, so attention keeps the causal fast path
-    mask = None if bool(batch.attention_mask.all()) else to_device(batch.attention_mask, device)  # checked on the host
-    logits, w_vision, w_language = model.forward_with_weights(ids, pixels if pixels.shape[0] else None, mask)
-    loss = sft_loss(logits, labels, weight_sum) * world
+    mask = None if segments is not None or bool(batch.attention_mask.all()) else to_device(batch.attention_mask, device)
+    logits, w_vision, w_language = model.forward_with_weights(ids, pixels if pixels.shape[0] else None, mask,
+                                                              segment_ids=segments)
+    loss = sft_loss(logits, labels, weight_sum, segments) * world
     nan = torch.full((), float("nan"), device=device)  # a fill, not a host-to-device copy
     w_vision = w_vision if tiles else None  # a dummy tile's weights say nothing
     ent = torch.stack([entropy(w.detach()) if w is not None else nan for w in (w_vision, w_language)])  # no host sync
@@ -472,8 +488,9 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
     if cfg.dtype == "auto":  # resolved before config.json is written, so the run records what it used
         cfg = replace(cfg, dtype="bf16" if device.type == "cuda" else "fp32")
     world = dist.get_world_size()
-    if cfg.global_batch % (world * cfg.micro_batch):
-        raise ValueError(f"--global-batch {cfg.global_batch} must divide into {world} ranks x --micro-batch {cfg.micro_batch}")
+    if cfg.global_batch % (world * (1 if cfg.packing else cfg.micro_batch)):
+        raise ValueError(f"--global-batch {cfg.global_batch} must divide into {world} ranks"
+                         + ("" if cfg.packing else f" x --micro-batch {cfg.micro_batch}"))
     steps_per_epoch = len(data) // cfg.global_batch
     if steps_per_epoch == 0:
         raise ValueError(f"{cfg.data}: {len(data)} rows, fewer than one global batch of {cfg.global_batch}")
@@ -500,28 +517,26 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
     vit_flops, llm_flops = train_flops_per_token(model)
     peak = cfg.peak_tflops or (989.0 if device.type == "cuda" and any(h in torch.cuda.get_device_name(device) for h in ("H100", "H200")) else 0.0)
     order = data.epoch_order(cfg.seed)
-    micro_per_step = cfg.global_batch // (world * cfg.micro_batch)
     loader = make_loader(data, order, rank(), world, cfg.global_batch, cfg.micro_batch, step, cfg.num_workers, pad_id=0,
-                         pin_memory=device.type == "cuda")  # pinned batches copy to the GPU without a host wait
+                         pin_memory=device.type == "cuda", packing=cfg.packing)  # pinned: copies without a host wait
+    host_group = dist.new_group(backend="gloo") if cfg.packing and world > 1 and device.type == "cuda" else None
     counts = meta.get("counts", {"seen": 0, "bad": {}})  # bad-row counts go on from the checkpoint
     bad_total, seen_total, t_start, first_step = dict(counts["bad"]), counts["seen"], time.perf_counter(), step
-    pending: list = []
     named = 0  # bad rows this rank has named on stderr
-    for s, _, batch in loader:
-        pending.append(batch)
-        if len(pending) < micro_per_step:
-            continue
-        batches, pending = pending, []
+    for s, batches in loader:
         if s >= total:
             break
+        if cfg.packing:
+            batches = even_out(batches, host_group, 0, data.image_size)
         torch.manual_seed(cfg.seed + 1_000_003 * (s + 1) + rank())  # the RNG stream is a function of (step, rank)
         t0 = time.perf_counter()
         named = name_bad_rows(data, batches, named)
         # one all-reduce for everything known before the forward (Eq. 6 weight sum, counts, bad rows by
         # reason); it stays on the device, where the loss divides by the weight sum, and the host reads
         # it together with the loss and the gradient norm: one host sync per step
-        local = torch.tensor([sum(float(loss_weights(b.labels).sum()) for b in batches), sum(b.num_samples for b in batches),
-                              sum(int(b.attention_mask.sum()) for b in batches), sum(b.pixel_values.shape[0] for b in batches),
+        local = torch.tensor([sum(float(loss_weights(b.labels, b.segment_ids).sum()) for b in batches),
+                              sum(b.num_samples for b in batches), sum(int(b.attention_mask.sum()) for b in batches),
+                              sum(b.input_ids.numel() for b in batches), sum(b.pixel_values.shape[0] for b in batches),
                               *(sum(b.bad.get(r, 0) for b in batches) for r in BAD_REASONS)], dtype=torch.float64)
         counts = to_device(local, device)
         dist.all_reduce(counts)
@@ -533,11 +548,12 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
                 loss = loss * float("nan")
             loss.backward()
             loss_sum = loss_sum + loss.detach()
-            ents.append(ent)
+            if batch.num_samples:  # a filler or all-bad micro-batch's weights say nothing
+                ents.append(ent)
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.clip)
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
         dist.all_reduce(loss_sum)  # the global loss is the ranks' sum over the world size (see micro_loss)
-        _, good, text_tokens, tiles, *bad, loss_value, grad_value = torch.cat(  # the step's one host sync
+        _, good, text_tokens, slots, tiles, *bad, loss_value, grad_value = torch.cat(  # the step's one host sync
             [counts, torch.stack([loss_sum / world, grad_norm]).double()]).tolist()
         if not (math.isfinite(loss_value) and math.isfinite(grad_value)):
             raise ValueError(f"step {s + 1}: non-finite loss {loss_value} or grad norm {grad_value}; "
@@ -557,11 +573,11 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
             vit_tokens = tiles * (model.cfg.vit.grid**2 + 1) if model.cfg.vit is not None else 0
             flops = vit_flops * vit_tokens + llm_flops * text_tokens
             mfu = flops / dt / world / (peak * 1e12) if peak else float("nan")
-            ent_v, ent_l = torch.stack(ents).nanmean(0).tolist()  # nan: no branch weights this step
+            ent_v, ent_l = torch.stack(ents).nanmean(0).tolist() if ents else (math.nan,) * 2  # nan: no branch weights
             eta = (time.perf_counter() - t_start) / (step - first_step) * (total - step)
             line = {"step": step, "loss": loss_value, "grad_norm": grad_value, "lr": lrs,
                     "tokens_per_s": (text_tokens + vit_tokens) / dt,
-                    "mfu": mfu, "step_flops": flops, "peak_gib": peak_memory_gib(device), "eta_s": eta,
+                    "mfu": mfu, "step_flops": flops, "pad_frac": 1 - text_tokens / slots, "peak_gib": peak_memory_gib(device), "eta_s": eta,
                     "entropy_vision": ent_v, "entropy_language": ent_l, "bad_rows": bad_total}
             line = finite(line)  # NaN (no MFU on CPU, no branch weights) as null: JSON has no NaN
             log(json.dumps(line))

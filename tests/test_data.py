@@ -328,7 +328,8 @@ def test_resume_equals_tail_of_uninterrupted_run():
                 assert list(resumed.schedule()) == sched[cut:]
 
 
-def test_make_loader_workers_match_single_process(tmp_path, tok):
+@pytest.mark.parametrize("packing", [False, True])
+def test_make_loader_workers_match_single_process(tmp_path, tok, packing):
     pics = [image(tmp_path / f"w{k}.png", 200 + 150 * k, 180, seed=k) for k in range(3)]
     rows = [chat("<image>\nq", f"a{k}", image=pics[k % 3]) for k in range(9)] + ["bad", chat("t", "x")]
     d = make_data(tmp_path, tok, rows, {"data_augment": True}, seed=5)
@@ -336,14 +337,16 @@ def test_make_loader_workers_match_single_process(tmp_path, tok):
 
     def run(workers, start=0):
         return list(make_loader(d, order, rank=1, world=2, global_batch=4, micro_batch=1,
-                                start_step=start, num_workers=workers, pad_id=0))
+                                start_step=start, num_workers=workers, pad_id=0, packing=packing))
     single, multi = run(0), run(2)
-    assert [(s, m) for s, m, _ in single] == [(s, m) for s in range(2) for m in range(2)]
-    assert len(single) == len(multi) == 4
-    for (s0, m0, b0), (s1, m1, b1) in zip(single, multi):
-        assert (s0, m0) == (s1, m1) and b0.rows == b1.rows and b0.bad == b1.bad
-        for f in ("input_ids", "labels", "attention_mask", "pixel_values"):
-            assert torch.equal(getattr(b0, f), getattr(b1, f)), f
-    # This rank's rows: the second half of each global batch of 4.
-    assert sum((b.rows for _, _, b in single), []) == order[2:4].tolist() + order[6:8].tolist()
-    assert [b.rows for _, _, b in run(0, start=1)] == [b.rows for _, _, b in single[2:]]
+    assert [s for s, _ in single] == [s for s, _ in multi] == [0, 1]
+    for (_, b0), (_, b1) in zip(single, multi):
+        assert len(b0) == len(b1) == (1 if packing else 2)  # packed: the 2 samples of a step share a row
+        for x, y in zip(b0, b1):
+            assert x.rows == y.rows and x.bad == y.bad and x.bad_rows == y.bad_rows
+            for f in ("input_ids", "labels", "attention_mask", "pixel_values", "segment_ids"):
+                assert (getattr(x, f) is None and getattr(y, f) is None) or torch.equal(getattr(x, f), getattr(y, f)), f
+    # This rank's rows: the second half of each global batch of 4, in order (bad ones named apart).
+    seen = [b.rows + (b.bad_rows if packing else []) for _, bs in single for b in bs]
+    assert sorted(sum(seen, [])) == sorted(order[2:4].tolist() + order[6:8].tolist())
+    assert [[b.rows for b in bs] for _, bs in run(0, start=1)] == [[b.rows for b in bs] for _, bs in single[1:]]
