@@ -7,8 +7,11 @@
 Full-parameter SFT for one epoch from an InternVL3.5 (or ParVL) checkpoint on data in the official
 InternVL format (data.py). The loss is Eq. 6: every supervised token of sample b weighs 1/sqrt(n_b),
 normalised by the sum of the weights over the whole global batch (all micro-batches, all ranks), so
-the value does not depend on how the batch is split. AdamW with two learning rates (new branch
-tensors / pretrained weights), 3 % linear warm-up then cosine to zero, gradient clipping.
+the value does not depend on how the batch is split, nor on packing: by default each rank packs its
+samples of a step into rows of at most --max-seq-len tokens (data.py), every sample attending only
+to itself and its branch prefixes (aggregate.packed_mask: flex_attention on CUDA, a dense mask on
+CPU). AdamW with two learning rates (new branch tensors / pretrained weights), 3 % linear warm-up
+then cosine to zero, gradient clipping.
 
 Parallelism follows torchtitan: activation checkpointing per block, optional torch.compile per
 block, fully_shard on every ViT and LLM block and then the root, MixedPrecisionPolicy (bf16
@@ -576,7 +579,7 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
             ent_v, ent_l = torch.stack(ents).nanmean(0).tolist() if ents else (math.nan,) * 2  # nan: no branch weights
             eta = (time.perf_counter() - t_start) / (step - first_step) * (total - step)
             line = {"step": step, "loss": loss_value, "grad_norm": grad_value, "lr": lrs,
-                    "tokens_per_s": (text_tokens + vit_tokens) / dt,
+                    "tokens_per_s": (text_tokens + vit_tokens) / dt, "samples_per_s": good / dt,
                     "mfu": mfu, "step_flops": flops, "pad_frac": 1 - text_tokens / slots, "peak_gib": peak_memory_gib(device), "eta_s": eta,
                     "entropy_vision": ent_v, "entropy_language": ent_l, "bad_rows": bad_total}
             line = finite(line)  # NaN (no MFU on CPU, no branch weights) as null: JSON has no NaN

@@ -13,8 +13,8 @@ Steps, each in its own process with a time limit, so one failure never stops the
    Table S7 layout next to the paper's numbers, and the Table 4 ratios.
 3. training: a short FSDP2 run of train.py (torchrun, one process per GPU) of the 1B architecture
    with random weights on synthetic rows of the paper's shape (one 2-tile image + thumbnail = 768
-   image tokens, about 256 text tokens), 1:1 and 2:2 with --compile; tokens/s and MFU of the steps
-   after compilation.
+   image tokens, about 256 text tokens), 1:1 and 2:2 with --compile, packed (the step's 8 samples in
+   one row: flex_attention under a BlockMask); tokens/s, MFU and padding of the steps after compilation.
 
 Everything goes to OUT/h200.json (every figure, each step's status and the tail of its output) and
 OUT/h200.md (the tables). The tokenizer of the synthetic checkpoint is the tests' tiny byte-level BPE
@@ -118,7 +118,7 @@ def step_training(out: Path, dry: bool) -> dict:
                str(max(1, _gpus())), "train.py", "--model", str(meta.parent / "model"), "--data", str(meta),
                "--out", str(out / f"train_{p}x{p}"), "--pv", str(p), "--pl", str(p), "--max-steps", str(steps),
                "--global-batch", str(batch), "--micro-batch", "1", "--max-tiles", "2", "--save-every", "100000",
-               "--num-workers", "2"] + ([] if dry else ["--compile"])
+               "--num-workers", "2", "--packing"] + ([] if dry else ["--compile"])
         res = run(cmd, 120 if dry else 240)
         metrics = out / f"train_{p}x{p}" / "metrics.jsonl"
         lines = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
@@ -128,6 +128,7 @@ def step_training(out: Path, dry: bool) -> dict:
             res["tokens_per_s"] = statistics.median(x["tokens_per_s"] for x in steady)
             mfu = [x["mfu"] for x in steady if x.get("mfu") is not None]
             res["mfu"] = statistics.median(mfu) if mfu else None
+            res["pad_frac"] = statistics.median(x["pad_frac"] for x in steady)
         runs[f"{p}:{p}"] = res
     status = "ok" if all(r["status"] == "ok" and r.get("steps") == steps for r in runs.values()) else "failed"
     return {"status": status, "runs": runs}
