@@ -18,10 +18,10 @@ Packing (`make_loader(packing=True)`, train.py's default). The bounded buffer is
 one optimizer step (global_batch / world samples, in the seeded order), so a step keeps exactly its
 samples and resuming keeps its meaning. First fit in order: each sample goes into the first row that
 still has room for it within max_seq_len tokens, else opens a new row; micro-batches are
-`micro_batch` consecutive rows, padded to their longest row. The waste is that padding plus the
-rows' unused tails, typically a few percent once samples are much shorter than max_seq_len (train.py
-logs it as pad_frac). The number of micro-batches then differs between ranks and steps; train.py
-evens it out.
+`micro_batch` consecutive rows, padded to their longest row. The only waste is that padding: none
+with one row per micro-batch; with several, first fit leaves the rows opened early nearly full, so it
+stays small while samples are much shorter than max_seq_len (train.py logs it as pad_frac). The
+number of micro-batches then differs between ranks and steps; train.py evens it out.
 
 Meta file: {name: {"root", "annotation", "repeat_time", "length", "data_augment",
 "max_dynamic_patch"?}}. A relative "annotation" or "root" is taken relative to the meta file's

@@ -43,7 +43,7 @@ from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
 WORDS = ["the", "chart", "shows", "a", "value", "of", "image", "red", "blue", "line", "sum", "what", "is", "cat"]
 # (share of rows, words in the answer): the length mix
-MIX = [(0.70, (10, 60)), (0.25, (150, 350)), (0.05, (900, 1300))]
+MIX = [(0.70, (5, 30)), (0.25, (50, 150)), (0.05, (350, 650))]  # about 2.8 tokens a word
 
 
 def write_run_inputs(folder: Path, rows: int, seed: int = 0) -> tuple[Path, Path]:

@@ -12,7 +12,7 @@ from aggregate import BLOCK, Rows, packed_mask, prefix_attention, segment_positi
 from data import IGNORE, BadRow, Sample, SFTData, collate, loss_weights, pack_rows, pack_step
 from parvl import ParVL
 from processor import Tokenizer
-from test_train import COMMON, metrics, run_train, write_dataset
+from test_train import COMMON, meta, metrics, model_dir, run_train  # noqa: F401  (meta, model_dir: fixtures)
 from train import micro_loss
 
 # Rows of packed samples: lengths of the samples in each row, then the row's padding (the last row
@@ -137,16 +137,6 @@ def test_first_fit_packing_in_order_and_bad_rows_counted():
     assert two.num_tiles == [1, 1] and two.pixel_values[:, 0, 0, 0].tolist() == [3.0, 5.0]  # row by row, sample by sample
     only_bad = pack_step([items[1]], 10, 1, 0, 8)
     assert len(only_bad) == 1 and only_bad[0].num_samples == 0 and loss_weights(only_bad[0].labels).sum() == 0
-
-
-@pytest.fixture(scope="module")
-def model_dir(checkpoint):
-    return checkpoint("qwen3", "original")
-
-
-@pytest.fixture(scope="module")
-def meta(tmp_path_factory):
-    return write_dataset(tmp_path_factory.mktemp("data"), rows=16)
 
 
 @pytest.mark.parametrize("pv,pl", [(1, 1), (2, 2)])
