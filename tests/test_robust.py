@@ -250,6 +250,13 @@ def test_signal_abandons_the_step_and_keeps_the_checkpoints(model_dir, tmp_path,
     assert not any(n.endswith(".tmp") for n in names), names  # a save cut short leaves nothing behind
     assert all(runs.verify_checkpoint(out / "checkpoints" / n) is None for n in names)
     assert line.endswith(f"{runs.checkpoints(out)[-1]} (continue with --resume)"), line
+    if sig == signal.SIGTERM:  # the newest checkpoint loads: a resume goes on from it for one more step
+        newest = runs.checkpoints(out)[-1]
+        step = int(newest.name.split("_")[1])
+        res = subprocess.run(cmd + ["--resume", "--max-steps", str(step + 1)], capture_output=True, text=True,
+                             timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert res.returncode == 0 and f"resuming from {newest} at step {step}" in res.stderr, res.stderr[-2000:]
+        assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()][-1] == step + 1
 
 
 # -- 4. torchrun: flags are rejected once, before the process group ---------------------------------
