@@ -16,6 +16,11 @@ the median next to it. Ours runs eager and with `Engine(model, compile=True)`; c
 first compiled generate minus a steady one. Not a test (pytest never collects it): it lives in
 tests/ because the reference model and the checkpoint helpers are test-only.
 
+The weight-bandwidth floor is the decoder's weights (all but the embedding table, which a step reads
+one row of) over the rate torch.sum reads a buffer at least that large: no step can stream its
+weights faster. The rate is measured right before and after every run (the better one counts), as a
+shared host's memory bandwidth drifts; "of floor" is each run's floor over its ms per token, median run.
+
     python tests/bench_generate.py                        # defaults below, a few minutes on 2 cores
     python tests/bench_generate.py --dtype bf16 --tiles 1 --vocab 32768
     python tests/bench_generate.py --profile              # + the top CPU ops of one generate per side
@@ -186,6 +191,18 @@ def run_ours(engine: Engine, ids: list[int], pixel_values, n: int, stop_ids: lis
     return time.perf_counter() - t0, res.prefill_s, res.decode_s, res.tokens[0]
 
 
+def read_bandwidth(nbytes: int, repeats: int = 10) -> float:
+    """Bytes per second one torch.sum reads from a fresh fp32 buffer of nbytes (at least 256 MB, past
+    any cache), best of `repeats`: the rate at which a decode step could at best stream its weights."""
+    buf = torch.ones(max(nbytes, 2**28) // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * 4 / best
+
+
 def same_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -213,17 +230,17 @@ def profile_decode(label: str, run, steps: int) -> dict[str, float]:
 def ours_stepped(engine: Engine, run):
     """run(step) for profile_decode: our engine with step() called before every decode call."""
     def go(step):
-        decode = engine.decode
+        decode = engine.step
 
         def stepped(*args):
             step()
             return decode(*args)
 
-        engine.decode = stepped
+        engine.step = stepped
         try:
             run()
         finally:
-            engine.decode = decode
+            engine.step = decode
     return go
 
 
@@ -279,12 +296,18 @@ def main(argv=None) -> int:
     if load_before > 0.5 + cfg.threads:
         print(f"warning: load average {load_before:.1f} on {os.cpu_count()} CPUs: other processes are running, "
               f"and threads spinning in one another's way can slow any side by several times")
+    # the machine's read rate drifts on a shared host (45 to 80 GB/s within minutes here), so each run
+    # gets its own floor: the better of the rates measured right before and right after it
+    reads = {side: [] for side in sides}
     for r in range(cfg.repeats):
         for side, fn in sides.items():
+            before = read_bandwidth(step_bytes, repeats=5)
             runs[side].append(fn()[:3])
+            reads[side].append(max(before, read_bandwidth(step_bytes, repeats=5)))
         print(f"round {r + 1}/{cfg.repeats}: " + ", ".join(
             f"{side} ttft {1e3 * rs[-1][1]:.0f} ms + decode {rs[-1][2]:.2f} s" for side, rs in runs.items()))
     load_after = os.getloadavg()[0]
+    bandwidths = [b for bs in reads.values() for b in bs]
 
     # Best of the rounds: on a shared CPU other processes only ever add time. Medians go in the JSON.
     rows = {}
@@ -296,6 +319,8 @@ def main(argv=None) -> int:
             "ttft_ms_median": round(1e3 * statistics.median(ttfts), 1),
             "decode_tok_s_median": round(statistics.median(tok_s), 2),
             "weight_gb_s": round(step_bytes * max(tok_s) / 1e9, 1),  # decoder weights read per second
+            # per run, the floor (its weights at the read rate around it) over its ms per token; the median run
+            "of_floor": round(statistics.median(step_bytes * t / b for t, b in zip(tok_s, reads[side])), 3),
         }
     compile_s = first["ours compiled"][0] - rows["ours compiled"]["total_s"]  # first call minus the best one
     hf = rows["transformers"]
@@ -303,13 +328,19 @@ def main(argv=None) -> int:
     print(f"\nbest of {cfg.repeats} interleaved rounds (median in brackets); N = {N}, prompt {len(ids)} tokens, "
           f"{cfg.tiles} tiles, {cfg.dtype}, {cfg.threads} threads; load average {load_before:.1f} -> {load_after:.1f}")
     head = (f"{'side':<15}{'TTFT ms':>18}{'decode tok/s':>20}{'ms/token':>10}{'total s':>9}{'weights GB/s':>14}"
-            f"{'decode vs HF':>14}{'TTFT vs HF':>12}")
+            f"{'of floor':>10}{'decode vs HF':>14}{'TTFT vs HF':>12}")
     print(head + "\n" + "-" * len(head))
     for side, row in rows.items():
         ttft = f"{row['ttft_ms']:.0f} ({row['ttft_ms_median']:.0f})"
         tok_s = f"{row['decode_tok_s']:.2f} ({row['decode_tok_s_median']:.2f})"
         print(f"{side:<15}{ttft:>18}{tok_s:>20}{row['decode_ms_per_token']:>10.1f}{row['total_s']:>9.2f}"
-              f"{row['weight_gb_s']:>14.1f}{row['decode_tok_s'] / hf['decode_tok_s']:>13.2f}x{row['ttft_ms'] / hf['ttft_ms']:>11.2f}x")
+              f"{row['weight_gb_s']:>14.1f}{100 * row['of_floor']:>9.0f}%"
+              f"{row['decode_tok_s'] / hf['decode_tok_s']:>13.2f}x{row['ttft_ms'] / hf['ttft_ms']:>11.2f}x")
+    lo, mid, hi = min(bandwidths), statistics.median(bandwidths), max(bandwidths)
+    print(f"weight-bandwidth floor: {step_bytes / 1e6:.0f} MB of decoder weights per token at the rate torch.sum reads a "
+          f"{max(step_bytes, 2**28) / 1e6:.0f} MB buffer around each run, {lo / 1e9:.1f} / {mid / 1e9:.1f} / {hi / 1e9:.1f} "
+          f"GB/s (min / median / max) = {1e3 * step_bytes / hi:.2f} - {1e3 * step_bytes / lo:.2f} ms/token; 'of floor': "
+          f"each run's floor over its ms/token, the median run")
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB; both sides' models
     print(f"compile, cold (first compiled generate minus the best one): {compile_s:.1f} s; decoder weights read per "
           f"token {step_bytes / 1e6:.0f} MB; peak RSS {peak_gib:.2f} GiB (all three sides); greedy tokens identical: "
@@ -328,6 +359,7 @@ def main(argv=None) -> int:
     print(json.dumps({
         "bench": "generate", "config": asdict(cfg), "params_m": round(params / 1e6, 1), "prompt_tokens": len(ids),
         "tokens_match": match, "compile_s": round(compile_s, 2), "step_weight_mb": round(step_bytes / 1e6, 1),
+        "read_gb_s": [round(b / 1e9, 1) for b in (lo, mid, hi)], "floor_ms_per_token": round(1e3 * step_bytes / mid, 3),
         "peak_rss_gib": round(peak_gib, 2), "loadavg": [round(load_before, 2), round(load_after, 2)],
         "torch": torch.__version__, "transformers_version": transformers.__version__,
         **{side.replace(" ", "_"): row for side, row in rows.items()},

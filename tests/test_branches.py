@@ -515,32 +515,37 @@ def test_per_sample_pairs_differ_where_the_branches_differ():
     assert (a - b)[real].abs().max() > 1e-2 and (a - c)[real].abs().max() > 1e-2
 
 
-def test_compiled_decode_equals_eager_with_per_sample_pairs():
-    """decode_one_token compiled (fullgraph) against eager on the same cache state: logits and the
-    generated tokens, for per-sample pairs, dense and shared KV."""
-    from generate import decode_one_token, prefill
+@pytest.mark.parametrize("batch", [1, 3])
+def test_compiled_decode_equals_eager_in_every_branch_mode(batch):
+    """decode_one_token compiled as Engine compiles it on CPU (fullgraph, the gemv backend) against
+    eager on the same cache state: logits and the generated tokens, for per-sample pairs, dense and
+    shared KV. One sample keeps every mode at <= GEMV_ROWS rows (gemv); three samples put the dense
+    modes' 9 rows past it (the BLAS), with left padding."""
+    from generate import GEMV_ROWS, cpu_backend, decode_one_token, prefill
 
     model = make_branches_matter(tiny(pv=2, pl=3, seed=43))
-    samples = [prompt(1, text=7, seed=44), prompt(0, text=12, seed=45), prompt(2, text=5, seed=46)]
+    samples = [prompt(1, text=7, seed=44), prompt(0, text=12, seed=45), prompt(2, text=5, seed=46)][:batch]
     prompts = [s.tolist() for s, _ in samples]
     ids, mask, pixels = left_padded(samples)
-    valid = mask.bool()
-    compiled = torch.compile(decode_one_token, fullgraph=True)
-    for lb, shared in [([2, 0, 1], False), (None, False), (None, True)]:
-        rows = model.language_rows(lb, 3, "cpu", shared)
+    valid, vb = mask.bool(), [1, 0, 1][:batch]
+    compiled = torch.compile(decode_one_token, backend=cpu_backend, fullgraph=True)
+    for lb, shared in [([2, 0, 1][:batch], False), (None, False), (None, True)]:
+        rows = model.language_rows(lb, batch, "cpu", shared)
+        # the path each case takes: gemv for one sample and for pairs, the BLAS for 3 samples x 3 dense rows
+        assert (len(rows.branch) <= GEMV_ROWS) == (batch == 1 or lb is not None), len(rows.branch)
         S = ids.shape[1] + 8
         model.language_model.setup_cache(rows, S)
         with torch.no_grad():
-            logits = prefill(model, ids, pixels, valid, True, [1, 0, 1], rows)
+            logits = prefill(model, ids, pixels, valid, batch > 1, vb, rows)
             token = logits.argmax(-1, keepdim=True)
-            key_valid = torch.ones(3, S, dtype=torch.bool)
+            key_valid = torch.ones(batch, S, dtype=torch.bool)
             key_valid[:, : ids.shape[1]] = valid
             pos, positions = torch.tensor([ids.shape[1]]), valid.sum(-1, keepdim=True)
             eager = decode_one_token(model, token, pos, positions, key_valid, rows)
             fast = compiled(model, token, pos, positions, key_valid, rows)  # rewrites the same slot
         torch.testing.assert_close(fast, eager, atol=1e-5, rtol=1e-5)
         cfg = GenerateConfig(max_new_tokens=NEW, ignore_eos=True)
-        kw = dict(vision_branch=[1, 0, 1], language_branch=lb)
+        kw = dict(vision_branch=vb, language_branch=lb)
         assert (Engine(model, compile=True, shared_kv=shared).generate(prompts, pixels, cfg, [], **kw).tokens
                 == Engine(model, shared_kv=shared).generate(prompts, pixels, cfg, [], **kw).tokens)
 
@@ -560,9 +565,11 @@ def test_bad_branch_choices_are_refused():
 
 def test_length_buckets_equal_full_cache_attention():
     """Decode attends over the written slots rounded up to a bucket: the same logits as over the whole
-    cache (the masked slots weigh exactly 0), and the same tokens, for dense, shared-KV and per-sample
-    rows with left padding."""
-    from generate import decode_one_token, prefill
+    cache (the masked slots weigh exactly 0), eager and compiled as Engine compiles it, and the same
+    tokens, for dense, shared-KV and per-sample rows with left padding."""
+    from generate import cpu_backend, decode_one_token, prefill
+
+    compiled = torch.compile(decode_one_token, backend=cpu_backend, fullgraph=True)
 
     model = make_branches_matter(tiny(pv=2, pl=2, seed=50))
     samples = [prompt(1, text=7, seed=51), prompt(0, text=12, seed=52)]
@@ -578,7 +585,9 @@ def test_length_buckets_equal_full_cache_attention():
             step = (token, torch.tensor([T]), valid.sum(-1, keepdim=True))
             full = decode_one_token(model, *step, key_valid, rows)
             bucketed = decode_one_token(model, *step, key_valid[:, : T + 7], rows)  # rewrites the same slot
+            bucketed_compiled = compiled(model, *step, key_valid[:, : T + 7], rows)
         torch.testing.assert_close(bucketed, full, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(bucketed_compiled, full, atol=1e-5, rtol=1e-5)
         prompts = [s.tolist() for s, _ in samples]
         gen = lambda bucket: Engine(model, shared_kv=shared).generate(  # noqa: E731
             prompts, pixels, GenerateConfig(max_new_tokens=NEW, ignore_eos=True, bucket=bucket), [], language_branch=lb).tokens

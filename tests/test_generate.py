@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 
 from conftest import random_pixels
-from generate import Engine, GenerateConfig, Streamer, decode_one_token, prefill
+from generate import GEMV_ROWS, Engine, GenerateConfig, Streamer, cpu_backend, decode_one_token, prefill
 from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
 
@@ -119,8 +120,36 @@ def test_compiled_decode_equals_eager(qwen3):
         logits = prefill(model, torch.tensor([ids]), pv, torch.ones(1, T, dtype=torch.bool), False, None, rows)
         step = (logits.argmax(-1, keepdim=True), torch.tensor([T]), torch.tensor([[T]]), torch.ones(1, T + 4, dtype=torch.bool), rows)
         eager_logits = decode_one_token(model, *step)
-        compiled_logits = torch.compile(decode_one_token, fullgraph=True)(model, *step)  # rewrites the same slot
+        compiled = torch.compile(decode_one_token, backend=cpu_backend, fullgraph=True)  # as Engine on CPU
+        compiled_logits = compiled(model, *step)  # rewrites the same slot
     torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_backend_rewrites_few_row_linears(dtype):
+    """The CPU decode backend turns exactly the linears of <= GEMV_ROWS rows into gemv (a graph that
+    stops matching would silently lose the speed-up), and gemv equals F.linear, with and without bias."""
+    from generate import gemv
+
+    torch.manual_seed(0)
+    w, b = torch.randn(48, 32, dtype=dtype), torch.randn(48, dtype=dtype)
+    x_few, x_many = torch.randn(1, GEMV_ROWS, 32, dtype=dtype), torch.randn(3, GEMV_ROWS, 32, dtype=dtype)
+    targets = []
+
+    def spy(gm, example_inputs):
+        compiled = cpu_backend(gm, example_inputs)  # rewrites gm in place
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in (gemv, F.linear))
+        return compiled
+
+    def linears(x_few, x_many):
+        return F.linear(x_few, w), F.linear(x_few, w, b), F.linear(x_many, w, b)
+
+    got = torch.compile(linears, backend=spy, fullgraph=True)(x_few, x_many)
+    assert targets == [gemv, gemv, F.linear], targets  # the 3 x GEMV_ROWS rows stay with the BLAS
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # bf16: one rounding
+    for have, want in zip(got, linears(x_few, x_many)):
+        torch.testing.assert_close(have, want, **tol)
+    torch.testing.assert_close(gemv(x_many, w, b), F.linear(x_many, w, b), **tol)  # any rows, eager too
 
 
 def test_seed_reproduces_sampling_and_stream_concatenates(qwen3):
