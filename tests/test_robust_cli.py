@@ -39,10 +39,9 @@ def gen_main(capsys, *args) -> tuple[int, str, str]:
     return code, cap.out, cap.err
 
 
-@pytest.mark.parametrize("device", ["tpu9", "cuda", "cuda:99"])
+@pytest.mark.parametrize("device", ["tpu9", pytest.param("cuda", marks=pytest.mark.skipif(
+    torch.cuda.is_available(), reason="--device cuda is a good device where CUDA exists")), "cuda:99"])
 def test_bad_device_is_one_precise_line(model_dir, png, capsys, device):
-    if device == "cuda" and torch.cuda.is_available():
-        pytest.skip("CUDA is available here")
     code, _, err = gen_main(capsys, png, "q", "--model", model_dir, "--device", device)
     line = one_line(err)
     assert code == 1 and f"--device {device}" in line.replace("'", "") and "safetensors" not in line, line
