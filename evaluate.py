@@ -599,4 +599,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from runs import exit_process  # torchrun's processes skip the teardown that can abort
+
+    exit_process(main())

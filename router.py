@@ -771,4 +771,6 @@ def log(msg: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from runs import exit_process  # torchrun's processes skip the teardown that can abort
+
+    exit_process(main())

@@ -52,7 +52,7 @@ from data import (BAD_REASONS, BadRow, SFTData, check_bad_fraction, filler_batch
 from parvl import ParVL, config_from_json, is_branch_tensor
 from generate import OneLineParser, hms, peak_memory_gib
 from processor import Tokenizer
-from runs import (check_out, checkpoints, discard_run, export, finite, note, os_cause, rank, resume,
+from runs import (check_out, checkpoints, discard_run, exit_process, export, finite, note, os_cause, rank, resume,
                   save_checkpoint, trim_metrics)
 
 
@@ -601,4 +601,4 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
