@@ -317,7 +317,8 @@ def label(cfg: LabelConfig) -> int:
     if tok.token_to_id(IM_START) is None:
         raise RouterError(f"{cfg.model}: the tokenizer has no {IM_START} token")
     data = SFTData(cfg.data, tok, max_tiles=cfg.max_tiles, max_seq_len=cfg.max_seq_len,
-                   image_token_id=model.cfg.image_token_id, seed=cfg.seed)
+                   image_token_id=model.cfg.image_token_id, seed=cfg.seed,
+                   max_positions=model.cfg.llm.max_position_embeddings)
     job = {"checkpoint": str(cfg.model), "fingerprint": fingerprint(model), "data": str(cfg.data),
            "data_fingerprint": data_fingerprint(data), "rows": len(data), "batch_size": cfg.batch_size,
            "max_tiles": cfg.max_tiles, "max_seq_len": cfg.max_seq_len, "seed": cfg.seed,
@@ -424,7 +425,8 @@ def open_data(meta: dict, data_path: str | None, model: ParVL, where: str) -> SF
     path = data_path or meta["data"]
     tok = Tokenizer.from_pretrained(model.source_dir)
     data = SFTData(path, tok, max_tiles=meta["max_tiles"], max_seq_len=meta["max_seq_len"],
-                   image_token_id=model.cfg.image_token_id, seed=meta["seed"])
+                   image_token_id=model.cfg.image_token_id, seed=meta["seed"],
+                   max_positions=model.cfg.llm.max_position_embeddings)
     if data_fingerprint(data) != meta["data_fingerprint"]:
         raise RouterError(f"{where}: labelled on data {meta['data_fingerprint']} ({meta['data']}), "
                           f"{path} is {data_fingerprint(data)} (other rows or annotation files)")

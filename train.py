@@ -140,8 +140,9 @@ def parse_args(argv=None) -> TrainConfig:
         "micro_batch": "rows per forward per rank; a row is one sample, or with --packing as many as fit in --max-seq-len",
         "packing": "pack each rank's samples of a step into rows of at most --max-seq-len tokens (first fit, in order), "
                    "each sample attending only to itself; --no-packing: one right-padded row per sample",
-        "max_seq_len": "tokens per row, image tokens included; longer rows are skipped",
-        "max_tiles": "448 px image tiles per row, shared by its images (0 = the checkpoint's max_dynamic_patch, 12 for InternVL3.5)",
+        "max_seq_len": "tokens per sample, image tokens included (longer samples are skipped as too_long), and "
+                       "with --packing the length of a packed row",
+        "max_tiles": "448 px image tiles per sample, shared by its images (0 = the checkpoint's max_dynamic_patch, 12 for InternVL3.5)",
         "max_steps": "optimizer steps, 0 = one epoch", "seed": "data order and RNG seed",
         "dtype": "parameter dtype inside FSDP mixed precision (gradients reduce in fp32); auto = bf16 on CUDA, fp32 on CPU",
         "compile": "torch.compile every ViT and LLM block", "activation_checkpointing": "recompute each block in backward",
@@ -443,7 +444,7 @@ def main(argv=None) -> int:
             raise ValueError(f"--model {cfg.model}: a language-only checkpoint; train.py trains vision-language models")
         data = SFTData(cfg.data, tok, max_tiles=cfg.max_tiles or mcfg.max_dynamic_patch, max_seq_len=cfg.max_seq_len,
                        image_token_id=mcfg.image_token_id, num_image_token=mcfg.tokens_per_tile,
-                       image_size=mcfg.vit.image_size, seed=cfg.seed)
+                       image_size=mcfg.vit.image_size, seed=cfg.seed, max_positions=mcfg.llm.max_position_embeddings)
         if cfg.validate_data:
             bad: list[BadRow] = []
             counts = validate(data, bad_rows=bad, max_listed=MAX_NAMED)

@@ -205,6 +205,33 @@ def test_bad_rows_counted_and_threshold(model_dir, tmp_path):
     assert res.returncode != 0 and "bad" in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
 
 
+def test_samples_past_the_position_table_are_too_long(model_dir, meta, tmp_path):
+    """A sample longer than the model's rotary table (max_position_embeddings) is a too_long bad row,
+    whatever --max-seq-len allows, not an index error in the middle of a step."""
+    from checkpoint import read_json
+    from parvl import config_from_json
+
+    mcfg = config_from_json(read_json(model_dir / "config.json"), model_dir)
+    data = SFTData(meta, Tokenizer.from_pretrained(model_dir), max_tiles=2, image_token_id=mcfg.image_token_id,
+                   num_image_token=mcfg.tokens_per_tile, image_size=mcfg.vit.image_size)
+    lengths = sorted(len(data[i].input_ids) for i in range(len(data)))
+    limit = lengths[len(lengths) // 2]  # half the samples fit, the rest are longer
+    small = tmp_path / "ckpt"
+    shutil.copytree(model_dir, small)
+    raw = read_json(small / "config.json")
+    raw["llm_config"]["max_position_embeddings"] = limit
+    (small / "config.json").write_text(json.dumps(raw))
+    over = sum(n > limit for n in lengths)
+    assert 0 < over < len(lengths)
+    out = tmp_path / "run"  # one epoch: every sample is seen once, so every long one is counted
+    run_train("--model", small, "--data", meta, "--out", out, "--max-steps", "0", "--max-bad-frac", "1", *COMMON)
+    assert metrics(out)[-1]["bad_rows"] == {"too_long": over}
+    res = run_train("--model", small, "--data", meta, "--out", tmp_path / "strict", "--max-steps", "0", *COMMON,
+                    check=False)  # the default --max-bad-frac: one line, no traceback
+    last = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and "rows are bad" in last and "Traceback" not in res.stderr, res.stderr[-2000:]
+
+
 def test_nan_stops_before_the_update(model_dir, meta, tmp_path):
     out = tmp_path / "nan"
     res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", "3", "--save-every", "1",
