@@ -392,6 +392,68 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor, weight_sum: float | tor
     return (token_nll(logits, labels) * w).sum() / weight_sum
 
 
+LOSS_CHUNK = 2048  # positions whose logits exist at once in chunked_sft_loss: [2048, 151936] fp32 is 1.2 GB
+
+
+def chunked_sft_loss(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weight_sum: float | torch.Tensor,
+                     segment_ids: torch.Tensor | None = None, chunk: int = LOSS_CHUNK) -> torch.Tensor:
+    """sft_loss(h @ head.T, labels, weight_sum, segment_ids) from the final hidden states h [B, T, C]
+    and the lm_head weight [V, C], without the [B, T, V] logits: at 32K tokens and InternVL3.5's
+    151,936-word vocabulary those are 20 GB in fp32, plus as much again for their gradient.
+    ChunkedLinearNLL scores `chunk` positions at a time and computes their gradients right there, so
+    one chunk's logits exist at once and nothing is recomputed in backward."""
+    w = loss_weights(labels, segment_ids)[:, :-1]  # [B, T-1], 0 where the target is not supervised
+    C = h.shape[-1]
+    x = h[:, :-1].reshape(-1, C)  # [B*(T-1), C] position t predicts labels[:, t+1]
+    y = labels[:, 1:].reshape(-1)  # [B*(T-1)]
+    if torch.is_grad_enabled() and (x.requires_grad or head.requires_grad):
+        return ChunkedLinearNLL.apply(x, head, y, w.reshape(-1), chunk) / weight_sum
+    return linear_nll(x, head, y, w.reshape(-1), chunk, False, False)[0] / weight_sum  # no gradients to compute
+
+
+def linear_nll(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, w: torch.Tensor, chunk: int, need_x: bool,
+               need_w: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """ChunkedLinearNLL's work: x [N, C], weight [V, C], y [N], w [N] -> the weighted NLL sum and, where
+    asked for, its gradients dx [N, C] (x's dtype) and dW [V, C] (fp32)."""
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    dx = torch.empty_like(x) if need_x else None  # [N, C]
+    dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None  # [V, C]
+    for s in range(0, x.shape[0], chunk):
+        xs, ys, ws = x[s:s + chunk], y[s:s + chunk].clamp(min=0), w[s:s + chunk]  # IGNORE weighs 0 anyway
+        logits = F.linear(xs, weight).float()  # [n, V]
+        lse = logits.logsumexp(-1)  # [n]
+        total += ((lse - logits.gather(1, ys[:, None]).squeeze(1)) * ws).sum()
+        if need_x or need_w:
+            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            g.scatter_add_(1, ys[:, None], g.new_full((len(ys), 1), -1.0))  # - onehot (no host sync)
+            g = g.mul_(ws[:, None]).to(x.dtype)  # [n, V] d total / d logits
+            if need_x:
+                dx[s:s + chunk] = g @ weight
+            if need_w:
+                dw += (g.t() @ xs).float()
+    return total, dx, dw
+
+
+class ChunkedLinearNLL(torch.autograd.Function):
+    """sum_n w[n] * CE(x[n] @ W^T, y[n]), the logits and the CE in fp32 as token_nll has them, chunk by
+    chunk. The forward also computes d/dlogits = w (softmax - onehot) for the chunk and from it dx and
+    dW (accumulated in fp32), so backward only scales them by the incoming gradient: the FLOPs of a
+    plain lm_head + cross-entropy, one chunk's logits in memory. w must be 0 where y is IGNORE."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, w: torch.Tensor, chunk: int):
+        total, dx, dw = linear_nll(x, weight, y, w, chunk, *ctx.needs_input_grad[:2])
+        ctx.grads, ctx.weight_dtype = (dx, dw), weight.dtype  # not inputs or outputs: plain attributes
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        dx, dw = ctx.grads
+        del ctx.grads
+        return (None if dx is None else dx * grad.to(dx.dtype), None if dw is None else (dw * grad).to(ctx.weight_dtype),
+                None, None, None)
+
+
 # ---------------------------------------------------------------------------------------------
 # Validation
 

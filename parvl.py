@@ -251,6 +251,16 @@ class ParVL(nn.Module):
         """Logits and the branch weights of a batch: one sample per row (attention_mask: left or right
         padding), or several packed into each row (segment_ids, training): positions restart at 0 per
         sample, which attends only to itself and its branch prefixes (aggregate.packed_mask)."""
+        h, w_vision, w_language = self.final_hidden(input_ids, pixel_values, attention_mask, vision_branch,
+                                                    language_branch, segment_ids)
+        return self.language_model.lm_head(h), w_vision, w_language
+
+    def final_hidden(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                     attention_mask: torch.Tensor | None = None, vision_branch: Choice = None,
+                     language_branch: Choice = None, segment_ids: torch.Tensor | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # h [B,T,C], weights
+        """forward_with_weights before lm_head: the states lm_head reads (training scores them chunk by
+        chunk, data.chunked_sft_loss, rather than hold [B,T,V] logits)."""
         x, w_vision = self.embed(input_ids, pixel_values, vision_branch)
         B, T = input_ids.shape
         rows = self.language_rows(language_branch, B, x.device)
@@ -264,7 +274,7 @@ class ParVL(nn.Module):
             positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # every prompt starts at position 0
             mask = causal_mask(valid, torch.arange(T, device=x.device))
         h, w_language = self.hidden(x, positions, mask, rows=rows, segments=segment_ids)
-        return self.language_model.lm_head(h), w_vision, w_language
+        return h, w_vision, w_language
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, vision_branch: Choice = None,

@@ -47,8 +47,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 
 from aggregate import entropy
 from checkpoint import CheckpointReader, check_not_run_folder, read_json
-from data import (BAD_REASONS, BadRow, SFTData, check_bad_fraction, filler_batch, loss_weights, make_loader, sft_loss,
-                  validate)
+from data import (BAD_REASONS, BadRow, SFTData, check_bad_fraction, chunked_sft_loss, filler_batch, loss_weights,
+                  make_loader, validate)
 from parvl import ParVL, config_from_json, is_branch_tensor
 from generate import OneLineParser, hms, peak_memory_gib
 from processor import Tokenizer
@@ -226,7 +226,8 @@ def build_model(cfg: TrainConfig, device, mesh) -> ParVL:
             layers[i] = block
             fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    register_fsdp_forward_method(model, "forward_with_weights")  # the root all-gathers for this entry point too
+    register_fsdp_forward_method(model, "final_hidden")  # the root all-gathers for this entry point too; as the
+    # root it is not resharded after forward, so lm_head's weight is still whole for the chunked loss after it
     model.to_empty(device=device)
     load_shards(model, reader, fresh)
     model.language_model.model.init_rope(device)
@@ -320,9 +321,9 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 
 def micro_loss(model: ParVL, batch, weight_sum: float | torch.Tensor, world: int, device):
-    """This micro-batch's share of the Eq. 6 loss (data.sft_loss over the global weight sum), times
-    the world size since FSDP averages gradients over ranks. Also returns the branch weights'
-    entropies (nan if none)."""
+    """This micro-batch's share of the Eq. 6 loss (data.sft_loss over the global weight sum, scored chunk
+    by chunk from the final states: data.chunked_sft_loss), times the world size since FSDP averages
+    gradients over ranks. Also returns the branch weights' entropies (nan if none)."""
     ids, labels = to_device(batch.input_ids, device), to_device(batch.labels, device)
     segments = None if batch.segment_ids is None else to_device(batch.segment_ids, device)  # packed rows
     pixels = to_device(batch.pixel_values, device)
@@ -332,9 +333,8 @@ def micro_loss(model: ParVL, batch, weight_sum: float | torch.Tensor, world: int
         pixels = torch.zeros(1, 3, size, size, device=device)  # text only: a dummy tile, see ParVL.embed
     # no padding (e.g. one sample per micro-batch): no mask, so attention keeps the causal fast path
     mask = None if segments is not None or bool(batch.attention_mask.all()) else to_device(batch.attention_mask, device)
-    logits, w_vision, w_language = model.forward_with_weights(ids, pixels if pixels.shape[0] else None, mask,
-                                                              segment_ids=segments)
-    loss = sft_loss(logits, labels, weight_sum, segments) * world
+    h, w_vision, w_language = model.final_hidden(ids, pixels if pixels.shape[0] else None, mask, segment_ids=segments)
+    loss = chunked_sft_loss(h, model.language_model.lm_head.weight, labels, weight_sum, segments) * world
     nan = torch.full((), float("nan"), device=device)  # a fill, not a host-to-device copy
     w_vision = w_vision if tiles else None  # a dummy tile's weights say nothing
     ent = torch.stack([entropy(w.detach()) if w is not None else nan for w in (w_vision, w_language)])  # no host sync

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from data import SFTData, collate, loss_weights
+from data import SFTData, chunked_sft_loss, collate, loss_weights, sft_loss
 from parvl import ParVL, is_branch_tensor
 from processor import Tokenizer
 from train import TrainConfig, lr_lambda, micro_loss, param_groups
@@ -115,6 +115,37 @@ def test_weighted_loss_matches_hand_and_any_split(model_dir, meta):
             totals.append(sum(float(micro_loss(model, b, norm, 1, "cpu")[0]) for b in batches))
     # fp32: the same per-token terms summed in different groupings (and padded vs unpadded attention)
     assert totals == pytest.approx([hand] * 4, rel=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096])
+def test_chunked_loss_equals_the_loss_of_the_logits(chunk):
+    """data.chunked_sft_loss(h, W, ...), which never holds more than `chunk` positions' logits and
+    computes the gradients in its forward, equals data.sft_loss(h @ W^T, ...): the loss and both
+    gradients, on packed rows with unsupervised spans, for chunks of one position, a few, and all.
+    fp32: the same terms, only summed in other groupings (rel 1e-6; the gradients, 1e-5 of their
+    largest entry). Frozen weights or states get no gradient, and under no_grad the value is the same."""
+    torch.manual_seed(0)
+    B, T, C, V = 2, 41, 16, 50
+    h = torch.randn(B, T, C, requires_grad=True)
+    W = torch.randn(V, C, requires_grad=True)
+    labels = torch.randint(0, V, (B, T))
+    labels[:, :6] = -100  # prompts
+    labels[0, 20:24] = -100  # the second sample's prompt in row 0
+    labels[1, 30:] = -100  # padding
+    seg = torch.zeros(B, T, dtype=torch.long)
+    seg[0, 20:] = 1
+    seg[1, 30:] = 1
+    want = sft_loss(F.linear(h, W), labels, 9.0, seg)
+    want_h, want_w = torch.autograd.grad(want, (h, W))
+    got = chunked_sft_loss(h, W, labels, 9.0, seg, chunk=chunk)
+    got_h, got_w = torch.autograd.grad(got, (h, W))
+    assert float(got) == pytest.approx(float(want), rel=1e-6)
+    for g, w in ((got_h, want_h), (got_w, want_w)):
+        assert (g - w).abs().max() <= 1e-5 * w.abs().max()
+    frozen = chunked_sft_loss(h, W.detach(), labels, 9.0, seg, chunk=chunk)  # a frozen lm_head
+    assert torch.equal(torch.autograd.grad(frozen, h)[0], got_h)
+    with torch.no_grad():
+        assert float(chunked_sft_loss(h, W, labels, 9.0, seg, chunk=chunk)) == float(got)
 
 
 def test_lr_schedule_and_parameter_groups(model_dir):
