@@ -587,14 +587,15 @@ class _Bad(Exception):
 def _leave_signals_to_the_trainer(worker_id: int) -> None:
     """Ctrl-C or a SIGTERM sent to the process group reaches the loader workers too: they ignore it,
     the trainer stops (one line) and shuts them down, instead of each dying with its own report.
-    A trainer that stops while it fetches a batch breaks the pipe of the worker's fd-sharing thread
-    (multiprocessing.resource_sharer), which reports through sys.excepthook: that alone is quiet."""
+    A trainer that stops while it fetches a batch cuts the connection of the worker's fd-sharing
+    thread (multiprocessing.resource_sharer) short, mid-handshake or mid-send (EOFError, a broken
+    pipe, a reset), which it reports through sys.excepthook: that alone is quiet."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     report = sys.excepthook
 
     def quiet_if_the_trainer_left(kind, value, tb):
-        if not issubclass(kind, (BrokenPipeError, ConnectionResetError)):
+        if not issubclass(kind, (EOFError, ConnectionError)):
             report(kind, value, tb)
 
     sys.excepthook = quiet_if_the_trainer_left

@@ -228,6 +228,37 @@ def test_os_cause_names_the_cause(monkeypatch, tmp_path):
     assert runs.os_cause(zip_error, tmp_path).startswith("RuntimeError: [enforce fail")
 
 
+def test_a_loader_worker_is_quiet_when_the_trainer_leaves_mid_handshake():
+    """A loader worker hands each batch's tensors over by fd passing (multiprocessing.resource_sharer).
+    When a signal stops the trainer while it fetches one, the trainer drops the connection midway,
+    and the worker's sharing thread reports the EOFError (or a broken pipe) through sys.excepthook.
+    Here a worker, set up as the loader sets it up, offers an fd, and a client connects to its
+    sharer and leaves at once: nothing may reach stderr, while other errors still do."""
+    code = f"""
+import os, socket, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+from multiprocessing import connection, current_process, resource_sharer
+import data
+data._leave_signals_to_the_trainer(0)
+r, w = os.pipe()
+offered = resource_sharer.DupFd(r)  # what pickling a shared tensor in a worker does
+for half in (False, True):  # the trainer leaves before the handshake, or halfway through it
+    client = socket.socket(socket.AF_UNIX)
+    client.connect(resource_sharer._resource_sharer._address)
+    if half:  # it answers the worker's challenge, then is gone before sending its own: EOFError there
+        conn = connection.Connection(client.detach())
+        connection.answer_challenge(conn, current_process().authkey)
+        conn.close()
+    else:
+        client.close()  # a broken pipe when the worker sends its challenge
+    time.sleep(0.5)
+sys.excepthook(ValueError, ValueError("still reported"), None)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.strip() == "ValueError: still reported", res.stderr
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_abandons_the_step_and_keeps_the_checkpoints(model_dir, tmp_path, sig):
     meta = write_dataset(tmp_path / "d", rows=8, repeat=20)  # 40 steps: it is still training when signalled
