@@ -81,7 +81,7 @@ class SFTData(torch.utils.data.Dataset):
                  max_positions: int | None = None):
         """max_positions: the model's rotary table (max_position_embeddings); a longer sample is
         too_long whatever max_seq_len says (a packed row may be longer: positions restart per sample)."""
-        if max_tiles < 1 or max_seq_len < 1 or num_image_token < 1 or seed < 0 or (max_positions or 1) < 1:
+        if min(max_tiles, max_seq_len, num_image_token, 1 if max_positions is None else max_positions) < 1 or seed < 0:
             raise ValueError(f"need max_tiles, max_seq_len, num_image_token, max_positions >= 1 and seed >= 0, got "
                              f"{max_tiles}, {max_seq_len}, {num_image_token}, {max_positions}, {seed}")
         self.tokenizer, self.max_seq_len, self.max_positions, self.seed = tokenizer, max_seq_len, max_positions, seed
@@ -402,13 +402,12 @@ def chunked_sft_loss(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, 
     151,936-word vocabulary those are 20 GB in fp32, plus as much again for their gradient.
     ChunkedLinearNLL scores `chunk` positions at a time and computes their gradients right there, so
     one chunk's logits exist at once and nothing is recomputed in backward."""
-    w = loss_weights(labels, segment_ids)[:, :-1]  # [B, T-1], 0 where the target is not supervised
-    C = h.shape[-1]
-    x = h[:, :-1].reshape(-1, C)  # [B*(T-1), C] position t predicts labels[:, t+1]
+    w = loss_weights(labels, segment_ids)[:, :-1].reshape(-1)  # [B*(T-1)], 0 where the target is not supervised
+    x = h[:, :-1].reshape(-1, h.shape[-1])  # [B*(T-1), C] position t predicts labels[:, t+1]
     y = labels[:, 1:].reshape(-1)  # [B*(T-1)]
     if torch.is_grad_enabled() and (x.requires_grad or head.requires_grad):
-        return ChunkedLinearNLL.apply(x, head, y, w.reshape(-1), chunk) / weight_sum
-    return linear_nll(x, head, y, w.reshape(-1), chunk, False, False)[0] / weight_sum  # no gradients to compute
+        return ChunkedLinearNLL.apply(x, head, y, w, chunk) / weight_sum
+    return linear_nll(x, head, y, w, chunk, False, False)[0] / weight_sum  # no gradients to compute
 
 
 def linear_nll(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, w: torch.Tensor, chunk: int, need_x: bool,
