@@ -25,8 +25,11 @@ lambda / P, and the fused state is sum_k a'_k z_k. Mean aggregation (a' = 1/P) i
 Appendix D.1. The vision branches are fused before CLS removal and pixel shuffle, the language
 branches after the final norm, before the lm_head.
 
-Shape legend: P branches, B items (tiles or samples), R rows (P*B dense, B per item), T query
-tokens, S key slots, Lp prefix length, H / Hkv heads, D head dim, C width.
+Shape legend, the one every file of the project points to: B items (samples; in the ViT, tiles),
+N tiles, M images, P branches (Pv vision, Pl language), R rows (aggregate.Rows: P*B dense, B per
+item), T tokens (the queries), S key slots (prefix slots and tokens, or the cache's slots), Lp prefix
+length, H / Hkv query / key-value heads, D head dim, C width (the LLM's; Cv the ViT's where both
+appear), V vocabulary; px the tile side in pixels (448).
 """
 from __future__ import annotations
 
@@ -49,16 +52,16 @@ Choice = None | int | Sequence[int] | torch.Tensor
 class Rows:
     """Which branch each row of a tower's batch runs (see the module docstring).
 
-    branch: [R] int64, the branch of every row. fold: rows per item, P when dense, 1 per item.
+    branch: [R] int64, the branch of every row. per_item: rows per item, P when dense, 1 per item.
     shared_kv: the dense rows of a sample share one mean-reduced token KV cache (LLM, C.2)."""
 
     branch: torch.Tensor
-    fold: int
+    per_item: int
     shared_kv: bool = False
 
     @property
     def dense(self) -> bool:
-        return self.fold > 1
+        return self.per_item > 1
 
     @staticmethod
     def choose(choice: Choice, branches: int, items: int, device, shared_kv: bool = False) -> Rows:
@@ -86,7 +89,7 @@ class Rows:
 
 def fold(x: torch.Tensor, rows: Rows) -> torch.Tensor:
     """Items [B,...] -> rows [R,...]: repeated P times branch-major when dense, as is per item."""
-    return x.repeat(rows.fold, *([1] * (x.ndim - 1))) if rows.dense else x
+    return x.repeat(rows.per_item, *([1] * (x.ndim - 1))) if rows.dense else x
 
 
 def unfold(h: torch.Tensor, rows: Rows, aggregator: Aggregator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -104,6 +107,43 @@ def mean_branches(z: torch.Tensor, branches: int) -> torch.Tensor:
 # -- attention --------------------------------------------------------------------------------
 
 
+class PrefixKV(nn.Module):
+    """An attention module with per-branch learned key/value prefixes (Eq. 1), for the ViT's and the
+    LLM's attention alike: prefix_k, prefix_v [P,Hkv,Lp,D] on the module itself (ParScale's names, so
+    the checkpoint keys are `...attn.prefix_k`), None with one branch or Lp = 0."""
+
+    def add_prefixes(self, branches: int, kv_heads: int, length: int, head_dim: int) -> None:
+        if branches > 1 and length > 0:
+            self.prefix_k = nn.Parameter(torch.zeros(branches, kv_heads, length, head_dim))
+            self.prefix_v = nn.Parameter(torch.zeros(branches, kv_heads, length, head_dim))
+        else:
+            self.prefix_k = self.prefix_v = None
+
+    def row_prefixes(self, rows: Rows, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Every row's own branch prefix, gathered once: [R,Hkv,Lp,D] keys and values in dtype (None, None
+        without prefixes)."""
+        if self.prefix_k is None:
+            return None, None
+        return self.prefix_k[rows.branch].to(dtype), self.prefix_v[rows.branch].to(dtype)
+
+
+def prefix_mask(token_mask: torch.Tensor, prefix_len: int, branches: int = 1) -> torch.Tensor:
+    """Eq. 1's rule for the prefix slots, the one place a mask writes it: every query sees every slot
+    of its own branch's prefix. token_mask [B,1,T',S] over the token slots -> [B,1,T',Lp+S] over
+    [prefix; tokens]. branches P > 1 is the shared-KV layout (C.2): the queries are the P branch
+    queries of a sample stacked (row p*T + t, T' = P*T), the prefix slots are the P prefixes one after
+    another, and branch p's queries see prefix block p only -> [B,1,P*T,P*Lp+S]. (Without any mask
+    the same rule is SDPA's causal_lower_right in prefix_attention, and flex_attention's mask_mod in
+    packed_mask tests it slot by slot.)"""
+    B, _, Tq, _ = token_mask.shape
+    if branches == 1:
+        return torch.cat([token_mask.new_ones(B, 1, Tq, prefix_len), token_mask], dim=-1)
+    T = Tq // branches
+    own = torch.eye(branches, dtype=torch.bool, device=token_mask.device)
+    own = own.repeat_interleave(T, 0).repeat_interleave(prefix_len, 1)  # [P*T,P*Lp]
+    return torch.cat([own.expand(B, 1, Tq, branches * prefix_len), token_mask], dim=-1)
+
+
 def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor | None = None,
                      prefix_v: torch.Tensor | None = None, *, causal: bool,
                      mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,8 +156,8 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k
     SDPA is routed so that each case keeps a fused kernel:
     - causal, no mask, S == T: flash attention takes GQA directly (enable_gqa, nothing repeated);
     - one query token with a mask (decode): the H/Hkv query heads sharing a kv head are folded into
-      the query axis, q -> [R,Hkv,G,D], so each kv head is read once by a plain masked SDPA (CPU bf16:
-      1.31 -> 0.20 ms per call measured; fp32 unchanged);
+      the query axis, q -> [R,Hkv,G,D], so each kv head is read once by a plain masked SDPA (6.5x faster
+      on CPU in bf16, README);
     - otherwise (a mask, or prefix slots making S > T): the kernels that take a mask do not all take
       GQA, so the kv heads are repeated for this call rather than fall back to the math kernel;
     - a BlockMask (packed rows on CUDA, packed_mask): flex_attention, compiled, GQA direct."""
@@ -167,10 +207,10 @@ def packed_mask(segments: torch.Tensor, rows: Rows, prefix_len: int, flex: bool)
     if not flex:
         q = torch.arange(T, device=seg.device)[:, None]  # [T,1]
         k = torch.arange(S, device=seg.device)[None, :]  # [1,S]
-        t = (k - Lp).clamp(min=0)
-        return ((k < Lp) | ((seg[:, :, None] == seg[:, t]) & (t <= q)))[:, None]  # [R,1,T,S]
+        t = k[:, :T]  # [1,T] token slots
+        return prefix_mask(((seg[:, :, None] == seg[:, None, :]) & (t <= q))[:, None], Lp)  # [R,1,T,Lp+T]
 
-    def mask_mod(b, h, q, k):  # the same predicate, one (row, query, key slot) at a time
+    def mask_mod(b, h, q, k):  # prefix_mask's predicate, one (row, query, key slot) at a time
         t = (k - Lp).clamp(min=0)
         return (k < Lp) | ((seg[b, q] == seg[b, t]) & (t <= q))
 
@@ -228,8 +268,7 @@ def shared_kv_mask(mask: torch.Tensor | None, B: int, T: int, P: int, Lp: int, d
     branch p's prefix block and the token slots its token-level mask [B,1,T,S] allows."""
     if mask is None:  # prefill from token 0 without padding: plain causal over the T tokens
         mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None].expand(B, 1, T, T)
-    own = torch.eye(P, dtype=torch.bool, device=device).repeat_interleave(T, 0).repeat_interleave(Lp, 1)  # [P*T,P*Lp]
-    return torch.cat([own.expand(B, 1, P * T, P * Lp), mask.repeat(1, 1, P, 1)], dim=-1)
+    return prefix_mask(mask.repeat(1, 1, P, 1), Lp, P)
 
 
 # -- aggregation ------------------------------------------------------------------------------

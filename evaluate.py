@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from cli import end_processes, exit_process, log, one_line, pyplot, resolve_dtype, resolve_model, start_processes
 from scaling_law import fit_law
 from scoring import BENCHMARKS, SCORE_COLUMNS, DataError, as_list, options, read_tsv, score
 
@@ -61,10 +62,6 @@ GROUPS = {"General": ("MMMU_DEV_VAL",), "Math": ("MathVista_MINI", "MathVision_M
           "OCR": ("ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")}
 CONFIG_FIELDS = ("model", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router")
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # -- run: prompts ------------------------------------------------------------------------------
@@ -108,11 +105,11 @@ def decode_images(row: dict) -> list:
 
 
 def row_inputs(benchmark: str, row: dict, max_tiles: int | None, mcfg):
-    """(prompt string, pixel tiles [N,3,S,S] or None) for one row, as generate_v2 builds them; tile
+    """(prompt string, pixel tiles [N,3,px,px] or None) for one row, as generate_v2 builds them; tile
     size, thumbnail and tokens per tile from the model config mcfg. A corrupt image raises ValueError."""
     from PIL import Image
 
-    from processor import ImageError, build_multi_image_question, build_prompt, load_image
+    from processor import ImageError, build_prompt, load_image, place_images
     try:
         images = decode_images(row) if row.get("image") is not None else []
         budget = max_tiles or PROTOCOL[benchmark][1]
@@ -124,11 +121,7 @@ def row_inputs(benchmark: str, row: dict, max_tiles: int | None, mcfg):
     except (ImageError, OSError, ValueError) as e:
         raise ValueError(f"corrupt image: {' '.join(str(e).split())[:200]}") from None
     text = question_text(benchmark, row)
-    # reorganize_prompt: one image -> "<image>\n" + text; several -> "Image-k: <image>\n" prefixes
-    if len(images) == 1:
-        text = "<image>\n" + text
-    elif len(images) > 1:
-        text = build_multi_image_question(text, len(images))
+    text = place_images(text, len(images), always=True)  # reorganize_prompt's placeholders
     prompt = build_prompt(text, [t.shape[0] for t in tiles], tokens_per_tile=mcfg.tokens_per_tile)
     return prompt, (torch.cat(tiles) if tiles else None)
 
@@ -154,7 +147,8 @@ def read_jsonl(path: Path) -> list[dict]:
 def run(args) -> int:
     import torch.distributed as dist
 
-    from generate import GenerateConfig, engine_from_flags, resolve_model
+    from engine import GenerateConfig, engine_from_flags
+    from gates import router_flag
     from parvl import ParVL
     from processor import Tokenizer
 
@@ -162,12 +156,9 @@ def run(args) -> int:
         raise DataError(f"unknown benchmark {args.benchmark!r}; choose from {', '.join(BENCHMARKS)}")
     rows = read_tsv(args.data, ("index", "question", "image"))
     distributed = "RANK" in os.environ
-    cuda = torch.cuda.is_available() and args.device != "cpu"
-    if distributed:
-        dist.init_process_group("nccl" if cuda else "gloo")
+    device = start_processes(torch.cuda.is_available() and args.device != "cpu")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype or ("bf16" if cuda else "fp32")]
+    dtype = resolve_dtype(args.dtype, device)
     out = Path(args.out)
     part = lambda r: out.with_name(f"{out.name}.part{r}")  # noqa: E731  each rank appends to its own file
     # rows finished by an earlier run, of any world size: the merged file plus unmerged parts
@@ -180,7 +171,7 @@ def run(args) -> int:
     tok = Tokenizer.from_pretrained(folder)
     model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
     par = model.cfg.par
-    engine = engine_from_flags(model, args)
+    engine = engine_from_flags(model, args, router_flag(args.router, model))
     cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=0.0)
     meta = {"benchmark": args.benchmark, "model": str(folder), "pv": par.pv, "pl": par.pl,
             "vision_branch": args.vision_branch, "language_branch": args.language_branch, "shared_kv": args.shared_kv,
@@ -196,7 +187,7 @@ def run(args) -> int:
         try:
             prompt, _ = row_inputs(args.benchmark, r, args.max_tiles, model.cfg)
         except ValueError as e:
-            log(f"row {r['index']}: {e}; skipped")
+            log(f"row {r['index']}: {e}; skipped", every_rank=True)
             skipped += 1
             continue
         items.append((r, tok.encode(prompt)))
@@ -218,7 +209,8 @@ def run(args) -> int:
             f.flush()
             n_done += len(batch)
             dt = time.perf_counter() - t0
-            log(f"rank {rank}: {n_done}/{len(items)} rows, {n_done / dt:.2f} samples/s, {new_tokens / dt:.1f} new tok/s")
+            log(f"rank {rank}: {n_done}/{len(items)} rows, {n_done / dt:.2f} samples/s, {new_tokens / dt:.1f} new tok/s",
+                every_rank=True)
     elapsed = time.perf_counter() - t0
     if distributed:  # every part file is complete; corrupt rows counted over all ranks
         count = torch.tensor([skipped], device=device)
@@ -238,9 +230,7 @@ def run(args) -> int:
         print(json.dumps({"benchmark": args.benchmark, "rows": len(merged), "new": len(merged) - len(done), "skipped": skipped,
                           "seconds": round(elapsed, 3), "samples_per_s": round(n_done / elapsed, 3) if elapsed > 0 else None,
                           "world_size": world, "batch_size": args.batch_size}))
-    if distributed:
-        dist.barrier()
-        dist.destroy_process_group()
+    end_processes()
     return 0
 
 
@@ -399,7 +389,7 @@ def config_label(c: tuple) -> str:
 
 
 def report(args) -> int:
-    from profiling import profile_params
+    from flops import profile_params
 
     runs: dict[tuple, dict[str, float]] = {}
     for name in args.runs:
@@ -490,10 +480,8 @@ def fixed_pairs(table: dict, configs: list, columns: list) -> dict:
 def heatmaps(grids: dict, pvs: list, pls: list, out: Path) -> None:
     """One PNG per grid (the Table S4 heatmaps); matplotlib is optional."""
     try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+        plt = pyplot()
+    except ValueError:  # matplotlib is optional
         log("matplotlib is not installed: heatmaps skipped (the tables are written)")
         return
     for col, grid in grids.items():
@@ -594,11 +582,9 @@ def main(argv=None) -> int:
     try:
         return {"run": run, "score": score_cmd, "report": report, "fit-law": fit_law_cmd}[args.cmd](args)
     except (DataError, CheckpointError, ImageError, ValueError, FileNotFoundError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
 
 
 if __name__ == "__main__":
-    from runs import exit_process  # torchrun's processes skip the teardown that can abort
-
     exit_process(main())

@@ -8,11 +8,11 @@ prefixes in every layer, and fuses them after the final norm, before the shared 
 `LLM.forward` returns normalised hidden states and the caller applies `lm_head`.
 
 Decoding follows gpt-fast: a static KV cache per layer, allocated once and written in place at
-`input_pos`, attention over the whole cache under a boolean mask, rotary tables computed once.
+`input_pos`, rotary tables computed once. A decode step attends over the cache slots written so far
+rounded up to a bucket of slots (engine.GenerateConfig.bucket), under a boolean mask, not over the
+whole allocated cache.
 
-Parameter names mirror the official `language_model.*` keys. Shape legend: B batch, R rows (samples
-times active branches, see aggregate.Rows), T tokens, S cache length, Lp prefix length, C width,
-H / Hkv heads, D head dim, V vocabulary.
+Parameter names mirror the official `language_model.*` keys. Shape legend: aggregate.py's.
 """
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aggregate import Rows, fold, mean_branches, packed_mask, prefix_attention, shared_kv_attention, shared_kv_mask
+from aggregate import (PrefixKV, Rows, fold, mean_branches, packed_mask, prefix_attention, prefix_mask,
+                       shared_kv_attention, shared_kv_mask)
 
 
 @dataclass
@@ -87,6 +88,14 @@ def causal_mask(key_valid: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
     return mask[:, None]  # [B,1,T,S]
 
 
+def prompt_positions(valid: torch.Tensor, padded: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rotary positions [B,T] and the causal mask over token slots [B,1,T,T] of prompts whose padding is
+    marked False in valid [B,T]: every prompt starts at position 0. padded False (no row is padded)
+    gives mask None, which keeps SDPA's fused causal kernels."""
+    positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B,T], 0 at each prompt's first token
+    return positions, causal_mask(valid, torch.arange(valid.shape[1], device=valid.device)) if padded else None
+
+
 class KVCache(nn.Module):
     """Static per-layer cache [rows,Hkv,S,D], written in place (no torch.cat: CUDA graphs need fixed
     shapes). The first `offset` slots hold the learned prefixes; token i lives at slot offset + i.
@@ -109,7 +118,7 @@ class KVCache(nn.Module):
         return self.k, self.v
 
 
-class Attention(nn.Module):
+class Attention(PrefixKV):
     """Causal GQA self-attention. With P > 1 branches each branch owns learned key/value prefixes
     [P,Hkv,Lp,D] that live directly in the key space (no RoPE, no k norm); each row attends with its
     own branch's prefix in front of its keys (Eq. 1, aggregate.prefix_attention): token i sees all
@@ -126,11 +135,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
-        if branches > 1 and prefix_len > 0:  # ParScale's names and layout
-            self.prefix_k = nn.Parameter(torch.zeros(branches, Hkv, prefix_len, D))
-            self.prefix_v = nn.Parameter(torch.zeros(branches, Hkv, prefix_len, D))
-        else:
-            self.prefix_k = self.prefix_v = None
+        self.add_prefixes(branches, Hkv, prefix_len, D)  # ParScale's names and layout
         self.kv_cache: KVCache | None = None
 
     def forward(
@@ -152,19 +157,17 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [R,H,T,D], [R,Hkv,T,D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if input_pos is None:  # no cache (training, scoring): the prefixes go in front here
-            pk = pv = None
-            if self.prefix_k is not None:  # [R,Hkv,Lp,D]
-                pk, pv = self.prefix_k[rows.branch].to(k.dtype), self.prefix_v[rows.branch].to(v.dtype)
+            pk, pv = self.row_prefixes(rows, k.dtype)  # [R,Hkv,Lp,D]
             out = prefix_attention(q, k, v, pk, pv, causal=True, mask=mask)
         else:  # the cache was seeded with the prefixes (LLM.seed_prefixes)
             cache = self.kv_cache
             if rows.shared_kv:  # one token K/V per sample: the fp32 mean over its branches
-                k, v = mean_branches(k, rows.fold), mean_branches(v, rows.fold)  # [B,Hkv,T,D]
+                k, v = mean_branches(k, rows.per_item), mean_branches(v, rows.per_item)  # [B,Hkv,T,D]
             k_all, v_all = cache.update(input_pos, k, v)  # [rows,Hkv,S_max,D]
             S = mask.shape[-1] if mask is not None else cache.offset + T  # mask None: prefill from token 0
             k, v = k_all[:, :, :S], v_all[:, :, :S]
             if rows.shared_kv:
-                out = shared_kv_attention(q, k, v, rows.fold, mask)
+                out = shared_kv_attention(q, k, v, rows.per_item, mask)
             else:
                 out = prefix_attention(q, k, v, causal=True, mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(R, T, -1))  # [R,T,H*D] -> [R,T,C]
@@ -235,7 +238,7 @@ class LLM(nn.Module):
         seed the prefixes in front (see KVCache for the two layouts)."""
         w = self.model.embed_tokens.weight
         cfg, Lp = self.cfg, self.prefix_len
-        n, offset = (len(rows.branch) // rows.fold, rows.fold * Lp) if rows.shared_kv else (len(rows.branch), Lp)
+        n, offset = (len(rows.branch) // rows.per_item, rows.per_item * Lp) if rows.shared_kv else (len(rows.branch), Lp)
         for layer in self.model.layers:
             layer.self_attn.kv_cache = KVCache(n, cfg.num_kv_heads, offset + max_len, cfg.head_dim, offset,
                                                dtype or w.dtype, device or w.device)
@@ -252,8 +255,7 @@ class LLM(nn.Module):
                 c.k[:, :, : c.offset] = attn.prefix_k.transpose(0, 1).flatten(1, 2).unsqueeze(0).to(c.k.dtype)  # [1,Hkv,P*Lp,D]
                 c.v[:, :, : c.offset] = attn.prefix_v.transpose(0, 1).flatten(1, 2).unsqueeze(0).to(c.v.dtype)
             else:  # [R,Hkv,Lp,D]
-                c.k[:, :, : c.offset] = attn.prefix_k[rows.branch].to(c.k.dtype)
-                c.v[:, :, : c.offset] = attn.prefix_v[rows.branch].to(c.v.dtype)
+                c.k[:, :, : c.offset], c.v[:, :, : c.offset] = attn.row_prefixes(rows, c.k.dtype)
 
     def forward(
         self,
@@ -277,9 +279,9 @@ class LLM(nn.Module):
             assert mask is None and input_pos is None, "packed rows take no mask and no cache"
             mask = packed_mask(segments, rows, Lp, flex=x.is_cuda)  # CUDA: a BlockMask for flex_attention
         elif rows.shared_kv:
-            mask = shared_kv_mask(mask, B, T, rows.fold, Lp, x.device)
+            mask = shared_kv_mask(mask, B, T, rows.per_item, Lp, x.device)
         elif mask is not None and Lp > 0:  # the prefix slots are visible to every token
-            mask = fold(torch.cat([mask.new_ones(B, 1, T, Lp), mask], dim=-1), rows)  # [R,1,T,Lp+S]
+            mask = fold(prefix_mask(mask, Lp), rows)  # [R,1,T,Lp+S]
         elif mask is not None:
             mask = fold(mask, rows)
         for layer in dec.layers:

@@ -17,8 +17,7 @@ tree's own layout, or the transformers-native "-HF" layout (split q/k/v, `vision
 `multi_modal_projector.*`), renamed and fused once at load. The model is built on the meta
 device and the checkpoint tensors are assigned in place, so weights are held in memory once.
 
-Shape legend (as in vit.py, llm.py, aggregate.py): B batch, T tokens, N tiles, R rows (aggregate.Rows),
-Cv ViT width, C LLM width, V vocabulary.
+Shape legend: aggregate.py's (Cv the ViT width, C the LLM's).
 """
 from __future__ import annotations
 
@@ -31,9 +30,10 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+import chat as chat_api
 from aggregate import Aggregator, Choice, Rows, segment_positions, unfold
 from checkpoint import TOKENIZER_FILES, CheckpointError, CheckpointReader, check_keys, read_json
-from llm import LLM, LLMConfig, causal_mask
+from llm import LLM, LLMConfig, prompt_positions
 from processor import IMG_CONTEXT, Tokenizer, load_image  # noqa: F401  (load_image is public API)
 from vit import ViT, ViTConfig
 
@@ -145,7 +145,7 @@ class ParVL(nn.Module):
         self.vision_aggregator = Aggregator(par.pv, Cv, par.lambda_v, par.aggregation) if par.pv > 1 else None
         self.language_aggregator = Aggregator(par.pl, C, par.lambda_l, par.aggregation) if par.pl > 1 else None
         self.source_dir: Path | None = None  # the folder from_pretrained read: save() copies its tokenizer
-        self.engine = None  # generate.Engine of chat() / batch_chat(), made on their first call
+        self.engine = None  # engine.Engine of chat() / batch_chat(), made on their first call
 
     # -- forward -------------------------------------------------------------------------------
     # vision_branch / language_branch (aggregate.Choice): None runs all branches of the tower and
@@ -168,7 +168,7 @@ class ParVL(nn.Module):
         return Rows.choose(language_branch, self.cfg.par.pl, batch, device, shared_kv)
 
     def vision(self, pixel_values: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Connector output for a batch of tiles, [N,3,S,S] -> [N,tokens_per_tile,C], and the vision
+        """Connector output for a batch of tiles, [N,3,px,px] -> [N,tokens_per_tile,C], and the vision
         branch weights [N,1+h*w,Pv] (None when each tile runs one branch)."""
         x = self.vision_model(pixel_values, rows, num_layers=self.cfg.vit_layers)  # [R,1+h*w,Cv]
         x, weights = unfold(x, rows, self.vision_aggregator)  # [N,1+h*w,Cv], fused before CLS removal
@@ -180,7 +180,7 @@ class ParVL(nn.Module):
 
     def extract_features(self, pixel_values: torch.Tensor, vision_branch: Choice = None,
                          num_tiles: list[int] | None = None) -> torch.Tensor:
-        """Connector output for a batch of tiles: [N,3,S,S] -> [N,tokens_per_tile,C]. A vision branch
+        """Connector output for a batch of tiles: [N,3,px,px] -> [N,tokens_per_tile,C]. A vision branch
         per sample needs num_tiles, the tiles of each sample (in order, summing to N)."""
         rows = self.vision_rows(vision_branch, num_tiles, pixel_values.shape[0], pixel_values.device)
         return self.vision(pixel_values, rows)[0]
@@ -225,7 +225,7 @@ class ParVL(nn.Module):
                              f"{tiles} tiles give {tiles * per_tile} features, {per_tile} per tile")
         return slots
 
-    def hidden(
+    def hidden_from_embeds(
         self,
         x: torch.Tensor,  # [B,T,C] input embeddings
         positions: torch.Tensor,  # [B,T] rotary positions
@@ -234,6 +234,8 @@ class ParVL(nn.Module):
         rows: Rows | None = None,  # which language branch each LLM row runs (language_rows); None: all, fused
         segments: torch.Tensor | None = None,  # [B,T] packed rows: the sample of each token, see aggregate.py
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [B,T,C] final-normed states, weights [B,T,Pl] or None
+        """The language branches over input embeddings x (image features already in place), fused: the
+        final-normed states lm_head reads. The engine calls it for prefill and every decode step."""
         if rows is None:
             rows = self.language_rows(None, x.shape[0], x.device)
         h = self.language_model(x, positions, mask, input_pos, rows, segments)  # [R,T,C]
@@ -251,16 +253,17 @@ class ParVL(nn.Module):
         """Logits and the branch weights of a batch: one sample per row (attention_mask: left or right
         padding), or several packed into each row (segment_ids, training): positions restart at 0 per
         sample, which attends only to itself and its branch prefixes (aggregate.packed_mask)."""
-        h, w_vision, w_language = self.final_hidden(input_ids, pixel_values, attention_mask, vision_branch,
+        h, w_vision, w_language = self.hidden_from_ids(input_ids, pixel_values, attention_mask, vision_branch,
                                                     language_branch, segment_ids)
         return self.language_model.lm_head(h), w_vision, w_language
 
-    def final_hidden(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
-                     attention_mask: torch.Tensor | None = None, vision_branch: Choice = None,
-                     language_branch: Choice = None, segment_ids: torch.Tensor | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # h [B,T,C], weights
-        """forward_with_weights before lm_head: the states lm_head reads (training scores them chunk by
-        chunk, data.chunked_sft_loss, rather than hold [B,T,V] logits)."""
+    def hidden_from_ids(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
+                        attention_mask: torch.Tensor | None = None, vision_branch: Choice = None,
+                        language_branch: Choice = None, segment_ids: torch.Tensor | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # h [B,T,C], weights
+        """The whole model from token ids and tiles up to lm_head: embed, then hidden_from_embeds with the
+        positions and mask of attention_mask (or segment_ids); forward_with_weights before lm_head.
+        Training scores these states chunk by chunk (loss.chunked_sft_loss) rather than hold [B,T,V] logits."""
         x, w_vision = self.embed(input_ids, pixel_values, vision_branch)
         B, T = input_ids.shape
         rows = self.language_rows(language_branch, B, x.device)
@@ -270,10 +273,8 @@ class ParVL(nn.Module):
             positions = torch.arange(T, device=x.device).expand(B, T)
             mask = None  # plain causal: SDPA's fused kernels
         else:
-            valid = attention_mask.bool()
-            positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # every prompt starts at position 0
-            mask = causal_mask(valid, torch.arange(T, device=x.device))
-        h, w_language = self.hidden(x, positions, mask, rows=rows, segments=segment_ids)
+            positions, mask = prompt_positions(attention_mask.bool())  # every prompt starts at position 0
+        h, w_language = self.hidden_from_embeds(x, positions, mask, rows=rows, segments=segment_ids)
         return h, w_vision, w_language
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
@@ -294,21 +295,21 @@ class ParVL(nn.Module):
                 values |= {f"{name}.{k}": v for k, v in agg.initial_values().items()}
         return values
 
-    # -- InternVL's convenience API: thin delegates, the implementation is generate.chat / batch_chat
+    # -- InternVL's convenience API: two delegates; chat.py holds the implementation, over engine.py.
+    # chat.py and the engine read only the model object handed to them and import nothing from here,
+    # so the model sits above them (see chat.py).
 
     def chat(self, tokenizer, pixel_values, question, generation_config, history=None, return_history=False,
              num_patches_list=None, verbose=False, system=None):
-        """InternVLChatModel.chat, same arguments: see generate.chat."""
-        from generate import chat  # generation lives in generate.py, which imports this module
-        return chat(self, tokenizer, pixel_values, question, generation_config, history, return_history,
-                    num_patches_list, verbose, system)
+        """InternVLChatModel.chat, same arguments: see chat.chat."""
+        return chat_api.chat(self, tokenizer, pixel_values, question, generation_config, history, return_history,
+                         num_patches_list, verbose, system)
 
     def batch_chat(self, tokenizer, pixel_values, questions, generation_config, num_patches_list=None,
                    history=None, return_history=False, verbose=False, system=None):
-        """InternVLChatModel.batch_chat, same arguments: see generate.batch_chat."""
-        from generate import batch_chat
-        return batch_chat(self, tokenizer, pixel_values, questions, generation_config, num_patches_list, history,
-                          return_history, verbose, system)
+        """InternVLChatModel.batch_chat, same arguments: see chat.batch_chat."""
+        return chat_api.batch_chat(self, tokenizer, pixel_values, questions, generation_config, num_patches_list, history,
+                               return_history, verbose, system)
 
     @torch.no_grad()
     def init_branches(self, std: float = 0.02) -> None:

@@ -291,10 +291,16 @@ def expand_images(texts: list[str], num_tiles: list[int], tokens_per_tile: int =
     return out
 
 
-def build_multi_image_question(question: str, n_images: int) -> str:
-    """Prefix "Image-1: <image>\n...Image-n: <image>\n" unless the question places images itself."""
-    if IMAGE_PLACEHOLDER in question:
+def place_images(question: str, n_images: int, always: bool = False) -> str:
+    """The placeholder rule, the one place it is written: a question with images that places none
+    itself gets "<image>\n" in front for one image (InternVL's chat()) and "Image-1: <image>\n...
+    Image-n: <image>\n" for several (VLMEvalKit's reorganize_prompt for InternVL); a question that
+    places its images, or has none, stays as it is. always: one image's placeholder goes in front
+    even when the question holds one, as reorganize_prompt does."""
+    if n_images == 0 or (IMAGE_PLACEHOLDER in question and not (always and n_images == 1)):
         return question
+    if n_images == 1:
+        return IMAGE_PLACEHOLDER + "\n" + question
     return "".join(f"Image-{k + 1}: {IMAGE_PLACEHOLDER}\n" for k in range(n_images)) + question
 
 
@@ -307,8 +313,8 @@ def build_prompt(question: str, num_tiles: list[int] = (), history: list[tuple[s
     """
     num_tiles = list(num_tiles)
     # Like chat(): a first-turn question with images but no placeholder gets one in front.
-    if not history and num_tiles and IMAGE_PLACEHOLDER not in question:
-        question = IMAGE_PLACEHOLDER + "\n" + question
+    if not history and num_tiles:
+        question = place_images(question, 1)
     system = DEFAULT_SYSTEM_MESSAGE if system is None else system
 
     # The system turn is always emitted, even when empty. A turn whose text is empty (or the final

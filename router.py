@@ -1,6 +1,6 @@
-"""The factorized sparse router of ParVL (paper Appendix E; Table 3; Table S9 for the evaluation
-layout): two small gates pick one (vision, language) branch pair per sample, and only that pair runs,
-so a checkpoint trained with Pv:Pl branches is executed at 1:1 cost.
+"""The sparse router's command (paper Appendix E; Table 3; Table S9 for the evaluation layout):
+label the offline path teacher, train the two gates, evaluate them. The router itself (gates, their
+inputs, Eq. E1 / E2, the choices where Appendix E is silent) is gates.py.
 
     python router.py label --model CKPT --data META.json --out LABELS        # offline path teacher
     torchrun --nproc-per-node 8 router.py label --model CKPT --data META.json --out LABELS
@@ -8,38 +8,15 @@ so a checkpoint trained with Pv:Pl branches is executed at 1:1 cost.
     python router.py eval --model CKPT --router DIR --labels HELDOUT          # Table 3 / S9 layout
     python generate.py image.png "Question?" --model CKPT --router DIR --json
 
-Sequential routing (E): the vision gate reads a pooled thumbnail feature and the frozen text
-embeddings and picks v; only branch v of the ViT runs; the language gate reads its pooled connector
-output and the text embeddings and picks l; generation runs (v, l) only (generate.Engine(router=)).
-Offline path teacher: `label` stores the answer NLL c[v,l] of every pair for every sample. Training
-fits the gates to the soft teacher of Eq. E1 with the loss of Eq. E2 (`path_teacher`, `router_loss`).
+`label` stores, for every row, the answer NLL c[v,l] of every pair: the mean token cross-entropy over
+the supervised tokens of Eq. 6 (assistant turns, unweighted), pairs row-major (v outer), and the gate
+inputs (image and text features, and every vision branch's connector feature). The model is frozen,
+so they are fixed; `train` reads them instead of running the model for every step, and rechecks a few
+samples against the model first. Cost: (Cv + (Pv+1) C) fp32 values a sample, 24 KB for
+InternVL3.5-1B at Pv = 4. Pair accuracy: the chosen pair attains the sample's minimum NLL (ties count
+as correct).
 
-Choices where Appendix E is silent (all cheap):
-- Vision-gate image feature: the mean over patches of the ViT *patch embedding* (conv + position
-  embedding) of each image's thumbnail, the last tile of the image (its only tile when it has one),
-  averaged over the sample's images. It comes before any ViT block, and the branches differ only in
-  their block prefixes, so no branch runs before the choice; it costs one conv over one tile and,
-  unlike pixel statistics, is the representation the ViT itself starts from.
-- Text feature: the mean frozen LLM token embedding of the last user turn (the tokens between the
-  last two <|im_start|> of the prompt, <IMG_CONTEXT> excluded; the whole prompt if it has fewer).
-  The system message is left out: it is the same for every sample and would dilute the question.
-  In training data the prompt is everything before the first supervised token.
-- Language-gate image feature: the mean connector output of the chosen vision branch over all image
-  tokens of the sample.
-- Each gate: both inputs through a parameter-free LayerNorm (image and text features differ in scale),
-  concatenated, Linear -> GELU -> Linear to P logits; hidden 256 as in the paper.
-- Text-only samples: no ViT runs. The vision gate is skipped (its loss term is masked; the sample
-  executes vision index 0, which nothing reads, and reports None); the language gate reads a zero
-  image feature (LayerNorm maps it to zero).
-- The answer NLL of a pair is the mean token cross-entropy over the supervised tokens of Eq. 6
-  (assistant turns, unweighted). Pair order in the labels: c[v, l], row-major (v outer).
-- The labels also store the gate inputs (image and text features, and every vision branch's
-  connector feature). The model is frozen, so they are fixed; training reads them instead of running
-  the model for every step, and rechecks a few samples against the model first. Cost: (C + (Pv+1) D)
-  fp32 values a sample, 24 KB for InternVL3.5-1B at Pv = 4.
-- Pair accuracy: the chosen pair attains the sample's minimum NLL (ties count as correct).
-
-Shape legend: B samples, N tiles, M images, T tokens, Pv / Pl branches, C ViT width, D LLM width.
+Shape legend: aggregate.py's (B samples, Cv ViT width, C LLM width).
 """
 from __future__ import annotations
 
@@ -57,178 +34,20 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from aggregate import fold
 from checkpoint import CheckpointError, read_json
-from data import BAD_REASONS, IGNORE, BadRow, SFTData, check_bad_fraction, collate
-from llm import causal_mask
-from parvl import ParVL, is_branch_tensor
+from cli import barrier, end_processes, exit_process, log, one_line, rank, start_processes, world_size
+from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, collate
+from gates import (Router, RouterConfig, RouterError, fingerprint, image_tiles, load_router, path_teacher, pool_tiles,
+                   question_span, router_loss, save_router, text_feature, thumbnail_feature)
+from llm import prompt_positions
+from loss import IGNORE, answer_nll
+from parvl import ParVL
 from processor import IM_START, Tokenizer
-
-
-class RouterError(ValueError):
-    """A router, labels file or data set that does not fit; the message is one line naming it."""
-
-
-@dataclass
-class RouterConfig:
-    pv: int = 4  # vision branches of the checkpoint it routes
-    pl: int = 4  # language branches
-    vision_width: int = 1024  # C: ViT width (the patch embedding)
-    text_width: int = 1024  # D: LLM width (token embeddings and connector output)
-    hidden: int = 256  # gate hidden width (Appendix E)
-    im_start_id: int = 151644  # <|im_start|>, bounds the question (Qwen tokenizer)
-    fingerprint: str = ""  # of the checkpoint it was trained for (see `fingerprint`)
-
-
-class Gate(nn.Module):
-    """Two features [B,X], [B,Y] -> branch logits [B,P]: parameter-free LayerNorm on each, concat, MLP."""
-
-    def __init__(self, widths: tuple[int, int], hidden: int, branches: int):
-        super().__init__()
-        self.fc1 = nn.Linear(sum(widths), hidden)
-        self.fc2 = nn.Linear(hidden, branches)
-
-    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        a, b = a.to(self.fc1.weight.dtype), b.to(self.fc1.weight.dtype)
-        x = torch.cat([F.layer_norm(a, a.shape[-1:]), F.layer_norm(b, b.shape[-1:])], dim=-1)  # [B,X+Y]
-        return self.fc2(F.gelu(self.fc1(x)))
-
-
-class Router(nn.Module):
-    def __init__(self, cfg: RouterConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.vision_gate = Gate((cfg.vision_width, cfg.text_width), cfg.hidden, cfg.pv)
-        self.language_gate = Gate((cfg.text_width, cfg.text_width), cfg.hidden, cfg.pl)
-
-    def forward(
-        self,
-        image: torch.Tensor,  # [B,C] pooled thumbnail patch embedding (zero for text-only)
-        text: torch.Tensor,  # [B,D] pooled question embedding
-        connector: torch.Tensor,  # [B,Pv,D] pooled connector output of every vision branch (training)
-        has_image: torch.Tensor,  # [B] bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # vision logits [B,Pv], language logits [B,Pl], v [B]
-        """The training path: the language gate reads the branch the vision gate currently picks."""
-        logits_v = self.vision_gate(image, text)
-        v = torch.where(has_image, logits_v.argmax(-1), 0)  # text-only: no vision choice
-        chosen = connector[torch.arange(len(v), device=v.device), v] * has_image[:, None]  # [B,D]
-        return logits_v, self.language_gate(chosen, text), v
-
-    @torch.no_grad()
-    def route(self, model: ParVL, input_ids: torch.Tensor, valid: torch.Tensor,
-              pixel_values: torch.Tensor | None) -> tuple[list[int], list[int], torch.Tensor | None]:
-        """Inference: (vision branch [B], language branch [B], the chosen branches' connector output
-        [N,256,D] or None) for a batch of prompts ([B,T], valid False on padding). The vision gate
-        runs before any ViT block; then each sample's tiles run its own branch once."""
-        image_id, per_tile = model.cfg.image_token_id, model.cfg.tokens_per_tile
-        text = text_feature(model, input_ids, question_span(input_ids, valid, self.cfg.im_start_id, image_id))
-        tiles = image_tiles(input_ids, image_id, per_tile)
-        num_tiles = torch.tensor([sum(t) for t in tiles], device=input_ids.device)  # [B]
-        v = torch.zeros(len(tiles), dtype=torch.long, device=input_ids.device)
-        connector, features = torch.zeros_like(text), None
-        if pixel_values is not None and pixel_values.shape[0]:
-            v = torch.where(num_tiles > 0, self.vision_gate(thumbnail_feature(model, pixel_values, tiles), text).argmax(-1), 0)
-            features = model.extract_features(pixel_values, v, num_tiles=num_tiles)  # [N,256,D]
-            connector = pool_tiles(features, num_tiles)
-        return v.tolist(), self.language_gate(connector, text).argmax(-1).tolist(), features
-
-    def check(self, model: ParVL, where: str = "router") -> None:
-        """Refuse a model this router was not trained for."""
-        c, par = self.cfg, model.cfg.par
-        if model.cfg.vit is None:
-            raise RouterError(f"{where}: routes multimodal checkpoints; this one is language-only")
-        if (c.pv, c.pl) != (par.pv, par.pl):
-            raise RouterError(f"{where}: trained for Pv:Pl = {c.pv}:{c.pl}, the model has {par.pv}:{par.pl}")
-        widths = (model.cfg.vit.hidden_size, model.cfg.llm.hidden_size)
-        if (c.vision_width, c.text_width) != widths:
-            raise RouterError(f"{where}: trained for ViT / LLM width {c.vision_width} / {c.text_width}, "
-                              f"the model has {widths[0]} / {widths[1]}")
-        if c.fingerprint and c.fingerprint != fingerprint(model):
-            raise RouterError(f"{where}: trained for checkpoint {c.fingerprint}, the model is {fingerprint(model)}")
-
-
-# -- gate inputs ------------------------------------------------------------------------------
-
-
-def question_span(input_ids: torch.Tensor, prompt: torch.Tensor, im_start_id: int, image_id: int) -> torch.Tensor:
-    """[B,T] bool: the last user turn of each prompt (prompt [B,T] marks its tokens), see module docstring."""
-    starts = (input_ids == im_start_id) & prompt  # [B,T]
-    after = starts.flip(-1).cumsum(-1).flip(-1)  # [B,T] <|im_start|> at or after each position
-    span = (after == 1) & ~starts
-    span = torch.where(starts.sum(-1, keepdim=True) >= 2, span, True)  # fewer than two turns: all of it
-    return span & prompt & (input_ids != image_id)
-
-
-def text_feature(model: ParVL, input_ids: torch.Tensor, span: torch.Tensor) -> torch.Tensor:
-    """Mean frozen token embedding over span [B,T] -> [B,D] fp32."""
-    x = model.language_model.model.embed_tokens(input_ids).float()  # [B,T,D]
-    return (x * span[..., None]).sum(1) / span.sum(1, keepdim=True).clamp(min=1)
-
-
-def image_tiles(input_ids: torch.Tensor, image_id: int, per_tile: int) -> list[list[int]]:
-    """Tiles of each image of each sample, read off the runs of <IMG_CONTEXT> tokens ([B] lists)."""
-    out = []
-    for row in (input_ids == image_id).long():
-        edges = torch.diff(row, prepend=row.new_zeros(1), append=row.new_zeros(1))  # +1 run start, -1 run end
-        starts, ends = (edges == 1).nonzero()[:, 0], (edges == -1).nonzero()[:, 0]
-        out.append([(int(e - s)) // per_tile for s, e in zip(starts, ends)])
-    return out
-
-
-def thumbnail_feature(model: ParVL, pixel_values: torch.Tensor, tiles: list[list[int]]) -> torch.Tensor:
-    """Mean patch embedding of each image's last tile (its thumbnail), averaged per sample -> [B,C] fp32."""
-    last = torch.tensor([n for t in tiles for n in t]).cumsum(0) - 1  # [M] index of every image's last tile
-    sample = torch.tensor([b for b, t in enumerate(tiles) for _ in t])  # [M]
-    emb = model.vision_model.embeddings(pixel_values[last.to(pixel_values.device)])[:, 1:].float().mean(1)  # [M,C]
-    out = emb.new_zeros(len(tiles), emb.shape[-1]).index_add_(0, sample.to(emb.device), emb)
-    return out / torch.tensor([max(len(t), 1) for t in tiles], device=emb.device)[:, None]
-
-
-def pool_tiles(features: torch.Tensor, num_tiles: torch.Tensor) -> torch.Tensor:
-    """Connector output [N,256,D] -> mean per sample [B,D] fp32 (num_tiles [B]; zero without tiles)."""
-    per_tile = features.float().mean(1)  # [N,D]; every tile has the same token count
-    sample = torch.repeat_interleave(torch.arange(len(num_tiles), device=features.device), num_tiles.to(features.device))
-    out = per_tile.new_zeros(len(num_tiles), per_tile.shape[-1]).index_add_(0, sample, per_tile)
-    return out / num_tiles.to(out.device).clamp(min=1)[:, None]
-
-
-# -- Eq. E1, E2 -------------------------------------------------------------------------------
-
-
-def path_teacher(nll: torch.Tensor, tau: float) -> torch.Tensor:
-    """Eq. E1: q(v,l|x) = softmax over all Pv*Pl pairs of -(c[v,l] - min c) / tau, for nll c [B,Pv,Pl]."""
-    c = nll.float().flatten(1)  # [B,Pv*Pl]
-    return (-(c - c.min(-1, keepdim=True).values) / tau).softmax(-1).view_as(nll)
-
-
-def router_loss(logits_v: torch.Tensor, logits_l: torch.Tensor, nll: torch.Tensor, v: torch.Tensor,
-                has_image: torch.Tensor, tau: float) -> torch.Tensor:
-    """Eq. E2 per sample [B]: 1/2 CE(q_v, p_v) + 1/2 CE(q_l, p_l), with q_v(v) = sum_l q(v,l) the vision
-    target and q_l(l) ∝ exp(-c[v_hat,l] / tau) the language target given the gate's current choice v
-    [B]. Text-only samples (has_image False) carry no vision term."""
-    q_v = path_teacher(nll, tau).sum(-1)  # [B,Pv]
-    c = nll.float()[torch.arange(len(v), device=v.device), v]  # [B,Pl]
-    q_l = (-(c - c.min(-1, keepdim=True).values) / tau).softmax(-1)
-    ce_v = -(q_v * logits_v.float().log_softmax(-1)).sum(-1)
-    ce_l = -(q_l * logits_l.float().log_softmax(-1)).sum(-1)
-    return 0.5 * ce_v * has_image + 0.5 * ce_l
-
-
-# -- the offline path teacher -----------------------------------------------------------------
-
-
-def fingerprint(model: ParVL) -> str:
-    """A short id of a checkpoint: every tensor's name and shape, and the values of the branch tensors
-    and every 1-D tensor (norms, biases) rounded to bf16, so fp32 and bf16 loads agree."""
-    h = hashlib.sha256()
-    for name, t in sorted(model.state_dict().items()):
-        h.update(f"{name}{tuple(t.shape)};".encode())
-        if is_branch_tensor(name) or t.ndim <= 1:
-            h.update(t.detach().to("cpu", torch.bfloat16).reshape(-1).view(torch.int16).numpy().tobytes())
-    return h.hexdigest()[:16]
+from schedule import lr_lambda
 
 
 def data_fingerprint(data: SFTData) -> str:
@@ -239,28 +58,6 @@ def data_fingerprint(data: SFTData) -> str:
         with open(d["path"], "rb") as f:
             h.update(hashlib.file_digest(f, "sha256").digest())
     return h.hexdigest()[:16]
-
-
-def positions_and_mask(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Rotary positions [B,T] and attention mask (None without padding), as ParVL.forward_with_weights."""
-    B, T = valid.shape
-    if bool(valid.all()):
-        return torch.arange(T, device=valid.device).expand(B, T), None
-    return (valid.long().cumsum(-1) - 1).clamp(min=0), causal_mask(valid, torch.arange(T, device=valid.device))
-
-
-def answer_nll(model: ParVL, h: torch.Tensor, labels: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
-    """Mean next-token CE over the supervised tokens of every row of final-normed states h [R,T,D]
-    (row r is sample r % B of labels [B,T]) -> [R] fp32. The lm_head runs on supervised positions only."""
-    R, B = h.shape[0], labels.shape[0]
-    target = labels[:, 1:].repeat(R // B, 1)  # [R,T-1] column t scores token t+1
-    sel = target != IGNORE
-    hs, tg, row = h[:, :-1][sel], target[sel], sel.nonzero()[:, 0]  # [n,D], [n], [n]
-    total = torch.zeros(R, device=h.device)
-    for i in range(0, len(tg), chunk):
-        logits = model.language_model.lm_head(hs[i:i + chunk]).float()
-        total.index_add_(0, row[i:i + chunk], F.cross_entropy(logits, tg[i:i + chunk], reduction="none"))
-    return total / sel.sum(1).clamp(min=1)
 
 
 @torch.no_grad()
@@ -278,19 +75,21 @@ def label_batch(model: ParVL, batch, im_start_id: int) -> dict[str, torch.Tensor
     tiles = image_tiles(ids, image_id, model.cfg.tokens_per_tile)
     num_tiles = torch.tensor([sum(t) for t in tiles], device=dev)
     image = thumbnail_feature(model, pix, tiles) if pix.shape[0] else text.new_zeros(B, model.cfg.vit.hidden_size)
-    positions, mask = positions_and_mask(valid)
+    positions, mask = prompt_positions(valid, padded=not bool(valid.all()))
+    rows = model.language_rows(None, B, dev)  # every language branch, folded branch-major
+    head = model.language_model.lm_head.weight
     nll = torch.zeros(B, par.pv, par.pl, device=dev)
     connector = torch.zeros(B, par.pv, text.shape[-1], device=dev)
     for v in range(par.pv):
         if not pix.shape[0] and v:  # no image in the batch: the vision branch changes nothing
             nll[:, v] = nll[:, 0]
             continue
-        features = model.extract_features(pix, v) if pix.shape[0] else None  # [N,256,D] branch v, once
+        features = model.extract_features(pix, v) if pix.shape[0] else None  # [N,256,C] branch v, once
         if features is not None:
             connector[:, v] = pool_tiles(features, num_tiles)
         x, _ = model.embed(ids, None, features=features)
-        h = model.language_model(x, positions, mask)  # [Pl*B,T,D] every language branch, branch-major
-        nll[:, v] = answer_nll(model, h, labels).view(par.pl, B).T
+        h = model.language_model(x, positions, mask, rows=rows)  # [Pl*B,T,C] every language branch
+        nll[:, v] = answer_nll(h, head, fold(labels, rows)).view(par.pl, B).T  # branch-major rows -> [B,Pl]
     return {"rows": torch.tensor(batch.rows), "nll": nll.cpu(), "image": image.cpu(), "text": text.cpu(),
             "connector": connector.cpu(), "has_image": (num_tiles > 0).cpu()}
 
@@ -306,7 +105,8 @@ def label(cfg: LabelConfig) -> int:
     """Label every row of cfg.data in chunks of cfg.batch_size rows; rank r of W takes chunks r, r+W, ...
     Each chunk is written to OUT/parts as it completes (so a rerun resumes) and rank 0 merges them in
     chunk order, so the result does not depend on the world size."""
-    device, world = setup()
+    device = start_processes(torch.cuda.is_available())
+    world = world_size()
     out, parts = Path(cfg.out), Path(cfg.out) / "parts"
     dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
     model = load_model(cfg.model, dtype, device)
@@ -363,9 +163,6 @@ def label(cfg: LabelConfig) -> int:
         if rank() == 0 and (i + 1 == len(todo) or (i + 1) % cfg.log_every == 0):
             print(f"label: chunk {i + 1}/{len(todo)} of rank 0, {samples / dt:.2f} samples/s, "
                   f"ETA {dt / (i + 1) * (len(todo) - i - 1):.0f} s", file=sys.stderr, flush=True)
-        if cfg.stop_after and i + 1 >= cfg.stop_after:
-            log(f"stopping after {i + 1} chunks (--stop-after)")
-            return 0
     barrier()
     bad = dict.fromkeys(BAD_REASONS, 0)  # every rank reads the counts, so every rank stops on too many
     for k in range(chunks):
@@ -440,9 +237,8 @@ def train(cfg: TrainRouterConfig) -> int:
     """Fit the two gates to the labels (Eq. E2, AdamW, 3 % warm-up then cosine); everything else frozen.
     Global step s reads samples s*G..(s+1)*G of a stream of seeded epoch permutations; rank r takes its
     G/W slice, and the gradients are summed over ranks, so the run does not depend on the world size."""
-    from train import lr_lambda  # the same schedule as the model's SFT
-
-    device, world = setup()
+    device = start_processes(torch.cuda.is_available())
+    world = world_size()
     meta, _ = load_labels(cfg.labels)
     model = load_model(cfg.model, meta["dtype"], device)  # the labels' dtype, so check_labels compares like with like
     meta, t = load_labels(cfg.labels, model)
@@ -549,40 +345,13 @@ def state_hash(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def save_router(router: Router, folder: Path, extra: dict) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in router.state_dict().items()}, str(folder / "router.safetensors"))
-    (folder / "config.json").write_text(json.dumps({"router": asdict(router.cfg), **extra}, indent=2))
-
-
-def load_router(path: str | Path, model: ParVL | None = None) -> Router:
-    """A router folder (config.json + router.safetensors), checked against `model` when given."""
-    folder = Path(path)
-    raw = read_json(folder / "config.json")
-    try:
-        cfg = RouterConfig(**raw["router"])
-    except (KeyError, TypeError) as e:
-        raise RouterError(f"{folder}/config.json: not a router config ({type(e).__name__}: {e})") from None
-    if not (folder / "router.safetensors").is_file():
-        raise RouterError(f"{folder}: no router.safetensors")
-    state = load_file(str(folder / "router.safetensors"))
-    router = Router(cfg)
-    want = {k: tuple(v.shape) for k, v in router.state_dict().items()}
-    if {k: tuple(v.shape) for k, v in state.items()} != want:
-        raise RouterError(f"{folder}/router.safetensors: tensors do not match its config.json")
-    router.load_state_dict(state)
-    if model is not None:
-        router.check(model, str(folder))
-        router.to(model.language_model.lm_head.weight.device)
-    return router.eval()
-
 
 # -- evaluation (Table 3 rows, Table S9 matrix) -----------------------------------------------
 
 
 @torch.no_grad()
 def evaluate(cfg: EvalConfig) -> int:
-    device, _ = setup()
+    device = start_processes(torch.cuda.is_available())
     model = load_model(cfg.model, cfg.dtype, device)
     router = load_router(cfg.router, model)
     meta, t = load_labels(cfg.labels, model)
@@ -632,8 +401,8 @@ def dense_nll(model: ParVL, data: SFTData, rows: torch.Tensor, batch_size: int) 
         ids, valid = batch.input_ids.to(dev), batch.attention_mask.to(dev)
         pix = batch.pixel_values.to(dev, model.language_model.lm_head.weight.dtype)
         x, _ = model.embed(ids, pix if pix.shape[0] else None)
-        h, _ = model.hidden(x, *positions_and_mask(valid))  # [B,T,D] fused
-        out.append(answer_nll(model, h, batch.labels.to(dev)))
+        h, _ = model.hidden_from_embeds(x, *prompt_positions(valid, padded=not bool(valid.all())))  # [B,T,C] fused
+        out.append(answer_nll(h, model.language_model.lm_head.weight, batch.labels.to(dev)))
     return torch.cat(out) if out else torch.zeros(0)
 
 
@@ -653,7 +422,6 @@ class LabelConfig:
     num_workers: int = 2
     max_bad_frac: float = 0.01
     log_every: int = 10  # chunks between progress lines
-    stop_after: int = 0  # exit after this many chunks, as if killed (tests); 0 = off
 
 
 @dataclass
@@ -703,7 +471,7 @@ REQUIRED = {"label": ("model", "data", "out"), "train": ("model", "labels", "out
 def add_flags(p: argparse.ArgumentParser, cls, required: tuple[str, ...]) -> None:
     """One flag per dataclass field, with its type and default."""
     for f in fields(cls):
-        help_ = argparse.SUPPRESS if f.name == "stop_after" else f"{HELP.get(f.name, f.name.replace('_', ' '))} (default {f.default!r})"
+        help_ = f"{HELP.get(f.name, f.name.replace('_', ' '))} (default {f.default!r})"
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, help=help_,
                        required=f.name in required)
 
@@ -729,26 +497,11 @@ def main(argv=None) -> int:
             raise RouterError(f"--data {cfg.data}: no such meta JSON file")
         return {"label": label, "train": train, "eval": evaluate}[command](cfg)
     except (ValueError, CheckpointError) as e:  # RouterError, bad data or checkpoints: one line, exit 1
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
     finally:
-        if dist.is_initialized():
-            dist.barrier()  # gloo can abort at exit without it
-            dist.destroy_process_group()
+        end_processes()
 
-
-# -- helpers ----------------------------------------------------------------------------------
-
-
-def setup() -> tuple[torch.device, int]:
-    """torchrun sets RANK / WORLD_SIZE; a plain `python router.py` is one process with no process group."""
-    cuda = torch.cuda.is_available()
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    return device, dist.get_world_size() if dist.is_initialized() else 1
 
 
 def load_model(path: str, dtype: str, device) -> ParVL:
@@ -758,21 +511,5 @@ def load_model(path: str, dtype: str, device) -> ParVL:
     return ParVL.from_pretrained(path, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], device=device)
 
 
-def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def log(msg: str) -> None:
-    if rank() == 0:
-        print(msg, file=sys.stderr, flush=True)
-
-
 if __name__ == "__main__":
-    from runs import exit_process  # torchrun's processes skip the teardown that can abort
-
     exit_process(main())

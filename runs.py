@@ -15,11 +15,8 @@ import math
 import os
 import re
 import shutil
-import sys
 import tempfile
-from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -28,35 +25,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from cli import log, rank
 from parvl import ParVL
-
-if TYPE_CHECKING:
-    from train import TrainConfig
-
-def rank() -> int:
-    """This process's rank; before the process group starts, the one torchrun assigned."""
-    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
-
-
-def exit_process(code: int) -> NoReturn:
-    """sys.exit for the __main__ of train.py, router.py and evaluate.py, called once main() has passed
-    its last barrier and destroyed the process group. On this torch build a gloo process can still
-    abort in the interpreter's own teardown after that ("terminate called without an active
-    exception", SIGABRT, which torchrun reports as a failed run): measured in 12 of 75 two-rank runs of
-    a few FSDP2 steps, a full state dict, barrier and destroy_process_group, against 0 of 75 with
-    os._exit. Every file is closed by then, so a process torchrun started flushes its output and leaves
-    with os._exit, skipping that teardown; a plain `python` process exits as usual."""
-    if "RANK" in os.environ:
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(code)
-    sys.exit(code)
-
-
-def note(msg: str) -> None:
-    """What a user must see even when stdout goes to a log: stderr, rank 0."""
-    if rank() == 0:
-        print(msg, file=sys.stderr, flush=True)
-
 
 def all_sum(*values: float, device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
@@ -106,17 +76,16 @@ def os_cause(e: BaseException, folder: Path | None = None) -> str:
 RUN_FILES = ("checkpoints", "export", "metrics.jsonl")  # what makes a folder someone's run
 
 
-def check_out(cfg: TrainConfig) -> None:
+def check_out(out: Path, resume: bool, overwrite: bool) -> None:
     """A run folder belongs to one run. Refuse, before any process group starts, a new run into an
     --out that holds another run's checkpoints, export or metrics (it would overwrite the export,
     mix the metrics and let --keep-last delete the new checkpoints), and an --out that cannot be
     written. Reads and one temporary file only; --overwrite discards later, on rank 0."""
-    out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file, not a folder")
     held = [name for name in RUN_FILES if (out / name).exists() and (
         not (out / name).is_dir() or any((out / name).iterdir()))]
-    if held and not cfg.resume and not cfg.overwrite:
+    if held and not resume and not overwrite:
         raise ValueError(f"--out {out} already holds a run ({', '.join(held)}): pass --resume to continue it, "
                          f"a new --out, or --overwrite to discard it")
     try:
@@ -205,12 +174,13 @@ def verify_checkpoint(folder: Path) -> str | None:
     return None
 
 
-def save_checkpoint(model, optim, sched, step: int, cfg: TrainConfig, counts: dict) -> None:
+def save_checkpoint(model, optim, sched, step: int, out: Path, config: dict, counts: dict, keep_last: int) -> None:
     """DCP save into step_N.tmp, then train.json (with the size of every file), the done marker and
     one rename, so a folder named step_N is complete. A failed save (full disk, read-only file
     system, permissions) removes its step_N.tmp, keeps every complete checkpoint and raises one
-    line; every rank learns of a failure on rank 0, so none waits for the others."""
-    out = Path(cfg.out) / "checkpoints"
+    line; every rank learns of a failure on rank 0, so none waits for the others. config (the run's
+    flags) goes into train.json, for --resume to compare."""
+    run, out = out, out / "checkpoints"
     final, tmp = out / f"step_{step}", out / f"step_{step}.tmp"
     failure: BaseException | None = None
     try:
@@ -219,16 +189,12 @@ def save_checkpoint(model, optim, sched, step: int, cfg: TrainConfig, counts: di
         dist.barrier()
         state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
         dcp.save(state, checkpoint_id=str(tmp))
-        injected = cfg.inject_save_error.split(":")  # the hidden test flag, "ERRNO:STEP"
-        if injected[0] and int(injected[1]) == step:  # as if the disk filled up after the shards
-            code = getattr(errno, injected[0])
-            raise OSError(code, os.strerror(code), str(tmp / ".metadata"))
         dist.barrier()
         if rank() == 0:
             try:
                 files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir()) if p.is_file()}
                 (tmp / "train.json").write_text(json.dumps(
-                    {"step": step, "scheduler": sched.state_dict(), "config": asdict(cfg), "counts": counts,
+                    {"step": step, "scheduler": sched.state_dict(), "config": config, "counts": counts,
                      "files": files}, indent=2))
                 (tmp / "done").write_text("")
                 tmp.rename(final)  # atomic: a folder named step_N is always complete
@@ -245,11 +211,11 @@ def save_checkpoint(model, optim, sched, step: int, cfg: TrainConfig, counts: di
     if failure is not None:
         if rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)
-        kept = checkpoints(Path(cfg.out))
+        kept = checkpoints(run)
         raise ValueError(f"cannot save checkpoint {tmp}: {os_cause(failure, out)}; removed the partial save, "
                          f"kept {kept[-1] if kept else 'no earlier checkpoint'}") from None
     if rank() == 0:
-        for old in checkpoints(Path(cfg.out))[: -cfg.keep_last]:
+        for old in checkpoints(run)[: -keep_last]:
             shutil.rmtree(old)
     dist.barrier()
 
@@ -279,15 +245,15 @@ RESUME_FIXED = ("data", "seed", "global_batch", "max_seq_len", "max_tiles", "pv"
                 "freeze_backbone")
 
 
-def check_resumed_flags(meta: dict, cfg: TrainConfig, folder: Path) -> None:
+def check_resumed_flags(meta: dict, config: dict, folder: Path) -> None:
     saved = meta.get("config", {})
     for name in RESUME_FIXED:
-        if name in saved and saved[name] != getattr(cfg, name):
+        if name in saved and saved[name] != config[name]:
             raise ValueError(f"--resume: {folder} was trained with --{name.replace('_', '-')} {saved[name]}, this run "
-                             f"asks for {getattr(cfg, name)}; resume with the same value, or start a new run in another --out")
+                             f"asks for {config[name]}; resume with the same value, or start a new run in another --out")
 
 
-def resume(model, optim, sched, out: Path, cfg: TrainConfig) -> tuple[int, dict]:
+def resume(model, optim, sched, out: Path, config: dict) -> tuple[int, dict]:
     """--resume: load the newest checkpoint that verifies and loads, falling back past broken ones,
     and say in one line which one and what was skipped and why. Broken ones newer than the one
     loaded are renamed step_N.broken (kept for a look, out of --keep-last's way). No usable
@@ -297,7 +263,7 @@ def resume(model, optim, sched, out: Path, cfg: TrainConfig) -> tuple[int, dict]
     for folder in reversed(checkpoint_dirs(out)):
         why = verify_checkpoint(folder)
         if why is None:
-            check_resumed_flags(json.loads((folder / "train.json").read_text()), cfg, folder)
+            check_resumed_flags(json.loads((folder / "train.json").read_text()), config, folder)
             try:
                 meta, chosen = load_checkpoint(model, optim, sched, folder), folder
                 step = meta["step"]
@@ -317,16 +283,17 @@ def resume(model, optim, sched, out: Path, cfg: TrainConfig) -> tuple[int, dict]
     dist.barrier()
     what = "; ".join(f"{f.name}: {why}" for f, why in skipped)
     if chosen is None:
-        note(f"--resume: no usable checkpoint in {out / 'checkpoints'}"
+        log(f"--resume: no usable checkpoint in {out / 'checkpoints'}"
              f"{f' (skipped {what}; renamed .broken)' if skipped else ''}: starting from step 0")
     else:
-        was = meta.get("config", {}).get("max_steps", cfg.max_steps)
-        schedule = f"; --max-steps {was} -> {cfg.max_steps}: the new schedule from step {step}" if was != cfg.max_steps else ""
-        note(f"resuming from {chosen} at step {step}{schedule}{f' (skipped {what}; renamed .broken)' if skipped else ''}")
+        now = config["max_steps"]
+        was = meta.get("config", {}).get("max_steps", now)
+        schedule = f"; --max-steps {was} -> {now}: the new schedule from step {step}" if was != now else ""
+        log(f"resuming from {chosen} at step {step}{schedule}{f' (skipped {what}; renamed .broken)' if skipped else ''}")
     return step, meta
 
 
-def export(model: ParVL, cfg: TrainConfig) -> None:
+def export(model: ParVL, out: Path, tokenizer_from: Path) -> None:
     """The final model as a ParVL safetensors checkpoint (InternVL layout + branch tensors)."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     failure = None
@@ -336,9 +303,9 @@ def export(model: ParVL, cfg: TrainConfig) -> None:
         plain.load_state_dict(full, assign=True)
         plain.language_model.model.init_rope("cpu")
         try:
-            plain.save(Path(cfg.out) / "export", tokenizer_from=cfg.model)
+            plain.save(out / "export", tokenizer_from=tokenizer_from)
         except OSError as e:  # the checkpoints stay; a half-written weights file does not
-            (Path(cfg.out) / "export" / "model.safetensors.tmp").unlink(missing_ok=True)
-            failure = f"cannot write the export {Path(cfg.out) / 'export'}: {os_cause(e, Path(cfg.out))}"
+            (out / "export" / "model.safetensors.tmp").unlink(missing_ok=True)
+            failure = f"cannot write the export {out / 'export'}: {os_cause(e, out)}"
     if all_sum(float(failure is not None), device=next(model.parameters()).device)[0]:
         raise ValueError(failure or "the export failed on rank 0")

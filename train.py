@@ -47,13 +47,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 
 from aggregate import entropy
 from checkpoint import CheckpointReader, check_not_run_folder, read_json
-from data import (BAD_REASONS, BadRow, SFTData, check_bad_fraction, chunked_sft_loss, filler_batch, loss_weights,
-                  make_loader, validate)
+from cli import OneLineParser, end_processes, exit_process, hms, log, one_line, peak_memory_gib, pyplot, rank, start_processes
+from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, filler_batch, make_loader, validate
+from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL, config_from_json, is_branch_tensor
-from generate import OneLineParser, hms, peak_memory_gib
 from processor import Tokenizer
-from runs import (check_out, checkpoints, discard_run, exit_process, export, finite, note, os_cause, rank, resume,
-                  save_checkpoint, trim_metrics)
+from runs import (check_out, checkpoints, discard_run, export, finite, os_cause, resume, save_checkpoint,
+                  trim_metrics)
+from schedule import lr_lambda
 
 
 def default_workers() -> int:
@@ -97,9 +98,6 @@ class TrainConfig:
     max_bad_frac: float = 0.01
     peak_tflops: float = 0.0  # per-device bf16 peak for MFU; 0 = from the device name (H100/H200: 989)
     validate_data: bool = False
-    stop_after: int = 0  # exit after this step's checkpoint, as if killed (tests); 0 = off
-    inject_nan_step: int = 0  # make this step's loss NaN (tests); 0 = off
-    inject_save_error: str = ""  # "ENOSPC:2": the save of step 2 fails with that errno (tests); "" = off
 
     def check(self) -> None:
         """Reject bad values before any process group starts."""
@@ -155,10 +153,9 @@ def parse_args(argv=None) -> TrainConfig:
         "validate_data": "count and name bad rows, then exit without training",
         "resume": "continue from the newest checkpoint in --out that verifies (none: start fresh)",
         "overwrite": "discard the run --out holds (checkpoints, export, metrics) and start a new one"}
-    hidden = {"stop_after", "inject_nan_step", "inject_save_error"}
     for f in fields(TrainConfig):
         flag, default = "--" + f.name.replace("_", "-"), f.default
-        help_ = argparse.SUPPRESS if f.name in hidden else helps.get(f.name, f.name.replace("_", " "))
+        help_ = helps.get(f.name, f.name.replace("_", " "))
         if isinstance(default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
         else:
@@ -166,29 +163,6 @@ def parse_args(argv=None) -> TrainConfig:
             choices = ["auto", "bf16", "fp32"] if f.name == "dtype" else None
             p.add_argument(flag, type=kind, default=default, choices=choices, help=help_)
     return TrainConfig(**vars(p.parse_args(argv)))
-
-
-# -- distributed helpers ------------------------------------------------------------------------
-
-
-def log(msg: str) -> None:
-    if rank() == 0:
-        print(msg, flush=True)
-
-
-def setup_distributed() -> tuple[torch.device, object]:
-    """torchrun sets RANK / WORLD_SIZE; a plain `python train.py` is a world of one."""
-    cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    device = torch.device("cuda", local) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    return device, init_device_mesh(device.type, (dist.get_world_size(),))
 
 
 # -- model -------------------------------------------------------------------------------------
@@ -226,7 +200,7 @@ def build_model(cfg: TrainConfig, device, mesh) -> ParVL:
             layers[i] = block
             fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    register_fsdp_forward_method(model, "final_hidden")  # the root all-gathers for this entry point too; as the
+    register_fsdp_forward_method(model, "hidden_from_ids")  # the root all-gathers for this entry point too; as the
     # root it is not resharded after forward, so lm_head's weight is still whole for the chunked loss after it
     model.to_empty(device=device)
     load_shards(model, reader, fresh)
@@ -259,18 +233,6 @@ def param_groups(model: ParVL, cfg: TrainConfig) -> list[dict]:
     old = [p for n, p in model.named_parameters() if p.requires_grad and not is_branch_tensor(n)]
     return [g for g in ({"params": new, "lr": cfg.lr_new, "name": "branches"},
                         {"params": old, "lr": cfg.lr_pretrained, "name": "pretrained"}) if g["params"]]
-
-
-def lr_lambda(total: int, warmup_ratio: float):
-    """Linear warm-up over ceil(warmup_ratio * total) steps from 0, then cosine to 0 (HF's schedule)."""
-    warm = math.ceil(warmup_ratio * total)
-
-    def f(step: int) -> float:
-        if step < warm:
-            return step / max(1, warm)
-        return 0.5 * (1.0 + math.cos(math.pi * (step - warm) / max(1, total - warm)))
-
-    return f
 
 
 def train_flops_per_token(model: ParVL) -> tuple[float, float]:
@@ -321,8 +283,8 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 
 def micro_loss(model: ParVL, batch, weight_sum: float | torch.Tensor, world: int, device):
-    """This micro-batch's share of the Eq. 6 loss (data.sft_loss over the global weight sum, scored chunk
-    by chunk from the final states: data.chunked_sft_loss), times the world size since FSDP averages
+    """This micro-batch's share of the Eq. 6 loss (loss.sft_loss over the global weight sum, scored chunk
+    by chunk from the final states: loss.chunked_sft_loss), times the world size since FSDP averages
     gradients over ranks. Also returns the branch weights' entropies (nan if none)."""
     ids, labels = to_device(batch.input_ids, device), to_device(batch.labels, device)
     segments = None if batch.segment_ids is None else to_device(batch.segment_ids, device)  # packed rows
@@ -333,7 +295,7 @@ def micro_loss(model: ParVL, batch, weight_sum: float | torch.Tensor, world: int
         pixels = torch.zeros(1, 3, size, size, device=device)  # text only: a dummy tile, see ParVL.embed
     # no padding (e.g. one sample per micro-batch): no mask, so attention keeps the causal fast path
     mask = None if segments is not None or bool(batch.attention_mask.all()) else to_device(batch.attention_mask, device)
-    h, w_vision, w_language = model.final_hidden(ids, pixels if pixels.shape[0] else None, mask, segment_ids=segments)
+    h, w_vision, w_language = model.hidden_from_ids(ids, pixels if pixels.shape[0] else None, mask, segment_ids=segments)
     loss = chunked_sft_loss(h, model.language_model.lm_head.weight, labels, weight_sum, segments) * world
     nan = torch.full((), float("nan"), device=device)  # a fill, not a host-to-device copy
     w_vision = w_vision if tiles else None  # a dummy tile's weights say nothing
@@ -381,8 +343,7 @@ def plot_run(run: Path, png: Path | None = None) -> Path:
             continue
     if not rows:
         raise ValueError(f"{metrics}: no log steps yet")
-    from profiling import pyplot  # matplotlib is optional: imported only here, one line when missing
-    plt = pyplot()
+    plt = pyplot()  # matplotlib is optional: imported only here, one line when missing
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
     for ax, (title, keys) in zip(axes.flat, PANELS):
@@ -416,7 +377,7 @@ def plot_main(argv: list[str]) -> int:
     try:
         print(plot_run(Path(args.run), Path(args.out) if args.out else None))
     except (ValueError, OSError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
     return 0
 
@@ -437,7 +398,7 @@ def main(argv=None) -> int:
         cfg.check()
         out = Path(cfg.out)
         if not cfg.validate_data:
-            check_out(cfg)
+            check_out(Path(cfg.out), cfg.resume, cfg.overwrite)
         tok = Tokenizer.from_pretrained(cfg.model)
         mcfg = config_from_json(read_json(Path(cfg.model) / "config.json"), Path(cfg.model))  # tiles as the model sees them
         if mcfg.vit is None:
@@ -461,18 +422,18 @@ def main(argv=None) -> int:
             signum = INTERRUPTED or signal.SIGINT
             code, quiet_exit = 128 + signum, dist.is_initialized() and dist.get_world_size() > 1
             kept = checkpoints(out) if out is not None and out.is_dir() else []
-            note(f"interrupted by {signal.Signals(signum).name}: the current step was abandoned; "
+            log(f"interrupted by {signal.Signals(signum).name}: the current step was abandoned; "
                  + (f"last complete checkpoint {kept[-1]} (continue with --resume)" if kept else "no checkpoint was saved"))
         elif isinstance(e, (ValueError, CheckpointException)):  # bad flags, data, saves: alike on every rank
             code = 1
-            note(f"error: {' '.join(str(e).split()) if isinstance(e, ValueError) else os_cause(e)}")
+            log(f"error: {one_line(e) if isinstance(e, ValueError) else os_cause(e)}")
         elif isinstance(e, OSError):  # a file this rank could not read or write: maybe this rank's alone
             code, where = 1, f" ({e.filename})" if e.filename else ""
             quiet_exit = dist.is_initialized() and dist.get_world_size() > 1  # the others may be mid-collective
             print(f"error: {'' if rank() == 0 else f'rank {rank()}: '}{os_cause(e)}{where}", file=sys.stderr, flush=True)
         elif isinstance(e, dist.DistBackendError) or "closed by peer" in str(e):  # another rank left: it says why
             code, quiet_exit = 1, True
-            note(f"error: lost contact with another rank ({' '.join(str(e).split())[:200]})")
+            log(f"error: lost contact with another rank ({' '.join(str(e).split())[:200]})")
         else:
             raise  # a bug: the traceback is the useful report
         return code
@@ -483,12 +444,12 @@ def main(argv=None) -> int:
             if quiet_exit:  # peers may be gone: no barrier to wait on, no teardown that can abort
                 sys.stdout.flush(), sys.stderr.flush()
                 os._exit(code)
-            dist.barrier()  # gloo can abort at exit without it
-            dist.destroy_process_group()
+            end_processes()
 
 
 def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
-    device, mesh = setup_distributed()
+    device = start_processes(torch.cuda.is_available(), always=True)  # FSDP2 wants a group, even a world of one
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     if cfg.dtype == "auto":  # resolved before config.json is written, so the run records what it used
         cfg = replace(cfg, dtype="bf16" if device.type == "cuda" else "fp32")
     world = dist.get_world_size()
@@ -506,15 +467,16 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     dist.barrier()
-    log(f"config {json.dumps(asdict(cfg))}")
+    log(f"config {json.dumps(asdict(cfg))}", sys.stdout)
 
     model = build_model(cfg, device, mesh)
     optim = torch.optim.AdamW(param_groups(model, cfg), weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(total, cfg.warmup_ratio))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor numel is the global size
     log(f"Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl}, trainable parameters {trainable:,} of "
-        f"{sum(p.numel() for p in model.parameters()):,}, {total} steps of {cfg.global_batch} samples on {world} ranks")
-    step, meta = resume(model, optim, sched, out, cfg) if cfg.resume else (0, {})
+        f"{sum(p.numel() for p in model.parameters()):,}, {total} steps of {cfg.global_batch} samples on {world} ranks",
+        sys.stdout)
+    step, meta = resume(model, optim, sched, out, asdict(cfg)) if cfg.resume else (0, {})
     if rank() == 0 and cfg.resume:
         trim_metrics(out, step)  # metrics.jsonl then continues with step + 1
 
@@ -548,8 +510,6 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
         for i, batch in enumerate(batches):
             model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once per step
             loss, ent = micro_loss(model, batch, counts[0].clamp_min(1e-12), world, device)
-            if cfg.inject_nan_step == s + 1:
-                loss = loss * float("nan")
             loss.backward()
             loss_sum = loss_sum + loss.detach()
             if batch.num_samples:  # a filler or all-bad micro-batch's weights say nothing
@@ -584,20 +544,18 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
                     "mfu": mfu, "step_flops": flops, "pad_frac": 1 - text_tokens / slots, "peak_gib": peak_memory_gib(device), "eta_s": eta,
                     "entropy_vision": ent_v, "entropy_language": ent_l, "bad_rows": bad_total}
             line = finite(line)  # NaN (no MFU on CPU, no branch weights) as null: JSON has no NaN
-            log(json.dumps(line))
-            note(progress_line(line, total, time.perf_counter() - t_start))
+            log(json.dumps(line), sys.stdout)
+            log(progress_line(line, total, time.perf_counter() - t_start))
             if rank() == 0:
                 with open(out / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(line) + "\n")
         if step % cfg.save_every == 0 or step == total:
-            save_checkpoint(model, optim, sched, step, cfg, {"seen": seen_total, "bad": bad_total})
-        if cfg.stop_after and step >= cfg.stop_after:
-            log(f"stopping after step {step} (--stop-after)")
-            return 0
+            save_checkpoint(model, optim, sched, step, out, asdict(cfg), {"seen": seen_total, "bad": bad_total},
+                            cfg.keep_last)
         if step >= total:
             break
-    export(model, cfg)
-    log(f"exported {out / 'export'}")
+    export(model, out, Path(cfg.model))
+    log(f"exported {out / 'export'}", sys.stdout)
     return 0
 
 

@@ -7,8 +7,8 @@ whole width, no qkv bias) is a config away. ParVL (paper, "Method") runs Pv bran
 encoder folded into the batch dimension, each with learned key/value prefixes in every layer.
 
 Parameter names mirror the official `vision_model.*` checkpoint keys, so an InternVL checkpoint
-loads with no renaming. Shape legend: N tiles, R rows (tiles times active branches, see
-aggregate.Rows), T tokens (1 + patches), C width, H heads, D head dim, Lp prefix length.
+loads with no renaming. Shape legend: aggregate.py's (here B = N tiles,
+T = 1 + patches, C the ViT width).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aggregate import Rows, fold, prefix_attention
+from aggregate import PrefixKV, Rows, fold, prefix_attention
 from llm import RMSNorm  # the same fp32-normalise, cast back, then scale as Qwen's
 
 
@@ -94,7 +94,7 @@ class Embeddings(nn.Module):
         return x + self.position_for(h, w).to(x.dtype)
 
 
-class Attention(nn.Module):
+class Attention(PrefixKV):
     """Bidirectional self-attention with a fused qkv projection (rows ordered q | k | v). With P > 1
     branches each branch has learned key/value prefixes [P,H,Lp,D]; each row attends with its own
     branch's prefix in front of its keys and values (Eq. 1, aggregate.prefix_attention), no mask."""
@@ -109,11 +109,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(C, cfg.norm_eps)
             self.k_norm = RMSNorm(C, cfg.norm_eps)
         self.qk_norm = cfg.qk_norm
-        if branches > 1 and prefix_len > 0:
-            self.prefix_k = nn.Parameter(torch.zeros(branches, cfg.num_heads, prefix_len, cfg.head_dim))
-            self.prefix_v = nn.Parameter(torch.zeros(branches, cfg.num_heads, prefix_len, cfg.head_dim))
-        else:
-            self.prefix_k = self.prefix_v = None
+        self.add_prefixes(branches, cfg.num_heads, prefix_len, cfg.head_dim)
 
     def forward(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
         R, T, C = x.shape
@@ -121,9 +117,7 @@ class Attention(nn.Module):
         if self.qk_norm:  # over the whole width, all heads jointly (InternViT-6B)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.view(R, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [R,H,T,D]
-        pk = pv = None
-        if self.prefix_k is not None:  # each row's own branch prefix: [R,H,Lp,D]
-            pk, pv = self.prefix_k[rows.branch].to(k.dtype), self.prefix_v[rows.branch].to(v.dtype)
+        pk, pv = self.row_prefixes(rows, k.dtype)  # each row's own branch prefix: [R,H,Lp,D]
         out = prefix_attention(q, k, v, pk, pv, causal=False)  # [R,H,T,D]
         return self.proj(out.transpose(1, 2).reshape(R, T, C))
 
@@ -178,7 +172,7 @@ class ViT(nn.Module):
 
     def forward(
         self,
-        pixel_values: torch.Tensor,  # [N,3,S,S]
+        pixel_values: torch.Tensor,  # [N,3,px,px]
         rows: Rows | None = None,  # which branch each row runs; None: all P, dense
         num_layers: int | None = None,  # run only the first num_layers blocks (select_layer)
     ) -> torch.Tensor:  # [R,T,C]: [P*N,T,C] dense (branch-major), [N,T,C] with a branch per tile

@@ -51,7 +51,7 @@ from conftest import (IMAGE_SIZE, MAX_POS, PATCH_SIZE, RMS_EPS, ROPE_THETA, TOKE
                       write_safetensors)
 from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
-from generate import Engine, GenerateConfig  # noqa: E402  (conftest put the repo root on sys.path)
+from engine import Engine, GenerateConfig  # noqa: E402  (conftest put the repo root on sys.path)
 from parvl import ParVL  # noqa: E402
 from processor import Tokenizer, build_prompt  # noqa: E402
 

@@ -44,7 +44,7 @@ def one_side(side: str, tokens: int, hidden: int, vocab: int, chunk: int) -> dic
     """Forward + backward of one side in this process: seconds, peak RSS, loss, gradient norms."""
     import torch
 
-    from data import chunked_sft_loss, sft_loss
+    from loss import chunked_sft_loss, sft_loss
 
     torch.set_num_threads(2)
     h, W, labels, seg = inputs(tokens, hidden, vocab)
@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     p.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side and print its JSON
     args = p.parse_args(argv)
     if args.chunk == 0:
-        from data import LOSS_CHUNK
+        from loss import LOSS_CHUNK
         args.chunk = LOSS_CHUNK
     if args.side:
         print(json.dumps(one_side(args.side, args.tokens, args.hidden, args.vocab, args.chunk)))

@@ -27,11 +27,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from data import Batch, token_nll  # noqa: E402
-from generate import Engine, GenerateConfig, sync  # noqa: E402
+from data import Batch  # noqa: E402
+from loss import token_nll  # noqa: E402
+from cli import sync  # noqa: E402
+from engine import Engine, GenerateConfig  # noqa: E402
 from parvl import ParConfig, ParVL, is_branch_tensor  # noqa: E402
 from profiling import MID  # noqa: E402
-from router import Router, RouterConfig, label_batch  # noqa: E402
+from gates import Router, RouterConfig  # noqa: E402
+from router import label_batch  # noqa: E402
 
 IM_START = 31999  # a text id standing in for <|im_start|> in the random prompts
 

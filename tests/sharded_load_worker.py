@@ -6,16 +6,20 @@ import resource
 import sys
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import train  # noqa: E402
+from cli import start_processes  # noqa: E402
 
 folder, out = Path(sys.argv[1]), Path(sys.argv[2])
 cfg = train.TrainConfig(model=str(folder), data="", out=str(out), pv=2, pl=2, dtype="fp32", activation_checkpointing=False)
-device, mesh = train.setup_distributed()
+device = start_processes(torch.cuda.is_available(), always=True)
+mesh = init_device_mesh(device.type, (dist.get_world_size(),))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 model = train.build_model(cfg, device, mesh)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 
 from aggregate import Aggregator, Rows
 from conftest import prompt_ids, random_pixels, read_safetensors
-from generate import Engine, GenerateConfig
+from engine import Engine, GenerateConfig
 from llm import LLMConfig, apply_rope, causal_mask, rope_tables
 from parvl import PRESETS, ParConfig, ParVL, ParVLConfig, pixel_shuffle
 from vit import Attention as ViTAttention
@@ -192,7 +192,7 @@ def greedy_recompute(model: ParVL, ids, pv, n: int, **branches) -> list[int]:
         for _ in range(n):
             gen = model.language_model.model.embed_tokens(torch.tensor([out], dtype=torch.long))
             x = torch.cat([base, gen], 1)
-            h, _ = model.hidden(x, torch.arange(x.shape[1])[None], rows=model.language_rows(branches.get("language_branch"), 1, "cpu"))
+            h, _ = model.hidden_from_embeds(x, torch.arange(x.shape[1])[None], rows=model.language_rows(branches.get("language_branch"), 1, "cpu"))
             out.append(int(model.language_model.lm_head(h[0, -1]).argmax()))
     return out
 
@@ -233,7 +233,7 @@ def test_shared_kv():
     # distinct branches: an approximation of dense decoding, checked against Appendix C.2 written out
     distinct = tiny(pl=3, seed=10)
     distinct.init_branches(std=0.5)
-    from generate import prefill
+    from engine import prefill
 
     for ids, pv in ((ids1, pv1), (ids2, None)):
         want, first = shared_kv_greedy_by_hand(distinct, ids, pv, NEW)
@@ -521,7 +521,7 @@ def test_compiled_decode_equals_eager_in_every_branch_mode(batch):
     eager on the same cache state: logits and the generated tokens, for per-sample pairs, dense and
     shared KV. One sample keeps every mode at <= GEMV_ROWS rows (gemv); three samples put the dense
     modes' 9 rows past it (the BLAS), with left padding."""
-    from generate import GEMV_ROWS, cpu_backend, decode_one_token, prefill
+    from engine import GEMV_ROWS, cpu_backend, decode_one_token, prefill
 
     model = make_branches_matter(tiny(pv=2, pl=3, seed=43))
     samples = [prompt(1, text=7, seed=44), prompt(0, text=12, seed=45), prompt(2, text=5, seed=46)][:batch]
@@ -567,7 +567,7 @@ def test_length_buckets_equal_full_cache_attention():
     """Decode attends over the written slots rounded up to a bucket: the same logits as over the whole
     cache (the masked slots weigh exactly 0), eager and compiled as Engine compiles it, and the same
     tokens, for dense, shared-KV and per-sample rows with left padding."""
-    from generate import cpu_backend, decode_one_token, prefill
+    from engine import cpu_backend, decode_one_token, prefill
 
     compiled = torch.compile(decode_one_token, backend=cpu_backend, fullgraph=True)
 

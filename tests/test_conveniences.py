@@ -1,4 +1,4 @@
-"""Issue 13, the conveniences: the default model through a (fake, offline) huggingface_hub cache and
+"""The conveniences: the default model through a (fake, offline) huggingface_hub cache and
 the one line when it cannot be had, InternVL's chat() / batch_chat() on the engine, `generate.py
 --batch` (equal to one-by-one answers, resumable), the training progress line, --dtype auto and
 --num-workers, and the plot commands with and without matplotlib."""
@@ -15,10 +15,12 @@ import pytest
 import torch
 from PIL import Image
 
+import chat
+import cli
 import generate
 from checkpoint import CheckpointError
 from conftest import random_pixels
-from generate import Engine, GenerateConfig
+from engine import Engine, GenerateConfig
 from parvl import ParVL
 from processor import Tokenizer, build_prompt
 from test_robust import one_line
@@ -49,13 +51,13 @@ def hub_env(cache) -> dict:
 
 def test_local_folder_and_env_var(tiny, monkeypatch, tmp_path):
     folder = tiny[0]
-    assert generate.resolve_model(str(folder)) == folder
+    assert cli.resolve_model(str(folder)) == folder
     monkeypatch.setenv("PARVL_MODEL", str(folder))
-    assert generate.resolve_model(None) == folder  # $PARVL_MODEL before the default
+    assert cli.resolve_model(None) == folder  # $PARVL_MODEL before the default
     with pytest.raises(ValueError, match="local folder, not a hub model"):
-        generate.resolve_model(str(folder), revision="v1")
+        cli.resolve_model(str(folder), revision="v1")
     with pytest.raises(CheckpointError, match="not a checkpoint folder"):
-        generate.resolve_model(str(tmp_path / "a" / "b" / "c"))
+        cli.resolve_model(str(tmp_path / "a" / "b" / "c"))
 
 
 def fake_snapshot(cache, repo: str, rev: str, source, ref: str | None = "main", weights: bool = True):
@@ -74,8 +76,8 @@ def test_default_model_from_the_hub_cache_offline(tiny, tmp_path, capsys):
     folder, _, _ = tiny
     cache = tmp_path / "hub"
     main_rev, pinned = "a" * 40, "b" * 40
-    snap = fake_snapshot(cache, generate.DEFAULT_MODEL, main_rev, folder)
-    other = fake_snapshot(cache, generate.DEFAULT_MODEL, pinned, folder, ref=None)
+    snap = fake_snapshot(cache, cli.DEFAULT_MODEL, main_rev, folder)
+    other = fake_snapshot(cache, cli.DEFAULT_MODEL, pinned, folder, ref=None)
     fake_snapshot(cache, "Someone/partial", "c" * 40, folder, weights=False)
     # the two commands: no --model, no $PARVL_MODEL; the model comes from the cache, with no network
     res = subprocess.run([sys.executable, str(ROOT / "generate.py"), "Hello?", "--max-new-tokens", "4", "--json"],
@@ -85,12 +87,12 @@ def test_default_model_from_the_hub_cache_offline(tiny, tmp_path, capsys):
     assert generate.main(["Hello?", "--model", str(folder), "--max-new-tokens", "4", "--json"]) == 0
     assert json.loads(res.stdout)["answer"] == json.loads(capsys.readouterr().out)["answer"]
     res = run_python(f"""
-        import json, sys, generate
+        import json, sys, cli, generate
         from checkpoint import CheckpointError
-        out = {{"main": str(generate.resolve_model()), "pinned": str(generate.resolve_model(None, "{pinned}"))}}
+        out = {{"main": str(cli.resolve_model()), "pinned": str(cli.resolve_model(None, "{pinned}"))}}
         for name in ("OpenGVLab/Missing", "Someone/partial"):
             try:
-                generate.resolve_model(name)
+                cli.resolve_model(name)
             except CheckpointError as e:
                 out[name] = str(e)
         print(json.dumps(out), flush=True)
@@ -166,7 +168,7 @@ def test_chat_equals_the_engine_and_keeps_the_official_history(tiny, monkeypatch
 
 
 def test_generation_config_maps_like_transformers():
-    to = generate.to_generate_config
+    to = chat.to_generate_config
     assert to(dict(max_new_tokens=9, do_sample=False, temperature=0.7)) == GenerateConfig(max_new_tokens=9)
     assert to(dict(do_sample=True, temperature=0.7)) == GenerateConfig(temperature=0.7, top_k=50, top_p=1.0)
     assert to(dict(do_sample=True, top_p=0.8, top_k=None)) == GenerateConfig(temperature=1.0, top_k=50, top_p=0.8)
@@ -307,10 +309,10 @@ def test_human_progress_line_and_dtype_auto(run_dir):
         assert fields[3] == f"lr branches {m['lr']['branches']:.2e} pretrained {m['lr']['pretrained']:.2e}"
         assert fields[4] == f"{m['tokens_per_s']:,.0f} tokens/s" and fields[5] == "MFU n/a"  # no peak known on CPU
         assert fields[6] == f"peak {m['peak_gib']:.1f} GiB" and len(fields) == 9
-        assert re.fullmatch(r"elapsed \d+:\d\d:\d\d", fields[7]) and fields[8] == f"eta {generate.hms(m['eta_s'])}"
+        assert re.fullmatch(r"elapsed \d+:\d\d:\d\d", fields[7]) and fields[8] == f"eta {cli.hms(m['eta_s'])}"
     assert human[-1].endswith("eta 0:00:00")
     assert json.loads((out / "config.json").read_text())["dtype"] == "fp32"  # auto on CPU
-    assert generate.hms(3725.9) == "1:02:05"
+    assert cli.hms(3725.9) == "1:02:05"
 
 
 def test_num_workers_default_fits_the_cpus(monkeypatch):

@@ -18,7 +18,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `pytest` works from anywhere
 import data as D  # noqa: E402
-from data import BadRow, RankSampler, Sample, SFTData, collate, loss_weights, make_loader  # noqa: E402
+from data import BadRow, RankSampler, Sample, SFTData, collate, make_loader  # noqa: E402
+from loss import loss_weights  # noqa: E402
 from processor import DEFAULT_SYSTEM_MESSAGE, Tokenizer, load_image  # noqa: E402
 from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
@@ -117,7 +118,7 @@ def test_image_tokens_count_and_placement(tmp_path, tok, n_images, placeholders)
     budget = max(1, 12 // max(n_images, 1))
     expected_pix = [load_image(tmp_path / n, max_tiles=budget) for n in names]
     assert s.num_tiles == [p.shape[0] for p in expected_pix]
-    # Without placeholders, "<image>\n" per image goes in front of the first human turn (§8.1).
+    # Without placeholders, "<image>\n" per image goes in front of the first human turn (the official preprocessing).
     text = "".join((f"Image-{k + 1}: " if placeholders else "") + expand(n) + "\n"
                    for k, n in enumerate(s.num_tiles)) + "Compare them."
     ids, labels = segments(tok, DEFAULT_SYSTEM_MESSAGE, [("human", text), ("gpt", "They differ.")])

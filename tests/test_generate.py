@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from PIL import Image
 
 from conftest import random_pixels
-from generate import GEMV_ROWS, Engine, GenerateConfig, Streamer, cpu_backend, decode_one_token, prefill
+from chat import Streamer
+from engine import GEMV_ROWS, Engine, GenerateConfig, cpu_backend, decode_one_token, prefill
 from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
 
@@ -56,15 +57,15 @@ def test_greedy_matches_transformers(checkpoint, reference, family, case):
 
 
 def test_cached_decode_equals_full_recompute(qwen3, monkeypatch):
-    import generate
+    import engine as engine_module
 
     _, model, tok = qwen3
     ids = tok.encode(build_prompt("Describe the image.", [2]))
     pv = random_pixels(2, seed=2)
     engine = Engine(model)
     logits_seen = []
-    orig = generate.decode_one_token  # the eager step calls it by name: record every step's logits
-    monkeypatch.setattr(generate, "decode_one_token", lambda *a: logits_seen.append(orig(*a)) or logits_seen[-1])
+    orig = engine_module.decode_one_token  # the eager step calls it by name: record every step's logits
+    monkeypatch.setattr(engine_module, "decode_one_token", lambda *a: logits_seen.append(orig(*a)) or logits_seen[-1])
     tokens = engine.generate([ids], pv, GenerateConfig(max_new_tokens=NEW, ignore_eos=True), tok.eos_ids).tokens[0]
     # full recompute: the whole sequence (prompt with image features + generated tokens) every step
     with torch.no_grad():
@@ -72,7 +73,7 @@ def test_cached_decode_equals_full_recompute(qwen3, monkeypatch):
         for i, t in enumerate(tokens):
             gen = model.language_model.model.embed_tokens(torch.tensor([tokens[:i]], dtype=torch.long))
             x = torch.cat([prompt, gen], dim=1)
-            logits = model.language_model.lm_head(model.hidden(x, torch.arange(x.shape[1])[None])[0])[0, -1]
+            logits = model.language_model.lm_head(model.hidden_from_embeds(x, torch.arange(x.shape[1])[None])[0])[0, -1]
             assert int(logits.argmax()) == t, f"step {i}"
             if i > 0:  # decode step i-1 produced the logits for token i
                 # fp32, same ops in a different order (SDPA over a masked cache vs causal kernel): ~1e-6
@@ -129,7 +130,7 @@ def test_compiled_decode_equals_eager(qwen3):
 def test_gemv_backend_rewrites_few_row_linears(dtype):
     """The CPU decode backend turns exactly the linears of <= GEMV_ROWS rows into gemv (a graph that
     stops matching would silently lose the speed-up), and gemv equals F.linear, with and without bias."""
-    from generate import gemv
+    from engine import gemv
 
     torch.manual_seed(0)
     w, b = torch.randn(48, 32, dtype=dtype), torch.randn(48, dtype=dtype)

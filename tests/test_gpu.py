@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from generate import Engine, GenerateConfig, decode_one_token, prefill
+from engine import Engine, GenerateConfig, decode_one_token, prefill
 from parvl import PRESETS, ParConfig, ParVL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -65,7 +65,8 @@ def test_reduce_overhead_decode_equals_eager(pv, pl, shared, pairs):
 
 def training_samples(cfg):
     """Three SFT samples: one tile, text only, two tiles; the last tokens supervised."""
-    from data import IGNORE, Sample
+    from data import Sample
+    from loss import IGNORE
 
     per, g, samples = cfg.tokens_per_tile, torch.Generator().manual_seed(0), []
     for k, (tiles, text) in enumerate([(1, 20), (0, 13), (2, 31)]):
@@ -111,7 +112,8 @@ def test_training_micro_batch_has_no_host_sync(packed):
 def test_packed_flex_attention_training_equals_unpacked(pv, pl):
     """On CUDA a packed row runs flex_attention (compiled) under the BlockMask of aggregate.packed_mask:
     loss and gradients equal the three samples as one-sample micro-batches (SDPA), fp32."""
-    from data import collate, loss_weights, pack_step
+    from data import collate, pack_step
+    from loss import loss_weights
     from train import micro_loss
 
     cfg = replace(PRESETS["tiny"], par=ParConfig(pv=pv, pl=pl, vit_prefix_len=8, llm_prefix_len=8))

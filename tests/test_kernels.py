@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from generate import decode_one_token, decode_step, prefill
+from engine import decode_one_token, decode_step, prefill
 from parvl import PRESETS, ParConfig, ParVL
 
 FUSED = ("flash_attention", "efficient_attention", "cudnn_attention")  # aten::_scaled_dot_product_<kind>...

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask
 
 from aggregate import BLOCK, Rows, packed_mask, prefix_attention, segment_positions
-from data import IGNORE, BadRow, Sample, SFTData, collate, loss_weights, pack_rows, pack_step
+from data import BadRow, Sample, SFTData, collate, pack_rows, pack_step
+from loss import IGNORE, loss_weights
 from parvl import ParVL
 from processor import Tokenizer
 from test_train import COMMON, meta, metrics, model_dir, run_train  # noqa: F401  (meta, model_dir: fixtures)

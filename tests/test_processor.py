@@ -20,7 +20,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `pytest` works from anywhere
 import processor  # noqa: E402
-from processor import ImageError, Tokenizer, build_multi_image_question, build_prompt  # noqa: E402
+from processor import ImageError, Tokenizer, build_prompt, place_images  # noqa: E402
 from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
 REF_SYSTEM = ("你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位"
@@ -31,7 +31,7 @@ REF_SYSTEM = ("你是书生·万象，英文名是InternVL，是由上海人工�
 
 
 def ref_grid(width, height, min_num=1, max_num=12, image_size=448):
-    """Spec §5.2: candidate set sorted by product; smallest |aspect - i/j|; ties go to the later
+    """InternVL's dynamic_preprocess / find_closest_aspect_ratio: candidate set sorted by product; smallest |aspect - i/j|; ties go to the later
     candidate iff the image area exceeds half of its canvas."""
     aspect = width / height
     candidates = set()
@@ -334,7 +334,7 @@ def test_default_system_message():
 PROMPTS = {  # name -> (question, num_tiles, history or None, system or None)
     "single_image": ("Describe the image.", [3], None, None),
     "single_image_placed": ("What is this?\n<image>", [1], None, None),
-    "multi_image": (build_multi_image_question("What differs?", 2), [2, 1], None, None),
+    "multi_image": (place_images("What differs?", 2), [2, 1], None, None),
     "multi_turn": ("And the colour?", [1, 5], [("<image>\nWhat animal?", "A cat."),
                                                ("Now <image> this one?", "A dog.")], None),
     "multi_turn_text": ("你好吗？", [], [("Hi", "Hello!")], "You are a helpful assistant."),
@@ -365,9 +365,13 @@ def test_prompt_layout_literal():
     assert build_prompt("Hi", []).endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
-def test_multi_image_question():
-    assert build_multi_image_question("Compare.", 2) == "Image-1: <image>\nImage-2: <image>\nCompare."
-    assert build_multi_image_question("<image> vs <image>", 2) == "<image> vs <image>"
+def test_the_placeholder_rule():
+    assert place_images("Compare.", 2) == "Image-1: <image>\nImage-2: <image>\nCompare."
+    assert place_images("<image> vs <image>", 2) == "<image> vs <image>"  # placed by the question
+    assert place_images("What is it?", 1) == "<image>\nWhat is it?"  # InternVL's chat()
+    assert place_images("Is <image> a cat?", 1) == "Is <image> a cat?"
+    assert place_images("Is <image> a cat?", 1, always=True) == "<image>\nIs <image> a cat?"  # reorganize_prompt
+    assert place_images("Hi", 0) == place_images("Hi", 0, always=True) == "Hi"
 
 
 @pytest.mark.parametrize("question, num_tiles, history, n_slots", [

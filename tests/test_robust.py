@@ -1,4 +1,4 @@
-"""Issue 12, "nothing lost, nothing raw", for train.py and data.py: run folders that cannot overwrite
+"""Nothing lost, nothing raw, for train.py and data.py: run folders that cannot overwrite
 each other, checkpoints that fall back, and one line (no traceback) for every failure (generate.py,
 profiling.py and images: test_robust_cli.py). Each test checks the exit code, that stderr says it in
 one line, and that what was saved before is intact (files byte-identical). Exit codes: 0 ok, 1 bad
@@ -198,7 +198,8 @@ def test_failed_save_is_one_line_and_keeps_complete_checkpoints(model_dir, meta,
     out = copy_run(base_run, tmp_path)
     before = tree(out)
     res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 4, "--save-every", 1,
-                    "--keep-last", 5, "--resume", "--inject-save-error", "ENOSPC:4", *TRAIN, check=False)
+                    "--keep-last", 5, "--resume", *TRAIN, check=False,
+                    fault="save-error=ENOSPC:4")
     lines = notes(res.stderr)
     assert res.returncode == 1 and "Traceback" not in res.stderr and len(lines) == 2, res.stderr[-3000:]
     assert lines[0].startswith("resuming from") and lines[1] == (

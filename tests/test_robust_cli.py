@@ -1,4 +1,4 @@
-"""Issue 12 for generate.py, profiling.py and images: one line (no traceback) for every failure, the
+"""Nothing lost, nothing raw, for generate.py, profiling.py and images: one line (no traceback) for every failure, the
 exit codes (0 ok, 1 bad input or failure, 2 usage, 130 interrupted), Ctrl-C that stops an answer
 and not the chat, refused chat turns that keep the session, text-only chat, 16-bit greyscale and
 multi-frame images. In-process (generate.main, profiling.main) where it can be: much cheaper."""
@@ -13,6 +13,9 @@ import pytest
 import torch
 from PIL import Image
 
+import chat
+import cli
+import engine
 import generate
 import profiling
 from checkpoint import CheckpointError
@@ -72,7 +75,7 @@ def test_lfs_pointer_and_run_folder_are_named(model_dir, png, tmp_path, capsys):
     assert code == 1 and one_line(err) == f"error: {run}: a training run folder, not a model; its model is {run / 'export'}"
     shutil.rmtree(run / "export")
     with pytest.raises(CheckpointError, match="no export yet"):
-        generate.resolve_model(str(run))
+        cli.resolve_model(str(run))
     assert tree(run) == {k: v for k, v in before.items() if not k.startswith("export")}
 
 
@@ -101,8 +104,8 @@ def test_multi_frame_images_use_the_first_frame_and_say_so(tmp_path, capsys, fmt
 
 def interrupt_at(monkeypatch, step: int, on_call: int = 1):
     """Ctrl-C in the middle of the `on_call`-th answer, after `step` streamed tokens."""
-    real, calls = generate.Streamer.__call__, {"n": 0}
-    real_init = generate.Streamer.__init__
+    real, calls = chat.Streamer.__call__, {"n": 0}
+    real_init = chat.Streamer.__init__
 
     def init(self, *a, **k):
         calls["n"] += 1
@@ -114,8 +117,8 @@ def interrupt_at(monkeypatch, step: int, on_call: int = 1):
             raise KeyboardInterrupt
         return real(self, i, tokens)
 
-    monkeypatch.setattr(generate.Streamer, "__init__", init)
-    monkeypatch.setattr(generate.Streamer, "__call__", call)
+    monkeypatch.setattr(chat.Streamer, "__init__", init)
+    monkeypatch.setattr(chat.Streamer, "__call__", call)
 
 
 def test_ctrl_c_stops_the_answer_cleanly(model_dir, png, capsys, monkeypatch):
@@ -129,13 +132,13 @@ def test_ctrl_c_stops_the_answer_cleanly(model_dir, png, capsys, monkeypatch):
 
 def test_chat_text_only_survives_refused_turns_and_ctrl_c(model_dir, capsys, monkeypatch):
     prompts = []
-    real_generate = generate.Engine.generate
+    real_generate = engine.Engine.generate
 
     def spy(self, batch, *a, **k):
         prompts.append(batch[0])
         return real_generate(self, batch, *a, **k)
 
-    monkeypatch.setattr(generate.Engine, "generate", spy)
+    monkeypatch.setattr(engine.Engine, "generate", spy)
     interrupt_at(monkeypatch, step=2, on_call=2)  # the second answer is cut short
     questions = ["Hello?", "Where is <image> here?", "Tell me more.", "Last one."]
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(q + "\n" for q in questions)))

@@ -16,13 +16,15 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+import gates
 import generate
 import router
-from data import SFTData, token_nll
-from generate import Engine, GenerateConfig
+from data import SFTData
+from loss import token_nll
+from engine import Engine, GenerateConfig
 from parvl import PRESETS, ParConfig, ParVL
 from processor import Tokenizer, build_prompt, load_image
-from router import Router, RouterConfig, RouterError, path_teacher, router_loss
+from gates import Router, RouterConfig, RouterError, path_teacher, router_loss
 from test_train import write_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -145,9 +147,9 @@ def test_labels_equal_single_pair_forwards(model23, labelled):
                     torch.testing.assert_close(t["connector"][k, v], feats.float().mean((0, 1)), rtol=1e-5, atol=1e-6)
             first = int((s.labels != -100).nonzero()[0])
             ids = s.input_ids[None, :first]
-            span = router.question_span(ids, torch.ones_like(ids, dtype=torch.bool), info["im_start_id"], model.cfg.image_token_id)
+            span = gates.question_span(ids, torch.ones_like(ids, dtype=torch.bool), info["im_start_id"], model.cfg.image_token_id)
             assert tok.decode(ids[span].tolist()).startswith("user\n<img></img>") or pix is None
-            torch.testing.assert_close(t["text"][k], router.text_feature(model, ids, span)[0])
+            torch.testing.assert_close(t["text"][k], gates.text_feature(model, ids, span)[0])
         assert bool(t["has_image"][k]) == (pix is not None)
     assert kinds == {0, 1, 2} and data[int(t["rows"][0])].num_tiles == [3]  # 2 tiles + thumbnail
     text_only = ~t["has_image"]
@@ -155,7 +157,7 @@ def test_labels_equal_single_pair_forwards(model23, labelled):
     assert (t["nll"][t["has_image"], 0] != t["nll"][t["has_image"], 1]).all()  # the vision branches matter
 
 
-def test_labels_do_not_depend_on_world_size_and_resume(model23, labelled, tmp_path):
+def test_labels_do_not_depend_on_world_size_and_resume(model23, labelled, tmp_path, monkeypatch):
     meta, one = labelled
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(29700 + os.getpid() % 200), str(ROOT / "router.py"), "label", "--model", str(model23), "--data", str(meta),
@@ -163,8 +165,19 @@ def test_labels_do_not_depend_on_world_size_and_resume(model23, labelled, tmp_pa
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "label: chunk" in res.stderr  # progress on stderr
-    # interrupted after one chunk, then resumed
-    assert run_router("label", "--model", model23, "--data", meta, "--out", tmp_path / "cut", *LABEL, "--stop-after", "1") == 0
+    # interrupted during the second chunk (Ctrl-C), then resumed
+    label_batch, calls = router.label_batch, []
+
+    def label_then_interrupt(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return label_batch(*args)
+
+    monkeypatch.setattr(router, "label_batch", label_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        run_router("label", "--model", model23, "--data", meta, "--out", tmp_path / "cut", *LABEL)
+    monkeypatch.undo()
     assert not (tmp_path / "cut" / "labels.json").exists() and len(list((tmp_path / "cut" / "parts").glob("chunk_*"))) == 1
     assert run_router("label", "--model", model23, "--data", meta, "--out", tmp_path / "cut", *LABEL) == 0
     ref = load_file(str(one / "labels.safetensors"))
@@ -292,7 +305,7 @@ def test_router_learns_planted_preference(model23_shallow, tmp_path, capsys):
         got = router.dense_nll(model, data, torch.tensor([0, 1]), 2)
     assert got.tolist() == pytest.approx(dense, rel=1e-5) and math.isfinite(rows["dense"]["nll"])
     # the same choices in eval (from the stored gate inputs) as at inference (from the prompt)
-    r = router.load_router(tmp_path / "R", model)
+    r = gates.load_router(tmp_path / "R", model)
     s = data[0]
     prompt = s.input_ids[None, : int((s.labels != -100).nonzero()[0])]
     v, l, _ = r.route(model, prompt, torch.ones_like(prompt, dtype=torch.bool), s.pixel_values)
@@ -344,7 +357,7 @@ def test_routed_generation_equals_single_pair_generation():
     assert [c[0] for c in calls] == ["gate", "vit"]
     tiles = [0 if x is None else x.shape[0] for _, x in batch]
     want = [v if v is not None else 0 for v, _ in pairs]
-    assert calls[1][1].fold == 1 and calls[1][1].branch.tolist() == [v for v, n in zip(want, tiles) for _ in range(n)]
+    assert calls[1][1].per_item == 1 and calls[1][1].branch.tolist() == [v for v, n in zip(want, tiles) for _ in range(n)]
     assert model.language_model.model.layers[0].self_attn.kv_cache.k.shape[0] == len(prompts)  # B rows, not Pl*B
     for (ids, x), (v, l), got in zip(batch, pairs, res.tokens):
         # the pair by hand, sample alone: the gates' argmax on the thumbnail (last tile) patch embedding,
@@ -364,8 +377,8 @@ def test_generate_cli_router_and_bad_routers(model23, tmp_path, capsys):
     model, tok = ParVL.from_pretrained(model23), Tokenizer.from_pretrained(model23)
     torch.manual_seed(0)
     cfg = RouterConfig(pv=2, pl=3, vision_width=64, text_width=64, hidden=16,
-                       im_start_id=tok.token_to_id("<|im_start|>"), fingerprint=router.fingerprint(model))
-    router.save_router(Router(cfg), tmp_path / "R", {})
+                       im_start_id=tok.token_to_id("<|im_start|>"), fingerprint=gates.fingerprint(model))
+    gates.save_router(Router(cfg), tmp_path / "R", {})
     png = tmp_path / "img.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (200, 300, 3), dtype=np.uint8)).save(png)
     res = subprocess.run([sys.executable, str(ROOT / "generate.py"), str(png), "What is this?", "--model", str(model23),
@@ -375,13 +388,13 @@ def test_generate_cli_router_and_bad_routers(model23, tmp_path, capsys):
     out = json.loads(res.stdout)
     pv = load_image(png, max_tiles=2)
     ids = tok.encode(build_prompt("What is this?", [pv.shape[0]]))
-    want = Engine(model, router=router.load_router(tmp_path / "R", model)).generate([ids], pv, GenerateConfig(max_new_tokens=5), tok.eos_ids)
+    want = Engine(model, router=gates.load_router(tmp_path / "R", model)).generate([ids], pv, GenerateConfig(max_new_tokens=5), tok.eos_ids)
     assert tuple(out["pair"]) == want.pairs[0] and out["answer"] == tok.decode(want.tokens[0]).strip()
 
     # bad routers: another Pv x Pl, another width, tensors that do not match the config: one line, exit 1
-    router.save_router(Router(replace(cfg, pv=3)), tmp_path / "R33", {})
-    router.save_router(Router(replace(cfg, text_width=96)), tmp_path / "Rw", {})
-    router.save_router(Router(replace(cfg, hidden=8)), tmp_path / "Rt", {})
+    gates.save_router(Router(replace(cfg, pv=3)), tmp_path / "R33", {})
+    gates.save_router(Router(replace(cfg, text_width=96)), tmp_path / "Rw", {})
+    gates.save_router(Router(replace(cfg, hidden=8)), tmp_path / "Rt", {})
     (tmp_path / "Rt" / "config.json").write_text(json.dumps({"router": vars(cfg) | {"hidden": 16}}))
     for folder, needle in (("R33", "Pv:Pl = 3:3"), ("Rw", "width"), ("Rt", "do not match")):
         rc = generate.main([str(png), "Hi?", "--model", str(model23), "--router", str(tmp_path / folder), "--max-new-tokens", "2"])
@@ -391,7 +404,7 @@ def test_generate_cli_router_and_bad_routers(model23, tmp_path, capsys):
         other = ParVL.from_pretrained(model23)
         with torch.no_grad():
             other.language_aggregator.mlp[2].bias.add_(1.0)
-        router.load_router(tmp_path / "R", other)
+        gates.load_router(tmp_path / "R", other)
     for flag in (["--vision-branch", "0"], ["--language-branch", "1"], ["--shared-kv"]):
         with pytest.raises(SystemExit) as e:
             generate.main([str(png), "Hi?", "--model", str(model23), "--router", str(tmp_path / "R"), *flag])

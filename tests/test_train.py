@@ -14,10 +14,12 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from data import SFTData, chunked_sft_loss, collate, loss_weights, sft_loss
+from data import SFTData, collate
+from loss import chunked_sft_loss, loss_weights, sft_loss
 from parvl import ParVL, is_branch_tensor
 from processor import Tokenizer
-from train import TrainConfig, lr_lambda, micro_loss, param_groups
+from schedule import lr_lambda
+from train import TrainConfig, micro_loss, param_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 QA = [("What colour dominates?", "Mostly red with some blue."), ("Describe it.", "A noisy square."),
@@ -53,9 +55,11 @@ def write_dataset(folder: Path, rows: int = 8, bad: int = 0, repeat: float = 1.0
     return folder / "meta.json"
 
 
-def run_train(*args, nproc: int = 1, check: bool = True):
+def run_train(*args, nproc: int = 1, check: bool = True, fault: str | None = None):
+    """train.py with these flags (under torchrun with nproc > 1); fault: one of tests/faults.py's."""
+    script = [str(ROOT / "tests" / "faults.py"), fault] if fault else [str(ROOT / "train.py")]
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-            str(29500 + os.getpid() % 1000)] if nproc > 1 else [sys.executable]) + [str(ROOT / "train.py"), *map(str, args)]
+            str(29500 + os.getpid() % 1000)] if nproc > 1 else [sys.executable]) + [*script, *map(str, args)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if check:
@@ -177,7 +181,7 @@ def test_two_ranks_equal_one_process(model_dir, meta, tmp_path):
 def test_resume_is_bit_identical_and_ignores_partial_saves(model_dir, meta, tmp_path):
     args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "1", "--max-steps", "4", "--save-every", "1", *COMMON]
     run_train(*args, "--out", tmp_path / "full")
-    run_train(*args, "--out", tmp_path / "cut", "--stop-after", "2")
+    run_train(*args, "--out", tmp_path / "cut", fault="stop-after=2")
     ckpts = tmp_path / "cut" / "checkpoints"
     shutil.copytree(ckpts / "step_2", ckpts / "step_3.tmp")  # a save killed half-way: never "done"
     (ckpts / "step_3.tmp" / "done").unlink()
@@ -266,7 +270,7 @@ def test_samples_past_the_position_table_are_too_long(model_dir, meta, tmp_path)
 def test_nan_stops_before_the_update(model_dir, meta, tmp_path):
     out = tmp_path / "nan"
     res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", "3", "--save-every", "1",
-                    "--inject-nan-step", "2", *COMMON, check=False)
+                    *COMMON, check=False, fault="nan-step=2")
     assert res.returncode != 0
     last = res.stderr.strip().splitlines()[-1]
     assert "step 2" in last and "non-finite" in last, res.stderr[-2000:]

@@ -1,0 +1,227 @@
+"""What every command shares and that knows no model: the one-line argument parser, device, dtype
+and model resolution (a local folder or the huggingface_hub cache), logging from rank 0, the process
+group torchrun asks for, the process exit, and small figures (h:mm:ss, peak memory), plus the
+optional matplotlib import. generate.py, train.py, router.py, evaluate.py and profiling.py use it;
+it imports no model code, so every floor of the house can sit on it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+import torch.distributed as dist
+
+from checkpoint import CheckpointError, check_not_run_folder
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """A flag error is one line, not the usage of every flag, and exits 2 (argparse's code); under
+    torchrun only rank 0 prints it (every rank parses the same flags)."""
+
+    def error(self, message: str):
+        if rank() == 0:
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def one_line(e: BaseException) -> str:
+    """An error message folded onto one line (paths and causes can carry newlines)."""
+    return " ".join(str(e).split())
+
+
+# -- processes ----------------------------------------------------------------------------------
+
+
+def rank() -> int:
+    """This process's rank; before the process group starts, the one torchrun assigned."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def log(msg: str, stream=None, every_rank: bool = False) -> None:
+    """A line for people, from rank 0 only (or every_rank): stderr by default (stdout stays for results)."""
+    if every_rank or rank() == 0:
+        print(msg, file=stream or sys.stderr, flush=True)
+
+
+def start_processes(cuda: bool, always: bool = False) -> torch.device:
+    """The process group torchrun asks for (RANK set: NCCL on CUDA, gloo on CPU), and this process's
+    device. A plain `python` process runs alone with no group, or, with always (FSDP2 wants one), in a
+    world of one over an in-process store."""
+    if not dist.is_initialized():
+        if "RANK" in os.environ:
+            dist.init_process_group("nccl" if cuda else "gloo")
+        elif always:
+            dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return device
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def end_processes() -> None:
+    """The last barrier (gloo can abort at exit without it) and the end of the process group."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def exit_process(code: int) -> NoReturn:
+    """sys.exit for the __main__ of the commands, called once main() has passed its last barrier and
+    destroyed the process group. On this torch build a gloo process can still abort in the
+    interpreter's own teardown after that ("terminate called without an active exception", SIGABRT,
+    which torchrun reports as a failed run; README, exit codes). Every file is closed by then, so a
+    process torchrun started flushes its output and leaves with os._exit, skipping that teardown; a
+    plain `python` process exits as usual."""
+    if "RANK" in os.environ:
+        sys.stdout.flush(), sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
+# -- devices and dtypes -------------------------------------------------------------------------
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def resolve_device(name: str) -> torch.device:
+    """--device as a torch.device, or one line on what is wrong with it (before any file is read,
+    so a missing GPU is not reported as an unreadable checkpoint)."""
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {name!r}: not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"--device {name}: CUDA is not available ({why}); use --device cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices (0 to "
+                             f"{torch.cuda.device_count() - 1})")
+    elif device.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {name}: MPS is not available on this machine; use --device cpu")
+    elif device.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {name}: not supported here; use cpu or cuda")
+    return device
+
+
+def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
+    """--dtype (bf16, fp16, fp32), by default bf16 on CUDA and fp32 elsewhere."""
+    return DTYPES[name or ("bf16" if device.type == "cuda" else "fp32")]
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB
+
+
+def hms(seconds: float) -> str:
+    """Seconds as h:mm:ss."""
+    s = int(seconds)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend. matplotlib is optional (train.py plot, --plot,
+    evaluate.py report): without it, one line saying how to get it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("matplotlib is not installed (it draws the plot): pip install matplotlib") from None
+    return plt
+
+
+# -- the model folder: local, or the huggingface_hub cache ---------------------------------------
+
+DEFAULT_MODEL = "OpenGVLab/InternVL3_5-1B"  # the original layout, which parvl.py reads natively
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name, as the hub spells repo ids
+HUB_FILES = ["*.json", "*.safetensors", "*.txt"]  # config, weights, tokenizer: not the remote code or example media
+
+
+def resolve_model(name: str | None = None, revision: str | None = None) -> Path:
+    """The checkpoint folder for --model: a local folder, else a hub repo id, fetched once into
+    huggingface_hub's cache (HF_HUB_CACHE / HF_HOME) and read from there on later runs, offline too.
+    No name: $PARVL_MODEL, else DEFAULT_MODEL. revision (a branch, tag or commit) pins a hub model."""
+    name = name or os.environ.get("PARVL_MODEL") or DEFAULT_MODEL
+    if Path(name).is_dir():
+        if revision:
+            raise ValueError(f"--revision {revision}: {name} is a local folder, not a hub model")
+        check_not_run_folder(Path(name))  # runs/22 instead of runs/22/export: say so before anything fails
+        return Path(name)
+    if Path(name).exists() or not HUB_ID.fullmatch(name) or name.startswith("."):
+        raise CheckpointError(f"{name}: not a checkpoint folder (nor a hub model id such as {DEFAULT_MODEL})")
+    return hub_snapshot(name, revision)
+
+
+def hub_snapshot(repo: str, revision: str | None) -> Path:
+    """The cached snapshot of a hub model, downloaded (with huggingface_hub's progress bars) only if the
+    cache lacks it or holds an incomplete copy. Every failure is one line naming the way out."""
+    pin = f" --revision {revision}" if revision else ""
+    local = repo.split("/")[-1]
+    elsewhere = f"download it where the hub is reachable (hf download {repo}{pin} --local-dir {local}) and pass --model {local}"
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.utils import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                           RepositoryNotFoundError, RevisionNotFoundError)
+    except ImportError:
+        raise CheckpointError(f"{repo}: not a local folder, and huggingface_hub is not installed to fetch it "
+                              f"(pip install huggingface_hub); or {elsewhere}") from None
+    kw = dict(revision=revision, allow_patterns=HUB_FILES)
+    try:  # the cache first: no network round trip, and it works offline
+        cached = Path(snapshot_download(repo, local_files_only=True, **kw))
+    except LocalEntryNotFoundError:
+        cached = None
+    if cached is not None and weights_complete(cached):
+        return cached
+    if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE=1: no download to attempt
+        state = "incomplete in" if cached is not None else "not in"
+        raise CheckpointError(f"{repo}{pin}: {state} the hub cache, and HF_HUB_OFFLINE is set; {elsewhere}")
+    try:
+        log(f"downloading {repo}{pin} into {constants.HF_HUB_CACHE} (once; later runs read it there)")
+        folder = Path(snapshot_download(repo, **kw))
+    except GatedRepoError:
+        raise CheckpointError(f"{repo}: a gated model; accept its terms on the hub and log in (hf auth login)") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"{repo}: not a local folder, and no hub model of that name "
+                              f"(a private one needs hf auth login)") from None
+    except RevisionNotFoundError:
+        raise CheckpointError(f"{repo}: the hub has no revision {revision!r}") from None
+    except LocalEntryNotFoundError:  # not cached, and offline (HF_HUB_OFFLINE) or the hub is unreachable
+        raise CheckpointError(f"{repo}{pin}: not in the hub cache and the hub cannot be reached; {elsewhere}") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise CheckpointError(f"{repo}: download failed ({type(e).__name__}: {e}); {elsewhere}") from None
+    if not weights_complete(folder):
+        raise CheckpointError(f"{folder}: the cached {repo} is incomplete (no config.json or weights); {elsewhere}")
+    return folder
+
+
+def weights_complete(folder: Path) -> bool:
+    """config.json and every weight file there (an interrupted download leaves a partial snapshot)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        return (folder / "config.json").is_file() and all((folder / s).is_file() for s in shards)
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()

@@ -1,0 +1,297 @@
+"""The generation engine, gpt-fast style: prefill, one compiled decode step, on-device sampling,
+static KV caches, batched left padding and the branch caches of ParVL.
+
+    engine = Engine(model, compile=True)          # model: a parvl.ParVL
+    out = engine.generate([ids], pixel_values, GenerateConfig(max_new_tokens=256), tokenizer.eos_ids)
+
+The prompt is prefilled once into a static KV cache (allocated once, written in place), then
+`decode_step` (`decode_one_token`, sampling and the stop check) runs one step at a time, compiled
+with torch.compile into one graph: CUDA graphs on GPU (mode="reduce-overhead"), and on CPU inductor
+with its linears of few rows as inductor's own reductions (`gemv`). Sampling runs on the device (no
+multinomial, no .item()), so the decode loop needs no host synchronisation except where the caller
+streams tokens or every `check_every` steps to see whether every sequence has stopped. Several
+prompts of different lengths and tile counts are generated as one left-padded batch; each prompt's
+positions start at 0 and its padding is masked out of every attention.
+
+The engine reads only the model object it is handed (its embed, language states, towers and caches)
+and imports no name of parvl.py, so the model can sit above it and reach it for InternVL's
+`model.chat` (chat.py). InternVL's chat API is in chat.py, the command in generate.py.
+
+Shape legend: aggregate.py's (here T is the padded prompt, S the cache slots).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+import torch
+
+from aggregate import Choice, Rows
+from cli import sync
+from llm import causal_mask, prompt_positions
+
+
+@dataclass
+class GenerateConfig:
+    max_new_tokens: int = 512
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    ignore_eos: bool = False  # force exactly max_new_tokens (the profiling protocol)
+    check_every: int = 16  # decode steps between host checks for "all sequences stopped"
+    bucket: int = 128  # decode attends over the written cache slots rounded up to this many (0 = all slots)
+
+
+@dataclass
+class Result:
+    tokens: list[list[int]]  # generated ids per prompt, stop token excluded
+    prefill_s: float = 0.0  # time to first token (ViT + connector + LLM prefill + first sample)
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    pairs: list[tuple[int | None, int]] | None = None  # routed: (vision, language) branch per prompt, vision None without image
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """[B,V] fp32 logits -> [B] token ids, on the device, with no host synchronisation."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # [B,1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B,V]
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    # Gumbel-style draw: argmax(p / Exp(1)) samples from p without torch.multinomial's sync
+    return (probs / torch.empty_like(probs).exponential_(1)).argmax(-1)
+
+
+# -- prefill and one decode step --------------------------------------------------------------
+
+
+@torch.no_grad()
+def prefill(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, valid: torch.Tensor,
+            padded: bool, vision_branch: Choice, rows: Rows, features: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the prompt ([B,T], left-padded where valid is False) into token slots 0..T-1 of the cache
+    (the branch prefixes sit in front of them); return the fp32 logits of the last position [B,V].
+    features: connector output [N,256,C] already computed (by a router), so the ViT does not rerun."""
+    B, T = input_ids.shape
+    x, _ = model.embed(input_ids, pixel_values, vision_branch, features)  # [B,T,Cv] with image features in place
+    positions, mask = prompt_positions(valid, padded)  # mask None: fused causal kernels
+    slots = torch.arange(T, device=x.device)
+    h, _ = model.hidden_from_embeds(x, positions, mask, slots, rows)  # [B,T,Cv] rows unfolded
+    return model.language_model.lm_head(h[:, -1]).float()
+
+
+def decode_one_token(model, token: torch.Tensor, input_pos: torch.Tensor, positions: torch.Tensor,
+                     key_valid: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """One step: token [B,1] at token slot input_pos [1], rotary positions [B,1]; key_valid [B,S]
+    marks the token slots that are not padding. Returns fp32 logits [B,V]. Static shapes only."""
+    x = model.language_model.model.embed_tokens(token)  # [B,1,Cv]
+    mask = causal_mask(key_valid, input_pos)  # [B,1,1,S]
+    h, _ = model.hidden_from_embeds(x, positions, mask, input_pos, rows)  # [B,1,Cv] rows unfolded
+    return model.language_model.lm_head(h[:, -1]).float()
+
+
+def decode_step(model, token: torch.Tensor, input_pos: torch.Tensor, positions: torch.Tensor,
+                key_valid: torch.Tensor, rows: Rows, done: torch.Tensor, stops: torch.Tensor, pad_id: int,
+                temperature: float, top_k: int, top_p: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One whole generation step on the device, the graph that is compiled: decode_one_token for the
+    token [B] just chosen, sampling, and the stop check. Returns the next token [B], done [B] after it
+    (a stop id seen; stops is empty with ignore_eos) and the token to record [B] (pad_id once stopped)."""
+    logits = decode_one_token(model, token.view(-1, 1), input_pos, positions, key_valid, rows)
+    nxt = sample(logits, temperature, top_k, top_p)
+    return nxt, done | torch.isin(nxt, stops), torch.where(done, pad_id, nxt)
+
+
+# -- compiling the decode step ------------------------------------------------------------------
+# On CUDA the step runs as CUDA graphs (mode="reduce-overhead"). On CPU a decode step is a few
+# matrix-vector products per layer over every weight, bandwidth-bound work that MKL's sgemm does
+# poorly with few rows (it streams the weights on one thread). Inductor's own reduction kernel,
+# parallel over the outputs and vectorised along K, reads them near the memory's rate, so the
+# compiled CPU step turns each linear of few rows into multiply + sum (gemv) before inductor lowers
+# it: every weight is still read once per row, and the sums accumulate in fp32 as the BLAS's do.
+# The measurements behind this and GEMV_ROWS are in the README ("On a GPU", the decode step).
+GEMV_ROWS = 4  # linears of at most this many rows (samples x branches) become gemv; past 4 MKL wins
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear for few rows as one fp32 reduction over K per output: x [...,K], weight [N,K] -> [...,N].
+    Only for compiled code: inductor fuses the product into the sum, eager would materialise it."""
+    rows = x.reshape(-1, 1, x.shape[-1])  # [M,1,K]
+    out = (rows.float() * weight.float()).sum(-1)  # [M,N,K] -> [M,N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])  # [...,N]
+
+
+def cpu_backend(gm: torch.fx.GraphModule, example_inputs):
+    """The CPU decode backend: inductor, after turning every linear of at most GEMV_ROWS rows in
+    dynamo's graph into gemv. The rewrite is in the graph inductor receives (not in its decomposition
+    table, which its caches do not key on), so a cached plain graph is never handed back for it."""
+    from torch._inductor.compile_fx import compile_fx
+
+    for node in gm.graph.find_nodes(op="call_function", target=torch.nn.functional.linear):
+        x = node.args[0].meta["example_value"]
+        if x.numel() <= GEMV_ROWS * x.shape[-1]:
+            node.target = gemv
+    gm.recompile()
+    # store small activations (the RMSNorm output) rather than let inductor recompute them in the gemv
+    # loop for every weight row (faster at the benchmark's default size, README)
+    return compile_fx(gm, example_inputs, config_patches={"realize_opcount_threshold": 4})
+
+
+def compile_step(device: torch.device):
+    """decode_step compiled as one graph (fullgraph): CUDA graphs on CUDA, inductor with gemv on CPU."""
+    if device.type == "cuda":
+        return torch.compile(decode_step, mode="reduce-overhead", fullgraph=True)
+    return torch.compile(decode_step, backend=cpu_backend if device.type == "cpu" else "inductor", fullgraph=True)
+
+
+class Engine:
+    """Holds the model, its static cache and the (compiled) decode step across generate calls.
+
+    shared_kv: keep one mean-reduced token K/V per sample instead of one per language branch
+    (ParVL Appendix C.2; an approximation that saves memory; dense language branches only).
+    vision_branch / language_branch (aggregate.Choice): the default branch choice of every call,
+    None = all branches fused, an int = one pair for every sample; `generate` can override it with
+    a branch per sample.
+    router (router.Router): pick (vision, language) per prompt by argmax and run only that pair, in
+    calls that give no branches; it cannot be combined with default branches or shared KV."""
+
+    def __init__(self, model, compile: bool = False, shared_kv: bool = False,
+                 vision_branch: Choice = None, language_branch: Choice = None, router=None):
+        self.model = model
+        self.device = model.language_model.lm_head.weight.device
+        self.shared_kv, self.vision_branch, self.language_branch = shared_kv, vision_branch, language_branch
+        if router is not None:
+            if shared_kv or vision_branch is not None or language_branch is not None:
+                raise ValueError("a router picks the branches per sample: no shared_kv, vision_branch or language_branch with it")
+            router.check(model)
+        self.router = router
+        self.cache_shape: tuple[int, bool, int] | None = None  # (rows, shared, slots)
+        self.step = decode_step
+        self.graphs = compile and self.device.type == "cuda"  # CUDA graphs reuse their output buffers
+        if compile:
+            self.step = compile_step(self.device)
+
+    def setup(self, rows: Rows, slots: int) -> int:
+        """(Re)allocate the cache only when it is too small or its rows changed, else re-seed each
+        row's prefixes (rows may run other branches, and the prefixes may have been trained since);
+        sizes are rounded up to 256 slots so a chat session keeps one cache (and one compiled graph)."""
+        slots = -(-slots // 256) * 256
+        lm = self.model.language_model
+        key = (len(rows.branch), rows.shared_kv)
+        if self.cache_shape is None or self.cache_shape[:2] != key or self.cache_shape[2] < slots:
+            lm.setup_cache(rows, slots)
+            self.cache_shape = (*key, slots)
+        else:
+            lm.seed_prefixes(rows)
+        return self.cache_shape[2]
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], pixel_values: torch.Tensor | None, cfg: GenerateConfig,
+                 stop_ids: list[int], pad_id: int = 0, callback=None, vision_branch: Choice = None,
+                 language_branch: Choice = None) -> Result:
+        """Generate for a batch of prompts (token id lists); pixel_values holds every prompt's tiles
+        in order. callback(step, tokens [B] on host) streams tokens as they come (syncs each step).
+        vision_branch / language_branch: a branch (or one per prompt) for this call; None keeps the
+        engine's default."""
+        model, dev = self.model, self.device
+        B, T = len(prompts), max(len(p) for p in prompts)
+        context_check(T, cfg.max_new_tokens, model.cfg.llm.max_position_embeddings)
+        ids = torch.full((B, T), pad_id, dtype=torch.long)
+        valid = torch.zeros(B, T, dtype=torch.bool)
+        for b, p in enumerate(prompts):  # left padding: every prompt ends at slot T-1
+            ids[b, T - len(p):] = torch.tensor(p)
+            valid[b, T - len(p):] = True
+        ids, valid = ids.to(dev), valid.to(dev)
+        features, pairs, route_s = None, None, 0.0
+        if self.router is not None and vision_branch is None and language_branch is None:
+            # routed: the vision gate, the chosen ViT branch per sample, the language gate; the
+            # connector features are kept for the prefill (timed as part of the time to first token)
+            sync(dev)
+            t0 = time.perf_counter()
+            if pixel_values is not None:
+                pixel_values = pixel_values.to(dev)
+            vision_branch, language_branch, features = self.router.route(model, ids, valid, pixel_values)
+            has_image = (ids == model.cfg.image_token_id).any(1).tolist()
+            pairs = [(v if img else None, lang) for v, lang, img in zip(vision_branch, language_branch, has_image)]
+            sync(dev)
+            route_s = time.perf_counter() - t0
+        vision_branch = self.vision_branch if vision_branch is None else vision_branch
+        language_branch = self.language_branch if language_branch is None else language_branch
+        rows = model.language_rows(language_branch, B, dev, self.shared_kv)
+        S = self.setup(rows, T + cfg.max_new_tokens)
+        padded = any(len(p) < T for p in prompts)
+        key_valid = torch.ones(B, S, dtype=torch.bool, device=dev)  # slots past T are valid once written
+        key_valid[:, :T] = valid
+        stops = torch.tensor([] if cfg.ignore_eos else stop_ids, dtype=torch.long, device=dev)
+        sampling = (cfg.temperature, cfg.top_k, cfg.top_p)
+
+        sync(dev)
+        t0 = time.perf_counter()
+        if pixel_values is not None:
+            pixel_values = pixel_values.to(dev)
+        logits = prefill(model, ids, pixel_values, valid, padded, vision_branch, rows, features)
+        token = sample(logits, *sampling)  # [B]
+        sync(dev)
+        result = Result(tokens=[], prefill_s=time.perf_counter() - t0 + route_s, pairs=pairs)
+
+        input_pos = torch.tensor([T], device=dev)  # cache slot of the token being fed
+        positions = valid.long().sum(-1, keepdim=True)  # [B,1] its rotary position
+        done = torch.isin(token, stops)
+        recorded = [token]  # [B] per step, kept on the device
+        t0 = time.perf_counter()
+        if callback is not None:
+            callback(0, token.tolist())
+        for i in range(1, cfg.max_new_tokens):
+            if not cfg.ignore_eos and i % cfg.check_every == 0 and bool(done.all()):
+                break
+            # attend over the slots written so far (T + i, the fed token included) rounded up to a
+            # bucket, not the whole cache: fewer keys, and one graph per bucket
+            n = min(S, -(-(T + i) // cfg.bucket) * cfg.bucket) if cfg.bucket else S
+            token, done, rec = self.step(model, token, input_pos, positions, key_valid[:, :n], rows, done, stops, pad_id,
+                                         *sampling)
+            if self.graphs:  # the next replay overwrites its outputs
+                token, done, rec = token.clone(), done.clone(), rec.clone()
+            recorded.append(rec)
+            input_pos += 1
+            positions += 1
+            if callback is not None:
+                callback(i, rec.tolist())
+        sync(dev)
+        steps = len(recorded)
+        result.decode_s, result.decode_steps = time.perf_counter() - t0, steps
+        for row in torch.stack(recorded, 1).tolist():
+            cut = next((j for j, t in enumerate(row) if t in stop_ids), len(row)) if not cfg.ignore_eos else len(row)
+            result.tokens.append(row[:cut])
+        return result
+
+
+def engine_from_flags(model, args: argparse.Namespace, router=None) -> Engine:
+    """The Engine the branch flags ask for (generate.py and evaluate.py): --vision-branch and
+    --language-branch checked against the checkpoint, the router the command loaded for --router
+    (router.load_router), --compile on by default on CUDA."""
+    par = model.cfg.par
+    for name, value, count in (("--vision-branch", args.vision_branch, par.pv), ("--language-branch", args.language_branch, par.pl)):
+        if value is not None and not 0 <= value < count:
+            raise ValueError(f"{name} {value} out of range: the checkpoint has {count} branches")
+    cuda = model.language_model.lm_head.weight.device.type == "cuda"
+    return Engine(model, compile=cuda if args.compile is None else args.compile, shared_kv=args.shared_kv,
+                  vision_branch=args.vision_branch, language_branch=args.language_branch, router=router)
+
+
+def context_check(prompt_len: int, max_new_tokens: int, limit: int) -> None:
+    """Refuse a prompt whose tokens plus the token budget exceed the model context (positions)."""
+    if prompt_len + max_new_tokens > limit:
+        raise ValueError(f"prompt of {prompt_len} tokens (image tokens included) + {max_new_tokens} new tokens "
+                         f"exceeds the model context of {limit}")
+

@@ -1,0 +1,62 @@
+"""train.py with one fault injected, for the tests (not collected by pytest): the production code has
+no test hooks, so the faults are put in here by replacing the function they happen in.
+
+    python tests/faults.py stop-after=2 TRAIN_FLAGS...        # leave after step 2's checkpoint, as if killed
+    python tests/faults.py nan-step=2 TRAIN_FLAGS...          # step 2's gradient norm is NaN
+    python tests/faults.py save-error=ENOSPC:4 TRAIN_FLAGS... # the save of step 4 fails with ENOSPC after its shards
+"""
+import errno
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+
+import train  # noqa: E402
+from cli import exit_process  # noqa: E402
+
+
+class Stop(BaseException):
+    """Leaves the run the way a kill does (not an Exception: train.main lets it pass, after its cleanup)."""
+
+
+fault, _, value = sys.argv[1].partition("=")
+if fault == "stop-after":
+    save_checkpoint = train.save_checkpoint
+
+    def save_then_stop(model, optim, sched, step, *args):
+        save_checkpoint(model, optim, sched, step, *args)
+        if step >= int(value):
+            raise Stop
+
+    train.save_checkpoint = save_then_stop
+elif fault == "nan-step":
+    clip, calls = torch.nn.utils.clip_grad_norm_, [0]
+
+    def clip_nan(*args, **kwargs):  # called once per optimizer step
+        calls[0] += 1
+        norm = clip(*args, **kwargs)
+        return norm * float("nan") if calls[0] == int(value) else norm
+
+    torch.nn.utils.clip_grad_norm_ = clip_nan
+elif fault == "save-error":
+    name, step = value.split(":")
+    save = dcp.save
+
+    def save_then_fail(state, checkpoint_id, **kwargs):  # as if the disk filled up after the shards
+        save(state, checkpoint_id=checkpoint_id, **kwargs)
+        if Path(checkpoint_id).name == f"step_{step}.tmp":
+            code = getattr(errno, name)
+            raise OSError(code, os.strerror(code), str(Path(checkpoint_id) / ".metadata"))
+
+    dcp.save = save_then_fail
+else:
+    sys.exit(f"tests/faults.py: unknown fault {sys.argv[1]!r}")
+
+try:
+    code = train.main(sys.argv[2:])
+except Stop:
+    code = 0
+exit_process(code)
