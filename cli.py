@@ -12,6 +12,7 @@ import os
 import re
 import resource
 import sys
+import time
 from pathlib import Path
 from typing import NoReturn
 
@@ -79,6 +80,15 @@ def end_processes() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def leave_the_report_to_rank0() -> None:
+    """For an error every rank meets alike, which rank 0 alone reports: under torchrun any other rank
+    waits (at most 10 s) before it leaves. Rank 0 prints its line and exits first, and torchrun then
+    stops the others; without the wait torchrun could see another rank fail first and SIGTERM rank 0
+    before its line was out (the user then sees only torchrun's own report)."""
+    if "RANK" in os.environ and rank() != 0:
+        time.sleep(10)
 
 
 def exit_process(code: int) -> NoReturn:

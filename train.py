@@ -47,7 +47,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 
 from aggregate import entropy
 from checkpoint import CheckpointReader, check_not_run_folder, read_json
-from cli import OneLineParser, end_processes, exit_process, hms, log, one_line, peak_memory_gib, pyplot, rank, start_processes
+from cli import (OneLineParser, end_processes, exit_process, hms, leave_the_report_to_rank0, log, one_line, peak_memory_gib,
+                 pyplot, rank, start_processes)
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, filler_batch, make_loader, validate
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL, config_from_json, is_branch_tensor
@@ -390,7 +391,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plot"]:  # before the training parser: its flags stay as they are
         return plot_main(argv[1:])
-    code, quiet_exit, INTERRUPTED = 0, False, 0
+    code, quiet_exit, alike, INTERRUPTED = 0, False, False, 0
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     out = None
     try:
@@ -425,7 +426,7 @@ def main(argv=None) -> int:
             log(f"interrupted by {signal.Signals(signum).name}: the current step was abandoned; "
                  + (f"last complete checkpoint {kept[-1]} (continue with --resume)" if kept else "no checkpoint was saved"))
         elif isinstance(e, (ValueError, CheckpointException)):  # bad flags, data, saves: alike on every rank
-            code = 1
+            code, alike = 1, True
             log(f"error: {one_line(e) if isinstance(e, ValueError) else os_cause(e)}")
         elif isinstance(e, OSError):  # a file this rank could not read or write: maybe this rank's alone
             code, where = 1, f" ({e.filename})" if e.filename else ""
@@ -445,6 +446,8 @@ def main(argv=None) -> int:
                 sys.stdout.flush(), sys.stderr.flush()
                 os._exit(code)
             end_processes()
+        if alike:
+            leave_the_report_to_rank0()
 
 
 def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:

@@ -59,8 +59,9 @@ def run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
 def step_tests(out: Path, dry: bool) -> dict:
     report = out / "kernels.json"
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py", "tests/test_kernels.py"]
-    if not dry:
-        cmd += ["-m", "gpu"]
+    # on CUDA the GPU tests and the kernel tests; the dry run (CPU, inside the suite, which runs both
+    # files itself) only proves the plumbing: pytest runs and the kernel table comes back
+    cmd += ["-m", "gpu"] if not dry else ["-k", "every_attention_case"]
     res = run(cmd, 240, {"PARVL_KERNEL_REPORT": str(report)})
     res["kernels"] = json.loads(report.read_text()) if report.exists() else None
     return res

@@ -427,13 +427,16 @@ def random_pixels(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn((n, 3, IMAGE_SIZE, IMAGE_SIZE), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test compiles afresh: decode_one_token compiled for many models in one process would
-    otherwise reach dynamo's recompile limit (8 per code object), which no single use comes near."""
-    torch._dynamo.reset()
-    yield
+# Compiled graphs are shared across the tests of a session: a model of the same config and shapes
+# reuses the decode step compiled for an earlier one (its weights are graph inputs), which is most
+# of what the compiled tests cost. The recompile limit per code object is raised to cover the
+# suite's distinct configs, and reaching it is an error rather than a silent fall back to eager
+# (which would make every compiled-equals-eager test vacuous).
+torch._dynamo.config.recompile_limit = 64
+if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (bench/h200.sh runs these); skipped without one")
+    config.addinivalue_line("markers", "slow: long (compiles, multi-process training); -m 'not slow' leaves them out")

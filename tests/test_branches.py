@@ -515,6 +515,7 @@ def test_per_sample_pairs_differ_where_the_branches_differ():
     assert (a - b)[real].abs().max() > 1e-2 and (a - c)[real].abs().max() > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 3])
 def test_compiled_decode_equals_eager_in_every_branch_mode(batch):
     """decode_one_token compiled as Engine compiles it on CPU (fullgraph, the gemv backend) against
@@ -563,6 +564,7 @@ def test_bad_branch_choices_are_refused():
         model.extract_features(pixels, vision_branch=[0, 1], num_tiles=[1, 1])
 
 
+@pytest.mark.slow
 def test_length_buckets_equal_full_cache_attention():
     """Decode attends over the written slots rounded up to a bucket: the same logits as over the whole
     cache (the masked slots weigh exactly 0), eager and compiled as Engine compiles it, and the same

@@ -21,7 +21,7 @@ from PIL import Image
 
 import evaluate
 import scoring as S
-from generate import Engine, GenerateConfig
+from engine import Engine, GenerateConfig
 from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
 
@@ -68,6 +68,13 @@ def test_vqa_normalisation_articles_punctuation_numbers_contractions():
     assert S.normalize_vqa("1,000 well-known") == "1000 wellknown"
     assert S.normalize_vqa("3.5 m.") == "3.5 m"  # periods between digits stay
     assert S.normalize_vqa("None") == "0"
+    assert S.normalize_vqa("ten eleven") == "10 eleven"  # the number-word table ends at ten
+
+
+def test_strip_punctuation_removes_at_most_32_lone_periods():
+    # upstream passes re.UNICODE (= 32) as re.sub's count: 32 lone periods go, a 33rd stays
+    assert S.strip_punctuation("." * 32) == ""
+    assert S.strip_punctuation("." * 33) == "."
 
 
 def test_vqa_consensus_eq_a2():
@@ -78,6 +85,13 @@ def test_vqa_consensus_eq_a2():
     assert S.vqa_consensus("the cat", two) == pytest.approx((2 * 1 / 3 + 8 * 2 / 3) / 10)
     assert S.vqa_consensus("dog!", two) == 1.0
     assert S.vqa_consensus("bird", two) == 0.0
+    # either side of the cap, 3 matches among the 9 others: 4 matching references of 10 -> each
+    # matching one sees 3 others (3/3 = 1), each other one sees 4 (capped at 1): exactly 1.0
+    assert S.vqa_consensus("2", ["2"] * 4 + ["3"] * 6) == 1.0
+    # 1 matching reference: it sees 0 others (0), the 9 others see 1 (1/3): 9 * (1/3) / 10 = 0.3
+    assert S.vqa_consensus("2", ["2"] + ["3"] * 9) == pytest.approx(0.3)
+    # all 10 match: each sees 9 others, 9/3 = 3 capped at 1
+    assert S.vqa_consensus("2", ["2"] * 10) == 1.0
 
 
 # -- ChartQA relaxed accuracy, DocVQA ANLS, OCRBench hits -------------------------------------------
@@ -88,6 +102,10 @@ def test_relaxed_accuracy_five_percent_inclusive():
     assert S.relaxed_correct("200", "190")
     assert not S.relaxed_correct("200", "210.5")  # 5.25 %
     assert not S.relaxed_correct("200", "189.9")
+    assert S.relaxed_correct("200", "209.9")  # 9.9 / 200 = 4.95 %: inside
+    assert not S.relaxed_correct("200", "210.1")  # 10.1 / 200 = 5.05 %: outside
+    assert S.relaxed_correct("50%", "0.51")  # the percent target is 0.5; 0.01 / 0.5 = 2 %
+    assert not S.relaxed_correct("50%", "0.54")  # 0.04 / 0.5 = 8 %
     assert S.relaxed_correct("12%", "0.124")  # the percent target is 0.12; 3.3 % off
     assert not S.relaxed_correct("0", "0.0")  # a zero target needs the exact string
     assert S.relaxed_correct("Yes", "yes") and not S.relaxed_correct("Yes", "yes.")
@@ -103,9 +121,20 @@ def test_anls_threshold_keeps_one_half():
     assert S.anls("AB c", ["ab"]) == 0.5  # lowercased; 2 edits over max length 4
     assert S.anls("  ab ", ["ab"]) == 1.0  # stripped before the distance
     assert S.anls("abxy", ["zzzz", "abcd"]) == 0.5  # the closest answer counts
-    s = S.score("DocVQA_VAL", [{"index": "0", "answer": "['hello']"}, {"index": "1", "answer": "['abcd']"}],
-                {"0": "hallo", "1": "axyz"})
-    assert s.value == pytest.approx(40.0)
+    gt = "abcdefghijklmnopqrst"  # 20 letters; digits match none of them, so each one is one edit
+    # 11 of 20 replaced: similarity 1 - 11/20 = 0.45 < 0.5 -> 0
+    assert S.anls("abcdefghi" + "0" * 11, [gt]) == 0.0
+    # 9 of 20 replaced: similarity 1 - 9/20 = 0.55 >= 0.5 -> kept as 0.55
+    assert S.anls("abcdefghijk" + "0" * 9, [gt]) == pytest.approx(0.55)
+    # the length is the raw string's: "a   b" -> "a b" is 1 edit from "ab", over max(2, 5) = 5 -> 0.8
+    # (over the collapsed length 3 it would be 0.667)
+    assert S.anls("a   b", ["ab"]) == pytest.approx(0.8)
+    # ... and of the upper-cased strings: "aaaß".upper() = "AAASS" (5), "aaas" is 1 edit away -> 0.8
+    assert S.anls("aaas", ["aaaß"]) == pytest.approx(0.8)
+    s = S.score("DocVQA_VAL", [{"index": "0", "answer": "['hello']"}, {"index": "1", "answer": "['abcd']"},
+                               {"index": "2", "answer": f"['{gt}']"}, {"index": "3", "answer": f"['{gt}']"}],
+                {"0": "hallo", "1": "axyz", "2": "abcdefghi" + "0" * 11, "3": "abcdefghijk" + "0" * 9})
+    assert s.value == pytest.approx(33.75)  # 100 * (0.8 + 0 + 0 + 0.55) / 4
 
 
 def test_ocrbench_hits_and_handwritten_maths():
@@ -116,6 +145,10 @@ def test_ocrbench_hits_and_handwritten_maths():
     s = S.score("OCRBench", rows, {"0": "It says hello world", "1": "x^2+1", "2": "x^2+1", "3": "stop sign"})
     assert [x["hit"] for x in s.per_row] == [True, True, False, True]
     assert s.value == 75.0  # 100 * hits / n (hits / 10 on the full 1,000 rows)
+    hw = "Handwritten Mathematical Expression Recognition"
+    assert not S.ocrbench_hit("X^2+1", ["x^2 + 1"], hw)  # no lowercasing for handwritten maths
+    assert S.ocrbench_hit("X^2+1", ["x^2 + 1"], "Regular Text Recognition") is False  # spaces kept elsewhere
+    assert S.ocrbench_hit("X^2 + 1 it is", ["x^2 + 1"], "Regular Text Recognition")
 
 
 # -- option extraction (matching_util.py can_infer) ---------------------------------------------------
@@ -131,9 +164,22 @@ CHOICES = {"A": "cat", "B": "dog", "C": "bird", "D": "fish"}
     ("It is a dog", "B"),  # by option text
     ("cat or dog", None),  # two option texts
     ("Z", "Z"), ("Cannot determine the answer", "Z"),
+    # a lone letter must be among the last 4 words (index > len(words) - 5)
+    ("B is my choice", "B"),  # 4 words, B at index 0 > 4 - 5
+    ("B is my final choice", None),  # 5 words, index 0 is not > 5 - 5
+    ("The answer is B, not A", "B"),  # two letters: "answer is X" decides
+    # option text: the reply may be at most 2 x the options' total length (3+3+4+4 = 14 -> 28)
+    ("the one on the left is a dog", "B"),  # 28 characters
+    ("the one on the left is a dog.", None),  # 29 characters
 ])
 def test_can_infer(reply, expected):
     assert S.can_infer(reply, dict(CHOICES)) == expected
+
+
+def test_can_infer_answer_is_only_abcd():
+    five = dict(CHOICES, E="cow")
+    assert S.can_infer("The answer is D, not A", five) == "D"
+    assert S.can_infer("The answer is E, not A", five) is None  # upstream's pattern is [ABCD] only
 
 
 def test_mmmu_validation_split_open_questions_and_unresolved():
@@ -162,6 +208,8 @@ def test_mathvista_post_check():
     assert S.mathvista_check(integer, " 14\n") == (True, 14)
     assert S.mathvista_check(integer, "14.0") == (False, None)  # int() refuses: needs the extractor
     assert S.mathvista_check(flt, "1.50") == (True, 1.5)
+    assert S.mathvista_check(flt, "1.5000001") == (False, 1.5000001)  # float() compared exactly: no tolerance
+    assert S.mathvista_check(integer, "15") == (False, 15)
     assert S.mathvista_check(text, "[1, 2]") == (False, None)  # upstream never matches lists without a judge
     s = S.score("MathVista_MINI", [mc, integer, flt, text], {"0": "A", "1": "14.0", "2": "1.5", "3": "[1, 2]"})
     assert [x["hit"] for x in s.per_row] == [False, False, True, False]
@@ -173,8 +221,15 @@ def test_mathvision_equivalence_1e6_and_no_eval():
     assert S.mathvision_check(free, "0.6")[0]
     assert S.mathvision_check(free, "0.6000001")[0]  # |a - b| = 1e-7 < 1e-6
     assert not S.mathvision_check(free, "0.601")[0]
+    assert S.mathvision_check(free, "0.6000005")[0]  # 5e-7 < 1e-6
+    assert not S.mathvision_check(free, "0.600002")[0]  # 2e-6 >= 1e-6
+    assert S.mathv_equal("9e-7", "0") and not S.mathv_equal("1e-6", "0")  # |a - b| = 1e-6 exactly: not < 1e-6
     assert S.mathvision_check({"index": "1", "choices": "[]", "answer": "A"}, " a ")[0]  # lower / strip
     assert S.arithmetic("__import__('os').getcwd()") is None and S.arithmetic("9**9**9") is None
+    # the power caps: an exponent up to 1000, and exponent * log10|base| up to 4000 (both inclusive)
+    assert S.arithmetic("2**1000") == 2 ** 1000 and S.arithmetic("2**1001") is None
+    assert S.arithmetic("100000**800") == 10 ** 4000  # 800 * log10(1e5) = 4000: allowed
+    assert S.arithmetic("100000**801") is None  # 801 * 5 = 4005 > 4000
     assert not S.mathv_equal("9**900", "1.5")  # a huge integer against a float: no OverflowError
     mc = {"index": "2", "choices": "['1', '2', '3']", "answer": "C"}
     assert S.mathvision_check(mc, "The answer is (C)") == (True, "C")
@@ -188,6 +243,7 @@ def test_logicvista_letter_sets():
     assert S.logicvista_check(row, "A") == (False, "A")  # all and only the reference letters
     assert S.logicvista_check(row, "ACD") == (False, "ACD")
     assert S.logicvista_check(row, "A, C") == (False, None)  # not letters only: the judge would retry
+    assert S.logicvista_check(row, "ca") == (False, None)  # capitals only, as the judge is told to reply
     assert S.logicvista_check({"answer": "B"}, " B\n") == (True, "B")
     s = S.score("LogicVista", [row, {"index": "1", "answer": "B"}], {"0": "The answer is A and C", "1": "B"})
     assert s.value == 50.0 and s.unresolved == 1
@@ -207,10 +263,15 @@ def test_wemath_strict_score_mixed_groups():
     s = S.score("WeMath", rows, preds)
     # CM: g1, g5; IG: g2, g6; RM (multi right, a step wrong: no credit): g3; IK: g4
     assert (s.extra["CM"], s.extra["IG"], s.extra["RM"], s.extra["IK"], s.extra["problems"]) == (2, 2, 1, 1, 6)
-    assert s.value == pytest.approx(100 * (2 + 0.5 * 2) / 6)
+    assert s.value == pytest.approx(50.0)  # 100 * (2 CM + 0.5 * 2 IG) / 6 = 300 / 6
+    # VLMEvalKit's strict formula over its 525 groups: 100 * (525 - 0.5 * 2 IG - 1 RM - 1 IK) / 525 = 52200 / 525
+    assert s.extra["vlmevalkit_strict"] == pytest.approx(99.4285714, abs=1e-6)
+    only_ig = group("h1", 2, [1, 1, 0])  # one IG group alone: 0.5 of a problem -> 50.0
+    assert S.score("WeMath", [r for r, _ in only_ig], {r["index"]: p for r, p in only_ig}).value == 50.0
     assert S.wemath_answer("thinking... <Answer>: <B>") == "B"
     assert S.wemath_answer("the answer is B") is None  # only the capitalised marker splits
     assert S.wemath_answer("Answer: Z") is None
+    assert S.wemath_answer("Answer: H") == "H" and S.wemath_answer("Answer: I") is None  # letters A-H only
 
 
 # -- the TSV format --------------------------------------------------------------------------------------
@@ -230,6 +291,14 @@ def test_read_tsv_quoting_strings_missing_and_image_references(tmp_path):
     assert rows[1]["image"] == img  # a short cell is another row's index
     with pytest.raises(S.DataError, match="missing required column"):
         S.read_tsv(tmp_path / "a.tsv", ("index", "category"))
+    # an image cell of 64 characters or fewer names a row; 65 or more is image data itself
+    key = "k" * 64
+    write_tsv(tmp_path / "b.tsv", [
+        {"index": key, "question": "q", "answer": "a", "image": img},
+        {"index": "1", "question": "q", "answer": "a", "image": key},  # 64: a reference
+        {"index": "2", "question": "q", "answer": "a", "image": "x" * 65}])  # 65: kept as it is
+    rows = S.read_tsv(tmp_path / "b.tsv")
+    assert [r["image"] for r in rows] == [img, img, "x" * 65]
 
 
 def test_mcq_prompt_text():
@@ -581,9 +650,9 @@ def test_fit_law_reproduces_parscale(name, tmp_path, capsys):
 @pytest.mark.parametrize("options", [dict(vision_branch=1, language_branch=0), dict(shared_kv=True)])
 def test_run_branch_options_pass_through(checkpoint, tmp_path, capsys, monkeypatch, options):
     """A 2:2 ParVL checkpoint: a fixed pair (Table S9) and shared KV reach the engine and give its answers."""
-    import generate
+    import engine as engine_module  # engine_from_flags builds the Engine there
     seen = []
-    monkeypatch.setattr(generate, "Engine", lambda model, **kw: seen.append(kw) or Engine(model, **kw))
+    monkeypatch.setattr(engine_module, "Engine", lambda model, **kw: seen.append(kw) or Engine(model, **kw))
     torch.manual_seed(0)
     model = ParVL.from_pretrained(checkpoint("qwen3", "original"), pv=2, pl=2)
     model.init_branches(std=2.0)  # large prefixes: a single pair answers differently from all four

@@ -205,7 +205,10 @@ def test_cli_end_to_end(qwen3, reference, png):
     assert line["answer"] == res.stdout.strip() and line["new_tokens"] == stop and line["prompt_tokens"] == len(ids)
 
 
-def test_cli_bad_inputs(qwen3, png, tmp_path):
+def test_cli_bad_inputs(qwen3, png, tmp_path, capsys):
+    """In process (generate.main): the same exit code and stderr as the command, without five starts."""
+    import generate
+
     folder = qwen3[0]
     corrupt = tmp_path / "corrupt.png"
     corrupt.write_bytes(b"\x89PNG\r\n\x1a\n not really an image")
@@ -220,7 +223,8 @@ def test_cli_bad_inputs(qwen3, png, tmp_path):
         "context": (png, "q", "--model", folder, "--max-new-tokens", 40960),
     }
     for needle, args in cases.items():
-        res = run_cli(*args)
-        assert res.returncode != 0, needle
-        lines = res.stderr.strip().splitlines()
-        assert len(lines) == 1 and needle in lines[0], (needle, res.stderr)
+        code = generate.main([str(a) for a in args])
+        err = capsys.readouterr().err
+        assert code != 0, needle
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], (needle, err)

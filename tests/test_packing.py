@@ -176,6 +176,7 @@ def test_packed_loss_and_gradients_equal_unpacked(model_dir, meta, pv, pl):
             torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-7, msg=name)
 
 
+@pytest.mark.slow
 def test_train_packed_equals_unpacked_on_one_and_two_ranks(model_dir, meta, tmp_path):
     """train.py 2:2 for 3 steps of 4 samples (627, 849, 352, 89 tokens, ...) with --max-seq-len 1000:
     one padded row per sample; packed, 2 rows per micro-batch; packed on 2 ranks, where step 2 gives

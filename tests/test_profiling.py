@@ -1,10 +1,13 @@
-"""profiling.py against the paper's Table S3 (Appendix B.2): every parameter entry to 0.01 M, every
-FLOP entry to 0.03 GFLOPs (the table rounds to 0.01 and its ViT entries carry a constant 0.016
-GFLOPs this count leaves out, see profiling.py), i.e. within 1e-5 relative for every entry above
-1000 GFLOPs and 2e-3 for the connector's 8.07: far inside 2 %, and tight enough to pin the
-counting convention. Then the JSON lines of the CLI, and that counting builds only meta tensors.
-Last, the `latency` and `forward` commands (Appendix C.1, C.2) on the tiny preset: the synthetic
-C.1 sample, the row layout and ratios, and the exact KV-cache bytes of standard and shared KV.
+"""flops.py (printed by profiling.py) against the paper's Table S3 (Appendix B.2): every parameter
+entry to 0.01 M, every FLOP entry to 0.03 GFLOPs (the table rounds to 0.01 and its ViT entries
+carry a constant 0.016 GFLOPs this count leaves out, see flops.py), i.e. within 1e-5 relative for
+every entry above 1000 GFLOPs and 2e-3 for the connector's 8.07: far inside 2 %, and tight enough
+to pin the counting convention; the totals against the table's own parts added up. The tiny preset
+counted by hand (parameters from the module shapes, checked against a materialised model; FLOPs
+as 2 * tokens * fan_in * fan_out per linear, written out). Then the JSON lines of the CLI, and
+that counting builds only meta tensors. Last, the `latency` and `forward` commands (Appendix C.1,
+C.2) on the tiny preset: the synthetic C.1 sample, the row layout, and the exact KV-cache bytes,
+cache ratios and GFLOPs, all as literal figures worked out by hand.
 
 Run: python -m pytest tests/test_profiling.py -q -s   (-s prints the relative errors)
 """
@@ -19,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import flops
 import profiling
 from parvl import ParVL
 
@@ -47,7 +51,7 @@ CONNECTOR = {"1b": (8.07, 5.25), "2b": (19.34, 12.60), "8b": (51.56, 33.57)}
 
 @pytest.fixture(scope="module")
 def rows() -> dict[tuple[str, int, int], dict]:
-    return {key: profiling.profile_params(*key) for key in TABLE_S3}
+    return {key: flops.profile_params(*key) for key in TABLE_S3}
 
 
 def check(what: str, params: int, gflops: float, paper_m: float, paper_g: float) -> None:
@@ -74,11 +78,98 @@ def test_table_s3_connector(rows, arch):
         check(f"{arch} {pv}:{pl} mlp1", r["connector_params"], r["connector_gflops"], *CONNECTOR[arch][::-1])
 
 
-def test_totals_are_sums(rows):
-    for r in rows.values():
-        assert r["total_params"] == r["vit_params"] + r["connector_params"] + r["llm_params"], r
-        parts = r["vit_gflops"] + r["connector_gflops"] + r["llm_gflops"]
-        assert r["total_gflops"] == pytest.approx(parts, rel=1e-12), r
+def test_totals_match_the_papers_parts(rows):
+    """Each total against the paper's own parts added up (ViT + connector + LLM of Table S3 and its
+    caption), not against this code's parts: each part is rounded to 0.01, so three of them sum to
+    within 0.015 of the exact total (measured: <= 0.008 M); the FLOP parts also carry the ViT's
+    0.016 GFLOPs, so FLOP_ATOL (measured: <= 0.024 GFLOPs). A total that left out a part or counted
+    one twice is off by >= 5.25 M / 8.07 GFLOPs (the smallest part, 1B's connector)."""
+    for key, (vit_g, vit_m, llm_g, llm_m, total_g, total_m) in TABLE_S3.items():
+        con_g, con_m = CONNECTOR[key[0]]
+        r = rows[key]
+        assert abs(r["total_params"] / 1e6 - (vit_m + con_m + llm_m)) <= 0.015, (key, r["total_params"])
+        assert abs(r["total_gflops"] - (vit_g + con_g + llm_g)) < FLOP_ATOL, (key, r["total_gflops"])
+        # the transcription itself: the table's totals are its parts' sums, to its rounding
+        assert abs(total_m - (vit_m + con_m + llm_m)) <= 0.015 and abs(total_g - (vit_g + con_g + llm_g)) <= 0.015, key
+
+
+# -- the tiny preset by hand ----------------------------------------------------------------------
+# parvl.PRESETS["tiny"]: ViT width 64, MLP 128, 2 blocks, 4 heads of 16, 448 px tiles of 14 px
+# patches (1024 patches + CLS = 1025 tokens a tile); connector LayerNorm(256) -> 256x64 -> GELU ->
+# 64x64; LLM width 64, MLP 96, 2 layers, 4 query heads and 2 KV heads of 32, vocabulary 512, untied
+# lm_head; learned prefixes 96 (ViT) and 48 (LLM) per layer and branch.
+
+# Parameters per top-level module, from the shapes:
+#   vision_model 1:1: CLS 64 + positions 1025*64 = 65600 + patch conv 64*3*14*14 = 37632 + bias 64
+#       = 103360; a block: ls1, ls2 2*64 + norm1, norm2 2*(64+64) + qkv 64*192+192 = 12480
+#       + proj 64*64+64 = 4160 + fc1 64*128+128 = 8320 + fc2 128*64+64 = 8256 = 33600; 103360 + 2*33600 = 170560
+#     2:2 adds K and V prefixes per block, 2 * (2 branches * 4 heads * 96 * 16) = 24576: 170560 + 2*24576 = 219712
+#   an aggregator (2 branches, width 64): Linear(128, 64) 8192+64 + Linear(64, 2) 128+2 = 8386
+#   mlp1: LayerNorm 256+256 + Linear(256, 64) 16384+64 + Linear(64, 64) 4096+64 = 21120
+#   language_model 1:1: embed 512*64 = 32768; a layer: 2 RMSNorms 2*64 + q 64*128 = 8192 + k, v
+#       2*64*64 = 8192 + o 128*64 = 8192 + q/k norms 2*32 + gate, up, down 3*64*96 = 18432 = 43200;
+#       final norm 64; lm_head 512*64 = 32768: 32768 + 2*43200 + 64 + 32768 = 152000
+#     2:2 adds 2 * (2 branches * 2 KV heads * 48 * 32) = 12288 per layer: 152000 + 2*12288 = 176576
+TINY_MODULE_PARAMS = {
+    (1, 1): {"vision_model": 170560, "mlp1": 21120, "language_model": 152000},
+    (2, 2): {"vision_model": 219712, "vision_aggregator": 8386, "mlp1": 21120, "language_model": 176576,
+             "language_aggregator": 8386},
+}
+# -> Table S3's columns (aggregators belong to their modality): (vit, connector, llm, total)
+TINY_PARAMS = {(1, 1): (170560, 21120, 152000, 343680), (2, 2): (228098, 21120, 184962, 434180)}
+
+
+def tiny_flops_by_hand(tiles: int, llm_tokens: int, p: int) -> tuple[int, int, int]:
+    """(ViT, connector, LLM) FLOPs of tiny at Pv = Pl = p: a linear 2 * tokens * fan_in * fan_out, an
+    affine LayerNorm 5 per element, GELU / SiLU / softmax 1 per element (flops.py's calflops convention)."""
+    patches, vt, it, lt = 1024 * tiles, 1025 * tiles, 256 * tiles, llm_tokens
+    patch_embed = 2 * patches * 588 * 64 + patches * 64  # conv 3*14*14 = 588 -> 64, as a linear, + bias
+    vit_block = (2 * vt * 64 * 192 + 2 * vt * 64 * 64  # qkv, proj
+                 + 2 * vt * 64 * 128 + 2 * vt * 128 * 64  # fc1, fc2
+                 + 2 * 5 * vt * 64)  # norm1, norm2
+    connector = 5 * it * 256 + 2 * it * 256 * 64 + it * 64 + 2 * it * 64 * 64  # LayerNorm, fc1, GELU, fc2
+    llm_layer = (2 * lt * 64 * 128 + 2 * 2 * lt * 64 * 64 + 2 * lt * 128 * 64  # q, k and v, o
+                 + 3 * 2 * lt * 64 * 96 + lt * 96)  # gate, up, down, SiLU
+    lm_head = 2 * lt * 64 * 512
+
+    def aggregator(t):  # Linear(2*64, 64), SiLU, Linear(64, 2), softmax; none for one branch
+        return 0 if p == 1 else 2 * t * 128 * 64 + t * 64 + 2 * t * 64 * 2 + t * 2
+    return (patch_embed + p * 2 * vit_block + aggregator(vt), connector,
+            p * 2 * llm_layer + aggregator(lt) + lm_head)
+
+
+# Table S3's workload (3 tiles; 768 image + 256 text + 128 response = 1152 LLM tokens), worked out:
+#   patch embed 2*3072*588*64 + 3072*64 = 231407616; a ViT block 75571200 + 25190400 + 2*50380800
+#   + 1968000 = 203491200; connector 983040 + 25165824 + 49152 + 6291456 = 32489472; an LLM layer
+#   18874368 + 18874368 + 18874368 + 42467328 + 110592 = 99201024; lm_head 75497472; aggregator
+#   16706 per token: 51370950 over 3075 ViT tokens, 19245312 over 1152 LLM tokens
+TINY_S3_FLOPS = {
+    (1, 1): (231407616 + 2 * 203491200, 32489472, 2 * 99201024 + 75497472),  # 638390016, 32489472, 273899520
+    (2, 2): (231407616 + 4 * 203491200 + 51370950, 32489472, 4 * 99201024 + 19245312 + 75497472),
+}
+TINY_S3_TOTAL = {(1, 1): 944779008, (2, 2): 1620779718}
+
+
+@pytest.mark.parametrize("pv, pl", list(TINY_PARAMS))
+def test_tiny_params_by_hand_and_by_a_real_model(pv, pl):
+    r = flops.profile_params("tiny", pv, pl)
+    assert (r["vit_params"], r["connector_params"], r["llm_params"], r["total_params"]) == TINY_PARAMS[pv, pl], r
+    model = ParVL.from_config(flops.build_config("tiny", pv, pl))  # real tensors, counted per module
+    per_module: dict[str, int] = {}
+    for name, t in model.named_parameters():
+        per_module[name.split(".")[0]] = per_module.get(name.split(".")[0], 0) + t.numel()
+    assert per_module == TINY_MODULE_PARAMS[pv, pl]
+    assert sum(t.numel() for t in model.parameters()) == TINY_PARAMS[pv, pl][3]
+
+
+@pytest.mark.parametrize("pv, pl", list(TINY_S3_FLOPS))
+def test_tiny_flops_by_hand(pv, pl):
+    assert tiny_flops_by_hand(3, 1152, pv) == TINY_S3_FLOPS[pv, pl]  # the helper against the worked figures
+    assert sum(TINY_S3_FLOPS[pv, pl]) == TINY_S3_TOTAL[pv, pl]
+    r = flops.profile_params("tiny", pv, pl)
+    got = (r["vit_gflops"], r["connector_gflops"], r["llm_gflops"], r["total_gflops"])
+    want = [f / 1e9 for f in (*TINY_S3_FLOPS[pv, pl], TINY_S3_TOTAL[pv, pl])]
+    assert got == pytest.approx(want, rel=1e-12, abs=0), r
 
 
 def test_cli_json_lines():
@@ -94,11 +185,11 @@ def test_cli_json_lines():
         assert isinstance(r["arch"], str)
         assert all(type(r[k]) is int for k in ints), r
         assert all(type(r[k]) is float for k in floats), r
-        assert r == profiling.profile_params("1b", r["pv"], r["pl"])  # the CLI prints the function's rows
+        assert r == flops.profile_params("1b", r["pv"], r["pl"])  # the CLI prints the function's rows
 
 
 def test_counting_allocates_nothing():
-    model = profiling.meta_model(profiling.build_config("1b", 4, 4))
+    model = flops.meta_model(flops.build_config("1b", 4, 4))
     tensors = list(model.parameters()) + list(model.buffers())
     assert all(t.is_meta for t in tensors), [t.device for t in tensors if not t.is_meta][:3]
     names = {n for n, _ in model.named_parameters()}
@@ -106,26 +197,21 @@ def test_counting_allocates_nothing():
     assert "language_model.model.layers.0.self_attn.prefix_v" in names
     # 8B 2:2 holds 8.6 G parameters (34 GB in fp32): counting them must not move the peak RSS
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    profiling.profile_params("8b", 2, 2)
+    flops.profile_params("8b", 2, 2)
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_kb < 512 * 1024  # < 512 MiB
 
 
-def test_other_presets_count_by_hand():
-    """4B and tiny, 2:2 against 1:1: the parts add up to the total, and 2:2 adds exactly the branch
-    tensors counted by hand (per-layer K and V prefixes, the two aggregators' MLPs); tiny's count
-    equals the parameters of a materialised model (tied or shared tensors counted once)."""
-    for arch in ("4b", "tiny"):
-        one, two = profiling.profile_params(arch, 1, 1), profiling.profile_params(arch, 2, 2)
-        for r in (one, two):
-            assert r["vit_params"] + r["connector_params"] + r["llm_params"] == r["total_params"], r
-        cfg = profiling.build_config(arch, 2, 2)
-        v, t, par = cfg.vit, cfg.llm, cfg.par
-        mlp = lambda P, C: P * C * C + C + C * P + P  # noqa: E731  Linear(P*C, C), Linear(C, P)
-        vit_new = v.num_layers * 2 * 2 * v.num_heads * par.vit_prefix_len * v.head_dim + mlp(2, v.hidden_size)
-        llm_new = t.num_layers * 2 * 2 * t.num_kv_heads * par.llm_prefix_len * t.head_dim + mlp(2, t.hidden_size)
-        assert two["total_params"] - one["total_params"] == vit_new + llm_new, arch
-    tiny = ParVL.from_config(profiling.build_config("tiny", 2, 2))
-    assert profiling.profile_params("tiny", 2, 2)["total_params"] == sum(p.numel() for p in tiny.parameters())
+def test_4b_branch_tensors_by_hand():
+    """4B is not in Table S3: its 2:2 adds to 1:1 exactly the branch tensors, counted by hand.
+    ViT (24 blocks, 16 heads of 64, width 1024): K and V prefixes 24 * 2 * 2 branches * 16 * 96 * 64
+    = 9437184, aggregator Linear(2048, 1024) 2098176 + Linear(1024, 2) 2050 = 2100226: 11537410.
+    LLM (36 layers, 8 KV heads of 128, width 2560): 36 * 2 * 2 * 8 * 48 * 128 = 7077888, aggregator
+    Linear(5120, 2560) 13109760 + Linear(2560, 2) 5122 = 13114882: 20192770."""
+    one, two = flops.profile_params("4b", 1, 1), flops.profile_params("4b", 2, 2)
+    assert two["vit_params"] - one["vit_params"] == 11537410
+    assert two["connector_params"] == one["connector_params"]
+    assert two["llm_params"] - one["llm_params"] == 20192770
+    assert two["total_params"] - one["total_params"] == 31730180
 
 
 # -- latency and forward (Appendix C.1, C.2) on the tiny preset -----------------------------------
@@ -142,8 +228,8 @@ def run_cli(*args: str) -> dict:
 
 
 def test_synthetic_inputs():
-    cfg = profiling.build_config("tiny", 2, 2)
-    work = profiling.Workload(tiles=3, text_tokens=40, response_tokens=8)
+    cfg = flops.build_config("tiny", 2, 2)
+    work = flops.Workload(tiles=3, text_tokens=40, response_tokens=8)
     ids, pixels = profiling.synthetic_inputs(cfg, work, 2, torch.float32, torch.device("cpu"))
     is_img = ids == cfg.image_token_id
     assert ids.shape == (2, 3 * 256 + 40) and is_img.sum(1).tolist() == [768, 768], ids.shape
@@ -153,27 +239,36 @@ def test_synthetic_inputs():
 
 def test_latency_cli_tiny():
     """Baseline, standard and shared KV in one run: rows, ratios, and the exact cache bytes."""
-    tiles, text, new, P, Lp = 1, 32, 4, 2, profiling.PRESETS["tiny"].par.llm_prefix_len
+    tiles, text, new, P = 1, 32, 4, 2
     res = run_cli("latency", "--arch", "tiny", "--pv", str(P), "--pl", str(P), "--batch", "1", "2", "--baseline",
                   "--compare-shared", "--warmup", "1", "--iters", "1", "--new-tokens", str(new),
                   "--tiles", str(tiles), "--text-tokens", str(text))
     rows = {(r["pv"], r["shared_kv"], r["batch"]): r for r in res["rows"]}
     assert list(rows) == [(1, False, 1), (1, False, 2), (P, False, 1), (P, False, 2), (P, True, 1), (P, True, 2)]
-    llm = profiling.PRESETS["tiny"].llm
-    slots = -(-(tiles * 256 + text + new) // 256) * 256  # the engine rounds the cache up to 256 slots
-    per_slot = 2 * llm.num_layers * llm.num_kv_heads * llm.head_dim * 4  # k and v, fp32
+    # Worked by hand for tiny (2 layers, 2 KV heads of 32, fp32): k and v take 2 * 2 * 2 * 32 * 4 = 1024
+    # bytes per cache row and slot. 256 + 32 + 4 = 292 tokens, rounded up to 512 slots (the engine
+    # allocates in 256s); prefixes 48 slots per branch, in front. Per sample (times the batch size b):
+    #   1:1           1 row  x 512 slots             524288 bytes, all token slots
+    #   2:2 standard  2 rows x (48 + 512) slots     1146880 bytes, 2 x 512 x 1024 = 1048576 token bytes
+    #   2:2 shared    1 row  x (2 * 48 + 512) slots  622592 bytes, 1 x 512 x 1024 =  524288 token bytes
+    # so the cache ratios against 1:1 are 1146880 / 524288 = 2.1875 and 622592 / 524288 = 1.1875.
+    want = {1: (524288, 524288, 1.0), (P, False): (1146880, 1048576, 2.1875), (P, True): (622592, 524288, 1.1875)}
     for (pv, shared, b), r in rows.items():
-        cache_rows, offset = (b, 0) if pv == 1 else (b, P * Lp) if shared else (P * b, Lp)
-        assert r["kv_cache_bytes"] == per_slot * cache_rows * (offset + slots), r
-        assert r["kv_token_bytes"] == per_slot * cache_rows * slots, r
+        cache, token_bytes, ratio = want[1 if pv == 1 else (pv, shared)]
+        assert (r["kv_cache_bytes"], r["kv_token_bytes"], r["kv_cache_x"]) == (cache * b, token_bytes * b, ratio), r
         assert r["memory"] == "cpu_rss" and 0 < r["resident_gib"] <= r["peak_gib"], r
         # one timed call holds its prefill and its decode steps; the throughput is the step time inverted
         assert r["iter_s"][0] + 1e-4 >= (r["prefill_ms"] + r["decode_ms_per_step"] * (new - 1)) / 1e3, r
         assert r["decode_tok_s"] * r["decode_ms_per_step"] / 1e3 == pytest.approx(b), r
         assert r["latency_s"] == pytest.approx(r["iter_s"][0] / b, abs=1e-4), r
-        base = rows[(1, False, b)]
-        assert r["kv_cache_x"] == r["kv_cache_bytes"] / base["kv_cache_bytes"], r
-        assert r["latency_x"] == pytest.approx(r["latency_s"] / base["latency_s"]), r
+        # latency_x against the raw timings it comes from (iter_s, one timed call, rounded to 1e-4 s):
+        # the baseline row is 1 exactly, the others within the ratio's rounding interval
+        base = rows[(1, False, b)]["iter_s"][0]
+        lo, hi = (r["iter_s"][0] - 5e-5) / (base + 5e-5), (r["iter_s"][0] + 5e-5) / (base - 5e-5)
+        if pv == 1:
+            assert r["latency_x"] == 1.0, r
+        else:
+            assert lo - 1e-9 <= r["latency_x"] <= hi + 1e-9, (r, base)
     # Shared KV keeps one token cache per sample instead of one per language branch (C.2)
     assert rows[(P, True, 2)]["kv_token_bytes"] * P == rows[(P, False, 2)]["kv_token_bytes"]
 
@@ -185,11 +280,16 @@ def test_forward_cli_tiny(tmp_path):
     for name in ("forward_1x1.json", "forward_2x2.json"):  # Chrome traces, one per configuration
         assert "traceEvents" in json.loads((tmp_path / name).read_text()), name
     assert [(r["pv"], r["pl"]) for r in rows] == [(1, 1), (2, 2)] and rows[0]["time_x"] == 1.0
-    work = profiling.Workload(tiles=1, text_tokens=128, response_tokens=0)  # forward's defaults, the prompt only
+    # forward's defaults, the prompt only: 1 tile, 256 image + 128 text = 384 LLM tokens, worked out as
+    # in tiny_flops_by_hand: 1:1 212796672 + 10829824 + 91299840 = 314926336,
+    # 2:2 365581122 + 10829824 + 163848960 = 540259906
+    gflops = {(1, 1): 0.314926336, (2, 2): 0.540259906}
+    assert {p: sum(tiny_flops_by_hand(1, 384, p[0])) / 1e9 for p in gflops} == pytest.approx(gflops, rel=1e-12)
     for r in rows:
         assert len(r["ms"]) == 2 and r["min_ms"] <= r["median_ms"], r
-        assert r["gflops"] == profiling.profile_params("tiny", r["pv"], r["pl"], work)["total_gflops"], r
+        assert r["gflops"] == pytest.approx(gflops[r["pv"], r["pl"]], rel=1e-12), r
+    assert rows[1]["gflops_x"] == pytest.approx(540259906 / 314926336, rel=1e-12)
     # --pair: each config with branches also runs one pair per sample, counted at the 1:1 workload
     rows = run_cli("forward", "--arch", "tiny", "--configs", "1:1", "2:2", "--repeats", "1", "--warmup", "0", "--pair")["rows"]
     assert [(r["pv"], r["pl"], r["pair"]) for r in rows] == [(1, 1, None), (2, 2, None), (2, 2, "0,0")]
-    assert rows[2]["gflops"] == rows[0]["gflops"] and rows[2]["gflops_x"] == 1.0
+    assert rows[2]["gflops"] == pytest.approx(0.314926336, rel=1e-12) and rows[2]["gflops_x"] == 1.0

@@ -17,7 +17,8 @@ from PIL import Image
 from data import SFTData, collate
 from loss import chunked_sft_loss, loss_weights, sft_loss
 from parvl import ParVL, is_branch_tensor
-from processor import Tokenizer
+from engine import Engine, GenerateConfig
+from processor import Tokenizer, build_prompt, load_image
 from schedule import lr_lambda
 from train import TrainConfig, micro_loss, param_groups
 
@@ -167,6 +168,7 @@ def test_lr_schedule_and_parameter_groups(model_dir):
 # -- whole runs ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_two_ranks_equal_one_process(model_dir, meta, tmp_path):
     args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3", *COMMON]
     run_train(*args, "--out", tmp_path / "one")
@@ -178,6 +180,7 @@ def test_two_ranks_equal_one_process(model_dir, meta, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_resume_is_bit_identical_and_ignores_partial_saves(model_dir, meta, tmp_path):
     args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "1", "--max-steps", "4", "--save-every", "1", *COMMON]
     run_train(*args, "--out", tmp_path / "full")
@@ -194,6 +197,7 @@ def test_resume_is_bit_identical_and_ignores_partial_saves(model_dir, meta, tmp_
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
+@pytest.mark.slow
 def test_overfit_then_generate_from_export(model_dir, tmp_path):
     meta = write_dataset(tmp_path / "d", rows=4, repeat=8)
     out = tmp_path / "run"
@@ -201,11 +205,31 @@ def test_overfit_then_generate_from_export(model_dir, tmp_path):
               "--lr-pretrained", "1e-2", "--warmup-ratio", "0", "--max-steps", "8", "--seed", "1", *COMMON)
     losses = [m["loss"] for m in metrics(out)]
     assert losses[-1] < 0.5 * losses[0], losses
+    # the export is the trained model: on the training rows its loss is the overfit one, far below
+    # the starting model's (the same Pv:Pl, its new branch tensors drawn as train.py draws them)
+    tok = Tokenizer.from_pretrained(out / "export")
+    data = SFTData(meta, tok, max_tiles=2)
+    batch = collate([data[i] for i in range(len(data))], pad_id=0)
+
+    def loss(model):
+        with torch.no_grad():
+            logits = model(batch.input_ids, batch.pixel_values, batch.attention_mask)
+        return float(sft_loss(logits, batch.labels, loss_weights(batch.labels).sum()))
+
+    torch.manual_seed(1)
+    trained, start = loss(ParVL.from_pretrained(out / "export")), loss(ParVL.from_pretrained(model_dir, pl=2))
+    assert trained < 0.5 * start, (trained, start)
+    # and generate.py answers with it: the same greedy tokens as the export loaded here
     png = tmp_path / "d" / "img0.png"
     res = subprocess.run([sys.executable, str(ROOT / "generate.py"), str(png), "What colour dominates?", "--model",
-                          str(out / "export"), "--max-new-tokens", "6", "--max-tiles", "2"],
+                          str(out / "export"), "--max-new-tokens", "6", "--max-tiles", "2", "--json"],
                          capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "Pv:Pl = 1:2" in res.stderr, res.stderr
+    model = ParVL.from_pretrained(out / "export")
+    pixels = load_image(png, max_tiles=2)
+    ids = tok.encode(build_prompt("What colour dominates?", [pixels.shape[0]]))
+    want = Engine(model).generate([ids], pixels, GenerateConfig(max_new_tokens=6), tok.eos_ids).tokens[0]
+    assert json.loads(res.stdout)["answer"] == tok.decode(want, skip_special_tokens=True).strip()
 
 
 def test_freeze_backbone_trains_only_branch_tensors(model_dir, meta, tmp_path):
@@ -278,15 +302,23 @@ def test_nan_stops_before_the_update(model_dir, meta, tmp_path):
     assert [m["step"] for m in metrics(out)] == [1]
 
 
-def test_bad_flags_rejected_before_start(model_dir, meta, tmp_path):
+def test_bad_flags_rejected_before_start(model_dir, meta, tmp_path, capsys):
+    """In process (train.main; argparse's exit 2 is SystemExit): the command's codes and last line."""
+    import train
+
     for flags, needle in [(["--global-batch", "0"], "global-batch"), (["--pv", "0"], "--pv"),
                           (["--model", str(tmp_path / "none")], "--model"), (["--dtype", "fp8"], "dtype")]:
         args = ["--model", str(model_dir), "--data", str(meta), "--out", str(tmp_path / "x"), *flags]
-        res = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], capture_output=True, text=True, timeout=120)
-        assert res.returncode != 0 and needle in res.stderr.strip().splitlines()[-1], res.stderr
+        try:
+            code = train.main(args)
+        except SystemExit as e:
+            code = e.code
+        err = capsys.readouterr().err
+        assert code != 0 and needle in err.strip().splitlines()[-1], err
         assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_resume_with_more_steps_follows_the_new_schedule(model_dir, tmp_path):
     """2 steps, then --resume --max-steps 4: steps 3 and 4 take the 4-step schedule's rates (not the
     2-step schedule's final 0.0), the bad-row counts go on from the checkpoint (equal to an unbroken
