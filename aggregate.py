@@ -11,7 +11,7 @@ branch each row runs. Two layouts:
   choice per sample). Row b is item b running branch[b]; nothing is repeated or fused, so the
   other branches' compute is skipped (P x less than dense).
 Either way every row gathers its own branch's prefixes, `prefix_k[rows.branch]`: the attention
-code has one path. `fold` and `unfold` below are the only places rows and items are converted.
+code has one path. `fold`, `unfold` and `per_branch` below are the only places rows and items are converted.
 
 Prefix attention (Eq. 1): the row's learned prefix K/V [Lp] sit in front of its token K/V, queries
 are not prefixed; the ViT attends bidirectionally, the LLM causally aligned bottom-right (token i
@@ -97,6 +97,13 @@ def unfold(h: torch.Tensor, rows: Rows, aggregator: Aggregator | None) -> tuple[
     if not rows.dense:
         return h, None
     return aggregator(h)
+
+
+def per_branch(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """Dense rows [R,...] -> [B,P,...]: every item's P branch values side by side, not fused (router.py's
+    teacher scores each branch of a sample)."""
+    assert rows.dense, "per_branch reads dense rows"
+    return x.view(rows.per_item, -1, *x.shape[1:]).transpose(0, 1)
 
 
 def mean_branches(z: torch.Tensor, branches: int) -> torch.Tensor:

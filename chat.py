@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from cli import log, peak_memory_gib
+from cli import log, one_line, peak_memory_gib
 from engine import Engine, GenerateConfig
 from processor import IMAGE_PLACEHOLDER, IMG_CONTEXT, IMG_END, IMG_START, Tokenizer, build_prompt, place_images
 
@@ -164,7 +164,6 @@ class Streamer:
             self.write(text[len(self.shown):] + "\n")
 
 
-
 def answer(engine: Engine, tok: Tokenizer, prompt: str, pixel_values, cfg: GenerateConfig,
            args: argparse.Namespace, load_s: float = 0.0) -> str:
     """Generate one answer, streaming text to stdout (unless --json); metrics to stderr."""
@@ -219,7 +218,7 @@ def chat_session(engine, tok, pixel_values, num_tiles, cfg, args) -> int:
                                   tokens_per_tile=engine.model.cfg.tokens_per_tile)
             history.append((question, answer(engine, tok, prompt, pixel_values, cfg, args)))
         except ValueError as e:  # this turn only; the session and its history go on
-            print(f"error: {' '.join(str(e).split())} (turn dropped; the conversation goes on)", file=sys.stderr)
+            print(f"error: {one_line(e)} (turn dropped; the conversation goes on)", file=sys.stderr)
         except Interrupted as e:
             print("interrupted: answer stopped (the conversation goes on)", file=sys.stderr)
             history.append((question, e.text))

@@ -48,6 +48,7 @@ from PIL import Image
 from processor import (DEFAULT_SYSTEM_MESSAGE, IMAGE_PLACEHOLDER, IMAGE_SIZE, IMG_CONTEXT, IM_START,
                        NUM_IMAGE_TOKENS, ImageError, expand_images, load_image, tile_image, turn)
 from processor import open_rgb  # the decoder processor.load_image uses, with its error handling
+from cli import one_line
 from loss import IGNORE
 
 BAD_REASONS = ("missing_image", "corrupt_image", "placeholder_mismatch", "too_long", "bad_row")
@@ -148,7 +149,8 @@ class SFTData(torch.utils.data.Dataset):
         images = _image_list(item)
 
         # Placeholders live in human turns only; a first human turn without any gets one per image
-        # in front (as the official dataset code does). Every image must then own exactly one placeholder.
+        # in front: the official SFT preprocessing's rule, not the chat rule of processor.place_images
+        # (training data is written one "<image>\n" per image). Every image must own one placeholder.
         human = [k for k, (role, _) in enumerate(turns) if role == "human"]
         if images and human and IMAGE_PLACEHOLDER not in turns[human[0]][1]:
             turns[human[0]] = ("human", (IMAGE_PLACEHOLDER + "\n") * len(images) + turns[human[0]][1])
@@ -479,7 +481,7 @@ class _Bad(Exception):
 
     def __init__(self, reason: str, detail: str):
         assert reason in BAD_REASONS, reason
-        super().__init__(" ".join(detail.split()))  # one line, whatever the cause printed
+        super().__init__(one_line(detail))  # one line, whatever the cause printed
         self.reason = reason
 
 

@@ -15,7 +15,9 @@ positions start at 0 and its padding is masked out of every attention.
 
 The engine reads only the model object it is handed (its embed, language states, towers and caches)
 and imports no name of parvl.py, so the model can sit above it and reach it for InternVL's
-`model.chat` (chat.py). InternVL's chat API is in chat.py, the command in generate.py.
+`model.chat` (chat.py). InternVL's chat API is in chat.py, the command in generate.py. Why the
+engine is not in generate.py, as in gpt-fast: the command loads the model, so it imports parvl.py,
+which reaches the engine for model.chat; an engine in the command's file would close that circle.
 
 Shape legend: aggregate.py's (here T is the padded prompt, S the cache slots).
 """
@@ -83,10 +85,10 @@ def prefill(model, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, v
     (the branch prefixes sit in front of them); return the fp32 logits of the last position [B,V].
     features: connector output [N,256,C] already computed (by a router), so the ViT does not rerun."""
     B, T = input_ids.shape
-    x, _ = model.embed(input_ids, pixel_values, vision_branch, features)  # [B,T,Cv] with image features in place
+    x, _ = model.embed(input_ids, pixel_values, vision_branch, features)  # [B,T,C] with image features in place
     positions, mask = prompt_positions(valid, padded)  # mask None: fused causal kernels
     slots = torch.arange(T, device=x.device)
-    h, _ = model.hidden_from_embeds(x, positions, mask, slots, rows)  # [B,T,Cv] rows unfolded
+    h, _ = model.hidden_from_embeds(x, positions, mask, slots, rows)  # [B,T,C] rows unfolded
     return model.language_model.lm_head(h[:, -1]).float()
 
 
@@ -94,9 +96,9 @@ def decode_one_token(model, token: torch.Tensor, input_pos: torch.Tensor, positi
                      key_valid: torch.Tensor, rows: Rows) -> torch.Tensor:
     """One step: token [B,1] at token slot input_pos [1], rotary positions [B,1]; key_valid [B,S]
     marks the token slots that are not padding. Returns fp32 logits [B,V]. Static shapes only."""
-    x = model.language_model.model.embed_tokens(token)  # [B,1,Cv]
+    x = model.language_model.model.embed_tokens(token)  # [B,1,C]
     mask = causal_mask(key_valid, input_pos)  # [B,1,1,S]
-    h, _ = model.hidden_from_embeds(x, positions, mask, input_pos, rows)  # [B,1,Cv] rows unfolded
+    h, _ = model.hidden_from_embeds(x, positions, mask, input_pos, rows)  # [B,1,C] rows unfolded
     return model.language_model.lm_head(h[:, -1]).float()
 
 
@@ -163,7 +165,7 @@ class Engine:
     vision_branch / language_branch (aggregate.Choice): the default branch choice of every call,
     None = all branches fused, an int = one pair for every sample; `generate` can override it with
     a branch per sample.
-    router (router.Router): pick (vision, language) per prompt by argmax and run only that pair, in
+    router (gates.Router): pick (vision, language) per prompt by argmax and run only that pair, in
     calls that give no branches; it cannot be combined with default branches or shared KV."""
 
     def __init__(self, model, compile: bool = False, shared_kv: bool = False,
@@ -279,7 +281,7 @@ class Engine:
 def engine_from_flags(model, args: argparse.Namespace, router=None) -> Engine:
     """The Engine the branch flags ask for (generate.py and evaluate.py): --vision-branch and
     --language-branch checked against the checkpoint, the router the command loaded for --router
-    (router.load_router), --compile on by default on CUDA."""
+    (gates.router_flag), --compile on by default on CUDA."""
     par = model.cfg.par
     for name, value, count in (("--vision-branch", args.vision_branch, par.pv), ("--language-branch", args.language_branch, par.pl)):
         if value is not None and not 0 <= value < count:

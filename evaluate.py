@@ -9,12 +9,12 @@
 
 run: VLMEvalKit's TSV rows -> prompts as VLMEvalKit builds them for InternVL3.5 (vlm/internvl/
 internvl_chat.py InternVLChat.build_prompt, set_max_num, generate_v2; vlm/internvl/utils.py
-build_multi_choice_prompt, reorganize_prompt), greedy decoding with generate.py's Engine, batched
+build_multi_choice_prompt, reorganize_prompt), greedy decoding with engine.py's Engine, batched
 and sorted by prompt length, resumable, sharded over torchrun ranks. score: scoring.py, with an
 optional OpenAI-compatible answer extractor (--judge-url) fed VLMEvalKit's own extraction prompts,
 which are read from a VLMEvalKit checkout (--vlmevalkit DIR) rather than copied here. report:
 Eq. A3 aggregates, Pv x Pl grids, best configuration with ties broken toward fewer FLOPs
-(profiling.py). fit-law: ParScale's parametric_fit.py (Huber on log L, delta 1e-3, L-BFGS from its
+(flops.py). fit-law: ParScale's parametric_fit.py (Huber on log L, delta 1e-3, L-BFGS from its
 grid of starts).
 
 Formats: PRED.jsonl rows {"index", "prediction", "benchmark", "model", "pv", "pl", "vision_branch",
@@ -44,7 +44,8 @@ from pathlib import Path
 
 import torch
 
-from cli import end_processes, exit_process, log, one_line, pyplot, resolve_dtype, resolve_model, start_processes
+from cli import (OneLineParser, end_processes, exit_process, log, one_line, pyplot, rank, resolve_dtype, resolve_model,
+                 start_processes, world_size)
 from scaling_law import fit_law
 from scoring import BENCHMARKS, SCORE_COLUMNS, DataError, as_list, options, read_tsv, score
 
@@ -119,7 +120,7 @@ def row_inputs(benchmark: str, row: dict, max_tiles: int | None, mcfg):
         tiles = [load_image(img, max_tiles=per_image, use_thumbnail=mcfg.use_thumbnail,
                             image_size=mcfg.vit.image_size) for img in images]
     except (ImageError, OSError, ValueError) as e:
-        raise ValueError(f"corrupt image: {' '.join(str(e).split())[:200]}") from None
+        raise ValueError(f"corrupt image: {one_line(e)[:200]}") from None
     text = question_text(benchmark, row)
     text = place_images(text, len(images), always=True)  # reorganize_prompt's placeholders
     prompt = build_prompt(text, [t.shape[0] for t in tiles], tokens_per_tile=mcfg.tokens_per_tile)
@@ -157,7 +158,7 @@ def run(args) -> int:
     rows = read_tsv(args.data, ("index", "question", "image"))
     distributed = "RANK" in os.environ
     device = start_processes(torch.cuda.is_available() and args.device != "cpu")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    me, world = rank(), world_size()
     dtype = resolve_dtype(args.dtype, device)
     out = Path(args.out)
     part = lambda r: out.with_name(f"{out.name}.part{r}")  # noqa: E731  each rank appends to its own file
@@ -176,14 +177,14 @@ def run(args) -> int:
     meta = {"benchmark": args.benchmark, "model": str(folder), "pv": par.pv, "pl": par.pl,
             "vision_branch": args.vision_branch, "language_branch": args.language_branch, "shared_kv": args.shared_kv,
             "router": args.router}
-    if rank == 0:
+    if me == 0:
         log(f"{args.benchmark}: {len(rows)} rows, {len(done)} done, {len(todo)} to run on {world} rank(s); "
             f"Pv:Pl = {par.pv}:{par.pl}, {dtype}, {device}, batch {args.batch_size}")
 
     # first pass over this rank's rows: prompt lengths (to sort) and corrupt images (reported, skipped);
     # the tiles are rebuilt batch by batch, so memory holds one batch of pixels, not the benchmark's
     items, skipped = [], 0
-    for r in todo[rank::world]:
+    for r in todo[me::world]:
         try:
             prompt, _ = row_inputs(args.benchmark, r, args.max_tiles, model.cfg)
         except ValueError as e:
@@ -193,7 +194,7 @@ def run(args) -> int:
         items.append((r, tok.encode(prompt)))
     items.sort(key=lambda x: -len(x[1]))  # longest first: similar lengths share a batch, less padding
     t0, n_done, new_tokens = time.perf_counter(), 0, 0
-    with open(part(rank), "a", encoding="utf-8") as f:
+    with open(part(me), "a", encoding="utf-8") as f:
         for b in range(0, len(items), args.batch_size):
             batch = items[b:b + args.batch_size]
             pixels = [p for p in (row_inputs(args.benchmark, r, args.max_tiles, model.cfg)[1] for r, _ in batch) if p is not None]
@@ -209,14 +210,14 @@ def run(args) -> int:
             f.flush()
             n_done += len(batch)
             dt = time.perf_counter() - t0
-            log(f"rank {rank}: {n_done}/{len(items)} rows, {n_done / dt:.2f} samples/s, {new_tokens / dt:.1f} new tok/s",
+            log(f"rank {me}: {n_done}/{len(items)} rows, {n_done / dt:.2f} samples/s, {new_tokens / dt:.1f} new tok/s",
                 every_rank=True)
     elapsed = time.perf_counter() - t0
     if distributed:  # every part file is complete; corrupt rows counted over all ranks
         count = torch.tensor([skipped], device=device)
         dist.all_reduce(count)
         skipped = int(count)
-    if rank == 0:  # merge: one file in TSV order, whatever the world size and the resume history
+    if me == 0:  # merge: one file in TSV order, whatever the world size and the resume history
         order = {r["index"]: k for k, r in enumerate(rows)}
         parts = earlier()
         merged = {str(p["index"]): p for f in parts for p in read_jsonl(f)}
@@ -531,7 +532,7 @@ def fit_law_cmd(args) -> int:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run", help="generate predictions for a benchmark TSV")
     r.add_argument("--benchmark", required=True, help=f"VLMEvalKit dataset name: {', '.join(BENCHMARKS)}")
@@ -563,7 +564,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     rp = sub.add_parser("report", help="tables from score files of several configurations")
     rp.add_argument("runs", nargs="+", help="score JSON files written by `score --out` (or its stdout)")
     rp.add_argument("--out", default="report", help="output folder for report.md, report.json, heatmaps (default report)")
-    rp.add_argument("--arch", default="1b", help="backbone for the FLOPs tie-break (profiling.py; default 1b)")
+    rp.add_argument("--arch", default="1b", help="backbone for the FLOPs tie-break (flops.py; default 1b)")
     rp.add_argument("--tie-decimals", type=int, default=1, help="scores equal at this many decimals tie (default 1, the paper's)")
     f = sub.add_parser("fit-law", help="fit ParScale's parallel scaling law to a CSV of losses")
     f.add_argument("csv", help="CSV with columns params (raw parameter count), p, loss")

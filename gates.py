@@ -29,13 +29,8 @@ Choices where Appendix E is silent (all cheap):
 - Text-only samples: no ViT runs. The vision gate is skipped (its loss term is masked; the sample
   executes vision index 0, which nothing reads, and reports None); the language gate reads a zero
   image feature (LayerNorm maps it to zero).
-- The answer NLL of a pair is the mean token cross-entropy over the supervised tokens of Eq. 6
-  (assistant turns, unweighted). Pair order in the labels: c[v, l], row-major (v outer).
-- The labels also store the gate inputs (image and text features, and every vision branch's
-  connector feature). The model is frozen, so they are fixed; training reads them instead of running
-  the model for every step, and rechecks a few samples against the model first. Cost: (C + (Pv+1) D)
-  fp32 values a sample, 24 KB for InternVL3.5-1B at Pv = 4.
-- Pair accuracy: the chosen pair attains the sample's minimum NLL (ties count as correct).
+- The teacher's labels (the answer NLL of every pair, the stored gate inputs) and pair accuracy:
+  see router.py, which computes them.
 
 Shape legend: aggregate.py's (B samples, Cv ViT width, C LLM width).
 """

@@ -23,6 +23,8 @@ from PIL import Image
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _BackendTokenizer
 
+from cli import one_line
+
 IMG_START = "<img>"
 IMG_END = "</img>"
 IMG_CONTEXT = "<IMG_CONTEXT>"
@@ -132,13 +134,13 @@ def open_rgb(path_or_pil) -> Image.Image:
             f.load()
             return _to_rgb(f, name)
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as e:
-        detail = " ".join(str(e).split())  # decoder messages may span lines; keep one line
+        detail = one_line(e)  # decoder messages may span lines; keep one line
         raise ImageError(f"cannot read image {name}: {type(e).__name__}: {detail}") from e
 
 
 def load_image(path_or_pil, max_tiles: int = 12, use_thumbnail: bool = True,
                image_size: int = IMAGE_SIZE) -> torch.Tensor:
-    """Load an image into normalised tiles: float32 [N, 3, S, S], N = tiles (+ thumbnail), S =
+    """Load an image into normalised tiles: float32 [N, 3, px, px], N = tiles (+ thumbnail), px =
     image_size (the model's vit.image_size, 448 for InternVL3.5)."""
     img = open_rgb(path_or_pil)
     tiles = tile_image(img, max_tiles, image_size, use_thumbnail)

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from cli import DTYPES, OneLineParser, pyplot, resolve_device
+from cli import DTYPES, OneLineParser, one_line, pyplot, resolve_device, resolve_dtype
 from engine import Engine, GenerateConfig
 from flops import ARCHS, BRANCHES, Workload, build_config, profile_params
 from parvl import ParVL, ParVLConfig
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 1
     except (ValueError, OSError) as e:
-        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+        print(f"error: {one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -358,7 +358,7 @@ def run(argv: list[str] | None = None) -> None:
     if getattr(args, "plot", None):
         pyplot()  # a missing matplotlib is said before the measurement, not after it
     device = resolve_device(args.device)
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    dtype = resolve_dtype(args.dtype, device)
     if args.threads:  # OpenMP threads that wait for each other slow down 100x when another process holds a core
         torch.set_num_threads(args.threads)
     env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else

@@ -37,9 +37,10 @@ import torch.nn as nn
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from aggregate import fold
+from aggregate import fold, per_branch
 from checkpoint import CheckpointError, read_json
-from cli import barrier, end_processes, exit_process, log, one_line, rank, start_processes, world_size
+from cli import (OneLineParser, barrier, end_processes, exit_process, log, one_line, rank, resolve_dtype, start_processes,
+                 world_size)
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, collate
 from gates import (Router, RouterConfig, RouterError, fingerprint, image_tiles, load_router, path_teacher, pool_tiles,
                    question_span, router_loss, save_router, text_feature, thumbnail_feature)
@@ -89,7 +90,7 @@ def label_batch(model: ParVL, batch, im_start_id: int) -> dict[str, torch.Tensor
             connector[:, v] = pool_tiles(features, num_tiles)
         x, _ = model.embed(ids, None, features=features)
         h = model.language_model(x, positions, mask, rows=rows)  # [Pl*B,T,C] every language branch
-        nll[:, v] = answer_nll(h, head, fold(labels, rows)).view(par.pl, B).T  # branch-major rows -> [B,Pl]
+        nll[:, v] = per_branch(answer_nll(h, head, fold(labels, rows)), rows)  # [Pl*B] rows -> [B,Pl]
     return {"rows": torch.tensor(batch.rows), "nll": nll.cpu(), "image": image.cpu(), "text": text.cpu(),
             "connector": connector.cpu(), "has_image": (num_tiles > 0).cpu()}
 
@@ -477,7 +478,7 @@ def add_flags(p: argparse.ArgumentParser, cls, required: tuple[str, ...]) -> Non
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name, cls in (("label", LabelConfig), ("train", TrainRouterConfig), ("eval", EvalConfig)):
         add_flags(sub.add_parser(name, help=f"{name} (see the module docstring)"), cls, REQUIRED[name])
@@ -503,12 +504,10 @@ def main(argv=None) -> int:
         end_processes()
 
 
-
 def load_model(path: str, dtype: str, device) -> ParVL:
-    dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
-    if dtype not in ("fp32", "bf16"):
+    if dtype not in ("", "fp32", "bf16"):
         raise RouterError(f"--dtype must be fp32 or bf16, got {dtype!r}")
-    return ParVL.from_pretrained(path, dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[dtype], device=device)
+    return ParVL.from_pretrained(path, dtype=resolve_dtype(dtype, device), device=device)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from cli import log, rank
+from cli import log, one_line, rank
 from parvl import ParVL
 
 def all_sum(*values: float, device) -> list[float]:
@@ -58,7 +58,7 @@ def os_cause(e: BaseException, folder: Path | None = None) -> str:
         if isinstance(x, CheckpointException):
             todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
         todo += [x.__cause__, x.__context__]
-    text = " ".join(str(e).split())
+    text = one_line(e)
     for needle, cause in (("No space left", errno.ENOSPC), ("Read-only file system", errno.EROFS),
                           ("Permission denied", errno.EACCES)):
         if needle in text:
@@ -159,7 +159,7 @@ def verify_checkpoint(folder: Path) -> str | None:
     except FileNotFoundError:
         return "train.json is missing"
     except (OSError, ValueError) as e:
-        return f"train.json is unreadable ({type(e).__name__}: {' '.join(str(e).split())})"
+        return f"train.json is unreadable ({type(e).__name__}: {one_line(e)})"
     if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or "scheduler" not in meta:
         return "train.json has no step or scheduler"
     if meta["step"] != int(folder.name.split("_")[1]):

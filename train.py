@@ -434,7 +434,7 @@ def main(argv=None) -> int:
             print(f"error: {'' if rank() == 0 else f'rank {rank()}: '}{os_cause(e)}{where}", file=sys.stderr, flush=True)
         elif isinstance(e, dist.DistBackendError) or "closed by peer" in str(e):  # another rank left: it says why
             code, quiet_exit = 1, True
-            log(f"error: lost contact with another rank ({' '.join(str(e).split())[:200]})")
+            log(f"error: lost contact with another rank ({one_line(e)[:200]})")
         else:
             raise  # a bug: the traceback is the useful report
         return code

@@ -1,5 +1,5 @@
-"""Benchmark: the training loss from the final states, chunked (data.chunked_sft_loss, what train.py
-runs) against lm_head + data.sft_loss on the whole [T, V] logits, side by side on CPU.
+"""Benchmark: the training loss from the final states, chunked (loss.chunked_sft_loss, what train.py
+runs) against lm_head + loss.sft_loss on the whole [T, V] logits, side by side on CPU.
 
 One packed row of --tokens positions (a few samples, their prompts unsupervised), width --hidden,
 InternVL3.5's vocabulary by default. Each side runs forward + backward in its own fresh process, so
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=4096, help="positions in the row (default 4096)")
     p.add_argument("--hidden", type=int, default=1024, help="width C (default 1024, InternVL3.5-1B's)")
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary V (default 151936, InternVL3.5's)")
-    p.add_argument("--chunk", type=int, default=0, help="positions per chunk (default 0 = data.LOSS_CHUNK)")
+    p.add_argument("--chunk", type=int, default=0, help="positions per chunk (default 0 = loss.LOSS_CHUNK)")
     p.add_argument("--rounds", type=int, default=2, help="alternating rounds; the best time is shown (default 2)")
     p.add_argument("--side", help=argparse.SUPPRESS)  # internal: run one side and print its JSON
     args = p.parse_args(argv)

@@ -1,6 +1,6 @@
 """Benchmark of the sparse router (paper Table 3's claim: a 4:4 checkpoint run at 1:1 cost).
 
-    python tests/bench_router.py                      # CPU, fp32, profiling.py's "mid" model, ~5 min
+    python tests/bench_router.py                      # CPU, fp32, flops.py's "mid" model, ~5 min
     python tests/bench_router.py --device cuda --dtype bf16 --batch 8 --iters 5
 
 Measured side by side in one run, the three engines interleaved (in rotating order) in every
@@ -10,7 +10,7 @@ iteration, so load changes on a shared machine hit all of them alike; the best i
   (no prefixes, no aggregators). Goal: routed <= 1.15 x 1:1 and <= 0.35 x dense.
 - label throughput (router.label_batch: each vision branch once, the Pl language branches folded,
   lm_head on answer tokens only) vs Pv x Pl plain single-pair forwards of the same batches with
-  data.token_nll. Goal: <= 0.5 x.
+  loss.token_nll. Goal: <= 0.5 x.
 The model and router are random (timing does not depend on the values); the router's weights are
 scaled so that its choices vary across samples, as a trained one's do. Ends with one JSON line.
 """
@@ -32,7 +32,7 @@ from loss import token_nll  # noqa: E402
 from cli import sync  # noqa: E402
 from engine import Engine, GenerateConfig  # noqa: E402
 from parvl import ParConfig, ParVL, is_branch_tensor  # noqa: E402
-from profiling import MID  # noqa: E402
+from flops import MID  # noqa: E402
 from gates import Router, RouterConfig  # noqa: E402
 from router import label_batch  # noqa: E402
 
@@ -133,7 +133,7 @@ def main() -> int:
     err = (got["nll"] - got["ref"]).abs().max().item()  # the two compute the same numbers
     t_lab, t_base = min(lab), min(base)
 
-    print(f"CPU threads {torch.get_num_threads()}, {args.device} {args.dtype}, profiling.MID ViT {MID.vit.hidden_size}x"
+    print(f"CPU threads {torch.get_num_threads()}, {args.device} {args.dtype}, flops.MID ViT {MID.vit.hidden_size}x"
           f"{MID.vit.num_layers} LLM {MID.llm.hidden_size}x{MID.llm.num_layers} vocab {MID.llm.vocab_size}, batch {args.batch}, "
           f"{args.tiles} tile(s) + {args.text_tokens} text tokens, {args.new_tokens} new tokens, best of {args.iters} (a shared CPU: the minimum is the least disturbed)")
     for name, s in gen.items():

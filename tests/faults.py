@@ -2,7 +2,7 @@
 no test hooks, so the faults are put in here by replacing the function they happen in.
 
     python tests/faults.py stop-after=2 TRAIN_FLAGS...        # leave after step 2's checkpoint, as if killed
-    python tests/faults.py nan-step=2 TRAIN_FLAGS...          # step 2's gradient norm is NaN
+    python tests/faults.py nan-step=2 TRAIN_FLAGS...          # step 2's loss is NaN
     python tests/faults.py save-error=ENOSPC:4 TRAIN_FLAGS... # the save of step 4 fails with ENOSPC after its shards
 """
 import errno
@@ -33,14 +33,18 @@ if fault == "stop-after":
 
     train.save_checkpoint = save_then_stop
 elif fault == "nan-step":
-    clip, calls = torch.nn.utils.clip_grad_norm_, [0]
+    clip, micro_loss, steps = torch.nn.utils.clip_grad_norm_, train.micro_loss, [0]
 
-    def clip_nan(*args, **kwargs):  # called once per optimizer step
-        calls[0] += 1
-        norm = clip(*args, **kwargs)
-        return norm * float("nan") if calls[0] == int(value) else norm
+    def count_steps(*args, **kwargs):  # called once per optimizer step, after its micro-batches
+        steps[0] += 1
+        return clip(*args, **kwargs)
 
-    torch.nn.utils.clip_grad_norm_ = clip_nan
+    def nan_loss(*args):  # the loss of every micro-batch of step `value`
+        loss, ent = micro_loss(*args)
+        return (loss * float("nan"), ent) if steps[0] + 1 == int(value) else (loss, ent)
+
+    torch.nn.utils.clip_grad_norm_ = count_steps
+    train.micro_loss = nan_loss
 elif fault == "save-error":
     name, step = value.split(":")
     save = dcp.save

@@ -1,4 +1,4 @@
-"""router.py (paper Appendix E): Eq. E1/E2 by hand, labels against plain single-pair forwards (and
+"""The router (paper Appendix E; gates.py, and router.py its command): Eq. E1/E2 by hand, labels against plain single-pair forwards (and
 world-size / resume invariance), learning a planted preference with the model frozen, routed
 generation against single-pair generation, and bad input refused with one line."""
 import hashlib

@@ -124,8 +124,8 @@ def test_weighted_loss_matches_hand_and_any_split(model_dir, meta):
 
 @pytest.mark.parametrize("chunk", [1, 7, 4096])
 def test_chunked_loss_equals_the_loss_of_the_logits(chunk):
-    """data.chunked_sft_loss(h, W, ...), which never holds more than `chunk` positions' logits and
-    computes the gradients in its forward, equals data.sft_loss(h @ W^T, ...): the loss and both
+    """loss.chunked_sft_loss(h, W, ...), which never holds more than `chunk` positions' logits and
+    computes the gradients in its forward, equals loss.sft_loss(h @ W^T, ...): the loss and both
     gradients, on packed rows with unsupervised spans, for chunks of one position, a few, and all.
     fp32: the same terms, only summed in other groupings (rel 1e-6; the gradients, 1e-5 of their
     largest entry). Frozen weights or states get no gradient, and under no_grad the value is the same."""
