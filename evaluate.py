@@ -150,7 +150,8 @@ def run(args) -> int:
 
     from engine import GenerateConfig, engine_from_flags
     from gates import router_flag
-    from parvl import ParVL
+    from checkpoint import read_json
+    from parvl import ParVL, check_tokenizer, config_from_json
     from processor import Tokenizer
 
     if args.benchmark not in BENCHMARKS:
@@ -170,6 +171,7 @@ def run(args) -> int:
     todo = [r for r in rows if r["index"] not in done]
     folder = resolve_model(args.model)
     tok = Tokenizer.from_pretrained(folder)
+    check_tokenizer(tok, config_from_json(read_json(folder / "config.json"), folder), folder)  # before the weights
     model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
     par = model.cfg.par
     engine = engine_from_flags(model, args, router_flag(args.router, model))

@@ -25,7 +25,7 @@ from checkpoint import CheckpointError, read_json
 from chat import Interrupted, answer, chat_session
 from cli import DEFAULT_MODEL, OneLineParser, hms, log, one_line, resolve_device, resolve_dtype, resolve_model
 from engine import Engine, GenerateConfig, context_check, engine_from_flags
-from parvl import ParVL, config_from_json
+from parvl import ParVL, check_tokenizer, config_from_json
 from processor import ImageError, Tokenizer, build_prompt, load_image, place_images
 from gates import router_flag
 
@@ -120,6 +120,7 @@ def main(argv=None) -> int:
         num_tiles = [pv.shape[0] for pv in pixel_list]
         t0 = time.perf_counter()
         tok = Tokenizer.from_pretrained(folder)
+        check_tokenizer(tok, mcfg, folder)  # the tokenizer belongs to the checkpoint, before any prompt is built
         prompt = None
         if not args.chat:
             prompt = build_prompt(place_images(question, len(num_tiles)), num_tiles, system=args.system,

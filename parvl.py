@@ -34,7 +34,7 @@ import chat as chat_api
 from aggregate import Aggregator, Choice, Rows, segment_positions, unfold
 from checkpoint import TOKENIZER_FILES, CheckpointError, CheckpointReader, check_keys, read_json
 from llm import LLM, LLMConfig, prompt_positions
-from processor import IMG_CONTEXT, Tokenizer, load_image  # noqa: F401  (load_image is public API)
+from processor import IM_END, IMG_CONTEXT, IMG_END, IMG_START, Tokenizer, load_image  # noqa: F401  (load_image: public API)
 from vit import ViT, ViTConfig
 
 
@@ -406,6 +406,29 @@ class ParVL(nn.Module):
                 shutil.copy(src / name, folder / name)
 
 
+# The decoders this code implements, by the llm_config.architectures name InternVL's own code
+# dispatches on (InternVLChatModel.__init__), and the family each one is. Anything else (Llama,
+# InternLM2, Phi-3, Qwen3-MoE, GPT-OSS) is refused rather than run as a Qwen decoder.
+DECODERS = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2"}
+
+
+def check_tokenizer(tok: Tokenizer, cfg: ParVLConfig, folder: Path) -> None:
+    """Refuse a tokenizer that does not belong to the checkpoint, at load (every command calls it):
+    its <IMG_CONTEXT> must be config.json's image_token_id, its vocabulary must fit the embedding
+    rows, and it must have the chat template's tokens."""
+    source = f"the tokenizer in {tok.folder}"
+    needed = (IM_END,) if cfg.vit is None else (IM_END, IMG_START, IMG_END, IMG_CONTEXT)
+    missing = [t for t in needed if tok.token_to_id(t) is None]
+    if missing:
+        raise CheckpointError(f"{source} has no {', '.join(missing)} token: not an InternVL3.5 tokenizer")
+    if cfg.vit is not None and tok.token_to_id(IMG_CONTEXT) != cfg.image_token_id:
+        raise CheckpointError(f"{source} has {IMG_CONTEXT} = {tok.token_to_id(IMG_CONTEXT)}, but {folder / 'config.json'} "
+                              f"says image_token_id = {cfg.image_token_id}: the tokenizer is not this checkpoint's")
+    if tok.vocab_size > cfg.llm.vocab_size:
+        raise CheckpointError(f"{source} has {tok.vocab_size} tokens, but the checkpoint in {folder} embeds only "
+                              f"{cfg.llm.vocab_size}: the tokenizer is not this checkpoint's")
+
+
 def is_branch_tensor(key: str) -> bool:
     """The ParVL tensors on top of InternVL: per-layer prefixes and the two aggregators."""
     return key.endswith((".prefix_k", ".prefix_v")) or key.startswith(("vision_aggregator.", "language_aggregator."))
@@ -450,9 +473,16 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
     language_only = bool(extra.get("language_only", False))
     if t is None or (v is None and not language_only):
         raise CheckpointError("config.json: needs llm_config (or text_config) and vision_config")
-    family = (t.get("model_type") or "").lower()
-    if family not in ("qwen3", "qwen2"):
-        raise CheckpointError(f"config.json: unsupported language model type {family!r} (qwen3, qwen2)")
+    field = "text_config" if hf else "llm_config"
+    arch = (t.get("architectures") or [None])[0]
+    if arch is not None and arch not in DECODERS:
+        raise CheckpointError(f"config.json: {field}.architectures {arch!r} is not a supported decoder "
+                              f"(supported: {', '.join(DECODERS)})")
+    family = (t.get("model_type") or DECODERS.get(arch) or "").lower()
+    if family not in DECODERS.values() or (arch is not None and DECODERS[arch] != family):
+        raise CheckpointError(f"config.json: {field}.model_type {family!r} is not a supported decoder"
+                              + (f" or does not match architectures {arch!r}" if arch else "")
+                              + f" (supported: {', '.join(f'{v} ({k})' for k, v in DECODERS.items())})")
     llm = llm_config_from_json(t, family, tied)
     par = ParConfig(**extra["par"]) if "par" in extra else ParConfig()
     if language_only:
@@ -499,7 +529,7 @@ def config_to_json(cfg: ParVLConfig) -> dict:
     with the branch configuration (ignored by InternVL, read back by config_from_json)."""
     v, t = cfg.vit, cfg.llm
     family = "qwen3" if t.qk_norm else "qwen2"
-    arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
+    arch = {v: k for k, v in DECODERS.items()}[family]
     out = {
         "architectures": ["InternVLChatModel"],
         "model_type": "internvl_chat",

@@ -46,7 +46,7 @@ from gates import (Router, RouterConfig, RouterError, fingerprint, image_tiles, 
                    question_span, router_loss, save_router, text_feature, thumbnail_feature)
 from llm import prompt_positions
 from loss import IGNORE, answer_nll
-from parvl import ParVL
+from parvl import ParVL, check_tokenizer, config_from_json
 from processor import IM_START, Tokenizer
 from schedule import lr_lambda
 
@@ -110,11 +110,12 @@ def label(cfg: LabelConfig) -> int:
     world = world_size()
     out, parts = Path(cfg.out), Path(cfg.out) / "parts"
     dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    tok = Tokenizer.from_pretrained(cfg.model)
+    check_tokenizer(tok, config_from_json(read_json(Path(cfg.model) / "config.json"), Path(cfg.model)), Path(cfg.model))
     model = load_model(cfg.model, dtype, device)
     if model.cfg.vit is None or model.cfg.par.pv * model.cfg.par.pl == 1:
         raise RouterError(f"{cfg.model}: a router needs a multimodal checkpoint with more than one branch pair, "
                           f"it has Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl}")
-    tok = Tokenizer.from_pretrained(cfg.model)
     if tok.token_to_id(IM_START) is None:
         raise RouterError(f"{cfg.model}: the tokenizer has no {IM_START} token")
     data = SFTData(cfg.data, tok, max_tiles=cfg.max_tiles, max_seq_len=cfg.max_seq_len,
@@ -222,6 +223,7 @@ def open_data(meta: dict, data_path: str | None, model: ParVL, where: str) -> SF
     """The data set a labels file was computed on (data_path, or the one it names), checked to be the same."""
     path = data_path or meta["data"]
     tok = Tokenizer.from_pretrained(model.source_dir)
+    check_tokenizer(tok, model.cfg, model.source_dir)
     data = SFTData(path, tok, max_tiles=meta["max_tiles"], max_seq_len=meta["max_seq_len"],
                    image_token_id=model.cfg.image_token_id, seed=meta["seed"],
                    max_positions=model.cfg.llm.max_position_embeddings)

@@ -183,3 +183,60 @@ def test_profiling_closed_pipe_and_bad_device(capsys):
     assert proc.wait(timeout=120) == 1 and err == "", err
     assert profiling.main(["latency", "--device", "tpu9"]) == 1
     assert "not a device" in one_line(capsys.readouterr().err)
+
+
+# -- a checkpoint whose decoder or tokenizer this code does not run: refused at load, by every command ---
+
+
+@pytest.fixture(scope="module")
+def spoiled(model_dir, tmp_path_factory):
+    """Copies of the tiny checkpoint with one thing wrong in config.json, and what each refusal names."""
+    tok = Tokenizer.from_pretrained(model_dir)
+    img = tok.token_to_id("<IMG_CONTEXT>")
+    cases = {
+        "llama": (lambda c: c["llm_config"].update(architectures=["LlamaForCausalLM"]),
+                  ["llm_config.architectures 'LlamaForCausalLM' is not a supported decoder", "Qwen3ForCausalLM",
+                   "Qwen2ForCausalLM"]),
+        "qwen2-named-qwen3": (lambda c: c["llm_config"].update(architectures=["Qwen2ForCausalLM"]),
+                              ["llm_config.model_type 'qwen3'", "does not match architectures 'Qwen2ForCausalLM'"]),
+        "other-tokenizer": (lambda c: c.update(image_token_id=img + 1),
+                            [f"<IMG_CONTEXT> = {img}", f"image_token_id = {img + 1}", "config.json", "tokenizer in"]),
+        "small-vocabulary": (lambda c: c["llm_config"].update(vocab_size=tok.vocab_size - 1),
+                             [f"has {tok.vocab_size} tokens", f"embeds only {tok.vocab_size - 1}"]),
+    }
+    out = {}
+    for name, (spoil, needles) in cases.items():
+        folder = tmp_path_factory.mktemp(name) / "ckpt"
+        shutil.copytree(model_dir, folder)
+        config = json.loads((folder / "config.json").read_text())
+        spoil(config)
+        (folder / "config.json").write_text(json.dumps(config))
+        out[name] = (folder, needles)
+    return out
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen2-named-qwen3", "other-tokenizer", "small-vocabulary"])
+def test_a_checkpoint_this_code_cannot_run_is_refused_by_every_command(spoiled, png, tmp_path, capsys, case):
+    import evaluate
+    import router
+    import train
+    from test_evaluate import png_b64, write_tsv
+    from test_train import write_dataset
+
+    folder, needles = spoiled[case]
+    meta = write_dataset(tmp_path / "d", rows=4)
+    tsv = write_tsv(tmp_path / "t.tsv", [{"index": "0", "question": "Read it.", "answer": "['x']", "image": png_b64(16, 16, 5)}])
+    commands = {
+        "generate.py": lambda: generate.main([str(png), "q", "--model", str(folder)]),
+        "train.py": lambda: train.main(["--validate-data", "--model", str(folder), "--data", str(meta), "--num-workers", "0"]),
+        "evaluate.py run": lambda: evaluate.main(["run", "--benchmark", "TextVQA_VAL", "--data", str(tsv), "--model", str(folder),
+                                                  "--out", str(tmp_path / "p.jsonl")]),
+        "router.py label": lambda: router.main(["label", "--model", str(folder), "--data", str(meta), "--out",
+                                                str(tmp_path / "labels"), "--num-workers", "0"]),
+    }
+    for name, command in commands.items():
+        code = command()
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 1 and len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], (name, err)
+        assert all(n in err[0] for n in needles), (name, err[0])
+    assert not (tmp_path / "p.jsonl").exists() and not (tmp_path / "labels").exists()
