@@ -432,11 +432,11 @@ def random_pixels(n: int, seed: int = 0) -> torch.Tensor:
 # of what the compiled tests cost. The recompile limit per code object is raised to cover the
 # suite's distinct configs, and reaching it is an error rather than a silent fall back to eager
 # (which would make every compiled-equals-eager test vacuous).
-torch._dynamo.config.recompile_limit = 256
-torch._dynamo.config.accumulated_recompile_limit = 4096
-torch._dynamo.config.automatic_dynamic_shapes = False  # a new shape compiles a static graph, as a fresh process would
-if hasattr(torch._dynamo.config, "fail_on_recompile_limit_hit"):
-    torch._dynamo.config.fail_on_recompile_limit_hit = True
+for name, value in (("recompile_limit", 256), ("accumulated_recompile_limit", 4096),
+                    ("automatic_dynamic_shapes", False),  # a new shape compiles a static graph, as a fresh process would
+                    ("fail_on_recompile_limit_hit", True)):
+    if hasattr(torch._dynamo.config, name):  # the names of torch 2.11 and newer
+        setattr(torch._dynamo.config, name, value)
 
 
 def pytest_configure(config):
