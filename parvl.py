@@ -479,10 +479,11 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
         raise CheckpointError(f"config.json: {field}.architectures {arch!r} is not a supported decoder "
                               f"(supported: {', '.join(DECODERS)})")
     family = (t.get("model_type") or DECODERS.get(arch) or "").lower()
-    if family not in DECODERS.values() or (arch is not None and DECODERS[arch] != family):
-        raise CheckpointError(f"config.json: {field}.model_type {family!r} is not a supported decoder"
-                              + (f" or does not match architectures {arch!r}" if arch else "")
-                              + f" (supported: {', '.join(f'{v} ({k})' for k, v in DECODERS.items())})")
+    if family not in DECODERS.values():
+        raise CheckpointError(f"config.json: {field}.model_type {family!r} is not a supported decoder "
+                              f"(supported: {', '.join(DECODERS.values())})")
+    if arch is not None and DECODERS[arch] != family:
+        raise CheckpointError(f"config.json: {field}.model_type {family!r} does not match architectures {arch!r}")
     llm = llm_config_from_json(t, family, tied)
     par = ParConfig(**extra["par"]) if "par" in extra else ParConfig()
     if language_only:

@@ -38,7 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from aggregate import fold, per_branch
-from checkpoint import CheckpointError, read_json
+from checkpoint import CheckpointError, check_not_run_folder, read_json
 from cli import (OneLineParser, barrier, end_processes, exit_process, log, one_line, rank, resolve_dtype, start_processes,
                  world_size)
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, collate
@@ -110,6 +110,7 @@ def label(cfg: LabelConfig) -> int:
     world = world_size()
     out, parts = Path(cfg.out), Path(cfg.out) / "parts"
     dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
+    check_not_run_folder(Path(cfg.model))  # runs/44 for runs/44/export: say which folder is meant
     tok = Tokenizer.from_pretrained(cfg.model)
     check_tokenizer(tok, config_from_json(read_json(Path(cfg.model) / "config.json"), Path(cfg.model)), Path(cfg.model))
     model = load_model(cfg.model, dtype, device)
