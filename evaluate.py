@@ -150,9 +150,7 @@ def run(args) -> int:
 
     from engine import GenerateConfig, engine_from_flags
     from gates import router_flag
-    from checkpoint import read_json
-    from parvl import ParVL, check_tokenizer, config_from_json
-    from processor import Tokenizer
+    from parvl import ParVL, open_checkpoint
 
     if args.benchmark not in BENCHMARKS:
         raise DataError(f"unknown benchmark {args.benchmark!r}; choose from {', '.join(BENCHMARKS)}")
@@ -170,8 +168,7 @@ def run(args) -> int:
         dist.barrier()  # every rank has read the old files before any rank appends to them
     todo = [r for r in rows if r["index"] not in done]
     folder = resolve_model(args.model)
-    tok = Tokenizer.from_pretrained(folder)
-    check_tokenizer(tok, config_from_json(read_json(folder / "config.json"), folder), folder)  # before the weights
+    _, tok = open_checkpoint(folder)  # checked before the weights load
     model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
     par = model.cfg.par
     engine = engine_from_flags(model, args, router_flag(args.router, model))

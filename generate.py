@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointError, read_json
+from checkpoint import CheckpointError
 from chat import Interrupted, answer, chat_session
 from cli import DEFAULT_MODEL, OneLineParser, hms, log, one_line, resolve_device, resolve_dtype, resolve_model
 from engine import Engine, GenerateConfig, context_check, engine_from_flags
-from parvl import ParVL, check_tokenizer, config_from_json
+from parvl import ParVL, open_checkpoint
 from processor import ImageError, Tokenizer, build_prompt, load_image, place_images
 from gates import router_flag
 
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         rows = read_questions(Path(args.batch)) if args.batch else []  # bad rows fail before any model is fetched
         done = answered_lines(Path(args.out), rows, Path(args.batch)) if args.batch and args.out else set()
         folder = resolve_model(args.model, args.revision)
-        mcfg = config_from_json(read_json(folder / "config.json"), folder)  # tiles and tokens as the model sees them
+        mcfg, tok = open_checkpoint(folder)  # tiles and tokens as the model sees them, and its own tokenizer
         if any(r["paths"] for r in rows) and mcfg.vit is None:
             raise ValueError(f"{folder}: a language-only model takes no images ({args.batch} has some)")
         if images and mcfg.vit is None:
@@ -119,8 +119,6 @@ def main(argv=None) -> int:
                                  image_size=mcfg.vit.image_size) for path in images]  # bad images fail before the weights load
         num_tiles = [pv.shape[0] for pv in pixel_list]
         t0 = time.perf_counter()
-        tok = Tokenizer.from_pretrained(folder)
-        check_tokenizer(tok, mcfg, folder)  # the tokenizer belongs to the checkpoint, before any prompt is built
         prompt = None
         if not args.chat:
             prompt = build_prompt(place_images(question, len(num_tiles)), num_tiles, system=args.system,

@@ -88,10 +88,12 @@ def causal_mask(key_valid: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
     return mask[:, None]  # [B,1,T,S]
 
 
-def prompt_positions(valid: torch.Tensor, padded: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prompt_positions(valid: torch.Tensor, padded: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotary positions [B,T] and the causal mask over token slots [B,1,T,T] of prompts whose padding is
     marked False in valid [B,T]: every prompt starts at position 0. padded False (no row is padded)
-    gives mask None, which keeps SDPA's fused causal kernels."""
+    gives mask None, which keeps SDPA's fused causal kernels; None reads it off valid (a host sync)."""
+    if padded is None:
+        padded = not bool(valid.all())
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B,T], 0 at each prompt's first token
     return positions, causal_mask(valid, torch.arange(valid.shape[1], device=valid.device)) if padded else None
 

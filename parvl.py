@@ -34,7 +34,7 @@ import chat as chat_api
 from aggregate import Aggregator, Choice, Rows, segment_positions, unfold
 from checkpoint import TOKENIZER_FILES, CheckpointError, CheckpointReader, check_keys, read_json
 from llm import LLM, LLMConfig, prompt_positions
-from processor import IM_END, IMG_CONTEXT, IMG_END, IMG_START, Tokenizer, load_image  # noqa: F401  (load_image: public API)
+from processor import IM_END, IM_START, IMG_CONTEXT, IMG_END, IMG_START, Tokenizer, load_image  # noqa: F401  (load_image: public API)
 from vit import ViT, ViTConfig
 
 
@@ -273,7 +273,7 @@ class ParVL(nn.Module):
             positions = torch.arange(T, device=x.device).expand(B, T)
             mask = None  # plain causal: SDPA's fused kernels
         else:
-            positions, mask = prompt_positions(attention_mask.bool())  # every prompt starts at position 0
+            positions, mask = prompt_positions(attention_mask.bool(), padded=True)  # every prompt starts at position 0
         h, w_language = self.hidden_from_embeds(x, positions, mask, rows=rows, segments=segment_ids)
         return h, w_vision, w_language
 
@@ -412,12 +412,21 @@ class ParVL(nn.Module):
 DECODERS = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2"}
 
 
+def open_checkpoint(folder: Path) -> tuple[ParVLConfig, Tokenizer]:
+    """What every command reads of a checkpoint folder before its weights: the config and the
+    tokenizer, checked to belong together (check_tokenizer)."""
+    cfg = config_from_json(read_json(folder / "config.json"), folder)
+    tok = Tokenizer.from_pretrained(folder)
+    check_tokenizer(tok, cfg, folder)
+    return cfg, tok
+
+
 def check_tokenizer(tok: Tokenizer, cfg: ParVLConfig, folder: Path) -> None:
-    """Refuse a tokenizer that does not belong to the checkpoint, at load (every command calls it):
+    """Refuse a tokenizer that does not belong to the checkpoint, at load (open_checkpoint):
     its <IMG_CONTEXT> must be config.json's image_token_id, its vocabulary must fit the embedding
     rows, and it must have the chat template's tokens."""
     source = f"the tokenizer in {tok.folder}"
-    needed = (IM_END,) if cfg.vit is None else (IM_END, IMG_START, IMG_END, IMG_CONTEXT)
+    needed = (IM_START, IM_END) if cfg.vit is None else (IM_START, IM_END, IMG_START, IMG_END, IMG_CONTEXT)
     missing = [t for t in needed if tok.token_to_id(t) is None]
     if missing:
         raise CheckpointError(f"{source} has no {', '.join(missing)} token: not an InternVL3.5 tokenizer")

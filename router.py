@@ -46,8 +46,8 @@ from gates import (Router, RouterConfig, RouterError, fingerprint, image_tiles, 
                    question_span, router_loss, save_router, text_feature, thumbnail_feature)
 from llm import prompt_positions
 from loss import IGNORE, answer_nll
-from parvl import ParVL, check_tokenizer, config_from_json
-from processor import IM_START, Tokenizer
+from parvl import ParVL, open_checkpoint
+from processor import IM_START
 from schedule import lr_lambda
 
 
@@ -76,7 +76,7 @@ def label_batch(model: ParVL, batch, im_start_id: int) -> dict[str, torch.Tensor
     tiles = image_tiles(ids, image_id, model.cfg.tokens_per_tile)
     num_tiles = torch.tensor([sum(t) for t in tiles], device=dev)
     image = thumbnail_feature(model, pix, tiles) if pix.shape[0] else text.new_zeros(B, model.cfg.vit.hidden_size)
-    positions, mask = prompt_positions(valid, padded=not bool(valid.all()))
+    positions, mask = prompt_positions(valid)
     rows = model.language_rows(None, B, dev)  # every language branch, folded branch-major
     head = model.language_model.lm_head.weight
     nll = torch.zeros(B, par.pv, par.pl, device=dev)
@@ -111,14 +111,11 @@ def label(cfg: LabelConfig) -> int:
     out, parts = Path(cfg.out), Path(cfg.out) / "parts"
     dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
     check_not_run_folder(Path(cfg.model))  # runs/44 for runs/44/export: say which folder is meant
-    tok = Tokenizer.from_pretrained(cfg.model)
-    check_tokenizer(tok, config_from_json(read_json(Path(cfg.model) / "config.json"), Path(cfg.model)), Path(cfg.model))
+    _, tok = open_checkpoint(Path(cfg.model))  # checked before the weights load
     model = load_model(cfg.model, dtype, device)
     if model.cfg.vit is None or model.cfg.par.pv * model.cfg.par.pl == 1:
         raise RouterError(f"{cfg.model}: a router needs a multimodal checkpoint with more than one branch pair, "
                           f"it has Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl}")
-    if tok.token_to_id(IM_START) is None:
-        raise RouterError(f"{cfg.model}: the tokenizer has no {IM_START} token")
     data = SFTData(cfg.data, tok, max_tiles=cfg.max_tiles, max_seq_len=cfg.max_seq_len,
                    image_token_id=model.cfg.image_token_id, seed=cfg.seed,
                    max_positions=model.cfg.llm.max_position_embeddings)
@@ -223,8 +220,7 @@ def load_labels(path: str | Path, model: ParVL | None = None) -> tuple[dict, dic
 def open_data(meta: dict, data_path: str | None, model: ParVL, where: str) -> SFTData:
     """The data set a labels file was computed on (data_path, or the one it names), checked to be the same."""
     path = data_path or meta["data"]
-    tok = Tokenizer.from_pretrained(model.source_dir)
-    check_tokenizer(tok, model.cfg, model.source_dir)
+    _, tok = open_checkpoint(model.source_dir)
     data = SFTData(path, tok, max_tiles=meta["max_tiles"], max_seq_len=meta["max_seq_len"],
                    image_token_id=model.cfg.image_token_id, seed=meta["seed"],
                    max_positions=model.cfg.llm.max_position_embeddings)
@@ -405,7 +401,7 @@ def dense_nll(model: ParVL, data: SFTData, rows: torch.Tensor, batch_size: int) 
         ids, valid = batch.input_ids.to(dev), batch.attention_mask.to(dev)
         pix = batch.pixel_values.to(dev, model.language_model.lm_head.weight.dtype)
         x, _ = model.embed(ids, pix if pix.shape[0] else None)
-        h, _ = model.hidden_from_embeds(x, *prompt_positions(valid, padded=not bool(valid.all())))  # [B,T,C] fused
+        h, _ = model.hidden_from_embeds(x, *prompt_positions(valid))  # [B,T,C] fused
         out.append(answer_nll(h, model.language_model.lm_head.weight, batch.labels.to(dev)))
     return torch.cat(out) if out else torch.zeros(0)
 

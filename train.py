@@ -51,7 +51,7 @@ from cli import (OneLineParser, end_processes, exit_process, hms, leave_the_repo
                  pyplot, rank, start_processes)
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, filler_batch, make_loader, validate
 from loss import chunked_sft_loss, loss_weights
-from parvl import ParVL, check_tokenizer, config_from_json, is_branch_tensor
+from parvl import ParVL, is_branch_tensor, open_checkpoint
 from processor import Tokenizer
 from runs import (check_out, checkpoints, discard_run, export, finite, os_cause, resume, save_checkpoint,
                   trim_metrics)
@@ -400,9 +400,7 @@ def main(argv=None) -> int:
         out = Path(cfg.out)
         if not cfg.validate_data:
             check_out(Path(cfg.out), cfg.resume, cfg.overwrite)
-        tok = Tokenizer.from_pretrained(cfg.model)
-        mcfg = config_from_json(read_json(Path(cfg.model) / "config.json"), Path(cfg.model))  # tiles as the model sees them
-        check_tokenizer(tok, mcfg, Path(cfg.model))
+        mcfg, tok = open_checkpoint(Path(cfg.model))  # tiles as the model sees them, and its own tokenizer
         if mcfg.vit is None:
             raise ValueError(f"--model {cfg.model}: a language-only checkpoint; train.py trains vision-language models")
         data = SFTData(cfg.data, tok, max_tiles=cfg.max_tiles or mcfg.max_dynamic_patch, max_seq_len=cfg.max_seq_len,
