@@ -1,7 +1,8 @@
 """What every command shares and that knows no model: the one-line argument parser, device, dtype
-and model resolution (a local folder or the huggingface_hub cache), logging from rank 0, the process
-group torchrun asks for, the process exit, and small figures (h:mm:ss, peak memory), plus the
-optional matplotlib import. generate.py, train.py, router.py, evaluate.py and profiling.py use it;
+and model resolution (a local folder or the huggingface_hub cache), logging from rank 0, one-line
+errors (also into torchrun's error file) and allocation failures, the process group torchrun asks
+for, the check that every node sees a shared folder, the process exit, and small figures (h:mm:ss,
+peak memory), plus the optional matplotlib import. generate.py, train.py, router.py, evaluate.py and profiling.py use it;
 it imports no model code, so every floor of the house can sit on it.
 """
 from __future__ import annotations
@@ -11,8 +12,11 @@ import json
 import os
 import re
 import resource
+import secrets
+import socket
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import NoReturn
 
@@ -27,8 +31,7 @@ class OneLineParser(argparse.ArgumentParser):
     torchrun only rank 0 prints it (every rank parses the same flags)."""
 
     def error(self, message: str):
-        if rank() == 0:
-            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        error(f"{self.prog}: error: {message} (see --help)")
         sys.exit(2)
 
 
@@ -82,12 +85,81 @@ def end_processes() -> None:
         dist.destroy_process_group()
 
 
+def error(line: str, every_rank: bool = False, wait: bool = True) -> None:
+    """A command's one-line error, on stderr, from rank 0 alone (an error every rank meets alike) or,
+    every_rank, from each rank that meets it (prefixed with its rank). Under torchrun it also goes to
+    this worker's error file, TORCHELASTIC_ERROR_FILE, in the layout torch.distributed.elastic's
+    `record` writes: torchrun's failure report prints that file as the root cause, so the line
+    reaches the user even when torchrun stops this worker before its stderr is read. The message
+    carries no traceback: the report shows the line itself. The other ranks wait for torchrun
+    (leave_the_report_to_rank0) unless wait is False: the caller then meets a barrier that holds them
+    until rank 0 has reported."""
+    if not every_rank and rank() != 0:
+        if wait:
+            leave_the_report_to_rank0()
+        return
+    line = line if rank() == 0 or not every_rank else line.replace("error: ", f"error: rank {rank()}: ", 1)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        try:
+            with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+                json.dump({"message": {"message": line, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+        except OSError:
+            pass  # the report then says "To enable traceback see ..."; the line below still goes out
+    print(line, file=sys.stderr, flush=True)
+
+
+def command(main):
+    """The __main__ of a command: main() under torch.distributed.elastic's `record`, which writes an
+    uncaught exception (a bug: its traceback is the useful report) to the error file torchrun reads,
+    then exit_process with main's code."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+    exit_process(record(main)() or 0)
+
+
+def check_shared(folder: Path, flag: str) -> None:
+    """More than one machine: every rank must see the folder that rank 0 creates and all ranks write
+    into (a run's checkpoints, label chunks, prediction parts), so it must sit on a file system every
+    node shares. Rank 0 leaves a marker with a random token there and every rank reads it back; if any
+    cannot, every rank raises the same one line naming those ranks and their hosts. Collective: every
+    rank calls it; a world of one returns at once."""
+    if world_size() == 1:
+        return
+    token = [secrets.token_hex(8) if rank() == 0 else None]
+    dist.broadcast_object_list(token)
+    marker = folder / f".parvl-shared-{token[0]}"
+    if rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        marker.write_text(token[0])
+    dist.barrier()
+    try:
+        seen = marker.read_text() == token[0]
+    except OSError:
+        seen = False
+    views: list = [None] * world_size()
+    dist.all_gather_object(views, (seen, socket.gethostname()))
+    if rank() == 0:
+        marker.unlink(missing_ok=True)
+    blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
+    if blind:
+        raise ValueError(f"{flag} {folder}: {', '.join(blind)} cannot see this folder, which rank 0 (on {views[0][1]}) "
+                         f"writes; on more than one machine it must be on a file system every node shares (README)")
+
+
 def leave_the_report_to_rank0() -> None:
     """For an error every rank meets alike, which rank 0 alone reports: under torchrun any other rank
     waits (at most 10 s) before it leaves. Rank 0 prints its line and exits first, and torchrun then
     stops the others; without the wait torchrun could see another rank fail first and SIGTERM rank 0
     before its line was out (the user then sees only torchrun's own report)."""
     if "RANK" in os.environ and rank() != 0:
+        time.sleep(10)
+
+
+def leave_the_report_to_the_cause() -> None:
+    """For a rank that only saw another rank fail (its collective lost the peer): under torchrun, wait
+    (at most 10 s) so that torchrun sees the failed rank's exit, and reports its error file as the root
+    cause, before this rank's own exit (the report's timestamps are whole seconds; on a tie it would
+    name this rank, with no message)."""
+    if "RANK" in os.environ:
         time.sleep(10)
 
 
@@ -102,6 +174,24 @@ def exit_process(code: int) -> NoReturn:
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+class OutOfMemory(ValueError):
+    """An allocation failed: one line naming the sizes that asked for it (a ValueError, so every
+    command's one-line error path reports it)."""
+
+
+@contextmanager
+def allocation(sizes: str, lower: str):
+    """Turn an allocation failure inside into OutOfMemory: `out of memory at SIZES; lower LOWER`. The
+    CUDA caching allocator raises torch.OutOfMemoryError; the CPU allocator a RuntimeError
+    ("DefaultCPUAllocator: can't allocate memory"); anything else passes through."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise
+        raise OutOfMemory(f"out of memory at {sizes}; lower {lower}") from None
 
 
 # -- devices and dtypes -------------------------------------------------------------------------

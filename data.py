@@ -293,6 +293,22 @@ def collate(items: list, pad_id: int, image_size: int = IMAGE_SIZE) -> Batch:
                  bad_rows=[s.row for s in items if isinstance(s, BadRow)])
 
 
+def length_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
+    """Indices of samples grouped for padded forwards (bucketing by length): longest first, a group
+    takes the next sample while that sample is at least half its longest and its padded size (samples
+    x longest) stays within max_tokens; a longer sample goes alone (and, unpadded, needs no mask). A
+    short sample padded to a long one costs the long one's length, and the padding mask grows with its
+    square: [rows,1,T,S] booleans, 11.7 GB for 16 rows of 27,000 tokens."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
+        longest = lengths[groups[-1][0]] if groups else 0
+        if groups and 2 * lengths[i] >= longest and (len(groups[-1]) + 1) * longest <= max_tokens:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 def pack_rows(lengths: list[int], max_len: int) -> list[list[int]]:
     """First fit in order: the indices of the samples in each row, every row at most max_len tokens."""
     rows, used = [], []

@@ -36,7 +36,6 @@ import json
 import math
 import os
 import re
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -44,8 +43,8 @@ from pathlib import Path
 
 import torch
 
-from cli import (OneLineParser, end_processes, exit_process, log, one_line, pyplot, rank, resolve_dtype, resolve_model,
-                 start_processes, world_size)
+from cli import (OneLineParser, allocation, check_shared, command, end_processes, error, log,
+                 one_line, pyplot, rank, resolve_dtype, resolve_model, start_processes, world_size)
 from scaling_law import fit_law
 from scoring import BENCHMARKS, SCORE_COLUMNS, DataError, as_list, options, read_tsv, score
 
@@ -160,6 +159,7 @@ def run(args) -> int:
     me, world = rank(), world_size()
     dtype = resolve_dtype(args.dtype, device)
     out = Path(args.out)
+    check_shared(out.parent, "--out")  # more than one machine: every rank writes its part beside it
     part = lambda r: out.with_name(f"{out.name}.part{r}")  # noqa: E731  each rank appends to its own file
     # rows finished by an earlier run, of any world size: the merged file plus unmerged parts
     earlier = lambda: [out] + sorted(out.parent.glob(out.name + ".part*"))  # noqa: E731
@@ -198,7 +198,9 @@ def run(args) -> int:
             batch = items[b:b + args.batch_size]
             pixels = [p for p in (row_inputs(args.benchmark, r, args.max_tiles, model.cfg)[1] for r, _ in batch) if p is not None]
             pv = torch.cat(pixels).to(device, dtype) if pixels else None
-            res = engine.generate([ids for _, ids in batch], pv, cfg, stop_ids=tok.eos_ids, pad_id=0)
+            with allocation(f"--batch-size {args.batch_size} (longest prompt {len(batch[0][1])} tokens, up to "
+                            f"{cfg.max_new_tokens} new)", "--batch-size, --max-tiles or --max-new-tokens"):
+                res = engine.generate([ids for _, ids in batch], pv, cfg, stop_ids=tok.eos_ids, pad_id=0)
             for k, ((r, _), toks) in enumerate(zip(batch, res.tokens)):
                 # the official chat(): batch_decode(skip_special_tokens=True), split at the separator, strip
                 text = tok.decode(toks, skip_special_tokens=True).split("<|im_end|>")[0].strip()
@@ -582,9 +584,9 @@ def main(argv=None) -> int:
     try:
         return {"run": run, "score": score_cmd, "report": report, "fit-law": fit_law_cmd}[args.cmd](args)
     except (DataError, CheckpointError, ImageError, ValueError, FileNotFoundError) as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
+        error(f"error: {one_line(e)}")
         return 1
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    command(main)

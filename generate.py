@@ -23,7 +23,7 @@ import torch
 
 from checkpoint import CheckpointError
 from chat import Interrupted, answer, chat_session
-from cli import DEFAULT_MODEL, OneLineParser, hms, log, one_line, resolve_device, resolve_dtype, resolve_model
+from cli import DEFAULT_MODEL, OneLineParser, error, hms, log, one_line, resolve_device, resolve_dtype, resolve_model
 from engine import Engine, GenerateConfig, context_check, engine_from_flags
 from parvl import ParVL, open_checkpoint
 from processor import ImageError, Tokenizer, build_prompt, load_image, place_images
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 1
     except (ImageError, CheckpointError, ValueError, OSError) as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
+        error(f"error: {one_line(e)}")
         return 1
     except (KeyboardInterrupt, Interrupted):  # Ctrl-C while loading, or during the one answer
         print("interrupted", file=sys.stderr)

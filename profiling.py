@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from cli import DTYPES, OneLineParser, one_line, pyplot, resolve_device, resolve_dtype
+from cli import DTYPES, OneLineParser, error, one_line, pyplot, resolve_device, resolve_dtype
 from engine import Engine, GenerateConfig
 from flops import ARCHS, BRANCHES, Workload, build_config, profile_params
 from parvl import ParVL, ParVLConfig
@@ -293,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 1
     except (ValueError, OSError) as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
+        error(f"error: {one_line(e)}")
         return 1
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -39,9 +39,9 @@ from safetensors.torch import load_file, save_file
 
 from aggregate import fold, per_branch
 from checkpoint import CheckpointError, check_not_run_folder, read_json
-from cli import (OneLineParser, barrier, end_processes, exit_process, log, one_line, rank, resolve_dtype, start_processes,
-                 world_size)
-from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, collate
+from cli import (OneLineParser, allocation, barrier, check_shared, command, end_processes, error, log, one_line, rank,
+                 resolve_dtype, start_processes, world_size)
+from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, collate, length_groups
 from gates import (Router, RouterConfig, RouterError, fingerprint, image_tiles, load_router, path_teacher, pool_tiles,
                    question_span, router_loss, save_router, text_feature, thumbnail_feature)
 from llm import prompt_positions
@@ -98,6 +98,19 @@ def label_batch(model: ParVL, batch, im_start_id: int) -> dict[str, torch.Tensor
 LABEL_KEYS = ("rows", "nll", "image", "text", "connector", "has_image")
 
 
+def by_length(samples: list, max_tokens: int, batch_size: int, forward) -> dict[str, torch.Tensor]:
+    """forward(collated batch) -> {name: [b,...]} over samples split by length (data.length_groups)
+    rather than padded to the longest, put back in the samples' order. An allocation failure is one
+    line naming the batch size and the longest row."""
+    groups = length_groups([len(s.input_ids) for s in samples], max_tokens)
+    longest = max(len(s.input_ids) for s in samples)
+    with allocation(f"--batch-size {batch_size} (longest row {longest} tokens, --max-tokens {max_tokens})",
+                    "--batch-size or --max-tokens, or use a device with more memory"):
+        parts = [forward(collate([samples[i] for i in g], pad_id=0)) for g in groups]
+    order = torch.tensor([i for g in groups for i in g]).argsort()  # group order -> sample order
+    return {k: torch.cat([p[k] for p in parts])[order] for k in parts[0]}
+
+
 def _items(items: list) -> list:
     return items  # a DataLoader collate_fn that keeps the samples (module level: picklable for workers)
 
@@ -109,6 +122,7 @@ def label(cfg: LabelConfig) -> int:
     device = start_processes(torch.cuda.is_available())
     world = world_size()
     out, parts = Path(cfg.out), Path(cfg.out) / "parts"
+    check_shared(out, "--out")  # more than one machine: every rank writes its chunks there
     dtype = cfg.dtype or ("bf16" if device.type == "cuda" else "fp32")
     check_not_run_folder(Path(cfg.model))  # runs/44 for runs/44/export: say which folder is meant
     _, tok = open_checkpoint(Path(cfg.model))  # checked before the weights load
@@ -151,7 +165,7 @@ def label(cfg: LabelConfig) -> int:
         good = [s for s in items if not isinstance(s, BadRow)]
         bad = {r: sum(isinstance(s, BadRow) and s.reason == r for s in items) for r in BAD_REASONS}
         if good:
-            result = label_batch(model, collate(good, pad_id=0), job["im_start_id"])
+            result = by_length(good, cfg.max_tokens, cfg.batch_size, lambda b: label_batch(model, b, job["im_start_id"]))
         else:  # a chunk of bad rows only
             result = {k_: torch.zeros(0, *shape) for k_, shape in (("nll", (job["pv"], job["pl"])), ("image", (job["vision_width"],)),
                       ("text", (job["text_width"],)), ("connector", (job["pv"], job["text_width"])))}
@@ -370,7 +384,7 @@ def evaluate(cfg: EvalConfig) -> int:
     for name, (cv, cl) in choices.items():
         c = nll[ar, cv, cl]
         rows[name] = {"nll": c.mean().item(), "pair_acc": (c <= best).double().mean().item()}
-    rows["dense"] = {"nll": dense_nll(model, open_data(meta, cfg.data, model, cfg.labels), t["rows"], cfg.batch_size).mean().item(),
+    rows["dense"] = {"nll": dense_nll(model, open_data(meta, cfg.data, model, cfg.labels), t["rows"], cfg.batch_size, cfg.max_tokens).mean().item(),
                      "pair_acc": None}
     matrix = nll.mean(0)  # [Pv,Pl]
     result = {"samples": S, "pv": Pv, "pl": Pl, "rows": rows, "pair_nll": matrix.tolist(),
@@ -393,16 +407,19 @@ def evaluate(cfg: EvalConfig) -> int:
     return 0
 
 
-def dense_nll(model: ParVL, data: SFTData, rows: torch.Tensor, batch_size: int) -> torch.Tensor:
+def dense_nll(model: ParVL, data: SFTData, rows: torch.Tensor, batch_size: int, max_tokens: int) -> torch.Tensor:
     """Answer NLL [S] of every labelled row under dense aggregation (all branches, fused)."""
     dev, out = model.language_model.lm_head.weight.device, []
-    for i in range(0, len(rows), batch_size):
-        batch = collate([data[int(r)] for r in rows[i:i + batch_size]], pad_id=0)
+
+    def forward(batch) -> dict[str, torch.Tensor]:
         ids, valid = batch.input_ids.to(dev), batch.attention_mask.to(dev)
         pix = batch.pixel_values.to(dev, model.language_model.lm_head.weight.dtype)
         x, _ = model.embed(ids, pix if pix.shape[0] else None)
         h, _ = model.hidden_from_embeds(x, *prompt_positions(valid))  # [B,T,C] fused
-        out.append(answer_nll(h, model.language_model.lm_head.weight, batch.labels.to(dev)))
+        return {"nll": answer_nll(h, model.language_model.lm_head.weight, batch.labels.to(dev)).cpu()}
+
+    for i in range(0, len(rows), batch_size):
+        out.append(by_length([data[int(r)] for r in rows[i:i + batch_size]], max_tokens, batch_size, forward)["nll"])
     return torch.cat(out) if out else torch.zeros(0)
 
 
@@ -415,6 +432,7 @@ class LabelConfig:
     data: str = ""  # meta JSON in the official InternVL format (data.py)
     out: str = ""  # labels folder: labels.safetensors + labels.json
     batch_size: int = 4  # rows per chunk and forward
+    max_tokens: int = 16384  # padded tokens per forward: a chunk is split by length to stay within it
     max_tiles: int = 12
     max_seq_len: int = 32768
     seed: int = 0  # data augmentation seed (data.SFTData)
@@ -451,6 +469,7 @@ class EvalConfig:
     out: str = ""  # JSON result; default ROUTER/eval.json
     seed: int = 0  # of the random-pair baseline
     batch_size: int = 4  # dense forward
+    max_tokens: int = 16384  # padded tokens per forward: a batch is split by length to stay within it
     dtype: str = ""
 
 
@@ -459,7 +478,8 @@ HELP = {"model": "ParVL checkpoint folder", "data": "meta JSON in the official I
         "out": "output folder (label: labels; train: router) or, for eval, the JSON file (default ROUTER/eval.json)",
         "lr": "peak AdamW learning rate", "weight_decay": "AdamW weight decay", "warmup_ratio": "linear warm-up fraction, then cosine",
         "log_every": "steps (label: chunks) between log lines", "seed": "seed (train: order and init; label: augmentation; eval: random pairs)",
-        "batch_size": "rows per forward", "max_tiles": "448 px tiles per row", "max_seq_len": "tokens; longer rows are skipped",
+        "batch_size": "rows per forward",
+        "max_tokens": "padded tokens per forward (rows x longest); a batch over it is split by length, a longer row runs alone", "max_tiles": "448 px tiles per row", "max_seq_len": "tokens; longer rows are skipped",
         "num_workers": "data loading processes", "max_bad_frac": "abort above this fraction of bad rows",
         "hidden": "gate hidden width", "tau": "teacher temperature (Eq. E1)", "global_batch": "samples per step, any world size",
         "steps": "optimizer steps", "check_samples": "samples rechecked against the model", "dtype": "fp32 or bf16 (default: bf16 on CUDA, fp32 on CPU)"}
@@ -485,7 +505,7 @@ def main(argv=None) -> int:
     command = args.pop("command")
     try:
         cfg = {"label": LabelConfig, "train": TrainRouterConfig, "eval": EvalConfig}[command](**args)
-        for name in ("batch_size", "max_tiles", "max_seq_len", "global_batch", "steps", "hidden", "log_every"):
+        for name in ("batch_size", "max_tokens", "max_tiles", "max_seq_len", "global_batch", "steps", "hidden", "log_every"):
             if getattr(cfg, name, 1) <= 0:
                 raise RouterError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
         if getattr(cfg, "tau", 1.0) <= 0 or getattr(cfg, "lr", 1.0) <= 0:
@@ -497,7 +517,7 @@ def main(argv=None) -> int:
             raise RouterError(f"--data {cfg.data}: no such meta JSON file")
         return {"label": label, "train": train, "eval": evaluate}[command](cfg)
     except (ValueError, CheckpointError) as e:  # RouterError, bad data or checkpoints: one line, exit 1
-        print(f"error: {one_line(e)}", file=sys.stderr)
+        error(f"error: {one_line(e)}", wait=not dist.is_initialized())  # else end_processes' barrier holds the others
         return 1
     finally:
         end_processes()
@@ -510,4 +530,4 @@ def load_model(path: str, dtype: str, device) -> ParVL:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    command(main)

@@ -47,8 +47,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 
 from aggregate import entropy
 from checkpoint import CheckpointReader, check_not_run_folder, read_json
-from cli import (OneLineParser, end_processes, exit_process, hms, leave_the_report_to_rank0, log, one_line, peak_memory_gib,
-                 pyplot, rank, start_processes)
+from cli import (OneLineParser, OutOfMemory, allocation, check_shared, command, end_processes, error, hms,
+                 leave_the_report_to_the_cause, log, one_line, peak_memory_gib, pyplot, rank, start_processes)
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, filler_batch, make_loader, validate
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL, is_branch_tensor, open_checkpoint
@@ -378,7 +378,7 @@ def plot_main(argv: list[str]) -> int:
     try:
         print(plot_run(Path(args.run), Path(args.out) if args.out else None))
     except (ValueError, OSError) as e:
-        print(f"error: {one_line(e)}", file=sys.stderr)
+        error(f"error: {one_line(e)}")
         return 1
     return 0
 
@@ -391,7 +391,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plot"]:  # before the training parser: its flags stay as they are
         return plot_main(argv[1:])
-    code, quiet_exit, alike, INTERRUPTED = 0, False, False, 0
+    code, quiet_exit, lost, INTERRUPTED = 0, False, False, 0
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     out = None
     try:
@@ -424,16 +424,20 @@ def main(argv=None) -> int:
             kept = checkpoints(out) if out is not None and out.is_dir() else []
             log(f"interrupted by {signal.Signals(signum).name}: the current step was abandoned; "
                  + (f"last complete checkpoint {kept[-1]} (continue with --resume)" if kept else "no checkpoint was saved"))
+        elif isinstance(e, OutOfMemory):  # this rank's batch: the others may be mid-collective
+            code, quiet_exit = 1, dist.is_initialized() and dist.get_world_size() > 1
+            error(f"error: {e}", every_rank=True)
         elif isinstance(e, (ValueError, CheckpointException)):  # bad flags, data, saves: alike on every rank
-            code, alike = 1, True
-            log(f"error: {one_line(e) if isinstance(e, ValueError) else os_cause(e)}")
+            code = 1
+            error(f"error: {one_line(e) if isinstance(e, ValueError) else os_cause(e)}",
+                  wait=not dist.is_initialized())  # else end_processes' barrier holds the others
         elif isinstance(e, OSError):  # a file this rank could not read or write: maybe this rank's alone
             code, where = 1, f" ({e.filename})" if e.filename else ""
             quiet_exit = dist.is_initialized() and dist.get_world_size() > 1  # the others may be mid-collective
-            print(f"error: {'' if rank() == 0 else f'rank {rank()}: '}{os_cause(e)}{where}", file=sys.stderr, flush=True)
-        elif isinstance(e, dist.DistBackendError) or "closed by peer" in str(e):  # another rank left: it says why
-            code, quiet_exit = 1, True
-            log(f"error: lost contact with another rank ({one_line(e)[:200]})")
+            error(f"error: {os_cause(e)}{where}", every_rank=True)
+        elif isinstance(e, dist.DistBackendError) or "by peer" in str(e):  # another rank left: it says why
+            code, quiet_exit, lost = 1, True, True  # a consequence, not the cause: no error file, torchrun reports the cause
+            log(f"error: lost contact with another rank ({one_line(e)[:200]})", every_rank=True)
         else:
             raise  # a bug: the traceback is the useful report
         return code
@@ -443,10 +447,10 @@ def main(argv=None) -> int:
         if dist.is_initialized():
             if quiet_exit:  # peers may be gone: no barrier to wait on, no teardown that can abort
                 sys.stdout.flush(), sys.stderr.flush()
+                if lost:
+                    leave_the_report_to_the_cause()
                 os._exit(code)
-            end_processes()
-        if alike:
-            leave_the_report_to_rank0()
+            end_processes()  # its barrier: rank 0 has reported before any rank leaves
 
 
 def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
@@ -463,6 +467,7 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
         raise ValueError(f"{cfg.data}: {len(data)} rows, fewer than one global batch of {cfg.global_batch}")
     total = min(cfg.max_steps, steps_per_epoch) if cfg.max_steps else steps_per_epoch
     out = Path(cfg.out)
+    check_shared(out, "--out")  # more than one machine: every rank writes its shards there
     if rank() == 0:
         if cfg.overwrite:
             discard_run(out)
@@ -511,8 +516,10 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
         loss_sum, ents = torch.zeros((), device=device), []
         for i, batch in enumerate(batches):
             model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once per step
-            loss, ent = micro_loss(model, batch, counts[0].clamp_min(1e-12), world, device)
-            loss.backward()
+            with allocation(f"--micro-batch {cfg.micro_batch} (this one {batch.input_ids.shape[0]} rows of "
+                            f"{batch.input_ids.shape[1]} tokens)", "--micro-batch or --max-seq-len"):
+                loss, ent = micro_loss(model, batch, counts[0].clamp_min(1e-12), world, device)
+                loss.backward()
             loss_sum = loss_sum + loss.detach()
             if batch.num_samples:  # a filler or all-bad micro-batch's weights say nothing
                 ents.append(ent)
@@ -562,4 +569,4 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
 
 
 if __name__ == "__main__":
-    exit_process(main())
+    command(main)

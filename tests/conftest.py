@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import socket
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -437,6 +440,23 @@ for name, value in (("recompile_limit", 256), ("accumulated_recompile_limit", 40
                     ("fail_on_recompile_limit_hit", True)):
     if hasattr(torch._dynamo.config, name):  # the names of torch 2.11 and newer
         setattr(torch._dynamo.config, name, value)
+
+
+def two_nodes(args: list, node_args: tuple[list, list] = ([], []), timeout: int = 300) -> tuple[list[int], str]:
+    """A command (script and flags) as 2 nodes x 1 process: two torchrun launchers on 127.0.0.1, the
+    README's multi-node invocation (--nnodes 2 --node-rank 0 / 1, rendezvous at --master-addr and
+    --master-port), as two machines sharing a file system. node_args: flags only one node gets.
+    Returns both launchers' exit codes and their stderr, node 0's first."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(k),
+                               "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                               *map(str, args), *map(str, node_args[k])], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for k in (0, 1)]
+    outs = [p.communicate(timeout=timeout) for p in procs]
+    return [p.returncode for p in procs], "".join(err for _, err in outs)
 
 
 def pytest_configure(config):

@@ -4,6 +4,7 @@ no test hooks, so the faults are put in here by replacing the function they happ
     python tests/faults.py stop-after=2 TRAIN_FLAGS...        # leave after step 2's checkpoint, as if killed
     python tests/faults.py nan-step=2 TRAIN_FLAGS...          # step 2's loss is NaN
     python tests/faults.py save-error=ENOSPC:4 TRAIN_FLAGS... # the save of step 4 fails with ENOSPC after its shards
+    python tests/faults.py oom=2:1 TRAIN_FLAGS...             # rank 1's first micro-batch of step 2 cannot allocate
 """
 import errno
 import os
@@ -56,6 +57,17 @@ elif fault == "save-error":
             raise OSError(code, os.strerror(code), str(Path(checkpoint_id) / ".metadata"))
 
     dcp.save = save_then_fail
+elif fault == "oom":
+    step, rank = map(int, value.split(":"))
+    micro_loss, calls = train.micro_loss, [0]
+
+    def allocation_fails(*args):  # the CPU allocator's words; the first micro-batch of each step counts it
+        calls[0] += 1
+        if calls[0] == step and int(os.environ.get("RANK", 0)) == rank:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 37591663152 bytes.")
+        return micro_loss(*args)
+
+    train.micro_loss = allocation_fails
 else:
     sys.exit(f"tests/faults.py: unknown fault {sys.argv[1]!r}")
 

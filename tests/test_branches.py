@@ -208,14 +208,6 @@ def test_cached_branches_equal_recompute_and_batching():
     assert engine.generate([ids1.tolist(), ids2.tolist()], pv1, cfg, []).tokens == alone
 
 
-def test_compiled_branch_decode_equals_eager():
-    model = tiny(pl=2, seed=7)
-    ids, _ = prompt(0, text=16, seed=7)
-    cfg = GenerateConfig(max_new_tokens=5, ignore_eos=True)
-    eager = Engine(model).generate([ids.tolist()], None, cfg, []).tokens
-    assert Engine(model, compile=True).generate([ids.tolist()], None, cfg, []).tokens == eager
-
-
 def test_shared_kv():
     cfg = GenerateConfig(max_new_tokens=NEW, ignore_eos=True)
     (ids1, pv1), (ids2, _) = prompt(1, seed=8), prompt(0, text=20, seed=9)

@@ -6,10 +6,8 @@ import base64
 import csv
 import io
 import json
+import re
 import math
-import os
-import subprocess
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -20,6 +18,7 @@ import torch
 from PIL import Image
 
 import evaluate
+from conftest import two_nodes
 import scoring as S
 from engine import Engine, GenerateConfig
 from parvl import ParVL
@@ -390,17 +389,17 @@ def test_run_resume_gives_the_same_file(bench, full_run, tmp_path, capsys):
     assert out.read_text() == full_run.read_text()
 
 
-def test_run_two_ranks_equal_one(bench, full_run, tmp_path):
+def test_run_two_nodes_equal_one(bench, full_run, tmp_path):
+    """2 nodes x 1 process (conftest.two_nodes, the README's multi-node torchrun on 127.0.0.1): the
+    merged predictions are the one process's, byte for byte."""
     folder, tsv, _, _ = bench
     out = tmp_path / "pred.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(29600 + os.getpid() % 1000), str(ROOT / "evaluate.py"), "run", "--benchmark", "MMMU_DEV_VAL",
-           "--data", str(tsv), "--model", str(folder), "--out", str(out), "--batch-size", "2", "--max-new-tokens", str(NEW)]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert res.returncode == 0, res.stderr[-3000:]
+    codes, err = two_nodes([ROOT / "evaluate.py", "run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder,
+                            "--out", out, "--batch-size", 2, "--max-new-tokens", NEW])
+    assert codes == [0, 0], err[-3000:]
     assert out.read_text() == full_run.read_text()
     # rows 10, 12, 14 on rank 0; 11 and the corrupt 13 on rank 1
-    assert "rank 0: 3/3 rows" in res.stderr and "rank 1: 1/1 rows" in res.stderr
+    assert "rank 0: 3/3 rows" in err and "rank 1: 1/1 rows" in err
     assert not list(tmp_path.glob("*.part*"))
 
 
@@ -746,3 +745,27 @@ def test_run_with_a_router_gives_the_routed_engines_answers(checkpoint, tmp_path
                     "--out", score)[0] == 0
     rc, _, err = main_out(capsys, "report", score, "--out", tmp_path / "rep")
     assert rc == 1 and "a routed run" in err and len(err.strip().splitlines()) == 1
+
+
+def test_run_out_of_memory_is_one_line(bench, tmp_path, capsys, monkeypatch):
+    """The CPU allocator's failure (a RuntimeError) in a batch: one line naming --batch-size and the
+    longest prompt, exit 1, the rows written before it kept."""
+    folder, tsv, _, _ = bench
+    calls = []
+
+    def generate(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 37591663152 bytes.")
+        return real(self, *args, **kwargs)
+
+    real = Engine.generate
+    monkeypatch.setattr(Engine, "generate", generate)
+    out = tmp_path / "pred.jsonl"
+    rc, _, err = main_out(capsys, "run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder, "--out", out,
+                          "--batch-size", "2", "--max-new-tokens", NEW)
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert rc == 1 and "Traceback" not in err and len(lines) == 1, err
+    assert re.fullmatch(r"error: out of memory at --batch-size 2 \(longest prompt \d+ tokens, up to \d+ new\); lower "
+                        r"--batch-size, --max-tiles or --max-new-tokens", lines[0]), lines[0]
+    assert len(read_preds(out.with_name("pred.jsonl.part0"))) == 2  # the first batch stays; a rerun resumes from it

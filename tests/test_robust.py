@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
+import cli
 import data as D
 import runs
 import train
@@ -111,6 +112,39 @@ def test_new_run_into_a_finished_run_is_refused_under_torchrun(model_dir, meta, 
     ours = worker_lines(res.stderr)
     assert len(ours) == 1 and "already holds a run" in ours[0] and "Traceback" not in "\n".join(ours), res.stderr
     assert tree(out) == before
+
+
+def root_cause(stderr: str) -> str:
+    """The traceback field of the root cause in torchrun's failure report (the worker's error file)."""
+    section = stderr.split("Root Cause (first observed failure):", 1)[1]
+    return next(x for x in section.splitlines() if x.strip().startswith("traceback :")).split(":", 1)[1].strip()
+
+
+def test_an_error_under_torchrun_reaches_the_user_every_time(model_dir, tmp_path):
+    """A flag error (exit 2), a missing file for train.py, router.py label and evaluate.py run (exit 1),
+    each as 2 ranks, all at once (four launchers on two cores: a loaded machine, on which torchrun
+    could stop rank 0 before its line was out). Every run names the error in torchrun's report as
+    the root cause (the worker's error file, cli.error), and rank 0 prints it once."""
+    missing = tmp_path / "missing.json"
+    cases = [(["train.py", "--model", model_dir, "--data", missing, "--out", tmp_path / "t"], f"error: --data '{missing}': no such meta JSON file"),
+             (["router.py", "label", "--model", model_dir, "--data", missing, "--out", tmp_path / "r"],
+              f"error: --data {missing}: no such meta JSON file"),
+             (["evaluate.py", "run", "--benchmark", "ChartQA_TEST", "--data", missing, "--model", model_dir, "--out", tmp_path / "e"],
+              f"error: {missing}: cannot read TSV: [Errno 2] No such file or directory"),
+             (["train.py", "--model", model_dir, "--max-steps", "many"], None)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               *map(str, args)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args, _ in cases]
+    for p, (args, want) in zip(procs, cases):
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 1, err[-3000:]  # torchrun's own code for a failed worker
+        got = root_cause(err)
+        if want is None:  # argparse's line, through OneLineParser
+            assert got.startswith("train.py: error: ") and "(see --help)" in got, err[-3000:]
+        else:
+            assert got.startswith(want), err[-3000:]
+        assert worker_lines(err).count(got) == 1, err[-3000:]
 
 
 def test_overwrite_discards_the_old_run_explicitly(model_dir, meta, base_run, tmp_path):
@@ -210,6 +244,23 @@ def test_failed_save_is_one_line_and_keeps_complete_checkpoints(model_dir, meta,
         {k: v for k, v in before.items() if k != "metrics.jsonl" and k != "config.json"}  # no step_4(.tmp), all else intact
 
 
+def test_out_of_memory_on_one_rank_is_one_line_and_keeps_the_checkpoints(model_dir, meta, tmp_path):
+    """Rank 1 of 2 cannot allocate in step 2 (the CPU allocator's RuntimeError): rank 1 names its
+    --micro-batch and batch in one line, torchrun's report gives that line as the root cause, no rank
+    hangs in the collective rank 1 left, and step 1's checkpoint stays complete."""
+    out = tmp_path / "run"
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 3, "--save-every", 1, *TRAIN,
+                    nproc=2, check=False, fault="oom=2:1")
+    want = re.compile(r"error: rank 1: out of memory at --micro-batch 1 \(this one 1 rows of \d+ tokens\); lower "
+                      r"--micro-batch or --max-seq-len")
+    assert res.returncode == 1 and want.fullmatch(root_cause(res.stderr)), res.stderr[-3000:]
+    errors = [x for x in worker_lines(res.stderr) if x.startswith("error:")]
+    assert errors.count(root_cause(res.stderr)) == 1, res.stderr[-3000:]
+    assert all(x.startswith("error: lost contact with another rank") for x in errors if x != root_cause(res.stderr)), errors
+    assert "Traceback" not in "\n".join(worker_lines(res.stderr))
+    assert runs.verify_checkpoint(out / "checkpoints" / "step_1") is None
+
+
 def test_os_cause_names_the_cause(monkeypatch, tmp_path):
     for code, words in [(errno.ENOSPC, "no space left"), (errno.EROFS, "read-only"), (errno.EACCES, "permission denied")]:
         wrapped = CheckpointException("save failed", {1: (OSError(code, os.strerror(code)), None)})  # DCP, rank 1
@@ -299,9 +350,11 @@ def test_flag_errors_are_one_line_and_quiet_on_other_ranks(monkeypatch, capsys):
         train.parse_args(["--bogus"])
     assert e.value.code == 2 and one_line(capsys.readouterr().err).endswith(": error: unrecognized arguments: --bogus (see --help)")
     monkeypatch.setenv("RANK", "1")
+    waits = []
+    monkeypatch.setattr(cli.time, "sleep", waits.append)  # rank 1 leaves the report to rank 0: it waits
     with pytest.raises(SystemExit) as e:
         train.parse_args(["--bogus"])
-    assert e.value.code == 2 and capsys.readouterr().err == ""  # rank 0 has said it
+    assert e.value.code == 2 and capsys.readouterr().err == "" and waits == [10]  # rank 0 has said it
 
 
 # -- 5. misleading messages, silently wrong inputs (generate.py, images: test_robust_cli.py) ------

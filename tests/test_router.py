@@ -17,12 +17,13 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import gates
+from conftest import two_nodes
 import generate
 import router
 from data import SFTData
 from loss import token_nll
 from engine import Engine, GenerateConfig
-from parvl import PRESETS, ParConfig, ParVL
+from parvl import PRESETS, ParConfig, ParVL, open_checkpoint
 from processor import Tokenizer, build_prompt, load_image
 from gates import Router, RouterConfig, RouterError, path_teacher, router_loss
 from test_train import write_dataset
@@ -159,12 +160,10 @@ def test_labels_equal_single_pair_forwards(model23, labelled):
 
 def test_labels_do_not_depend_on_world_size_and_resume(model23, labelled, tmp_path, monkeypatch):
     meta, one = labelled
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(29700 + os.getpid() % 200), str(ROOT / "router.py"), "label", "--model", str(model23), "--data", str(meta),
-           "--out", str(tmp_path / "two"), *LABEL]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "label: chunk" in res.stderr  # progress on stderr
+    # two ranks as 2 nodes x 1 process (conftest.two_nodes, the README's multi-node torchrun on 127.0.0.1)
+    codes, err = two_nodes([ROOT / "router.py", "label", "--model", model23, "--data", meta, "--out", tmp_path / "two", *LABEL])
+    assert codes == [0, 0], err[-3000:]
+    assert "label: chunk" in err  # progress on stderr
     # interrupted during the second chunk (Ctrl-C), then resumed
     label_batch, calls = router.label_batch, []
 
@@ -302,7 +301,7 @@ def test_router_learns_planted_preference(model23_shallow, tmp_path, capsys):
     with torch.no_grad():
         dense = [float(token_nll(model(data[r].input_ids[None], data[r].pixel_values), data[r].labels[None]).sum()
                        / int((data[r].labels[1:] != -100).sum())) for r in (0, 1)]
-        got = router.dense_nll(model, data, torch.tensor([0, 1]), 2)
+        got = router.dense_nll(model, data, torch.tensor([0, 1]), 2, 16384)
     assert got.tolist() == pytest.approx(dense, rel=1e-5) and math.isfinite(rows["dense"]["nll"])
     # the same choices in eval (from the stored gate inputs) as at inference (from the prompt)
     r = gates.load_router(tmp_path / "R", model)
@@ -447,3 +446,70 @@ def test_bad_input_refused_with_one_line(model23, labelled, checkpoint, tmp_path
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (args, err)
     assert not (tmp_path / "x").exists() and not (tmp_path / "y" / "labels.json").exists()
+
+
+MEMORY_PROBE = """
+import resource, sys, torch
+import router
+from data import SFTData, collate
+from parvl import ParVL, open_checkpoint
+torch.set_num_threads(1)
+folder, meta, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+model = ParVL.from_pretrained(folder)
+from pathlib import Path
+_, tok = open_checkpoint(Path(folder))
+data = SFTData(meta, tok, max_tiles=1, image_token_id=model.cfg.image_token_id)
+samples = [data[i] for i in range(len(data))]
+label = lambda b: router.label_batch(model, b, tok.token_to_id("<|im_start|>"))
+router.by_length(samples[1:], max_tokens, 4, label)  # warm-up: the short rows alone
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+got = router.by_length(samples, max_tokens, 4, label) if max_tokens else label(collate(samples, pad_id=0))
+grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
+print(max(len(s.input_ids) for s in samples), grown, *got["nll"].flatten().tolist())
+"""
+
+
+def test_a_long_row_is_labelled_alone_within_a_memory_bound(model23_shallow, tmp_path):
+    """One 2,552-token row among three short ones (router.py label's default chunk of 4). Padded to the
+    longest, the 2:3 model's attention mask alone would be [3 x 4 rows, 1, T, 48 + T] booleans (80 MB),
+    and that batch grew the peak by 593 MB (measured: MEMORY_PROBE with max_tokens 0). Split by length
+    (data.length_groups), the long row runs alone and unpadded, with no padding mask: its own
+    attention grew the peak by 45 MB. Bound: at most the padded batch's mask, measured as ru_maxrss
+    over a short-row warm-up in a fresh process."""
+    root = tmp_path / "data"
+    meta = write_dataset(root, rows=4)
+    lines = (root / "train.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in lines]
+    rows[0]["conversations"][0]["value"] += " a" * 2200
+    (root / "train.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+    probe = lambda budget: subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(model23_shallow), str(meta), str(budget)],  # noqa: E731
+                                          cwd=ROOT, env=dict(ENV, PYTHONPATH=str(ROOT)), capture_output=True, text=True, check=True).stdout.split()
+    got = probe(16384)
+    T, grown = int(got[0]), int(got[1])
+    mask = 3 * 4 * T * (48 + T)
+    assert T > 2200, T
+    assert grown <= mask, (grown, mask)
+
+
+def test_label_out_of_memory_is_one_line(model23, tmp_path, capsys, monkeypatch):
+    """An allocation failure while labelling: one line naming --batch-size, the longest row and
+    --max-tokens, exit 1, the chunks labelled before it kept (a rerun resumes)."""
+    meta = write_dataset(tmp_path / "data", rows=4)
+    real = router.label_batch
+
+    def label_batch(*args):
+        if set(args[1].rows) & {2, 3}:  # the second chunk
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 37591663152 bytes.")
+        return real(*args)
+
+    monkeypatch.setattr(router, "label_batch", label_batch)
+    assert run_router("label", "--model", model23, "--data", meta, "--out", tmp_path / "l", *LABEL) == 1
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    cfg, tok = open_checkpoint(model23)
+    data = SFTData(meta, tok, max_tiles=2, image_token_id=cfg.image_token_id)
+    longest = max(len(data[i].input_ids) for i in (2, 3))
+    assert lines[0] == (f"error: out of memory at --batch-size 2 (longest row {longest} tokens, --max-tokens 16384); "
+                        "lower --batch-size or --max-tokens, or use a device with more memory"), lines[0]
+    assert sorted(p.name for p in (tmp_path / "l" / "parts").glob("chunk_*")) == ["chunk_000000.safetensors"]

@@ -4,6 +4,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from safetensors.torch import load_file
 
+from conftest import two_nodes
 from data import SFTData, collate
 from loss import chunked_sft_loss, loss_weights, sft_loss
 from parvl import ParVL, is_branch_tensor
@@ -169,15 +172,32 @@ def test_lr_schedule_and_parameter_groups(model_dir):
 
 
 @pytest.mark.slow
-def test_two_ranks_equal_one_process(model_dir, meta, tmp_path):
+def test_two_nodes_equal_one_process(model_dir, meta, tmp_path):
+    """2 nodes x 1 process (conftest.two_nodes: the README's multi-node torchrun, on 127.0.0.1) against
+    one process: the same losses, and exports equal to fp32 reduction-order noise."""
     args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3", *COMMON]
     run_train(*args, "--out", tmp_path / "one")
-    run_train(*args, "--out", tmp_path / "two", "--activation-checkpointing", nproc=2)
+    codes, err = two_nodes([ROOT / "train.py", *args, "--out", tmp_path / "two", "--activation-checkpointing"])
+    assert codes == [0, 0], err[-3000:]
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     # fp32 on CPU; the two runs differ only in the order of reductions (gradients summed over 2 ranks)
     # and in recomputing activations (activation checkpointing on for the 2-rank run)
     for a, b in zip(one, two, strict=True):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    a, b = load_file(str(tmp_path / "one" / "export" / "model.safetensors")), load_file(str(tmp_path / "two" / "export" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+
+
+def test_a_node_that_cannot_see_the_run_folder_is_refused(model_dir, meta, tmp_path):
+    """Node 1 writes into another folder than node 0 (as a node-local disk would): one line naming the
+    rank and host that cannot see --out, before anything is written there."""
+    args = ["--model", model_dir, "--data", meta, "--max-steps", "1", *COMMON]
+    codes, err = two_nodes([ROOT / "train.py", *args], (["--out", tmp_path / "a"], ["--out", tmp_path / "b"]))
+    assert codes == [1, 1], err[-3000:]
+    want = (f"error: --out {tmp_path / 'a'}: rank 1 on {socket.gethostname()} cannot see this folder, which rank 0 "
+            f"(on {socket.gethostname()}) writes; on more than one machine it must be on a file system every node shares (README)")
+    assert [x for x in err.splitlines() if x.startswith("error:")] == [want], err[-3000:]
+    assert not (tmp_path / "a" / "config.json").exists() and not list((tmp_path / "b").iterdir())
 
 
 @pytest.mark.slow
