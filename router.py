@@ -251,6 +251,13 @@ def train(cfg: TrainRouterConfig) -> int:
     """Fit the two gates to the labels (Eq. E2, AdamW, 3 % warm-up then cosine); everything else frozen.
     Global step s reads samples s*G..(s+1)*G of a stream of seeded epoch permutations; rank r takes its
     G/W slice, and the gradients are summed over ranks, so the run does not depend on the world size."""
+    out = Path(cfg.out)
+    held = [name for name in ROUTER_FILES if (out / name).exists()]
+    if out.exists() and not out.is_dir():
+        raise RouterError(f"--out {out}: is a file, not a folder")
+    if held and not cfg.overwrite:  # one folder, one run (as train.py's run folders)
+        raise RouterError(f"--out {out} already holds a router ({', '.join(held)}): pass --overwrite to replace it, "
+                          f"or pick another --out")
     device = start_processes(torch.cuda.is_available())
     world = world_size()
     meta, _ = load_labels(cfg.labels)
@@ -274,9 +281,10 @@ def train(cfg: TrainRouterConfig) -> int:
     S, G, local = len(t["rows"]), cfg.global_batch, cfg.global_batch // world
     stream = torch.cat([torch.randperm(S, generator=torch.Generator().manual_seed(cfg.seed + e))
                         for e in range(math.ceil(cfg.steps * G / S))])
-    out = Path(cfg.out)
     if rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
+        for name in held:  # --overwrite: the old router's files go, its eval.json too (it would be stale)
+            (out / name).unlink()
         (out / "metrics.jsonl").write_text("")
     for step in range(cfg.steps):
         idx = stream[step * G + rank() * local: step * G + (rank() + 1) * local].to(device)
@@ -458,6 +466,10 @@ class TrainRouterConfig:
     seed: int = 0
     log_every: int = 50
     check_samples: int = 2  # labelled samples recomputed with the model before training
+    overwrite: bool = False  # replace the router already in --out (and drop its stale eval.json)
+
+
+ROUTER_FILES = ("router.safetensors", "config.json", "metrics.jsonl", "eval.json")  # what train and eval write in --out
 
 
 @dataclass
@@ -482,7 +494,8 @@ HELP = {"model": "ParVL checkpoint folder", "data": "meta JSON in the official I
         "max_tokens": "padded tokens per forward (rows x longest); a batch over it is split by length, a longer row runs alone", "max_tiles": "448 px tiles per row", "max_seq_len": "tokens; longer rows are skipped",
         "num_workers": "data loading processes", "max_bad_frac": "abort above this fraction of bad rows",
         "hidden": "gate hidden width", "tau": "teacher temperature (Eq. E1)", "global_batch": "samples per step, any world size",
-        "steps": "optimizer steps", "check_samples": "samples rechecked against the model", "dtype": "fp32 or bf16 (default: bf16 on CUDA, fp32 on CPU)"}
+        "steps": "optimizer steps", "check_samples": "samples rechecked against the model",
+        "overwrite": "train: replace the router already in --out (its stale eval.json goes too)", "dtype": "fp32 or bf16 (default: bf16 on CUDA, fp32 on CPU)"}
 
 
 REQUIRED = {"label": ("model", "data", "out"), "train": ("model", "labels", "out"), "eval": ("model", "router", "labels")}
@@ -492,6 +505,9 @@ def add_flags(p: argparse.ArgumentParser, cls, required: tuple[str, ...]) -> Non
     """One flag per dataclass field, with its type and default."""
     for f in fields(cls):
         help_ = f"{HELP.get(f.name, f.name.replace('_', ' '))} (default {f.default!r})"
+        if isinstance(f.default, bool):  # a switch
+            p.add_argument("--" + f.name.replace("_", "-"), action="store_true", help=HELP.get(f.name, f.name))
+            continue
         p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=f.default, help=help_,
                        required=f.name in required)
 

@@ -465,14 +465,17 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
     steps_per_epoch = len(data) // cfg.global_batch
     if steps_per_epoch == 0:
         raise ValueError(f"{cfg.data}: {len(data)} rows, fewer than one global batch of {cfg.global_batch}")
-    total = min(cfg.max_steps, steps_per_epoch) if cfg.max_steps else steps_per_epoch
+    if cfg.max_steps > steps_per_epoch:  # one epoch, as the paper trains (Appendix A.1)
+        raise ValueError(f"--max-steps {cfg.max_steps}: {cfg.data} gives {steps_per_epoch} steps of {cfg.global_batch} "
+                         f"samples in its one epoch (train.py trains one epoch, as the paper does); pass at most "
+                         f"{steps_per_epoch}, or raise repeat_time in the meta file")
+    total = cfg.max_steps or steps_per_epoch
     out = Path(cfg.out)
     check_shared(out, "--out")  # more than one machine: every rank writes its shards there
     if rank() == 0:
         if cfg.overwrite:
             discard_run(out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
     dist.barrier()
     log(f"config {json.dumps(asdict(cfg))}", sys.stdout)
 
@@ -484,8 +487,10 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
         f"{sum(p.numel() for p in model.parameters()):,}, {total} steps of {cfg.global_batch} samples on {world} ranks",
         sys.stdout)
     step, meta = resume(model, optim, sched, out, asdict(cfg)) if cfg.resume else (0, {})
-    if rank() == 0 and cfg.resume:
-        trim_metrics(out, step)  # metrics.jsonl then continues with step + 1
+    if rank() == 0:  # the resume is accepted: only now does the folder's config describe this run
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        if cfg.resume:
+            trim_metrics(out, step)  # metrics.jsonl then continues with step + 1
 
     vit_flops, llm_flops = train_flops_per_token(model)
     peak = cfg.peak_tflops or (989.0 if device.type == "cuda" and any(h in torch.cuda.get_device_name(device) for h in ("H100", "H200")) else 0.0)

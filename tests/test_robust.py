@@ -147,6 +147,28 @@ def test_an_error_under_torchrun_reaches_the_user_every_time(model_dir, tmp_path
         assert worker_lines(err).count(got) == 1, err[-3000:]
 
 
+def test_a_refused_resume_leaves_the_folder_as_it_was(model_dir, meta, base_run, tmp_path, capsys):
+    """--resume with another --global-batch is refused, and config.json still describes the run's
+    checkpoints (it is written only once the resume is accepted): every file byte-identical."""
+    out = copy_run(base_run, tmp_path)
+    before = tree(out)
+    code, _, err = train_main(capsys, "--model", model_dir, "--data", meta, "--out", out, "--resume",
+                              *[x if x != "4" else "2" for x in TRAIN])  # --global-batch 2
+    assert code == 1 and one_line(err) == (f"error: --resume: {out / 'checkpoints' / 'step_3'} was trained with "
+                                           "--global-batch 4, this run asks for 2; resume with the same value, or "
+                                           "start a new run in another --out"), err
+    assert tree(out) == before
+
+
+def test_max_steps_past_the_epoch_is_refused(model_dir, meta, tmp_path, capsys):
+    """16 rows in global batches of 4 make 4 steps: --max-steps 5 is one line, not a silent 4."""
+    code, _, err = train_main(capsys, "--model", model_dir, "--data", meta, "--out", tmp_path / "run", "--max-steps", 5, *TRAIN)
+    assert code == 1 and one_line(err) == (f"error: --max-steps 5: {meta} gives 4 steps of 4 samples in its one epoch "
+                                           "(train.py trains one epoch, as the paper does); pass at most 4, or raise "
+                                           "repeat_time in the meta file"), err
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
 def test_overwrite_discards_the_old_run_explicitly(model_dir, meta, base_run, tmp_path):
     out = copy_run(base_run, tmp_path)
     old_export = tree(out / "export")

@@ -513,3 +513,23 @@ def test_label_out_of_memory_is_one_line(model23, tmp_path, capsys, monkeypatch)
     assert lines[0] == (f"error: out of memory at --batch-size 2 (longest row {longest} tokens, --max-tokens 16384); "
                         "lower --batch-size or --max-tokens, or use a device with more memory"), lines[0]
     assert sorted(p.name for p in (tmp_path / "l" / "parts").glob("chunk_*")) == ["chunk_000000.safetensors"]
+
+
+def test_train_into_a_router_folder_needs_overwrite(model23, labelled, tmp_path, capsys):
+    """One folder, one router: a second `train` into it is refused (every file as it was), and
+    --overwrite replaces the router and drops the old eval.json, which described the old one."""
+    _, labels = labelled
+    args = ["train", "--model", model23, "--labels", labels, "--steps", 2, "--global-batch", 4, "--check-samples", 0,
+            "--out", tmp_path / "R"]
+    assert run_router(*args) == 0
+    (tmp_path / "R" / "eval.json").write_text("{}")
+    before = {p.name: p.read_bytes() for p in (tmp_path / "R").iterdir()}
+    capsys.readouterr()
+    assert run_router(*args, "--seed", 1) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: --out {tmp_path / 'R'} already holds a router (router.safetensors, config.json, metrics.jsonl, "
+                   "eval.json): pass --overwrite to replace it, or pick another --out"], err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "R").iterdir()} == before
+    assert run_router(*args, "--seed", 1, "--overwrite") == 0
+    assert not (tmp_path / "R" / "eval.json").exists()
+    assert (tmp_path / "R" / "router.safetensors").read_bytes() != before["router.safetensors"]
