@@ -90,7 +90,7 @@ def chat(model, tokenizer: Tokenizer, pixel_values: torch.Tensor | None, questio
                           tokens_per_tile=model.cfg.tokens_per_tile)
     out = engine_of(model).generate([tokenizer.encode(prompt)], pixels, to_generate_config(generation_config),
                                     tokenizer.eos_ids)
-    response = tokenizer.decode(out.tokens[0], skip_special_tokens=True).strip()
+    response = tokenizer.answer(out.tokens[0])
     if verbose:  # the query as the official verbose print shows it: images as <image>
         print(re.sub(f"{IMG_START}(?:{IMG_CONTEXT})*{IMG_END}", IMAGE_PLACEHOLDER, prompt), response)
     return (response, history + [(question, response)]) if return_history else response
@@ -121,7 +121,7 @@ def batch_chat(model, tokenizer: Tokenizer, pixel_values: torch.Tensor | None, q
         print(f"dynamic ViT batch size: {pixels.shape[0]}")
     out = engine_of(model).generate([tokenizer.encode(p) for p in prompts], pixels,
                                     to_generate_config(generation_config), tokenizer.eos_ids)
-    return [tokenizer.decode(t, skip_special_tokens=True).strip() for t in out.tokens]
+    return [tokenizer.answer(t) for t in out.tokens]
 
 
 
@@ -152,7 +152,7 @@ class Streamer:
             self.stopped = True
             return
         self.ids.append(tokens[0])
-        text = self.tok.decode(self.ids).strip()
+        text = self.tok.answer(self.ids)
         if self.enabled and not text.endswith("\ufffd") and len(text) > len(self.shown):
             self.write(text[len(self.shown):])
             self.shown = text
@@ -160,7 +160,7 @@ class Streamer:
 
     def finish(self) -> None:
         if self.enabled:  # whatever was held back (a dangling partial character) goes out now
-            text = self.tok.decode(self.ids).strip()
+            text = self.tok.answer(self.ids)
             self.write(text[len(self.shown):] + "\n")
 
 
@@ -173,12 +173,12 @@ def answer(engine: Engine, tok: Tokenizer, prompt: str, pixel_values, cfg: Gener
     try:
         res = engine.generate([ids], pixel_values, cfg, stop_ids=tok.eos_ids, callback=streamed)
     except KeyboardInterrupt:  # Ctrl-C: end the answer where it is, cleanly, and say so
-        text = tok.decode(streamed.ids).strip()
+        text = tok.answer(streamed.ids)
         streamed.finish()
         if args.json:
             print(json.dumps({"answer": text, "interrupted": True, "new_tokens": len(streamed.ids)}, ensure_ascii=False))
         raise Interrupted(text) from None
-    text = tok.decode(res.tokens[0]).strip()
+    text = tok.answer(res.tokens[0])
     streamed.finish()
     n = len(res.tokens[0])
     metrics = {

@@ -60,6 +60,7 @@ MAX_NEW_TOKENS = 4096
 TOTAL_MAX_TILES = 64  # set_max_num's total_max_num: a row's images share 64 tiles
 GROUPS = {"General": ("MMMU_DEV_VAL",), "Math": ("MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath"),
           "OCR": ("ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")}
+FIT_PARAMETERS = 4  # E, A, alpha, k of scaling_law.law
 CONFIG_FIELDS = ("model", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router")
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 
@@ -202,8 +203,7 @@ def run(args) -> int:
                             f"{cfg.max_new_tokens} new)", "--batch-size, --max-tiles or --max-new-tokens"):
                 res = engine.generate([ids for _, ids in batch], pv, cfg, stop_ids=tok.eos_ids, pad_id=0)
             for k, ((r, _), toks) in enumerate(zip(batch, res.tokens)):
-                # the official chat(): batch_decode(skip_special_tokens=True), split at the separator, strip
-                text = tok.decode(toks, skip_special_tokens=True).split("<|im_end|>")[0].strip()
+                text = tok.answer(toks)  # the official chat()'s decoding (processor.Tokenizer.answer)
                 routed = {"pair": list(res.pairs[k])} if res.pairs is not None else {}  # the router's (v, l)
                 f.write(json.dumps({"index": r["index"], "prediction": text, **meta, "new_tokens": len(toks), **routed},
                                    ensure_ascii=False) + "\n")
@@ -507,21 +507,29 @@ def heatmaps(grids: dict, pvs: list, pls: list, out: Path) -> None:
 def fit_law_cmd(args) -> int:
     try:
         with open(args.csv, newline="") as f:
-            rows = list(csv.DictReader(f))
-    except OSError as e:
-        raise DataError(f"{args.csv}: {e}") from None
+            reader = csv.DictReader(f)
+            missing = [c for c in ("params", "p", "loss") if c not in (reader.fieldnames or ("params", "p", "loss"))]
+            if missing:  # before the rows: a TSV's base64 image cells would pass csv's field limit
+                raise DataError(f"{args.csv}: missing column(s) {', '.join(missing)} (a CSV of params,p,loss)")
+            rows = list(reader)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:  # csv.Error: a binary file, a field past the limit
+        raise DataError(f"{args.csv}: not a readable CSV ({one_line(e)})") from None
     if not rows:
         raise DataError(f"{args.csv}: empty CSV (need a header params,p,loss and data rows)")
-    missing = [c for c in ("params", "p", "loss") if c not in rows[0]]
-    if missing:
-        raise DataError(f"{args.csv}: missing column(s) {', '.join(missing)}")
     try:
         N, P, L = ([float(r[c]) for r in rows] for c in ("params", "p", "loss"))
     except (TypeError, ValueError) as e:
         raise DataError(f"{args.csv}: a params, p or loss cell is not a number ({e})") from None
+    if not all(map(math.isfinite, N + P + L)):
+        raise DataError(f"{args.csv}: a params, p or loss cell is not finite (nan or inf)")
     if min(N) <= 0 or min(P) < 1 or min(L) <= 0:
         raise DataError(f"{args.csv}: need params > 0, p >= 1 and loss > 0")
+    if len(rows) < FIT_PARAMETERS + 1:  # as many points as parameters fit them exactly: R^2 = 1 says nothing
+        raise DataError(f"{args.csv}: {len(rows)} points; the law has {FIT_PARAMETERS} parameters (E, A, alpha, k), "
+                        f"so fitting it needs at least {FIT_PARAMETERS + 1}")
     fit = fit_law(N, P, L)
+    if not all(math.isfinite(v) for k, v in fit.items() if k != "pred"):
+        raise DataError(f"{args.csv}: the fit did not converge to finite parameters ({fit['E']}, {fit['A']}, {fit['alpha']}, {fit['k']})")
     print(f"{'params':>14} {'p':>4} {'loss':>8} {'fitted':>8} {'error':>8}")
     for n, p, l, q in zip(N, P, L, fit["pred"]):
         print(f"{n:>14,.0f} {p:>4g} {l:>8.4f} {q:>8.4f} {q - l:>+8.4f}")

@@ -240,7 +240,7 @@ def answer_file(engine: Engine, tok: Tokenizer, rows: list[dict], done: set[int]
             res = engine.generate(prompts, torch.cat(pixels).to(dtype) if pixels else None, cfg, tok.eos_ids)
             for r, ids in zip(batch, res.tokens):
                 row = {"line": r["line"], **({"image": r["image"]} if r["image"] is not None else {}),
-                       "question": r["question"], "answer": tok.decode(ids).strip()}
+                       "question": r["question"], "answer": tok.answer(ids)}
                 sink.write(json.dumps(row, ensure_ascii=False) + "\n")
             sink.flush()
             n, dt = start + len(batch), time.perf_counter() - t0

@@ -232,6 +232,12 @@ class Tokenizer:
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def answer(self, ids) -> str:
+        """The text of a generated answer, the one rule for every command: InternVL's chat() decodes
+        with skip_special_tokens=True, keeps what comes before the template's separator (<|im_end|>)
+        and strips it."""
+        return self.decode(ids, skip_special_tokens=True).split(IM_END)[0].strip()
+
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 

@@ -418,12 +418,18 @@ def test_score_command_and_bad_input(bench, full_run, tmp_path, capsys):
     bad_pred.write_text(json.dumps({"index": "999", "prediction": "A"}) + "\n")
     no_answer = write_tsv(tmp_path / "no_answer.tsv", [{"index": "10", "question": "q", "image": "x" * 80}])
     (tmp_path / "empty.csv").write_text("")
+    big = tmp_path / "big.tsv"
+    big.write_text("index\timage\n0\t" + "x" * 200_000 + "\n")
     cases = [
         (["score", "--benchmark", "NoSuchBench", "--data", tsv, "--predictions", full_run], "unknown benchmark"),
         (["run", "--benchmark", "NoSuchBench", "--data", tsv, "--out", tmp_path / "x.jsonl"], "unknown benchmark"),
         (["score", "--benchmark", "MMMU_DEV_VAL", "--data", no_answer, "--predictions", full_run], "missing required column(s) answer"),
         (["score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", bad_pred], "prediction index '999' is not in"),
         (["fit-law", tmp_path / "empty.csv"], "empty CSV"),
+        (["fit-law", write_losses(tmp_path / "four.csv", [1e8, 2e8, 4e8, 8e8], [1, 2, 4, 8], [3.0, 2.9, 2.8, 2.7])],
+         "4 points; the law has 4 parameters (E, A, alpha, k), so fitting it needs at least 5"),
+        (["fit-law", write_losses(tmp_path / "nan.csv", [1e8] * 6, [1, 2, 4, 8, 1, 2], ["nan"] * 6)], "is not finite"),
+        (["fit-law", big], "missing column(s) params, p, loss"),  # a TSV: refused before its long cells are read
     ]
     for argv, message in cases:
         rc, out, err = main_out(capsys, *argv)

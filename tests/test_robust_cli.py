@@ -240,3 +240,18 @@ def test_a_checkpoint_this_code_cannot_run_is_refused_by_every_command(spoiled, 
         assert code == 1 and len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], (name, err)
         assert all(n in err[0] for n in needles), (name, err[0])
     assert not (tmp_path / "p.jsonl").exists() and not (tmp_path / "labels").exists()
+
+
+def test_answers_skip_special_tokens_as_the_official_chat_does(model_dir, png, capsys, monkeypatch):
+    """A special token the model generates (<img> here) is not printed: generate.py decodes answers as
+    InternVL's chat() and evaluate.py do (processor.Tokenizer.answer: skip_special_tokens, the text
+    before <|im_end|>, stripped)."""
+    import engine
+    from parvl import open_checkpoint
+
+    _, tok = open_checkpoint(model_dir)
+    ids = tok.encode("Hello") + [tok.token_to_id("<img>")] + tok.encode(" there")
+    monkeypatch.setattr(engine.Engine, "generate", lambda self, *a, **kw: engine.Result(tokens=[ids]))
+    code, out, err = gen_main(capsys, png, "q", "--model", model_dir, "--json")
+    answer = json.loads(out.splitlines()[-1])["answer"]
+    assert code == 0 and "<img>" not in answer and answer == tok.decode(ids, skip_special_tokens=True).strip(), (answer, err)
