@@ -18,11 +18,9 @@ one optimizer step (global_batch / world samples, in the seeded order), so a ste
 samples and resuming keeps its meaning. First fit in order: each sample goes into the first row that
 still has room for it within max_seq_len tokens, else opens a new row; micro-batches are
 `micro_batch` consecutive rows, padded to their longest row. The only waste is that padding (train.py
-logs it as pad_frac): none with one row per micro-batch, the default. With several, a micro-batch
-pays for its longest row, and the last rows of a step, which first fit leaves part-empty, are padded
-to full ones: 10-13 % at 2-4 rows per forward for 64 samples of 0-12 tiles per rank and step at
-32K tokens, more when a step makes only a few rows. The number of micro-batches then differs
-between ranks and steps; train.py evens it out.
+logs it as pad_frac): none with one row per micro-batch, the default; 10-13 % at 2-4 rows per forward
+for 64 samples of 0-12 tiles per rank and step at 32K tokens (a step's last rows are part-empty).
+The number of micro-batches then differs between ranks and steps; train.py evens it out.
 
 Meta file: {name: {"root", "annotation", "repeat_time", "length", "data_augment",
 "max_dynamic_patch"?}}. A relative "annotation" or "root" is taken relative to the meta file's
@@ -291,22 +289,6 @@ def collate(items: list, pad_id: int, image_size: int = IMAGE_SIZE) -> Batch:
                  [sum(s.num_tiles) if isinstance(s, Sample) else 0 for s in items],
                  sum(isinstance(s, Sample) for s in items), bad, [s.row for s in items],
                  bad_rows=[s.row for s in items if isinstance(s, BadRow)])
-
-
-def length_groups(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Indices of samples grouped for padded forwards (bucketing by length): longest first, a group
-    takes the next sample while that sample is at least half its longest and its padded size (samples
-    x longest) stays within max_tokens; a longer sample goes alone (and, unpadded, needs no mask). A
-    short sample padded to a long one costs the long one's length, and the padding mask grows with its
-    square: [rows,1,T,S] booleans, 11.7 GB for 16 rows of 27,000 tokens."""
-    groups: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):  # stable: ties keep their order
-        longest = lengths[groups[-1][0]] if groups else 0
-        if groups and 2 * lengths[i] >= longest and (len(groups[-1]) + 1) * longest <= max_tokens:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
-    return groups
 
 
 def pack_rows(lengths: list[int], max_len: int) -> list[list[int]]:

@@ -25,7 +25,6 @@ Bad input: one line on stderr, exit 1 (bad input) or 2 (usage).
 from __future__ import annotations
 
 import argparse
-import ast
 import base64
 import binascii
 import csv
@@ -37,16 +36,15 @@ import math
 import os
 import re
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import torch
 
 from cli import (OneLineParser, allocation, check_shared, command, end_processes, error, log,
                  one_line, pyplot, rank, resolve_dtype, resolve_model, start_processes, world_size)
+from judge import Judge
 from scaling_law import fit_law
-from scoring import BENCHMARKS, SCORE_COLUMNS, DataError, as_list, options, read_tsv, score
+from scoring import BENCHMARKS, SCORE_COLUMNS, DataError, as_list, options, read_jsonl, read_tsv, score
 
 # Per benchmark: prompt kind (InternVLChat.build_prompt by DATASET_TYPE), tile budget (set_max_num:
 # 12 for ChartQA_TEST / MMMU_DEV_VAL, 18 for DocVQA_VAL, 24 for OCRBench, else 6). max_new_tokens
@@ -61,6 +59,10 @@ TOTAL_MAX_TILES = 64  # set_max_num's total_max_num: a row's images share 64 til
 GROUPS = {"General": ("MMMU_DEV_VAL",), "Math": ("MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath"),
           "OCR": ("ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")}
 FIT_PARAMETERS = 4  # E, A, alpha, k of scaling_law.law
+# what a prediction row records of the run that produced it; a resume must match every one (the
+# model by its fingerprint, not its path: a moved folder is the same model)
+RECORD_FIELDS = ("benchmark", "model_fingerprint", "data_fingerprint", "pv", "pl", "vision_branch", "language_branch",
+                 "shared_kv", "router", "max_new_tokens", "max_tiles", "dtype")
 CONFIG_FIELDS = ("model", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router")
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 
@@ -130,26 +132,17 @@ def row_inputs(benchmark: str, row: dict, max_tiles: int | None, mcfg):
 # -- run: the loop -----------------------------------------------------------------------------
 
 
-def read_jsonl(path: Path) -> list[dict]:
-    """JSON lines; a last line cut short by an interrupted run is dropped (its row is redone)."""
-    if not path.exists():
-        return []
-    lines = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
-    out = []
-    for k, line in enumerate(lines):
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            if k < len(lines) - 1:
-                raise DataError(f"{path}: line {k + 1} is not JSON") from None
-    return out
+def file_fingerprint(path) -> str:
+    """The first 16 hex digits of a file's sha256 (a benchmark TSV: which rows were asked)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()[:16]
 
 
 def run(args) -> int:
     import torch.distributed as dist
 
     from engine import GenerateConfig, engine_from_flags
-    from gates import router_flag
+    from gates import fingerprint, router_flag
     from parvl import ParVL, open_checkpoint
 
     if args.benchmark not in BENCHMARKS:
@@ -174,9 +167,17 @@ def run(args) -> int:
     par = model.cfg.par
     engine = engine_from_flags(model, args, router_flag(args.router, model))
     cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=0.0)
-    meta = {"benchmark": args.benchmark, "model": str(folder), "pv": par.pv, "pl": par.pl,
+    meta = {"benchmark": args.benchmark, "model": str(folder), "model_fingerprint": fingerprint(model),
+            "data_fingerprint": file_fingerprint(args.data), "pv": par.pv, "pl": par.pl,
             "vision_branch": args.vision_branch, "language_branch": args.language_branch, "shared_kv": args.shared_kv,
-            "router": args.router}
+            "router": args.router, "max_new_tokens": args.max_new_tokens, "max_tiles": args.max_tiles,
+            "dtype": str(dtype).removeprefix("torch.")}
+    for f in earlier():  # a resume continues the same run only: every row records what produced it
+        for p in read_jsonl(f):
+            differ = next((k for k in RECORD_FIELDS if p.get(k) != meta[k]), None)
+            if differ is not None:
+                raise DataError(f"{f}: holds predictions of another run ({differ} {p.get(differ)!r} there, "
+                                f"{meta[differ]!r} now); remove it or pick another --out")
     if me == 0:
         log(f"{args.benchmark}: {len(rows)} rows, {len(done)} done, {len(todo)} to run on {world} rank(s); "
             f"Pv:Pl = {par.pv}:{par.pl}, {dtype}, {device}, batch {args.batch_size}")
@@ -236,103 +237,6 @@ def run(args) -> int:
     return 0
 
 
-# -- score: the optional LLM answer extractor ----------------------------------------------------
-
-
-def upstream_strings(path: Path, function: str) -> dict[str, str]:
-    """String constants assigned inside `function` of a VLMEvalKit source file, by variable name,
-    plus the first argument of its .replace(...) calls under "replace:<k>", read with ast (the
-    file is parsed, never run)."""
-    try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
-    except (OSError, SyntaxError) as e:
-        raise DataError(f"{path}: cannot read VLMEvalKit source: {e}") from None
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef) and node.name == function:
-            found, k = {}, 0
-            for sub in ast.walk(node):
-                if isinstance(sub, ast.Assign) and isinstance(sub.value, ast.Constant) and isinstance(sub.value.value, str):
-                    found.update({t.id: sub.value.value for t in sub.targets if isinstance(t, ast.Name)})
-                if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == "replace"
-                        and sub.args and isinstance(sub.args[0], ast.Constant)):
-                    found[f"replace:{k}"], k = sub.args[0].value, k + 1
-            return found
-    raise DataError(f"{path}: has no function {function} (is this a VLMEvalKit checkout?)")
-
-
-class Judge:
-    """An OpenAI-compatible chat endpoint used the way VLMEvalKit uses its judge, with every reply
-    cached in a JSONL file (keyed by model, prompt, temperature and attempt), so a rerun is free."""
-
-    def __init__(self, url: str, model: str, cache: Path, vlmevalkit: Path, benchmark: str):
-        self.url, self.model, self.cache_path = url.rstrip("/"), model, cache
-        self.cache = {c["key"]: c["reply"] for c in read_jsonl(cache)}
-        self.calls, self.benchmark = 0, benchmark
-        utils = Path(vlmevalkit) / "vlmeval" / "dataset" / "utils"
-        if benchmark in ("MMMU_DEV_VAL", "WeMath"):  # multiple_choice.py extract_answer_from_item
-            name = "build_prompt_wemath" if benchmark == "WeMath" else "build_prompt"
-            self.mcq = upstream_strings(utils / "multiple_choice.py", name)
-            self.mcq_cn = upstream_strings(utils / "multiple_choice.py", "build_prompt_cn")["tmpl"]
-        elif benchmark in ("MathVista_MINI", "MathVision_MINI"):  # build_mathvista_gpt4_prompt, get_gpt4_ICE
-            f = utils / ("mathvista.py" if benchmark == "MathVista_MINI" else "mathv.py")
-            task = upstream_strings(f, "build_mathvista_gpt4_prompt" if benchmark == "MathVista_MINI" else "build_mathv_gpt4_prompt")
-            ice = upstream_strings(f, "get_gpt4_ICE")
-            self.math = (task["task_description"], [ice[k] for k in sorted(ice) if k.startswith("example_")])
-        elif benchmark == "LogicVista":
-            self.logic = upstream_strings(utils / "logicvista.py", "build_prompt_logicvista")["tmpl"]
-
-    def ask(self, prompt: str, temperature: float = 0.0, attempt: int = 0, max_tokens: int | None = None) -> str:
-        key = hashlib.sha256(json.dumps([self.model, prompt, temperature, attempt]).encode()).hexdigest()
-        if key not in self.cache:
-            body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": temperature}
-            if max_tokens:
-                body["max_tokens"] = max_tokens
-            req = urllib.request.Request(self.url + "/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(req, timeout=120) as r:
-                    reply = json.loads(r.read())["choices"][0]["message"]["content"]
-            except (urllib.error.URLError, OSError, KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
-                raise DataError(f"judge {self.url}: request failed: {e}") from None
-            self.cache[key], self.calls = reply, self.calls + 1
-            with open(self.cache_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"key": key, "reply": reply}, ensure_ascii=False) + "\n")
-        return self.cache[key]
-
-    def __call__(self, kind: str, row: dict, prediction: str):
-        from scoring import can_infer, mmmu_choices
-        if kind == "mcq":  # 3 tries; upstream then draws a random letter, we count the row unresolved
-            choices = mmmu_choices(row)[0] if self.benchmark == "MMMU_DEV_VAL" else options(row)
-            option_str = "There are several options: \n" + "".join(f"{c}. {v}\n" for c, v in choices.items())
-            question = row["question"] or "nan"
-            if self.benchmark == "WeMath":  # its own template, after dropping the answer-format requirement
-                tmpl = self.mcq["tmpl"]
-                question = question.replace(self.mcq.get("replace:0", "\0"), "")
-            else:  # the Chinese template for a question in Chinese
-                tmpl = self.mcq_cn if _CJK.search(question) else self.mcq["tmpl"]
-            prompt = tmpl.format(question, option_str, prediction)
-            for attempt in range(3):
-                got = can_infer(self.ask(prompt, 0.0, attempt), choices)
-                if got is not None:
-                    return got
-            return None
-        if kind == "math":  # 5 tries at temperature 0, 0.5, ...; the reply is the extracted answer
-            task, examples = self.math
-            prompt = task + "".join(e + "\n" for e in examples) + (row["question"] or "nan") + "\n"
-            prompt += "Model respone: " + prediction + "Extracted answer:"  # upstream's spelling and spacing
-            for attempt in range(5):
-                reply = self.ask(prompt, attempt * 0.5, attempt, max_tokens=128)
-                if "Failed to obtain answer via API" not in reply:
-                    return reply
-            return None
-        prompt = self.logic.format(row["question"] or "nan", prediction)  # LogicVista: 5 tries
-        for attempt in range(5):
-            reply = self.ask(prompt, attempt * 0.5, attempt, max_tokens=128)
-            if reply.isupper() and reply.isalpha():
-                return reply
-        return None
-
-
 def score_cmd(args) -> int:
     if args.benchmark not in BENCHMARKS:
         raise DataError(f"unknown benchmark {args.benchmark!r}; choose from {', '.join(BENCHMARKS)}")
@@ -348,22 +252,37 @@ def score_cmd(args) -> int:
             raise DataError(f"{preds_path}: a row lacks 'index' or 'prediction': {json.dumps(p)[:120]}")
         if str(p["index"]) not in known:
             raise DataError(f"{preds_path}: prediction index {p['index']!r} is not in {args.data}")
+        if p.get("benchmark", args.benchmark) != args.benchmark:
+            raise DataError(f"{preds_path}: predictions of {p['benchmark']}, not of --benchmark {args.benchmark}")
+    seen: set[str] = set()
+    for p in preds:
+        if str(p["index"]) in seen:
+            raise DataError(f"{preds_path}: index {p['index']!r} is predicted twice")
+        seen.add(str(p["index"]))
+    made_from = {p["data_fingerprint"] for p in preds if "data_fingerprint" in p}
+    if made_from and made_from != {file_fingerprint(args.data)}:
+        raise DataError(f"{preds_path}: made from another TSV than {args.data} (data fingerprint "
+                        f"{', '.join(sorted(made_from))}, this TSV {file_fingerprint(args.data)})")
     predictions = {str(p["index"]): str(p["prediction"]) for p in preds}
+    absent = [r["index"] for r in rows if r["index"] not in predictions]  # scored as wrong: an empty answer
+    predictions |= dict.fromkeys(absent, "")
     judge = None
     if args.judge_url:
         if not args.judge_model or not args.vlmevalkit:
             raise DataError("--judge-url needs --judge-model and --vlmevalkit (a VLMEvalKit checkout, for its prompts)")
         cache = Path(args.judge_cache or str(preds_path) + f".judge-{args.judge_model.replace('/', '_')}.jsonl")
         judge = Judge(args.judge_url, args.judge_model, cache, Path(args.vlmevalkit), args.benchmark)
-    result = score(args.benchmark, rows, predictions, judge)
-    missing = sum(r["index"] not in predictions for r in rows)
+    extract = None if judge is None else (lambda kind, row, pred: None if row["index"] in absent else judge(kind, row, pred))
+    result = score(args.benchmark, rows, predictions, extract)
+    missing = len(absent)
     if missing:
-        log(f"warning: {missing} TSV rows have no prediction and are not scored")
+        log(f"warning: {missing} TSV rows have no prediction and count as wrong (index {', '.join(absent[:10])}"
+            f"{', ...' if missing > 10 else ''})")
     if args.rows_out:
         Path(args.rows_out).write_text("".join(json.dumps(x, ensure_ascii=False, default=str) + "\n" for x in result.per_row))
     config = {k: preds[0].get(k) for k in CONFIG_FIELDS} if preds else {}
     line = {"benchmark": args.benchmark, "score": round(result.value, 4), "n": result.n,
-            "unresolved": result.unresolved, "missing": missing, **config, **result.extra}
+            "unresolved": result.unresolved, "missing": missing, "missing_indices": absent, **config, **result.extra}
     if judge is not None:
         line |= {"judge_model": args.judge_model, "judge_calls": judge.calls}
     if args.out:

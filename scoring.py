@@ -45,11 +45,13 @@ from __future__ import annotations
 
 import ast
 import csv
+import json
 import math
 import operator
 import re
 import string
 import sys
+from pathlib import Path
 from dataclasses import dataclass, field
 
 BENCHMARKS = ("MMMU_DEV_VAL", "MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath",
@@ -87,6 +89,11 @@ def read_tsv(path, required: tuple[str, ...] = ("index", "question", "answer")) 
     missing = [c for c in required if c not in header]
     if missing:
         raise DataError(f"{path}: missing required column(s) {', '.join(missing)} (has {', '.join(header)})")
+    seen: set = set()
+    for r in rows:  # VLMEvalKit keys every row by its index: two rows of one index would lose one
+        if r.get("index") in seen:
+            raise DataError(f"{path}: index {r['index']!r} appears twice")
+        seen.add(r.get("index"))
     if "image" in header:
         by_index = {r["index"]: r["image"] for r in rows}
         rows = [r for r in rows if r["image"] is not None]
@@ -97,6 +104,21 @@ def read_tsv(path, required: tuple[str, ...] = ("index", "question", "answer")) 
                     raise DataError(f"{path}: row {r['index']}: image refers to {r['image']!r}, which holds no image")
                 r["image"] = ref
     return rows
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """JSON lines; a last line cut short by an interrupted run is dropped (its row is redone)."""
+    if not path.exists():
+        return []
+    lines = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    out = []
+    for k, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k < len(lines) - 1:
+                raise DataError(f"{path}: line {k + 1} is not JSON") from None
+    return out
 
 
 def as_list(cell: str | None) -> list[str]:

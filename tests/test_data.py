@@ -352,11 +352,3 @@ def test_make_loader_workers_match_single_process(tmp_path, tok, packing):
     assert sorted(sum(seen, [])) == sorted(order[2:4].tolist() + order[6:8].tolist())
     assert [[b.rows for b in bs] for _, bs in run(0, start=1)] == [[b.rows for b in bs] for _, bs in single[1:]]
 
-
-def test_length_groups_bucket_by_length_within_the_token_budget():
-    """Longest first; a sample joins a group while it is at least half the group's longest and the
-    padded size stays within max_tokens; a longer sample goes alone."""
-    assert D.length_groups([10, 27000, 12, 11, 30], 16384) == [[1], [4], [2, 3, 0]]
-    assert D.length_groups([100] * 5, 250) == [[0, 1], [2, 3], [4]]  # ties keep their order
-    assert D.length_groups([60, 40, 31, 29], 10**6) == [[0, 1, 2], [3]]  # 29 < 60 / 2
-    assert D.length_groups([], 8) == []

@@ -775,3 +775,56 @@ def test_run_out_of_memory_is_one_line(bench, tmp_path, capsys, monkeypatch):
     assert re.fullmatch(r"error: out of memory at --batch-size 2 \(longest prompt \d+ tokens, up to \d+ new\); lower "
                         r"--batch-size, --max-tiles or --max-new-tokens", lines[0]), lines[0]
     assert len(read_preds(out.with_name("pred.jsonl.part0"))) == 2  # the first batch stays; a rerun resumes from it
+
+
+def test_run_resumes_only_its_own_run(bench, full_run, checkpoint, tmp_path, capsys):
+    """Every prediction records what produced it (evaluate.RECORD_FIELDS); a rerun into the same --out
+    with another generation budget or another model is refused with one line naming the difference,
+    and the file is left as it was."""
+    folder, tsv, _, _ = bench
+    out = tmp_path / "pred.jsonl"
+    out.write_text(full_run.read_text())
+    record = read_preds(out)[0]
+    assert {k: record[k] for k in ("benchmark", "max_new_tokens", "dtype")} == {"benchmark": "MMMU_DEV_VAL",
+                                                                               "max_new_tokens": NEW, "dtype": "float32"}
+    for model, flag, what in [(folder, NEW + 1, f"max_new_tokens {NEW!r} there, {NEW + 1!r} now"),
+                              (checkpoint("qwen3", "original", seed=1), NEW, "model_fingerprint")]:
+        rc, _, err = main_out(capsys, "run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", model, "--out", out,
+                              "--max-new-tokens", flag)
+        lines = [x for x in err.splitlines() if x.startswith("error:")]
+        assert rc == 1 and len(lines) == 1 and lines[0].startswith(f"error: {out}: holds predictions of another run (")
+        assert what in lines[0] and lines[0].endswith("; remove it or pick another --out"), lines
+        assert out.read_text() == full_run.read_text()
+
+
+def test_score_checks_the_predictions_against_their_record(bench, full_run, tmp_path, capsys):
+    """Another benchmark's predictions, another TSV, a duplicated index (in the predictions or the TSV)
+    are refused; rows without a prediction count as wrong and are named."""
+    _, tsv, rows, _ = bench
+    preds = read_preds(full_run)
+
+    def write(name: str, ps: list[dict]) -> Path:
+        (tmp_path / name).write_text("".join(json.dumps(p) + "\n" for p in ps))
+        return tmp_path / name
+
+    other_tsv = write_tsv(tmp_path / "other.tsv", [dict(r, question=r["question"] + "!") for r in rows])
+    twice_tsv = write_tsv(tmp_path / "twice.tsv", rows + rows[:1])
+    cases = [
+        (["--data", tsv, "--predictions", write("bench.jsonl", [dict(p, benchmark="TextVQA_VAL") for p in preds])],
+         f"{tmp_path / 'bench.jsonl'}: predictions of TextVQA_VAL, not of --benchmark MMMU_DEV_VAL"),
+        (["--data", tsv, "--predictions", write("dup.jsonl", preds + preds[:1])], "index '10' is predicted twice"),
+        (["--data", other_tsv, "--predictions", full_run], f"made from another TSV than {other_tsv}"),
+        (["--data", twice_tsv, "--predictions", full_run], f"{twice_tsv}: index '10' appears twice"),
+    ]
+    for argv, message in cases:
+        rc, _, err = main_out(capsys, "score", "--benchmark", "MMMU_DEV_VAL", *argv)
+        assert rc == 1 and err.count("\n") == 1 and message in err and "Traceback" not in err, (argv, err)
+    rc, out, err = main_out(capsys, "score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions",
+                            write("one.jsonl", preds[:1]))
+    line = json.loads(out.splitlines()[-1])
+    main_out(capsys, "score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", full_run, "--rows-out",
+             tmp_path / "r.jsonl")
+    hit = float(next(json.loads(x) for x in (tmp_path / "r.jsonl").read_text().splitlines() if '"10"' in x)["hit"])
+    assert rc == 0 and line["n"] == 3 and line["missing_indices"] == ["11", "12", "13", "14"]  # validation: 10, 11, 14
+    assert line["score"] == pytest.approx(round(100 * hit / 3, 4))  # 11 and 14 count as wrong, not dropped
+    assert "4 TSV rows have no prediction and count as wrong (index 11, 12, 13, 14)" in err

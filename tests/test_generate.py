@@ -170,7 +170,7 @@ def test_seed_reproduces_sampling_and_stream_concatenates(qwen3):
     torch.manual_seed(124)
     other = engine.generate([ids], None, cfg, tok.eos_ids).tokens[0]
     assert other != runs[0][0], "a different seed should sample differently"
-    assert "".join(runs[0][1]) == tok.decode(runs[0][0]).strip() + "\n"
+    assert "".join(runs[0][1]) == tok.answer(runs[0][0]) + "\n"
 
 
 # -- the command -------------------------------------------------------------------------------

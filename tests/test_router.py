@@ -388,7 +388,7 @@ def test_generate_cli_router_and_bad_routers(model23, tmp_path, capsys):
     pv = load_image(png, max_tiles=2)
     ids = tok.encode(build_prompt("What is this?", [pv.shape[0]]))
     want = Engine(model, router=gates.load_router(tmp_path / "R", model)).generate([ids], pv, GenerateConfig(max_new_tokens=5), tok.eos_ids)
-    assert tuple(out["pair"]) == want.pairs[0] and out["answer"] == tok.decode(want.tokens[0]).strip()
+    assert tuple(out["pair"]) == want.pairs[0] and out["answer"] == tok.answer(want.tokens[0])
 
     # bad routers: another Pv x Pl, another width, tensors that do not match the config: one line, exit 1
     gates.save_router(Router(replace(cfg, pv=3)), tmp_path / "R33", {})
@@ -473,7 +473,7 @@ def test_a_long_row_is_labelled_alone_within_a_memory_bound(model23_shallow, tmp
     """One 2,552-token row among three short ones (router.py label's default chunk of 4). Padded to the
     longest, the 2:3 model's attention mask alone would be [3 x 4 rows, 1, T, 48 + T] booleans (80 MB),
     and that batch grew the peak by 593 MB (measured: MEMORY_PROBE with max_tokens 0). Split by length
-    (data.length_groups), the long row runs alone and unpadded, with no padding mask: its own
+    (router.length_groups), the long row runs alone and unpadded, with no padding mask: its own
     attention grew the peak by 45 MB. Bound: at most the padded batch's mask, measured as ru_maxrss
     over a short-row warm-up in a fresh process."""
     root = tmp_path / "data"
@@ -533,3 +533,12 @@ def test_train_into_a_router_folder_needs_overwrite(model23, labelled, tmp_path,
     assert run_router(*args, "--seed", 1, "--overwrite") == 0
     assert not (tmp_path / "R" / "eval.json").exists()
     assert (tmp_path / "R" / "router.safetensors").read_bytes() != before["router.safetensors"]
+
+
+def test_length_groups_bucket_by_length_within_the_token_budget():
+    """Longest first; a sample joins a group while it is at least half the group's longest and the
+    padded size stays within max_tokens; a longer sample goes alone."""
+    assert router.length_groups([10, 27000, 12, 11, 30], 16384) == [[1], [4], [2, 3, 0]]
+    assert router.length_groups([100] * 5, 250) == [[0, 1], [2, 3], [4]]  # ties keep their order
+    assert router.length_groups([60, 40, 31, 29], 10**6) == [[0, 1, 2], [3]]  # 29 < 60 / 2
+    assert router.length_groups([], 8) == []

@@ -1,0 +1,111 @@
+"""evaluate.py score's optional LLM answer extractor (--judge-url): VLMEvalKit's extraction prompts,
+read (parsed, not run) from a VLMEvalKit checkout, sent to an OpenAI-compatible endpoint for exactly
+the rows VLMEvalKit would send to its judge; replies cached beside the predictions."""
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from scoring import DataError, options, read_jsonl
+
+_CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
+
+
+
+def upstream_strings(path: Path, function: str) -> dict[str, str]:
+    """String constants assigned inside `function` of a VLMEvalKit source file, by variable name,
+    plus the first argument of its .replace(...) calls under "replace:<k>", read with ast (the
+    file is parsed, never run)."""
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError) as e:
+        raise DataError(f"{path}: cannot read VLMEvalKit source: {e}") from None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef) and node.name == function:
+            found, k = {}, 0
+            for sub in ast.walk(node):
+                if isinstance(sub, ast.Assign) and isinstance(sub.value, ast.Constant) and isinstance(sub.value.value, str):
+                    found.update({t.id: sub.value.value for t in sub.targets if isinstance(t, ast.Name)})
+                if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == "replace"
+                        and sub.args and isinstance(sub.args[0], ast.Constant)):
+                    found[f"replace:{k}"], k = sub.args[0].value, k + 1
+            return found
+    raise DataError(f"{path}: has no function {function} (is this a VLMEvalKit checkout?)")
+
+
+class Judge:
+    """An OpenAI-compatible chat endpoint used the way VLMEvalKit uses its judge, with every reply
+    cached in a JSONL file (keyed by model, prompt, temperature and attempt), so a rerun is free."""
+
+    def __init__(self, url: str, model: str, cache: Path, vlmevalkit: Path, benchmark: str):
+        self.url, self.model, self.cache_path = url.rstrip("/"), model, cache
+        self.cache = {c["key"]: c["reply"] for c in read_jsonl(cache)}
+        self.calls, self.benchmark = 0, benchmark
+        utils = Path(vlmevalkit) / "vlmeval" / "dataset" / "utils"
+        if benchmark in ("MMMU_DEV_VAL", "WeMath"):  # multiple_choice.py extract_answer_from_item
+            name = "build_prompt_wemath" if benchmark == "WeMath" else "build_prompt"
+            self.mcq = upstream_strings(utils / "multiple_choice.py", name)
+            self.mcq_cn = upstream_strings(utils / "multiple_choice.py", "build_prompt_cn")["tmpl"]
+        elif benchmark in ("MathVista_MINI", "MathVision_MINI"):  # build_mathvista_gpt4_prompt, get_gpt4_ICE
+            f = utils / ("mathvista.py" if benchmark == "MathVista_MINI" else "mathv.py")
+            task = upstream_strings(f, "build_mathvista_gpt4_prompt" if benchmark == "MathVista_MINI" else "build_mathv_gpt4_prompt")
+            ice = upstream_strings(f, "get_gpt4_ICE")
+            self.math = (task["task_description"], [ice[k] for k in sorted(ice) if k.startswith("example_")])
+        elif benchmark == "LogicVista":
+            self.logic = upstream_strings(utils / "logicvista.py", "build_prompt_logicvista")["tmpl"]
+
+    def ask(self, prompt: str, temperature: float = 0.0, attempt: int = 0, max_tokens: int | None = None) -> str:
+        key = hashlib.sha256(json.dumps([self.model, prompt, temperature, attempt]).encode()).hexdigest()
+        if key not in self.cache:
+            body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": temperature}
+            if max_tokens:
+                body["max_tokens"] = max_tokens
+            req = urllib.request.Request(self.url + "/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    reply = json.loads(r.read())["choices"][0]["message"]["content"]
+            except (urllib.error.URLError, OSError, KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
+                raise DataError(f"judge {self.url}: request failed: {e}") from None
+            self.cache[key], self.calls = reply, self.calls + 1
+            with open(self.cache_path, "a", encoding="utf-8") as f:
+                f.write(json.dumps({"key": key, "reply": reply}, ensure_ascii=False) + "\n")
+        return self.cache[key]
+
+    def __call__(self, kind: str, row: dict, prediction: str):
+        from scoring import can_infer, mmmu_choices
+        if kind == "mcq":  # 3 tries; upstream then draws a random letter, we count the row unresolved
+            choices = mmmu_choices(row)[0] if self.benchmark == "MMMU_DEV_VAL" else options(row)
+            option_str = "There are several options: \n" + "".join(f"{c}. {v}\n" for c, v in choices.items())
+            question = row["question"] or "nan"
+            if self.benchmark == "WeMath":  # its own template, after dropping the answer-format requirement
+                tmpl = self.mcq["tmpl"]
+                question = question.replace(self.mcq.get("replace:0", "\0"), "")
+            else:  # the Chinese template for a question in Chinese
+                tmpl = self.mcq_cn if _CJK.search(question) else self.mcq["tmpl"]
+            prompt = tmpl.format(question, option_str, prediction)
+            for attempt in range(3):
+                got = can_infer(self.ask(prompt, 0.0, attempt), choices)
+                if got is not None:
+                    return got
+            return None
+        if kind == "math":  # 5 tries at temperature 0, 0.5, ...; the reply is the extracted answer
+            task, examples = self.math
+            prompt = task + "".join(e + "\n" for e in examples) + (row["question"] or "nan") + "\n"
+            prompt += "Model respone: " + prediction + "Extracted answer:"  # upstream's spelling and spacing
+            for attempt in range(5):
+                reply = self.ask(prompt, attempt * 0.5, attempt, max_tokens=128)
+                if "Failed to obtain answer via API" not in reply:
+                    return reply
+            return None
+        prompt = self.logic.format(row["question"] or "nan", prediction)  # LogicVista: 5 tries
+        for attempt in range(5):
+            reply = self.ask(prompt, attempt * 0.5, attempt, max_tokens=128)
+            if reply.isupper() and reply.isalpha():
+                return reply
+        return None
