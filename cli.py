@@ -2,8 +2,8 @@
 and model resolution (a local folder or the huggingface_hub cache), logging from rank 0, one-line
 errors (also into torchrun's error file) and allocation failures, the process group torchrun asks
 for, the check that every node sees a shared folder, the process exit, and small figures (h:mm:ss,
-peak memory), plus the optional matplotlib import. generate.py, train.py, router.py, evaluate.py and profiling.py use it;
-it imports no model code, so every floor of the house can sit on it.
+peak memory), plus the optional matplotlib import. generate.py, train.py, router.py, evaluate.py
+and profiling.py use it; it imports no model code, so every floor of the house can sit on it.
 """
 from __future__ import annotations
 
@@ -87,18 +87,17 @@ def end_processes() -> None:
 
 def error(line: str, every_rank: bool = False, wait: bool = True) -> None:
     """A command's one-line error, on stderr, from rank 0 alone (an error every rank meets alike) or,
-    every_rank, from each rank that meets it (prefixed with its rank). Under torchrun it also goes to
+    every_rank, from each rank that meets it (the caller's line names the rank). Under torchrun it also goes to
     this worker's error file, TORCHELASTIC_ERROR_FILE, in the layout torch.distributed.elastic's
     `record` writes: torchrun's failure report prints that file as the root cause, so the line
     reaches the user even when torchrun stops this worker before its stderr is read. The message
     carries no traceback: the report shows the line itself. The other ranks wait for torchrun
-    (leave_the_report_to_rank0) unless wait is False: the caller then meets a barrier that holds them
-    until rank 0 has reported."""
+    (wait_for_torchrun) unless wait is False: the caller then meets a barrier that holds them until
+    rank 0 has reported."""
     if not every_rank and rank() != 0:
         if wait:
-            leave_the_report_to_rank0()
+            wait_for_torchrun()
         return
-    line = line if rank() == 0 or not every_rank else line.replace("error: ", f"error: rank {rank()}: ", 1)
     if os.environ.get("TORCHELASTIC_ERROR_FILE"):
         try:
             with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
@@ -145,20 +144,13 @@ def check_shared(folder: Path, flag: str) -> None:
                          f"writes; on more than one machine it must be on a file system every node shares (README)")
 
 
-def leave_the_report_to_rank0() -> None:
-    """For an error every rank meets alike, which rank 0 alone reports: under torchrun any other rank
-    waits (at most 10 s) before it leaves. Rank 0 prints its line and exits first, and torchrun then
-    stops the others; without the wait torchrun could see another rank fail first and SIGTERM rank 0
-    before its line was out (the user then sees only torchrun's own report)."""
-    if "RANK" in os.environ and rank() != 0:
-        time.sleep(10)
-
-
-def leave_the_report_to_the_cause() -> None:
-    """For a rank that only saw another rank fail (its collective lost the peer): under torchrun, wait
-    (at most 10 s) so that torchrun sees the failed rank's exit, and reports its error file as the root
-    cause, before this rank's own exit (the report's timestamps are whole seconds; on a tie it would
-    name this rank, with no message)."""
+def wait_for_torchrun() -> None:
+    """For a rank that is not the one to report: another rank meets the same error and reports it
+    (rank 0, for an error every rank meets alike), or this rank only lost its peer to the failure that
+    rank reports. Under torchrun, wait (at most 10 s) for torchrun to stop this process, so that the
+    reporting rank exits first and torchrun's report names its error file as the root cause. Without
+    the wait torchrun can see this rank fail first and stop the reporting one before its line is out,
+    or, the report's timestamps being whole seconds, name this rank on a tie, with no message."""
     if "RANK" in os.environ:
         time.sleep(10)
 

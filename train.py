@@ -48,7 +48,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from aggregate import entropy
 from checkpoint import CheckpointReader, check_not_run_folder, read_json
 from cli import (OneLineParser, OutOfMemory, allocation, check_shared, command, end_processes, error, hms,
-                 leave_the_report_to_the_cause, log, one_line, peak_memory_gib, pyplot, rank, start_processes)
+                 log, one_line, peak_memory_gib, pyplot, rank, start_processes, wait_for_torchrun)
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, filler_batch, make_loader, validate
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL, is_branch_tensor, open_checkpoint
@@ -418,6 +418,7 @@ def main(argv=None) -> int:
             return 0
         return train(cfg, tok, data)
     except (KeyboardInterrupt, CheckpointException, Exception) as e:
+        who = f"rank {rank()}: " if dist.is_initialized() and dist.get_world_size() > 1 else ""  # this rank's own errors
         if INTERRUPTED or isinstance(e, KeyboardInterrupt):  # whatever a peer's exit then caused here
             signum = INTERRUPTED or signal.SIGINT
             code, quiet_exit = 128 + signum, dist.is_initialized() and dist.get_world_size() > 1
@@ -426,7 +427,7 @@ def main(argv=None) -> int:
                  + (f"last complete checkpoint {kept[-1]} (continue with --resume)" if kept else "no checkpoint was saved"))
         elif isinstance(e, OutOfMemory):  # this rank's batch: the others may be mid-collective
             code, quiet_exit = 1, dist.is_initialized() and dist.get_world_size() > 1
-            error(f"error: {e}", every_rank=True)
+            error(f"error: {who}{e}", every_rank=True)
         elif isinstance(e, (ValueError, CheckpointException)):  # bad flags, data, saves: alike on every rank
             code = 1
             error(f"error: {one_line(e) if isinstance(e, ValueError) else os_cause(e)}",
@@ -434,7 +435,7 @@ def main(argv=None) -> int:
         elif isinstance(e, OSError):  # a file this rank could not read or write: maybe this rank's alone
             code, where = 1, f" ({e.filename})" if e.filename else ""
             quiet_exit = dist.is_initialized() and dist.get_world_size() > 1  # the others may be mid-collective
-            error(f"error: {os_cause(e)}{where}", every_rank=True)
+            error(f"error: {who}{os_cause(e)}{where}", every_rank=True)
         elif isinstance(e, dist.DistBackendError) or "by peer" in str(e):  # another rank left: it says why
             code, quiet_exit, lost = 1, True, True  # a consequence, not the cause: no error file, torchrun reports the cause
             log(f"error: lost contact with another rank ({one_line(e)[:200]})", every_rank=True)
@@ -448,7 +449,7 @@ def main(argv=None) -> int:
             if quiet_exit:  # peers may be gone: no barrier to wait on, no teardown that can abort
                 sys.stdout.flush(), sys.stderr.flush()
                 if lost:
-                    leave_the_report_to_the_cause()
+                    wait_for_torchrun()
                 os._exit(code)
             end_processes()  # its barrier: rank 0 has reported before any rank leaves
 

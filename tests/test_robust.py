@@ -356,7 +356,7 @@ def test_flag_errors_are_one_line_and_quiet_on_other_ranks(monkeypatch, capsys):
     assert e.value.code == 2 and one_line(capsys.readouterr().err).endswith(": error: unrecognized arguments: --bogus (see --help)")
     monkeypatch.setenv("RANK", "1")
     waits = []
-    monkeypatch.setattr(cli.time, "sleep", waits.append)  # rank 1 leaves the report to rank 0: it waits
+    monkeypatch.setattr(cli.time, "sleep", waits.append)  # rank 1 waits for torchrun: rank 0 reports
     with pytest.raises(SystemExit) as e:
         train.parse_args(["--bogus"])
     assert e.value.code == 2 and capsys.readouterr().err == "" and waits == [10]  # rank 0 has said it
