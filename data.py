@@ -378,19 +378,16 @@ def validate(data: SFTData, num_workers: int = 0, bad_rows: list | None = None, 
     return counts
 
 
-def check_bad_fraction(counts: dict, max_bad_frac: float) -> float:
-    """The fraction of bad rows in `counts`; raise ValueError with the counts if it is too high.
-
-    `counts` maps reasons to bad-row counts plus either "good" (as validate returns it) or "rows",
-    the total rows seen (what a trainer summing Batch.bad and Batch.num_samples has at hand).
-    """
-    bad = sum(counts.get(r, 0) for r in BAD_REASONS)
-    total = counts["rows"] if "rows" in counts else bad + counts.get("good", 0)
-    frac = bad / total if total else 0.0
-    if frac > max_bad_frac:
-        raise ValueError(f"{bad} of {total} rows are bad ({frac:.2%} > max_bad_frac="
-                         f"{max_bad_frac:.2%}): {counts}")
-    return frac
+def check_bad_fraction(bad: dict, rows: int, max_bad_frac: float) -> None:
+    """The one rule for bad rows, in --validate-data, training and labelling alike: more than
+    max_bad_frac of the data set's `rows` (after repeat_time) bad is too many. `bad` maps reasons
+    to the bad rows met so far: all of them (validate), or those of the steps run so far (training).
+    So training stops on exactly the data sets --validate-data refuses, at the step where the count
+    passes the bound, and never on one it passes."""
+    n = sum(bad.get(r, 0) for r in BAD_REASONS)
+    if n > max_bad_frac * rows:
+        raise ValueError(f"{n} of the data set's {rows} rows are bad ({n / rows:.2%} > --max-bad-frac "
+                         f"{max_bad_frac:.2%}): { {r: bad[r] for r in BAD_REASONS if bad.get(r)} }")
 
 
 # ---------------------------------------------------------------------------------------------

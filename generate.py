@@ -74,7 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     for flag, used in (("--vision-branch", args.vision_branch is not None),
                        ("--language-branch", args.language_branch is not None), ("--shared-kv", args.shared_kv)):
         if args.router and used:
-            p.exit(2, f"error: --router picks the branches per prompt; it cannot be combined with {flag}\n")
+            p.error(f"--router picks the branches per prompt; it cannot be combined with {flag}")
     for name, ok in [("--max-new-tokens", args.max_new_tokens >= 1), ("--temperature", args.temperature >= 0),
                      ("--top-p", 0 < args.top_p <= 1), ("--top-k", args.top_k >= 0), ("--max-tiles", args.max_tiles >= 0)]:
         if not ok:

@@ -199,7 +199,7 @@ def label(cfg: LabelConfig) -> int:
         with safe_open(str(name(k)), framework="pt") as f:
             for r, n in json.loads(f.metadata()["bad"]).items():
                 bad[r] += n
-    check_bad_fraction({"rows": job["rows"], **bad}, cfg.max_bad_frac)
+    check_bad_fraction(bad, job["rows"], cfg.max_bad_frac)
     barrier()  # every rank has read the parts before rank 0 merges and removes them
     if rank() == 0:
         merge(parts, out, job | {"bad_rows": bad}, chunks)
@@ -506,7 +506,7 @@ HELP = {"model": "ParVL checkpoint folder", "data": "meta JSON in the official I
         "log_every": "steps (label: chunks) between log lines", "seed": "seed (train: order and init; label: augmentation; eval: random pairs)",
         "batch_size": "rows per forward",
         "max_tokens": "padded tokens per forward (rows x longest); a batch over it is split by length, a longer row runs alone", "max_tiles": "448 px tiles per row", "max_seq_len": "tokens; longer rows are skipped",
-        "num_workers": "data loading processes", "max_bad_frac": "abort above this fraction of bad rows",
+        "num_workers": "data loading processes", "max_bad_frac": "abort when more than this fraction of the data set's rows are bad, in [0, 1]",
         "hidden": "gate hidden width", "tau": "teacher temperature (Eq. E1)", "global_batch": "samples per step, any world size",
         "steps": "optimizer steps", "check_samples": "samples rechecked against the model",
         "overwrite": "train: replace the router already in --out (its stale eval.json goes too)", "dtype": "fp32 or bf16 (default: bf16 on CUDA, fp32 on CPU)"}
@@ -533,13 +533,17 @@ def main(argv=None) -> int:
         add_flags(sub.add_parser(name, help=f"{name} (see the module docstring)"), cls, REQUIRED[name])
     args = vars(p.parse_args(argv))
     command = args.pop("command")
+    cfg = {"label": LabelConfig, "train": TrainRouterConfig, "eval": EvalConfig}[command](**args)
+    for name in ("batch_size", "max_tokens", "max_tiles", "max_seq_len", "global_batch", "steps", "hidden", "log_every"):
+        if getattr(cfg, name, 1) <= 0:  # bad flags: exit 2, as argparse's own
+            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
+    if getattr(cfg, "tau", 1.0) <= 0 or getattr(cfg, "lr", 1.0) <= 0:
+        p.error("--tau and --lr must be positive")
+    if not 0 <= getattr(cfg, "max_bad_frac", 0.0) <= 1:
+        p.error(f"--max-bad-frac must be in [0, 1], got {cfg.max_bad_frac}")
+    if getattr(cfg, "weight_decay", 0.0) < 0 or not 0 <= getattr(cfg, "warmup_ratio", 0.0) < 1:
+        p.error("--weight-decay must be >= 0 and --warmup-ratio in [0, 1)")
     try:
-        cfg = {"label": LabelConfig, "train": TrainRouterConfig, "eval": EvalConfig}[command](**args)
-        for name in ("batch_size", "max_tokens", "max_tiles", "max_seq_len", "global_batch", "steps", "hidden", "log_every"):
-            if getattr(cfg, name, 1) <= 0:
-                raise RouterError(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-        if getattr(cfg, "tau", 1.0) <= 0 or getattr(cfg, "lr", 1.0) <= 0:
-            raise RouterError("--tau and --lr must be positive")
         for name in ("model", "router", "labels"):
             if getattr(cfg, name, None) and not Path(getattr(cfg, name)).is_dir():
                 raise RouterError(f"--{name} {getattr(cfg, name)}: not a folder")

@@ -100,13 +100,16 @@ class TrainConfig:
     peak_tflops: float = 0.0  # per-device bf16 peak for MFU; 0 = from the device name (H100/H200: 989)
     validate_data: bool = False
 
-    def check(self) -> None:
-        """Reject bad values before any process group starts."""
+    def check_files(self) -> None:
+        """Bad input (exit 1): the model and data paths, before any process group starts."""
         if not self.model or not Path(self.model).is_dir():
             raise ValueError(f"--model {self.model!r}: not a checkpoint folder")
         check_not_run_folder(Path(self.model))  # runs/11 for runs/11/export: say which folder is meant
         if not self.data or not Path(self.data).is_file():
             raise ValueError(f"--data {self.data!r}: no such meta JSON file")
+
+    def check_flags(self) -> None:
+        """Bad flags (exit 2, as argparse's own): values out of range and flags that exclude each other."""
         if self.max_tiles < 0:
             raise ValueError(f"--max-tiles must be >= 0 (0 = the checkpoint's), got {self.max_tiles}")
         for name in ("lr_new", "lr_pretrained", "global_batch", "micro_batch", "max_seq_len", "save_every",
@@ -117,7 +120,7 @@ class TrainConfig:
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be a positive integer, got {getattr(self, name)}")
         if not 0 <= self.warmup_ratio < 1 or not 0 <= self.max_bad_frac <= 1 or self.weight_decay < 0 or self.clip <= 0:
-            raise ValueError("--warmup-ratio and --max-bad-frac must be in [0, 1), --weight-decay >= 0, --clip > 0")
+            raise ValueError("--warmup-ratio must be in [0, 1), --max-bad-frac in [0, 1], --weight-decay >= 0, --clip > 0")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise ValueError(f"--dtype must be auto, bf16 or fp32, got {self.dtype!r}")
         if self.num_workers < 0:
@@ -149,7 +152,7 @@ def parse_args(argv=None) -> TrainConfig:
         "freeze_backbone": "train only prefixes and aggregators", "save_every": "steps between checkpoints",
         "keep_last": "checkpoints kept", "log_every": "steps between log lines",
         "num_workers": "data loading processes per rank; the default is 4, or the CPUs per local rank if fewer",
-        "max_bad_frac": "abort above this fraction of bad rows, in [0, 1]",
+        "max_bad_frac": "abort once more than this fraction of the data set's rows are bad, in [0, 1] (--validate-data's rule)",
         "peak_tflops": "per-device bf16 peak in TFLOP/s for MFU, 0 = from the device name (H100/H200: 989)",
         "validate_data": "count and name bad rows, then exit without training",
         "resume": "continue from the newest checkpoint in --out that verifies (none: start fresh)",
@@ -163,7 +166,12 @@ def parse_args(argv=None) -> TrainConfig:
             kind = {"pv": int, "pl": int}.get(f.name, type(default))
             choices = ["auto", "bf16", "fp32"] if f.name == "dtype" else None
             p.add_argument(flag, type=kind, default=default, choices=choices, help=help_)
-    return TrainConfig(**vars(p.parse_args(argv)))
+    cfg = TrainConfig(**vars(p.parse_args(argv)))
+    try:
+        cfg.check_flags()
+    except ValueError as e:
+        p.error(str(e))
+    return cfg
 
 
 # -- model -------------------------------------------------------------------------------------
@@ -396,7 +404,7 @@ def main(argv=None) -> int:
     out = None
     try:
         cfg = parse_args(argv)
-        cfg.check()
+        cfg.check_files()
         out = Path(cfg.out)
         if not cfg.validate_data:
             check_out(Path(cfg.out), cfg.resume, cfg.overwrite)
@@ -414,7 +422,7 @@ def main(argv=None) -> int:
             if sum(counts[r] for r in BAD_REASONS) > len(bad):
                 print(f"... and {sum(counts[r] for r in BAD_REASONS) - len(bad)} more bad rows")
             print(json.dumps(counts))
-            check_bad_fraction(counts, cfg.max_bad_frac)
+            check_bad_fraction(counts, len(data), cfg.max_bad_frac)
             return 0
         return train(cfg, tok, data)
     except (KeyboardInterrupt, CheckpointException, Exception) as e:
@@ -546,7 +554,7 @@ def train(cfg: TrainConfig, tok: Tokenizer, data: SFTData) -> int:
             if n:
                 bad_total[reason] = bad_total.get(reason, 0) + int(n)
         seen_total += int(good + sum(bad))
-        check_bad_fraction({"rows": seen_total, **bad_total}, cfg.max_bad_frac)
+        check_bad_fraction(bad_total, len(data), cfg.max_bad_frac)
         dt = time.perf_counter() - t0
         if step % cfg.log_every == 0 or step == total:
             vit_tokens = tiles * (model.cfg.vit.grid**2 + 1) if model.cfg.vit is not None else 0

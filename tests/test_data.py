@@ -200,13 +200,13 @@ def test_bad_rows_detected_counted_and_deterministic(tmp_path, tok):
     counts = D.validate(d)
     assert counts == {"good": 2, "missing_image": 2, "corrupt_image": 2, "placeholder_mismatch": 4,
                       "too_long": 2, "bad_row": 4}
-    assert D.check_bad_fraction(counts, 0.9) == pytest.approx(14 / 16)
-    with pytest.raises(ValueError, match="14 of 16 rows are bad"):
-        D.check_bad_fraction(counts, 0.5)
-    # A trainer may give the total rows seen instead of the good ones.
-    assert D.check_bad_fraction({"rows": 20, "too_long": 2, "bad_row": 3}, 0.25) == 0.25
-    with pytest.raises(ValueError, match="5 of 20 rows are bad"):
-        D.check_bad_fraction({"rows": 20, "too_long": 2, "bad_row": 3}, 0.2)
+    D.check_bad_fraction(counts, 16, 14 / 16)  # at the bound: accepted
+    with pytest.raises(ValueError, match="14 of the data set's 16 rows are bad"):
+        D.check_bad_fraction(counts, 16, 0.5)
+    # A trainer gives the bad rows met so far, against the whole data set's rows (the same rule).
+    D.check_bad_fraction({"too_long": 2, "bad_row": 3}, 20, 0.25)
+    with pytest.raises(ValueError, match="5 of the data set's 20 rows are bad"):
+        D.check_bad_fraction({"too_long": 2, "bad_row": 3}, 20, 0.2)
 
 
 def test_validate_counts_repeats(tmp_path, tok):

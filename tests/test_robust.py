@@ -434,7 +434,7 @@ def test_validate_data_lists_bad_rows_capped(model_dir, tmp_path, capsys, monkey
                                 *TRAIN)
     lines = out.strip().splitlines()
     assert code == 1 and len(lines) == 3 and lines[1] == "... and 2 more bad rows", lines
-    assert one_line(err).startswith("error: 3 of 9 rows are bad")
+    assert one_line(err).startswith("error: 3 of the data set's 9 rows are bad")
     assert tree(meta.parent) == before
 
 

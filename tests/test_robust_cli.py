@@ -255,3 +255,33 @@ def test_answers_skip_special_tokens_as_the_official_chat_does(model_dir, png, c
     code, out, err = gen_main(capsys, png, "q", "--model", model_dir, "--json")
     answer = json.loads(out.splitlines()[-1])["answer"]
     assert code == 0 and "<img>" not in answer and answer == tok.decode(ids, skip_special_tokens=True).strip(), (answer, err)
+
+
+def test_a_flag_out_of_range_exits_2_in_every_command(model_dir, png, tmp_path, capsys):
+    """One convention: a flag's value out of range (or flags that exclude each other) is a usage error,
+    exit 2 with one line naming the flag, as argparse's own are; a file that is wrong is bad input, 1."""
+    import evaluate
+    import router
+    import train
+
+    m, d = str(model_dir), str(tmp_path / "meta.json")
+    cases = {
+        "generate.py": (generate.main, [str(png), "q", "--model", m, "--max-new-tokens", "0"], "--max-new-tokens"),
+        "train.py": (train.main, ["--model", m, "--data", d, "--out", str(tmp_path / "r"), "--warmup-ratio", "1"], "--warmup-ratio"),
+        "train.py frac": (train.main, ["--model", m, "--data", d, "--out", str(tmp_path / "r"), "--max-bad-frac", "1.5"],
+                          "--max-bad-frac in [0, 1]"),
+        "router.py label": (router.main, ["label", "--model", m, "--data", d, "--out", str(tmp_path / "l"), "--batch-size", "0"],
+                            "--batch-size"),
+        "router.py label frac": (router.main, ["label", "--model", m, "--data", d, "--out", str(tmp_path / "l"),
+                                               "--max-bad-frac", "-0.1"], "--max-bad-frac"),
+        "router.py train": (router.main, ["train", "--model", m, "--labels", m, "--out", str(tmp_path / "t"), "--tau", "0"], "--tau"),
+        "evaluate.py run": (evaluate.main, ["run", "--benchmark", "TextVQA_VAL", "--data", d, "--model", m, "--out",
+                                            str(tmp_path / "p.jsonl"), "--batch-size", "0"], "--batch-size"),
+        "profiling.py": (profiling.main, ["latency", "--batch", "0"], "--batch"),
+    }
+    for name, (main, argv, needle) in cases.items():
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and needle in err[0] and err[0].endswith("(see --help)"), (name, err)
+    assert not any((tmp_path / n).exists() for n in ("r", "l", "t", "p.jsonl"))

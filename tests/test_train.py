@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file
 
+from cli import one_line
 from conftest import two_nodes
 from data import SFTData, collate
 from loss import chunked_sft_loss, loss_weights, sft_loss
@@ -282,6 +283,19 @@ def test_bad_rows_counted_and_threshold(model_dir, tmp_path):
     res = run_train("--model", model_dir, "--data", meta, "--out", tmp_path / "strict", "--max-steps", "2",
                     "--max-bad-frac", "0.1", *COMMON, check=False)
     assert res.returncode != 0 and "bad" in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
+    # one rule for --validate-data and training: 2 of the 8 rows is exactly --max-bad-frac 0.25, so
+    # both accept the set, whichever step meets the bad rows (seed 1 puts one in the first step of 2
+    # rows: a count over the rows seen so far, 1 of 2, aborted there a set --validate-data passes)
+    res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--validate-data", "--model", str(model_dir),
+                          "--data", str(meta), "--max-tiles", "2", "--max-bad-frac", "0.25"], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    run_train("--model", model_dir, "--data", meta, "--out", tmp_path / "edge", "--max-steps", "4", "--max-bad-frac", "0.25",
+              *COMMON, "--global-batch", "2", "--seed", "1")
+    assert metrics(tmp_path / "edge")[-1]["bad_rows"] == {"missing_image": 2}
+    res = run_train("--model", model_dir, "--data", meta, "--out", tmp_path / "under", "--max-steps", "2",
+                    "--max-bad-frac", "0.2", *COMMON, check=False)  # 2 > 0.2 x 8: refused at the step that meets them
+    assert res.returncode == 1 and one_line(res.stderr).endswith(
+        "error: 2 of the data set's 8 rows are bad (25.00% > --max-bad-frac 20.00%): {'missing_image': 2}"), res.stderr[-2000:]
 
 
 def test_samples_past_the_position_table_are_too_long(model_dir, meta, tmp_path):
