@@ -19,6 +19,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 
 class CheckpointError(ValueError):
@@ -204,6 +205,13 @@ def safetensors_header(file: Path) -> dict[str, tuple[torch.dtype, tuple[int, ..
         return out
     except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{file}: unreadable safetensors file ({type(e).__name__}: {e})") from None
+
+
+def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file (labels, a router), its header checked first: a file
+    that is truncated or not one is refused in one line naming it, not safetensors' own error."""
+    safetensors_header(file)
+    return load_file(str(file))
 
 
 def check_keys(expected: set[str], found: set[str], folder: Path) -> None:

@@ -13,6 +13,7 @@ import os
 import re
 import resource
 import secrets
+import signal
 import socket
 import sys
 import time
@@ -115,6 +116,21 @@ def command(main):
     exit_process(record(main)() or 0)
 
 
+def check_folder(folder: Path, flag: str) -> None:
+    """A folder a command will write into may be missing, but no file may stand in its way: one line
+    naming that file, before any work."""
+    above = next(p for p in (folder, *folder.parents) if p.exists())
+    if not above.is_dir():
+        raise ValueError(f"{flag} {folder}: {above} is a file, not a folder")
+
+
+def make_folder(folder: Path, flag: str) -> None:
+    """check_folder, then the folder made with its parents (a read-only file system is the OSError's
+    own line)."""
+    check_folder(folder, flag)
+    folder.mkdir(parents=True, exist_ok=True)
+
+
 def check_shared(folder: Path, flag: str) -> None:
     """More than one machine: every rank must see the folder that rank 0 creates and all ranks write
     into (a run's checkpoints, label chunks, prediction parts), so it must sit on a file system every
@@ -166,6 +182,36 @@ def exit_process(code: int) -> NoReturn:
         sys.stdout.flush(), sys.stderr.flush()
         os._exit(code)
     sys.exit(code)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT (Ctrl-C) or SIGTERM, raised where the command is (see interruptible); `code` is the
+    exit code, 128 + the signal's number (130, 143)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.code = 128 + signum
+
+
+@contextmanager
+def interruptible():
+    """SIGINT and SIGTERM raise Interrupted inside, so the command stops through its own finally
+    blocks (a file half written removed, the ones complete kept) and says so in one line; the
+    previous handlers come back after."""
+    def on_signal(signum, frame):
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def os_error(e: OSError) -> str:
+    """A failed read or write in one line: the file and the cause ("x: Read-only file system")."""
+    return f"{e.filename}: {e.strerror}" if e.filename and e.strerror else one_line(e)
 
 
 class OutOfMemory(ValueError):

@@ -40,8 +40,9 @@ from pathlib import Path
 
 import torch
 
-from cli import (OneLineParser, allocation, check_shared, command, end_processes, error, log,
-                 one_line, pyplot, rank, resolve_dtype, resolve_model, start_processes, world_size)
+from cli import (Interrupted, OneLineParser, allocation, check_shared, command, end_processes, error, interruptible, log,
+                 make_folder, one_line, os_error, pyplot, rank, resolve_dtype, resolve_model, start_processes,
+                 world_size)
 from judge import Judge
 from scaling_law import fit_law
 from scoring import BENCHMARKS, SCORE_COLUMNS, DataError, as_list, options, read_jsonl, read_tsv, score
@@ -153,6 +154,8 @@ def run(args) -> int:
     me, world = rank(), world_size()
     dtype = resolve_dtype(args.dtype, device)
     out = Path(args.out)
+    if me == 0:
+        make_folder(out.parent, "--out")
     check_shared(out.parent, "--out")  # more than one machine: every rank writes its part beside it
     part = lambda r: out.with_name(f"{out.name}.part{r}")  # noqa: E731  each rank appends to its own file
     # rows finished by an earlier run, of any world size: the merged file plus unmerged parts
@@ -203,12 +206,14 @@ def run(args) -> int:
             with allocation(f"--batch-size {args.batch_size} (longest prompt {len(batch[0][1])} tokens, up to "
                             f"{cfg.max_new_tokens} new)", "--batch-size, --max-tiles or --max-new-tokens"):
                 res = engine.generate([ids for _, ids in batch], pv, cfg, stop_ids=tok.eos_ids, pad_id=0)
+            lines = []
             for k, ((r, _), toks) in enumerate(zip(batch, res.tokens)):
                 text = tok.answer(toks)  # the official chat()'s decoding (processor.Tokenizer.answer)
                 routed = {"pair": list(res.pairs[k])} if res.pairs is not None else {}  # the router's (v, l)
-                f.write(json.dumps({"index": r["index"], "prediction": text, **meta, "new_tokens": len(toks), **routed},
-                                   ensure_ascii=False) + "\n")
+                lines.append(json.dumps({"index": r["index"], "prediction": text, **meta, "new_tokens": len(toks), **routed},
+                                        ensure_ascii=False) + "\n")
                 new_tokens += len(toks)
+            f.write("".join(lines))  # one call: an interrupt (signals run between calls) leaves whole lines
             f.flush()
             n_done += len(batch)
             dt = time.perf_counter() - t0
@@ -332,9 +337,9 @@ def report(args) -> int:
     configs = sorted(runs, key=lambda c: (c[4], c[2] is not None or c[3] is not None, c[0], c[1], c[2] or 0, c[3] or 0))
     columns = list(BENCHMARKS) + ["General", "Math", "OCR", "All"]
     table = {c: runs[c] | aggregates(runs[c]) for c in configs}
-    flops = {}
+    flops = {}  # the Table S3 workload on --arch; a fixed branch runs alone: one vision or language branch's cost
     for c in configs:
-        flops[c] = profile_params(args.arch, c[0], c[1])["total_gflops"]  # the Table S3 workload
+        flops[c] = profile_params(args.arch, 1 if c[2] is not None else c[0], 1 if c[3] is not None else c[1])["total_gflops"]
     # Table S2: best configuration per column among full (dense) runs, ties at the reported precision
     # going to fewer FLOPs (fixed-pair runs are diagnostics, Table S9, and do not compete)
     best = {}
@@ -509,10 +514,18 @@ def main(argv=None) -> int:
     from checkpoint import CheckpointError
     from processor import ImageError
     try:
-        return {"run": run, "score": score_cmd, "report": report, "fit-law": fit_law_cmd}[args.cmd](args)
-    except (DataError, CheckpointError, ImageError, ValueError, FileNotFoundError) as e:
+        with interruptible():
+            return {"run": run, "score": score_cmd, "report": report, "fit-law": fit_law_cmd}[args.cmd](args)
+    except (DataError, CheckpointError, ImageError, ValueError) as e:
         error(f"error: {one_line(e)}")
         return 1
+    except OSError as e:  # --out on a read-only file system, or a file where a folder must be
+        error(f"error: {os_error(e)}")
+        return 1
+    except Interrupted as e:  # the predictions written so far stay: the same command resumes
+        log(f"interrupted by {e}" + (": the predictions written so far stay; the same command resumes"
+                                     if args.cmd == "run" else ""))
+        return e.code
 
 
 if __name__ == "__main__":

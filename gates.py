@@ -44,9 +44,9 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
-from checkpoint import read_json
+from checkpoint import read_json, read_safetensors
 from cli import log
 from parvl import ParVL, is_branch_tensor
 
@@ -231,7 +231,7 @@ def load_router(path: str | Path, model: ParVL | None = None) -> Router:
         raise RouterError(f"{folder}/config.json: not a router config ({type(e).__name__}: {e})") from None
     if not (folder / "router.safetensors").is_file():
         raise RouterError(f"{folder}: no router.safetensors")
-    state = load_file(str(folder / "router.safetensors"))
+    state = read_safetensors(folder / "router.safetensors")
     router = Router(cfg)
     want = {k: tuple(v.shape) for k, v in router.state_dict().items()}
     if {k: tuple(v.shape) for k, v in state.items()} != want:

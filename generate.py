@@ -23,10 +23,10 @@ import torch
 
 from checkpoint import CheckpointError
 from chat import Interrupted, answer, chat_session
-from cli import DEFAULT_MODEL, OneLineParser, error, hms, log, one_line, resolve_device, resolve_dtype, resolve_model
+from cli import DEFAULT_MODEL, OneLineParser, command, error, hms, log, one_line, resolve_device, resolve_dtype, resolve_model
 from engine import Engine, GenerateConfig, context_check, engine_from_flags
 from parvl import ParVL, open_checkpoint
-from processor import ImageError, Tokenizer, build_prompt, load_image, place_images
+from processor import ImageError, Tokenizer, build_prompt, load_image, open_rgb, place_images, tile_count
 from gates import router_flag
 
 
@@ -115,16 +115,20 @@ def main(argv=None) -> int:
             raise ValueError(f"{folder}: a language-only model takes no images ({args.batch} has some)")
         if images and mcfg.vit is None:
             raise ValueError(f"{folder}: a language-only model takes no images")
-        pixel_list = [load_image(path, max_tiles=args.max_tiles or mcfg.max_dynamic_patch, use_thumbnail=mcfg.use_thumbnail,
-                                 image_size=mcfg.vit.image_size) for path in images]  # bad images fail before the weights load
-        num_tiles = [pv.shape[0] for pv in pixel_list]
+        tiling = dict(max_tiles=args.max_tiles or mcfg.max_dynamic_patch, use_thumbnail=mcfg.use_thumbnail,
+                      image_size=mcfg.vit.image_size) if images else {}
+        opened = [open_rgb(path) for path in images]  # bad images fail before the weights load
+        num_tiles = [tile_count(img, **tiling) for img in opened]
         t0 = time.perf_counter()
         prompt = None
+        # a prompt that cannot fit is refused before any image is tiled or the weights are read
         if not args.chat:
             prompt = build_prompt(place_images(question, len(num_tiles)), num_tiles, system=args.system,
                                   tokens_per_tile=mcfg.tokens_per_tile)
-            # a prompt that cannot fit is refused before the weights are read
             context_check(len(tok.encode(prompt)), args.max_new_tokens, mcfg.llm.max_position_embeddings)
+        else:  # the session's first turn holds the images' tokens at least
+            context_check(sum(num_tiles) * mcfg.tokens_per_tile, args.max_new_tokens, mcfg.llm.max_position_embeddings)
+        pixel_list = [load_image(img, **tiling) for img in opened]
         model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
         load_s = time.perf_counter() - t0
         log(f"loaded {folder} in {load_s:.2f} s ({dtype}, {device}, Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl})")
@@ -222,13 +226,19 @@ def answer_file(engine: Engine, tok: Tokenizer, rows: list[dict], done: set[int]
     dtype = engine.model.language_model.lm_head.weight.dtype
     torch.manual_seed(args.seed)
     sink = open(out, "a", encoding="utf-8") if out else sys.stdout
-    t0, tty = time.perf_counter(), sys.stderr.isatty()
+    t0, tty, unreadable = time.perf_counter(), sys.stderr.isatty(), []
     try:
         for start in range(0, len(todo), args.batch_size):
-            batch, prompts, pixels = todo[start:start + args.batch_size], [], []
-            for r in batch:
-                tiles = [load_image(f, max_tiles=args.max_tiles or mcfg.max_dynamic_patch, use_thumbnail=mcfg.use_thumbnail,
-                                    image_size=mcfg.vit.image_size) for f in r["paths"]]
+            batch, prompts, pixels = [], [], []
+            for r in todo[start:start + args.batch_size]:
+                try:
+                    tiles = [load_image(f, max_tiles=args.max_tiles or mcfg.max_dynamic_patch,
+                                        use_thumbnail=mcfg.use_thumbnail, image_size=mcfg.vit.image_size) for f in r["paths"]]
+                except ImageError as e:  # found only now (images are decoded batch by batch): named, skipped
+                    log(f"{questions} line {r['line']}: {e}; skipped")
+                    unreadable.append(r["line"])
+                    continue
+                batch.append(r)
                 question = place_images(r["question"], len(tiles))
                 try:  # the command's own prompt for one question, so each answer is the one-by-one answer
                     prompts.append(tok.encode(build_prompt(question, [t.shape[0] for t in tiles], system=args.system,
@@ -237,13 +247,15 @@ def answer_file(engine: Engine, tok: Tokenizer, rows: list[dict], done: set[int]
                 except ValueError as e:
                     raise ValueError(f"{questions} line {r['line']}: {e}") from None
                 pixels += tiles
+            if not batch:
+                continue
             res = engine.generate(prompts, torch.cat(pixels).to(dtype) if pixels else None, cfg, tok.eos_ids)
             for r, ids in zip(batch, res.tokens):
                 row = {"line": r["line"], **({"image": r["image"]} if r["image"] is not None else {}),
                        "question": r["question"], "answer": tok.answer(ids)}
                 sink.write(json.dumps(row, ensure_ascii=False) + "\n")
             sink.flush()
-            n, dt = start + len(batch), time.perf_counter() - t0
+            n, dt = min(start + args.batch_size, len(todo)), time.perf_counter() - t0
             eta = dt / n * (len(todo) - n)
             print(f"{chr(13) if tty else ''}answered {n}/{len(todo)}, {n / dt:.2f} samples/s, elapsed {hms(dt)}, "
                   f"eta {hms(eta)}", end="" if tty and n < len(todo) else "\n", file=sys.stderr, flush=True)
@@ -253,9 +265,13 @@ def answer_file(engine: Engine, tok: Tokenizer, rows: list[dict], done: set[int]
     if out and done and todo and min(r["line"] for r in todo) < max(done):  # the old file was no prefix
         ordered = sorted(out.read_text(encoding="utf-8").splitlines(keepends=True), key=lambda x: json.loads(x)["line"])
         out.write_text("".join(ordered), encoding="utf-8")
+    if unreadable:  # every other row is answered; a rerun with the same --out tries only these again
+        error(f"error: {len(unreadable)} of {len(todo)} rows not answered, their images unreadable: {questions} "
+              f"line{'s' * (len(unreadable) > 1)} {', '.join(map(str, unreadable))}")
+        return 1
     return 0
 
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command(main)

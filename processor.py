@@ -70,12 +70,23 @@ def tile_grid(width: int, height: int, max_tiles: int = 12, min_tiles: int = 1,
                          f"max_tiles={max_tiles}")
     if width < 1 or height < 1:
         raise ValueError(f"image size must be positive, got {width}x{height}")
-    # The official code builds a Python set and stably sorts it by tile count, so grids with the
-    # same count keep the set's iteration order. That order decides some exact ties, so we build
-    # the set with the same insertion sequence instead of choosing our own order.
-    grids = {(c, r) for n in range(min_tiles, max_tiles + 1)
-             for c in range(1, n + 1) for r in range(1, n + 1)
-             if min_tiles <= c * r <= max_tiles}
+    # The official code builds a Python set with a triple loop (n, then cols and rows up to n) and
+    # stably sorts it by tile count, so grids with the same count keep the set's iteration order,
+    # which decides some exact ties. A set's layout depends only on the order in which its distinct
+    # members first arrive (a repeat changes nothing), so we insert them in that same first-arrival
+    # order: grids with cols, rows <= min_tiles, then for each larger m those with max(cols, rows) = m
+    # ((1, m) .. (m-1, m), then (m, 1) .. (m, m)). That is O(max_tiles log max_tiles) candidates,
+    # not the triple loop's O(max_tiles^3) steps.
+    def first_arrivals():
+        for c in range(1, min_tiles + 1):
+            for r in range(1, min(min_tiles, max_tiles // c) + 1):
+                if c * r >= min_tiles:
+                    yield c, r
+        for m in range(min_tiles + 1, max_tiles + 1):
+            yield from ((c, m) for c in range(1, min(m - 1, max_tiles // m) + 1) if c * m >= min_tiles)
+            yield from ((m, r) for r in range(1, min(m, max_tiles // m) + 1) if m * r >= min_tiles)
+
+    grids = set(first_arrivals())
     grids = sorted(grids, key=lambda g: g[0] * g[1])
 
     aspect = width / height
@@ -87,6 +98,13 @@ def tile_grid(width: int, height: int, max_tiles: int = 12, min_tiles: int = 1,
         elif err == best_err and width * height > 0.5 * image_size * image_size * cols * rows:
             best = (cols, rows)
     return best
+
+
+def tile_count(img: Image.Image, max_tiles: int = 12, image_size: int = IMAGE_SIZE, use_thumbnail: bool = True) -> int:
+    """How many tiles tile_image makes of img (the thumbnail included), without making them: a
+    prompt's length is known, and checked against the context, before any pixels are resized."""
+    cols, rows = tile_grid(img.width, img.height, max_tiles, 1, image_size)
+    return cols * rows + (use_thumbnail and cols * rows != 1)
 
 
 def tile_image(img: Image.Image, max_tiles: int = 12, image_size: int = IMAGE_SIZE,

@@ -35,12 +35,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from aggregate import fold, per_branch
-from checkpoint import CheckpointError, check_not_run_folder, read_json
-from cli import (OneLineParser, allocation, barrier, check_shared, command, end_processes, error, log, one_line, rank,
-                 resolve_dtype, start_processes, world_size)
+from checkpoint import CheckpointError, check_not_run_folder, read_json, read_safetensors
+from cli import (Interrupted, OneLineParser, allocation, barrier, check_folder, check_shared, command, end_processes, error,
+                 interruptible, log, one_line, os_error, rank, resolve_dtype, start_processes, world_size)
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, collate
 from gates import (Router, RouterConfig, RouterError, fingerprint, image_tiles, load_router, path_teacher, pool_tiles,
                    question_span, router_loss, save_router, text_feature, thumbnail_feature)
@@ -228,7 +228,7 @@ def load_labels(path: str | Path, model: ParVL | None = None) -> tuple[dict, dic
     folder = Path(path)
     if not (folder / "labels.json").is_file() or not (folder / "labels.safetensors").is_file():
         raise RouterError(f"{folder}: not a complete labels folder (labels.json + labels.safetensors; see router.py label)")
-    meta, t = read_json(folder / "labels.json"), load_file(str(folder / "labels.safetensors"))
+    meta, t = read_json(folder / "labels.json"), read_safetensors(folder / "labels.safetensors")
     S, pv, pl = meta.get("samples"), meta.get("pv"), meta.get("pl")
     want = {"rows": (S,), "nll": (S, pv, pl), "image": (S, meta.get("vision_width")), "text": (S, meta.get("text_width")),
             "connector": (S, pv, meta.get("text_width")), "has_image": (S,)}
@@ -267,8 +267,7 @@ def train(cfg: TrainRouterConfig) -> int:
     G/W slice, and the gradients are summed over ranks, so the run does not depend on the world size."""
     out = Path(cfg.out)
     held = [name for name in ROUTER_FILES if (out / name).exists()]
-    if out.exists() and not out.is_dir():
-        raise RouterError(f"--out {out}: is a file, not a folder")
+    check_folder(out, "--out")
     if held and not cfg.overwrite:  # one folder, one run (as train.py's run folders)
         raise RouterError(f"--out {out} already holds a router ({', '.join(held)}): pass --overwrite to replace it, "
                           f"or pick another --out")
@@ -543,18 +542,26 @@ def main(argv=None) -> int:
         p.error(f"--max-bad-frac must be in [0, 1], got {cfg.max_bad_frac}")
     if getattr(cfg, "weight_decay", 0.0) < 0 or not 0 <= getattr(cfg, "warmup_ratio", 0.0) < 1:
         p.error("--weight-decay must be >= 0 and --warmup-ratio in [0, 1)")
+    interrupted = False
     try:
-        for name in ("model", "router", "labels"):
-            if getattr(cfg, name, None) and not Path(getattr(cfg, name)).is_dir():
-                raise RouterError(f"--{name} {getattr(cfg, name)}: not a folder")
-        if getattr(cfg, "data", "") and not Path(cfg.data).is_file():
-            raise RouterError(f"--data {cfg.data}: no such meta JSON file")
-        return {"label": label, "train": train, "eval": evaluate}[command](cfg)
-    except (ValueError, CheckpointError) as e:  # RouterError, bad data or checkpoints: one line, exit 1
-        error(f"error: {one_line(e)}", wait=not dist.is_initialized())  # else end_processes' barrier holds the others
+        with interruptible():
+            for name in ("model", "router", "labels"):
+                if getattr(cfg, name, None) and not Path(getattr(cfg, name)).is_dir():
+                    raise RouterError(f"--{name} {getattr(cfg, name)}: not a folder")
+            if getattr(cfg, "data", "") and not Path(cfg.data).is_file():
+                raise RouterError(f"--data {cfg.data}: no such meta JSON file")
+            return {"label": label, "train": train, "eval": evaluate}[command](cfg)
+    except (ValueError, CheckpointError, OSError) as e:  # RouterError, bad data, checkpoints or --out: one line, exit 1
+        line = os_error(e) if isinstance(e, OSError) else one_line(e)
+        error(f"error: {line}", wait=not dist.is_initialized())  # else end_processes' barrier holds the others
         return 1
+    except Interrupted as e:
+        interrupted = True  # the other ranks may be gone already: no last barrier
+        log(f"interrupted by {e}" + (": the chunks labelled so far stay; the same command resumes" if command == "label" else ""))
+        return e.code
     finally:
-        end_processes()
+        if not interrupted:
+            end_processes()
 
 
 def load_model(path: str, dtype: str, device) -> ParVL:

@@ -380,16 +380,14 @@ def test_parscale_hidden_major_aggregation_by_hand():
     torch.testing.assert_close(w, a, atol=1e-7, rtol=1e-6)
 
 
-def test_cli_takes_branches_from_the_checkpoint(checkpoint, tmp_path):
-    """generate.py on a saved 2:2 ParVL checkpoint: the answer equals the in-process engine's,
-    with standard, shared-KV and single-pair decoding."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
+def test_cli_takes_branches_from_the_checkpoint(checkpoint, tmp_path, capsys):
+    """generate.py on a saved 2:2 ParVL checkpoint (its main, in this process: a new interpreter per
+    call only adds imports): the answer equals the in-process engine's, with standard, shared-KV and
+    single-pair decoding."""
     import numpy as np
     from PIL import Image
 
+    import generate
     from processor import Tokenizer, build_prompt, load_image
 
     model = ParVL.from_pretrained(checkpoint("qwen3", "original"), pv=2, pl=2)
@@ -401,16 +399,15 @@ def test_cli_takes_branches_from_the_checkpoint(checkpoint, tmp_path):
     tok = Tokenizer.from_pretrained(folder)
     pv = load_image(png, max_tiles=2)
     ids = tok.encode(build_prompt("What is this?", [pv.shape[0]]))
-    root = Path(__file__).resolve().parents[1]
     for flags, engine in [([], Engine(model)), (["--shared-kv"], Engine(model, shared_kv=True)),
                           (["--vision-branch", "1", "--language-branch", "0"], Engine(model, vision_branch=1, language_branch=0))]:
-        res = subprocess.run([sys.executable, str(root / "generate.py"), str(png), "What is this?", "--model", str(folder),
-                              "--max-new-tokens", str(NEW), "--max-tiles", "2", "--json", *flags],
-                             capture_output=True, text=True, timeout=300)
-        assert res.returncode == 0, res.stderr
+        rc = generate.main([str(png), "What is this?", "--model", str(folder), "--max-new-tokens", str(NEW), "--max-tiles", "2",
+                            "--json", *flags])
+        out = capsys.readouterr()
+        assert rc == 0, out.err
         want = engine.generate([ids], pv, GenerateConfig(max_new_tokens=NEW), tok.eos_ids).tokens[0]
-        assert json.loads(res.stdout)["answer"] == tok.answer(want), flags
-        assert "Pv:Pl = 2:2" in res.stderr
+        assert json.loads(out.out)["answer"] == tok.answer(want), flags
+        assert "Pv:Pl = 2:2" in out.err
 
 
 # -- a branch pair per sample ----------------------------------------------------------------------
@@ -508,13 +505,15 @@ def test_per_sample_pairs_differ_where_the_branches_differ():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("batch", [1, 3])
-def test_compiled_decode_equals_eager_in_every_branch_mode(batch):
+def test_compiled_decode_equals_eager_in_every_branch_mode():
     """decode_one_token compiled as Engine compiles it on CPU (fullgraph, the gemv backend) against
     eager on the same cache state: logits and the generated tokens, for per-sample pairs, dense and
-    shared KV. One sample keeps every mode at <= GEMV_ROWS rows (gemv); three samples put the dense
-    modes' 9 rows past it (the BLAS), with left padding."""
+    shared KV, three left-padded samples: the pairs' 3 rows are within GEMV_ROWS (the gemv path), the
+    dense modes' 9 rows past it (the BLAS). One sample at 1:1 is test_generate's compiled test. (Each
+    mode is a graph of its own, compiled cold in CI: three is what this costs.)"""
     from engine import GEMV_ROWS, cpu_backend, decode_one_token, prefill
+
+    batch = 3
 
     model = make_branches_matter(tiny(pv=2, pl=3, seed=43))
     samples = [prompt(1, text=7, seed=44), prompt(0, text=12, seed=45), prompt(2, text=5, seed=46)][:batch]

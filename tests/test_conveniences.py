@@ -277,6 +277,16 @@ def test_batch_bad_input_is_one_line(tiny, questions, tmp_path, capsys):
         assert generate.main([*map(str, args), "--model", str(folder), *FLAGS]) == 1, needle
         line = one_line(capsys.readouterr().err)
         assert line.startswith(f"error: {needle}"), (needle, line)
+    # a corrupt image is found at its batch: that row is named and skipped, every other row answered,
+    # exit 1 naming what is left; a rerun tries only that row again
+    (tmp_path / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    bad.write_text(json.dumps({"image": "broken.png", "question": "q"}) + "\n" + json.dumps({"question": "Hi?"}) + "\n")
+    out = tmp_path / "answers.jsonl"
+    assert generate.main(["--batch", str(bad), "--out", str(out), "--model", str(folder), *FLAGS]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[1].startswith(f"{bad} line 1: cannot read image {tmp_path / 'broken.png'}: ") and err[1].endswith("; skipped")
+    assert err[-1] == f"error: 1 of 2 rows not answered, their images unreadable: {bad} line 1", err
+    assert [json.loads(x)["line"] for x in out.read_text().splitlines()] == [2]
     with pytest.raises(SystemExit) as e:
         generate.main(["--batch", str(path), "question?", "--model", str(folder)])
     assert e.value.code == 2 and "--batch reads images and questions" in one_line(capsys.readouterr().err)

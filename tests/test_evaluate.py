@@ -8,6 +8,8 @@ import io
 import json
 import re
 import math
+import os
+import signal
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -585,6 +587,9 @@ def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
     assert s22["OCR"] == pytest.approx((72 + 70 + 82.5 + 77) / 4)
     assert s22["All"] == pytest.approx(sum(SCORES[(2, 2)]) / 9)
     assert by[(2, 2, 0)]["scores"]["All"] is None  # one benchmark only: no aggregate
+    from flops import profile_params
+    assert by[(2, 2, 0)]["gflops"] == profile_params("1b", 1, 1)["total_gflops"]  # one pair runs: a pair's cost
+    assert by[(2, 2, None)]["gflops"] == profile_params("1b", 2, 2)["total_gflops"]
     assert data["grids"]["MathVista_MINI"] == [[44.0, 45.0], [46.0, 48.0]]  # rows Pv 1, 2; columns Pl 1, 2
     best = data["best"]
     # MMMU: 1:2 and 2:1 tie at 41.0 -> 1:2 (4262.6 < 5113.9 GFLOPs for 1B); TextVQA the same tie
@@ -775,6 +780,48 @@ def test_run_out_of_memory_is_one_line(bench, tmp_path, capsys, monkeypatch):
     assert re.fullmatch(r"error: out of memory at --batch-size 2 \(longest prompt \d+ tokens, up to \d+ new\); lower "
                         r"--batch-size, --max-tiles or --max-new-tokens", lines[0]), lines[0]
     assert len(read_preds(out.with_name("pred.jsonl.part0"))) == 2  # the first batch stays; a rerun resumes from it
+
+
+def test_run_interrupted_keeps_whole_predictions_and_resumes(bench, full_run, tmp_path, capsys, monkeypatch):
+    """Ctrl-C (SIGINT, here sent during the second batch): exit 130, one line, the first batch's
+    predictions kept as whole lines, and the same command finishes the file, equal to a run never
+    interrupted."""
+    folder, tsv, _, _ = bench
+    calls = []
+
+    def generate(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)  # the real signal, through the handler evaluate.py installs
+        return real(self, *args, **kwargs)
+
+    real = Engine.generate
+    monkeypatch.setattr(Engine, "generate", generate)
+    out = tmp_path / "pred.jsonl"
+    args = ["run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder, "--out", out, "--batch-size", "2",
+            "--max-new-tokens", NEW]
+    rc, _, err = main_out(capsys, *args)
+    assert rc == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == (
+        "interrupted by SIGINT: the predictions written so far stay; the same command resumes"), err
+    assert len(read_preds(out.with_name("pred.jsonl.part0"))) == 2
+    monkeypatch.setattr(Engine, "generate", real)
+    rc, stdout, _ = main_out(capsys, *args)
+    assert rc == 0 and json.loads(stdout.splitlines()[-1])["new"] == 2 and out.read_text() == full_run.read_text()
+
+
+def test_an_out_that_cannot_be_written_is_one_line(bench, full_run, tmp_path, capsys):
+    """--out where a folder is a file (as a read-only file system, an OSError at the write): one line
+    naming the path and the cause, exit 1, for run, score and report."""
+    folder, tsv, _, _ = bench
+    a_file = tmp_path / "a_file"
+    a_file.write_text("kept")
+    for args, want in [(["run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder, "--out", a_file / "p.jsonl"],
+                        f"error: --out {a_file}: {a_file} is a file, not a folder"),  # before the model loads
+                       (["score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", full_run, "--out",
+                         a_file / "s.json"], f"error: {a_file / 's.json'}: Not a directory")]:
+        rc, _, err = main_out(capsys, *args)
+        assert rc == 1 and err.strip().splitlines()[-1:] == [want], (args, err)
+    assert a_file.read_text() == "kept"
 
 
 def test_run_resumes_only_its_own_run(bench, full_run, checkpoint, tmp_path, capsys):

@@ -17,6 +17,7 @@ import chat
 import cli
 import engine
 import generate
+import processor
 import profiling
 from checkpoint import CheckpointError
 from processor import Tokenizer, load_image, open_rgb
@@ -270,6 +271,8 @@ def test_a_flag_out_of_range_exits_2_in_every_command(model_dir, png, tmp_path, 
         "train.py": (train.main, ["--model", m, "--data", d, "--out", str(tmp_path / "r"), "--warmup-ratio", "1"], "--warmup-ratio"),
         "train.py frac": (train.main, ["--model", m, "--data", d, "--out", str(tmp_path / "r"), "--max-bad-frac", "1.5"],
                           "--max-bad-frac in [0, 1]"),
+        "train.py resume": (train.main, ["--model", m, "--data", d, "--out", str(tmp_path / "r"), "--resume", "--overwrite"],
+                            "pass one of them"),
         "router.py label": (router.main, ["label", "--model", m, "--data", d, "--out", str(tmp_path / "l"), "--batch-size", "0"],
                             "--batch-size"),
         "router.py label frac": (router.main, ["label", "--model", m, "--data", d, "--out", str(tmp_path / "l"),
@@ -285,3 +288,32 @@ def test_a_flag_out_of_range_exits_2_in_every_command(model_dir, png, tmp_path, 
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and needle in err[0] and err[0].endswith("(see --help)"), (name, err)
     assert not any((tmp_path / n).exists() for n in ("r", "l", "t", "p.jsonl"))
+
+
+def test_a_tile_budget_past_the_context_is_refused_before_tiling(model_dir, tmp_path, capsys, monkeypatch):
+    """--max-tiles 10000 on a 2000:1 image (a 2000 x 1 grid): the grid is chosen in
+    O(max_tiles log max_tiles) and the prompt's length, known from it, is refused against the context
+    before one tile is resized (the triple loop and the 2001 tiles took minutes and gigabytes)."""
+    from parvl import open_checkpoint
+
+    wide = tmp_path / "wide.png"
+    Image.fromarray(np.full((2, 4000, 3), 128, dtype=np.uint8)).save(wide)
+    monkeypatch.setattr(processor, "tile_image", lambda *a, **k: pytest.fail("tiled before the context check"))
+    mcfg, _ = open_checkpoint(model_dir)
+    code, _, err = gen_main(capsys, wide, "q", "--model", model_dir, "--max-tiles", 10000, "--max-new-tokens", 4)
+    line = one_line(err)
+    n = int(line.split("prompt of ")[1].split()[0])
+    assert code == 1 and line == (f"error: prompt of {n} tokens (image tokens included) + 4 new tokens exceeds the "
+                                  f"model context of {mcfg.llm.max_position_embeddings}"), line
+    assert processor.tile_grid(4000, 2, 10000) == (2000, 1) and n > 2001 * mcfg.tokens_per_tile  # 2000 tiles + thumbnail
+
+
+def test_tile_grid_large_budgets_keep_the_official_candidate_order():
+    """The grid enumeration that replaced the official triple loop gives the official answer past
+    the budgets the other tests sweep, exact ties included (aspects midway between two grids)."""
+    from test_processor import ref_grid
+
+    for max_tiles, min_tiles in ((64, 1), (90, 7), (120, 30)):
+        for w, h in ((5, 2), (7, 3), (3, 1), (1, 9), (448 * 5, 448 * 4), (13, 12), (2000, 3), (59, 2)):
+            for k in (1, 300):
+                assert processor.tile_grid(w * k, h * k, max_tiles, min_tiles) == ref_grid(w * k, h * k, min_tiles, max_tiles)

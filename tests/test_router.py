@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import replace
@@ -430,6 +431,13 @@ def test_bad_input_refused_with_one_line(model23, labelled, checkpoint, tmp_path
     stale.mkdir()
     save_file(t | {"nll": t["nll"] + 0.5}, str(stale / "labels.safetensors"))
     (stale / "labels.json").write_text((labels / "labels.json").read_text())
+    cut = tmp_path / "cut"  # a copy cut short, as an interrupted copy leaves it
+    cut.mkdir()
+    whole = (labels / "labels.safetensors").read_bytes()
+    (cut / "labels.safetensors").write_bytes(whole[: len(whole) // 2])
+    (cut / "labels.json").write_text((labels / "labels.json").read_text())
+    a_file = tmp_path / "a_file"  # an --out that cannot be a folder: an OSError, named in one line
+    a_file.write_text("not a folder")
     cases = [
         (["train", "--model", model23, "--labels", labels, "--data", other_meta, "--out", tmp_path / "x"], "labelled on data"),
         (["train", "--model", tmp_path / "other_model", "--labels", labels, "--out", tmp_path / "x"], "labelled with checkpoint"),
@@ -439,12 +447,45 @@ def test_bad_input_refused_with_one_line(model23, labelled, checkpoint, tmp_path
         (["label", "--model", model23, "--data", other_meta, "--out", labels, *LABEL], "another checkpoint, data set"),
         (["label", "--model", checkpoint("qwen3", "original"), "--data", meta, "--out", tmp_path / "y", *LABEL], "Pv:Pl = 1:1"),
         (["eval", "--model", model23, "--router", tmp_path / "none", "--labels", labels], "--router"),
+        (["train", "--model", model23, "--labels", cut, "--out", tmp_path / "x"], "labels.safetensors: unreadable safetensors"),
+        (["label", "--model", model23, "--data", meta, "--out", a_file, *LABEL], f"{a_file}/parts: Not a directory"),
+        (["train", "--model", model23, "--labels", labels, "--out", a_file / "r"], f"{a_file} is a file, not a folder"),
     ]
     for args, needle in cases:
         assert run_router(*args) == 1, args
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and err[0].startswith("error: ") and needle in err[0], (args, err)
     assert not (tmp_path / "x").exists() and not (tmp_path / "y" / "labels.json").exists()
+    assert a_file.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_label_interrupted_keeps_its_chunks_and_resumes(model23, labelled, tmp_path, capsys, monkeypatch, sig):
+    """SIGINT (Ctrl-C) or SIGTERM in router.py label, here sent during the second chunk: exit 128 + the
+    signal, one line, the first chunk kept whole, and the same command finishes the labels, equal to
+    a run never interrupted."""
+    meta, one = labelled
+    out, calls = tmp_path / "labels", []
+
+    def label_batch(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), sig)  # the real signal, through the handler router.py installs
+        return real(*args)
+
+    real = router.label_batch
+    monkeypatch.setattr(router, "label_batch", label_batch)
+    args = ["label", "--model", model23, "--data", meta, "--out", out, *LABEL]
+    assert run_router(*args) == 128 + sig
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == (
+        f"interrupted by {sig.name}: the chunks labelled so far stay; the same command resumes"), err
+    assert sorted(p.name for p in (out / "parts").iterdir()) == ["chunk_000000.safetensors", "job.json"]  # no .tmp left
+    assert not (out / "labels.json").exists()
+    monkeypatch.setattr(router, "label_batch", real)
+    assert run_router(*args) == 0 and "resumes with 1 of its 3 chunks done" in capsys.readouterr().err
+    a, b = load_file(str(out / "labels.safetensors")), load_file(str(one / "labels.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 MEMORY_PROBE = """
