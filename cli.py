@@ -197,13 +197,17 @@ class Interrupted(KeyboardInterrupt):
 def interruptible():
     """SIGINT and SIGTERM raise Interrupted inside, so the command stops through its own finally
     blocks (a file half written removed, the ones complete kept) and says so in one line; the
-    previous handlers come back after."""
+    previous handlers come back after. Yields the list of signals received, first first: what a
+    signal then caused elsewhere (a peer's exit seen as a lost connection) is still the signal's."""
+    received: list[int] = []
+
     def on_signal(signum, frame):
+        received.append(signum)
         raise Interrupted(signum)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield
+        yield received
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -34,6 +34,7 @@ import itertools
 import json
 import math
 import os
+import random
 import re
 import time
 from pathlib import Path
@@ -45,7 +46,7 @@ from cli import (Interrupted, OneLineParser, allocation, check_shared, command, 
                  world_size)
 from judge import Judge
 from scaling_law import fit_law
-from scoring import BENCHMARKS, SCORE_COLUMNS, DataError, as_list, options, read_jsonl, read_tsv, score
+from scoring import BENCHMARKS, SCORE_COLUMNS, DataError, aggregates, as_list, options, read_jsonl, read_tsv, score
 
 # Per benchmark: prompt kind (InternVLChat.build_prompt by DATASET_TYPE), tile budget (set_max_num:
 # 12 for ChartQA_TEST / MMMU_DEV_VAL, 18 for DocVQA_VAL, 24 for OCRBench, else 6). max_new_tokens
@@ -57,14 +58,12 @@ PROTOCOL = {
 }
 MAX_NEW_TOKENS = 4096
 TOTAL_MAX_TILES = 64  # set_max_num's total_max_num: a row's images share 64 tiles
-GROUPS = {"General": ("MMMU_DEV_VAL",), "Math": ("MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath"),
-          "OCR": ("ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")}
 FIT_PARAMETERS = 4  # E, A, alpha, k of scaling_law.law
 # what a prediction row records of the run that produced it; a resume must match every one (the
 # model by its fingerprint, not its path: a moved folder is the same model)
 RECORD_FIELDS = ("benchmark", "model_fingerprint", "data_fingerprint", "pv", "pl", "vision_branch", "language_branch",
-                 "shared_kv", "router", "max_new_tokens", "max_tiles", "dtype")
-CONFIG_FIELDS = ("model", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router")
+                 "shared_kv", "router", "random_pair", "max_new_tokens", "max_tiles", "dtype")
+CONFIG_FIELDS = ("model", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router", "random_pair")
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 
 
@@ -133,6 +132,13 @@ def row_inputs(benchmark: str, row: dict, max_tiles: int | None, mcfg):
 # -- run: the loop -----------------------------------------------------------------------------
 
 
+def random_pair(seed: int, index: str, pv: int, pl: int) -> tuple[int, int]:
+    """Table 3's random baseline: row `index`'s (vision, language) branch pair, uniform and seeded by
+    (seed, index) alone, so it does not depend on the batch, the world size or a resume."""
+    rng = random.Random(f"{seed}:{index}")  # a str seed hashes with sha512: the same in every process
+    return rng.randrange(pv), rng.randrange(pl)
+
+
 def file_fingerprint(path) -> str:
     """The first 16 hex digits of a file's sha256 (a benchmark TSV: which rows were asked)."""
     with open(path, "rb") as f:
@@ -173,7 +179,8 @@ def run(args) -> int:
     meta = {"benchmark": args.benchmark, "model": str(folder), "model_fingerprint": fingerprint(model),
             "data_fingerprint": file_fingerprint(args.data), "pv": par.pv, "pl": par.pl,
             "vision_branch": args.vision_branch, "language_branch": args.language_branch, "shared_kv": args.shared_kv,
-            "router": args.router, "max_new_tokens": args.max_new_tokens, "max_tiles": args.max_tiles,
+            "router": args.router, "random_pair": args.seed if args.random_pair else None,
+            "max_new_tokens": args.max_new_tokens, "max_tiles": args.max_tiles,
             "dtype": str(dtype).removeprefix("torch.")}
     for f in earlier():  # a resume continues the same run only: every row records what produced it
         for p in read_jsonl(f):
@@ -205,11 +212,13 @@ def run(args) -> int:
             pv = torch.cat(pixels).to(device, dtype) if pixels else None
             with allocation(f"--batch-size {args.batch_size} (longest prompt {len(batch[0][1])} tokens, up to "
                             f"{cfg.max_new_tokens} new)", "--batch-size, --max-tiles or --max-new-tokens"):
-                res = engine.generate([ids for _, ids in batch], pv, cfg, stop_ids=tok.eos_ids, pad_id=0)
+                drawn = [random_pair(args.seed, r["index"], par.pv, par.pl) for r, _ in batch] if args.random_pair else None
+                kw = {"vision_branch": [v for v, _ in drawn], "language_branch": [l for _, l in drawn]} if drawn else {}
+                res = engine.generate([ids for _, ids in batch], pv, cfg, stop_ids=tok.eos_ids, pad_id=0, **kw)
             lines = []
             for k, ((r, _), toks) in enumerate(zip(batch, res.tokens)):
                 text = tok.answer(toks)  # the official chat()'s decoding (processor.Tokenizer.answer)
-                routed = {"pair": list(res.pairs[k])} if res.pairs is not None else {}  # the router's (v, l)
+                routed = {"pair": list(drawn[k] if drawn else res.pairs[k])} if drawn or res.pairs is not None else {}
                 lines.append(json.dumps({"index": r["index"], "prediction": text, **meta, "new_tokens": len(toks), **routed},
                                         ensure_ascii=False) + "\n")
                 new_tokens += len(toks)
@@ -299,14 +308,9 @@ def score_cmd(args) -> int:
 # -- report: the allocation study's tables ------------------------------------------------------
 
 
-def aggregates(scores: dict[str, float]) -> dict[str, float | None]:
-    """Eq. A3: General = MMMU, Math and OCR = means of their four, All = mean of all nine."""
-    out = {g: (sum(scores[b] for b in bs) / len(bs) if all(b in scores for b in bs) else None) for g, bs in GROUPS.items()}
-    out["All"] = sum(scores[b] for b in BENCHMARKS) / 9 if all(b in scores for b in BENCHMARKS) else None
-    return out
-
-
 def config_label(c: tuple) -> str:
+    if len(c) == 3:  # Table 3's (pv, pl, policy)
+        return f"{c[0]}:{c[1]} {c[2]}"
     pv, pl, vb, lb, shared = c
     label = f"{pv}:{pl}"
     if vb is not None or lb is not None:
@@ -318,6 +322,7 @@ def report(args) -> int:
     from flops import profile_params
 
     runs: dict[tuple, dict[str, float]] = {}
+    policies: dict[tuple, dict[str, float]] = {}  # Table 3: (pv, pl, "random pair (seed S)" or "router R") -> scores
     for name in args.runs:
         try:
             text = Path(name).read_text().strip()
@@ -326,14 +331,15 @@ def report(args) -> int:
             key = (int(s["pv"]), int(s["pl"]), s.get("vision_branch"), s.get("language_branch"), bool(s.get("shared_kv")))
         except (OSError, IndexError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise DataError(f"{name}: not a score file with benchmark, score, pv, pl ({type(e).__name__}: {e})") from None
-        if s.get("router"):
-            raise DataError(f"{name}: a routed run (--router); the allocation tables take dense and fixed-pair runs "
-                            f"only, compare routed scores directly (Table 3)")
         if bench not in BENCHMARKS:
             raise DataError(f"{name}: unknown benchmark {bench!r}")
-        if bench in runs.setdefault(key, {}):
+        into = runs  # a routed or random-pair run goes to Table 3 alone, beside its dense configuration
+        if s.get("router") or s.get("random_pair") is not None:
+            policy = f"router {s['router']}" if s.get("router") else f"random pair (seed {s['random_pair']})"
+            key, into = (key[0], key[1], policy), policies
+        if bench in into.setdefault(key, {}):
             raise DataError(f"{name}: a second {bench} score for configuration {config_label(key)}")
-        runs[key][bench] = value
+        into[key][bench] = value
     configs = sorted(runs, key=lambda c: (c[4], c[2] is not None or c[3] is not None, c[0], c[1], c[2] or 0, c[3] or 0))
     columns = list(BENCHMARKS) + ["General", "Math", "OCR", "All"]
     table = {c: runs[c] | aggregates(runs[c]) for c in configs}
@@ -341,10 +347,12 @@ def report(args) -> int:
     for c in configs:
         flops[c] = profile_params(args.arch, 1 if c[2] is not None else c[0], 1 if c[3] is not None else c[1])["total_gflops"]
     # Table S2: best configuration per column among full (dense) runs, ties at the reported precision
-    # going to fewer FLOPs (fixed-pair runs are diagnostics, Table S9, and do not compete)
+    # going to fewer FLOPs (fixed-pair runs are diagnostics, Table S9, and do not compete; shared-KV
+    # runs are another decoder, Table 4, and compete only with --best-with-shared-kv)
     best = {}
     for col in columns:
-        cands = [c for c in configs if c[2] is None and c[3] is None and table[c].get(col) is not None]
+        cands = [c for c in configs if c[2] is None and c[3] is None and table[c].get(col) is not None
+                 and (args.best_with_shared_kv or not c[4])]
         if cands:
             top = max(round(table[c][col], args.tie_decimals) for c in cands)
             tied = [c for c in cands if round(table[c][col], args.tie_decimals) == top]
@@ -354,28 +362,37 @@ def report(args) -> int:
     md += [f"| {config_label(c)} | {flops[c]:.2f} | " + " | ".join(fmt(table[c].get(k)) for k in columns) + " |" for c in configs]
     md += ["", "Best configuration (ties to fewer FLOPs):", ""]
     md += ["| " + " | ".join(best) + " |", "|" + " --- |" * len(best), "| " + " | ".join(config_label(c) for c in best.values()) + " |"]
-    grids = {}  # Table 2 / S4: Pv rows x Pl columns per benchmark and aggregate, dense runs only
+    grids = {}  # Table 2 / S4 as the paper prints them: Pl rows x Pv columns, per benchmark and aggregate, dense runs only
     dense = [c for c in configs if c[2] is None and c[3] is None and not c[4]]
     pvs, pls = sorted({c[0] for c in dense}), sorted({c[1] for c in dense})
     for col in columns:
-        grid = [[table.get((pv, pl, None, None, False), {}).get(col) for pl in pls] for pv in pvs]
+        grid = [[table.get((pv, pl, None, None, False), {}).get(col) for pv in pvs] for pl in pls]
         if any(v is not None for row in grid for v in row):
             grids[col] = grid
-            md += ["", f"{col}", "", "| Pv \\ Pl | " + " | ".join(map(str, pls)) + " |", "|" + " --- |" * (len(pls) + 1)]
-            md += [f"| {pv} | " + " | ".join(fmt(v) for v in row) + " |" for pv, row in zip(pvs, grid)]
+            md += ["", f"{col}", "", "| Pl \\ Pv | " + " | ".join(map(str, pvs)) + " |", "|" + " --- |" * (len(pvs) + 1)]
+            md += [f"| {pl} | " + " | ".join(fmt(v) for v in row) + " |" for pl, row in zip(pls, grid)]
     pairs = fixed_pairs(table, configs, columns)  # Table S9
     for col, p in pairs.items():
         md += ["", f"{col}: fixed pairs (vision branch rows, language branch columns; marginals; best {p['best']})", "",
                "| v \\ l | " + " | ".join(map(str, p["l"])) + " | mean |", "|" + " --- |" * (len(p["l"]) + 2)]
         md += [f"| {v} | " + " | ".join(fmt(x) for x in row) + f" | {fmt(m)} |" for v, row, m in zip(p["v"], p["grid"], p["vision_mean"])]
         md += ["| mean | " + " | ".join(fmt(m) for m in p["language_mean"]) + " | |"]
+    table3 = []  # Table 3: per Pv:Pl with a routed or random-pair run, its dense row, then one pair per sample
+    for pv, pl in sorted({k[:2] for k in policies}):
+        rows = [(f"{pv}:{pl} dense", runs[(pv, pl, None, None, False)])] if (pv, pl, None, None, False) in runs else []
+        rows += [(config_label(k), policies[k]) for k in sorted(policies) if k[:2] == (pv, pl)]
+        md += ["", f"Table 3, {pv}:{pl}: one branch pair per sample", "", "| policy | " + " | ".join(columns) + " |",
+               "|" + " --- |" * (len(columns) + 1)]
+        for label, scores in rows:
+            table3.append({"label": label, "pv": pv, "pl": pl, "scores": scores | aggregates(scores)})
+            md += [f"| {label} | " + " | ".join(fmt(table3[-1]["scores"].get(k)) for k in columns) + " |"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(md) + "\n")
     data = {"configs": [{"label": config_label(c), "pv": c[0], "pl": c[1], "vision_branch": c[2], "language_branch": c[3],
                          "shared_kv": c[4], "gflops": flops[c], "scores": table[c]} for c in configs],
             "best": {k: config_label(c) for k, c in best.items()}, "grid_pv": pvs, "grid_pl": pls, "grids": grids,
-            "pairs": pairs}
+            "pairs": pairs, "table3": table3}
     (out / "report.json").write_text(json.dumps(data, indent=1) + "\n")
     print("\n".join(md))
     heatmaps(grids, pvs, pls, out)
@@ -414,9 +431,9 @@ def heatmaps(grids: dict, pvs: list, pls: list, out: Path) -> None:
         fig, ax = plt.subplots(figsize=(3.2, 2.8))
         vals = [[math.nan if v is None else v for v in row] for row in grid]
         im = ax.imshow(vals, cmap="viridis")
-        ax.set_xticks(range(len(pls)), pls), ax.set_yticks(range(len(pvs)), pvs)
-        ax.set_xlabel("Pl"), ax.set_ylabel("Pv"), ax.set_title(col)
-        for i, j in itertools.product(range(len(pvs)), range(len(pls))):
+        ax.set_xticks(range(len(pvs)), pvs), ax.set_yticks(range(len(pls)), pls)
+        ax.set_xlabel("Pv"), ax.set_ylabel("Pl"), ax.set_title(col)
+        for i, j in itertools.product(range(len(pls)), range(len(pvs))):
             if not math.isnan(vals[i][j]):
                 ax.text(j, i, f"{vals[i][j]:.1f}", ha="center", va="center", color="w")
         fig.colorbar(im, ax=ax)
@@ -484,6 +501,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument("--language-branch", type=int, default=None, help="run only this language branch (default all)")
     r.add_argument("--router", default=None, help="router folder (router.py train): one branch pair per row, chosen "
                                                   "by the router (Table 3; default: none)")
+    r.add_argument("--random-pair", action="store_true", help="one branch pair per row drawn at random, seeded by "
+                                                              "--seed and the row's index (Table 3's baseline)")
+    r.add_argument("--seed", type=int, default=42, help="seed of --random-pair (default 42, the paper's)")
     s = sub.add_parser("score", help="score predictions with the benchmark's native metric")
     s.add_argument("--benchmark", required=True)
     s.add_argument("--data", required=True, help="the benchmark's VLMEvalKit TSV")
@@ -499,6 +519,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     rp.add_argument("--out", default="report", help="output folder for report.md, report.json, heatmaps (default report)")
     rp.add_argument("--arch", default="1b", help="backbone for the FLOPs tie-break (flops.py; default 1b)")
     rp.add_argument("--tie-decimals", type=int, default=1, help="scores equal at this many decimals tie (default 1, the paper's)")
+    rp.add_argument("--best-with-shared-kv", action="store_true", help="let shared-KV runs compete for the best configuration")
+    ln = sub.add_parser("lengths", help="Table S5: decoded lengths of two configurations, paired, with a bootstrap interval")
+    ln.add_argument("--model", required=True, help="checkpoint whose tokenizer re-tokenises the answers")
+    for side in ("a", "b"):
+        ln.add_argument(f"--{side}", nargs="+", required=True, metavar="JSONL", help=f"configuration {side.upper()}'s "
+                        "predictions (evaluate.py run), one file per benchmark")
+    ln.add_argument("--names", nargs=2, default=["A", "B"], help="the two configurations' names in the table")
+    ln.add_argument("--near-cap", type=int, default=4090, help="answers of this many tokens or more are left out (default "
+                                                                "4090 of the 4096 budget, the paper's)")
+    ln.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default 10000)")
+    ln.add_argument("--seed", type=int, default=42, help="bootstrap seed (default 42, the paper's)")
+    ln.add_argument("--out", help="also write the JSON here")
     f = sub.add_parser("fit-law", help="fit ParScale's parallel scaling law to a CSV of losses")
     f.add_argument("csv", help="CSV with columns params (raw parameter count), p, loss")
     args = p.parse_args(argv)
@@ -506,7 +538,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         for name in ("batch_size", "max_new_tokens", "max_tiles"):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 p.error(f"--{name.replace('_', '-')} must be >= 1")
+        for flag, used in (("--router", args.router), ("--vision-branch", args.vision_branch is not None),
+                           ("--language-branch", args.language_branch is not None)):
+            if args.random_pair and used:
+                p.error(f"--random-pair picks the branches per row; it cannot be combined with {flag}")
     return args
+
+
+def lengths_cmd(args) -> int:
+    from lengths import compare, lengths, markdown
+    from processor import Tokenizer
+
+    if args.near_cap < 1 or args.resamples < 1:
+        raise DataError("--near-cap and --resamples must be >= 1")
+    encode = Tokenizer.from_pretrained(resolve_model(args.model)).encode
+    result = compare(lengths(args.a, encode), lengths(args.b, encode), args.near_cap, args.resamples, args.seed)
+    print(markdown(result, tuple(args.names)), end="")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result | {"names": args.names}) + "\n")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -515,7 +565,8 @@ def main(argv=None) -> int:
     from processor import ImageError
     try:
         with interruptible():
-            return {"run": run, "score": score_cmd, "report": report, "fit-law": fit_law_cmd}[args.cmd](args)
+            commands = {"run": run, "score": score_cmd, "report": report, "lengths": lengths_cmd, "fit-law": fit_law_cmd}
+            return commands[args.cmd](args)
     except (DataError, CheckpointError, ImageError, ValueError) as e:
         error(f"error: {one_line(e)}")
         return 1

@@ -368,8 +368,11 @@ class ParVL(nn.Module):
         saved = cfg.par
         if par is not None or pv is not None or pl is not None:
             par = replace(par or saved, **{k: v for k, v in (("pv", pv), ("pl", pl)) if v is not None})
-            if (saved.pv, saved.pl) != (1, 1) and (saved.pv, saved.pl) != (par.pv, par.pl):
-                raise CheckpointError(f"{folder}: holds Pv:Pl = {saved.pv}:{saved.pl} branches, cannot load as {par.pv}:{par.pl}")
+            if (saved.pv, saved.pl) != (1, 1):  # its branch tensors are what they are; the smoothing may change
+                for name in ("pv", "pl", "vit_prefix_len", "llm_prefix_len", "aggregation"):
+                    if getattr(saved, name) != getattr(par, name):
+                        raise CheckpointError(f"{folder}: holds Pv:Pl = {saved.pv}:{saved.pl} branches with {name} "
+                                              f"{getattr(saved, name)}, cannot load them as {name} {getattr(par, name)}")
             cfg = replace(cfg, par=par)
         return cfg
 

@@ -56,10 +56,19 @@ from dataclasses import dataclass, field
 
 BENCHMARKS = ("MMMU_DEV_VAL", "MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath",
               "ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")
+GROUPS = {"General": ("MMMU_DEV_VAL",), "Math": ("MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath"),
+          "OCR": ("ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")}  # the paper's domains (Eq. A3)
 # columns each scorer reads, beyond index / answer / prediction
 SCORE_COLUMNS = {"MathVista_MINI": ("question_type", "answer_type", "choices"), "MathVision_MINI": ("choices",),
                  "WeMath": ("key", "ID"), "OCRBench": ("category",)}
 FAIL_MSG = "Failed to obtain answer via API"  # VLMEvalKit's marker of a failed judge call
+
+
+def aggregates(scores: dict[str, float]) -> dict[str, float | None]:
+    """Eq. A3: General = MMMU, Math and OCR = means of their four, All = mean of all nine."""
+    out = {g: (sum(scores[b] for b in bs) / len(bs) if all(b in scores for b in bs) else None) for g, bs in GROUPS.items()}
+    out["All"] = sum(scores[b] for b in BENCHMARKS) / 9 if all(b in scores for b in BENCHMARKS) else None
+    return out
 
 
 class DataError(ValueError):

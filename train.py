@@ -47,15 +47,18 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 
 from aggregate import entropy
 from checkpoint import CheckpointReader, check_not_run_folder, read_json
-from cli import (OneLineParser, OutOfMemory, allocation, check_shared, command, end_processes, error, hms,
+from cli import (OneLineParser, OutOfMemory, allocation, check_shared, command, end_processes, error, hms, interruptible,
                  log, one_line, peak_memory_gib, pyplot, rank, start_processes, wait_for_torchrun)
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, filler_batch, make_loader, validate
 from loss import chunked_sft_loss, loss_weights
-from parvl import ParVL, is_branch_tensor, open_checkpoint
+from parvl import ParConfig, ParVL, config_from_json, is_branch_tensor, open_checkpoint
 from processor import Tokenizer
 from runs import (check_out, checkpoints, discard_run, export, finite, os_cause, resume, save_checkpoint,
                   trim_metrics)
 from schedule import lr_lambda
+
+
+BRANCH_FLAGS = ("vit_prefix_len", "llm_prefix_len", "aggregation", "lambda_v", "lambda_l")  # parvl.ParConfig's fields
 
 
 def default_workers() -> int:
@@ -98,6 +101,11 @@ class TrainConfig:
     num_workers: int = default_workers()  # data loading processes per rank
     max_bad_frac: float = 0.01
     peak_tflops: float = 0.0  # per-device bf16 peak for MFU; 0 = from the device name (H100/H200: 989)
+    vit_prefix_len: int | None = None  # the branch parameterisation (Figure 3, Table S8), BRANCH_FLAGS;
+    llm_prefix_len: int | None = None  # None = the checkpoint's, or parvl.ParConfig's defaults
+    aggregation: str | None = None
+    lambda_v: float | None = None
+    lambda_l: float | None = None
     validate_data: bool = False
 
     def check_files(self) -> None:
@@ -119,6 +127,10 @@ class TrainConfig:
         for name in ("pv", "pl"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be a positive integer, got {getattr(self, name)}")
+        try:  # the branch flags' ranges are ParConfig's
+            ParConfig(**{k: getattr(self, k) for k in BRANCH_FLAGS if getattr(self, k) is not None})
+        except ValueError as e:
+            raise ValueError(f"--{str(e).replace('_', '-')}") from None
         if not 0 <= self.warmup_ratio < 1 or not 0 <= self.max_bad_frac <= 1 or self.weight_decay < 0 or self.clip <= 0:
             raise ValueError("--warmup-ratio must be in [0, 1), --max-bad-frac in [0, 1], --weight-decay >= 0, --clip > 0")
         if self.dtype not in ("auto", "bf16", "fp32"):
@@ -155,6 +167,11 @@ def parse_args(argv=None) -> TrainConfig:
         "max_bad_frac": "abort once more than this fraction of the data set's rows are bad, in [0, 1] (--validate-data's rule)",
         "peak_tflops": "per-device bf16 peak in TFLOP/s for MFU, 0 = from the device name (H100/H200: 989)",
         "validate_data": "count and name bad rows, then exit without training",
+        "vit_prefix_len": "key/value prefix tokens per ViT layer and vision branch (the paper: 96; Figure 3 sweeps 72, 96, 128)",
+        "llm_prefix_len": "key/value prefix tokens per LLM layer and language branch (the paper: 48)",
+        "aggregation": "how branches fuse: mlp (Eq. 2, the paper's) or mean (Table S8's ablation)",
+        "lambda_v": "smoothing of the vision branch weights toward uniform, in [0, 1] (the paper: 0)",
+        "lambda_l": "smoothing of the language branch weights toward uniform, in [0, 1] (the paper: 0.1)",
         "resume": "continue from the newest checkpoint in --out that verifies (none: start fresh)",
         "overwrite": "discard the run --out holds (checkpoints, export, metrics) and start a new one"}
     for f in fields(TrainConfig):
@@ -163,8 +180,9 @@ def parse_args(argv=None) -> TrainConfig:
         if isinstance(default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
         else:
-            kind = {"pv": int, "pl": int}.get(f.name, type(default))
-            choices = ["auto", "bf16", "fp32"] if f.name == "dtype" else None
+            kind = {"pv": int, "pl": int, "vit_prefix_len": int, "llm_prefix_len": int, "aggregation": str,
+                    "lambda_v": float, "lambda_l": float}.get(f.name, type(default))
+            choices = {"dtype": ["auto", "bf16", "fp32"], "aggregation": ["mlp", "mean"]}.get(f.name)
             p.add_argument(flag, type=kind, default=default, choices=choices, help=help_)
     cfg = TrainConfig(**vars(p.parse_args(argv)))
     try:
@@ -185,7 +203,9 @@ def build_model(cfg: TrainConfig, device, mesh) -> ParVL:
     raw = read_json(folder / "config.json")
     reader = CheckpointReader(folder, parscale_branches=int(raw.get("parscale_n", 0)))
     with torch.device("meta"):
-        model = ParVL(ParVL.config_for(folder, raw, reader.keys(), cfg.pv, cfg.pl)).train()
+        given = {k: getattr(cfg, k) for k in BRANCH_FLAGS if getattr(cfg, k) is not None}  # into the export's config.json
+        par = replace(config_from_json(raw, folder).par, **given) if given else None  # config_for refuses to change a ParVL's
+        model = ParVL(ParVL.config_for(folder, raw, reader.keys(), cfg.pv, cfg.pl, par)).train()
     new = model.check_checkpoint(reader, folder)
     torch.manual_seed(cfg.seed)  # every rank draws the same new branch tensors, as ParVL.from_pretrained does
     fresh = {k: v for k, v in model.branch_init().items() if k in new}
@@ -312,17 +332,6 @@ def micro_loss(model: ParVL, batch, weight_sum: float | torch.Tensor, world: int
     return loss, ent
 
 
-INTERRUPTED = 0  # the first SIGINT / SIGTERM received, 0 = none
-
-
-def on_signal(signum, frame) -> None:
-    """SIGINT and SIGTERM abandon the current step wherever it is: a save under way removes its
-    step_N.tmp, complete checkpoints stay (they are renamed into place atomically)."""
-    global INTERRUPTED
-    INTERRUPTED = INTERRUPTED or signum
-    raise KeyboardInterrupt
-
-
 def progress_line(m: dict, total: int, elapsed: float) -> str:
     """The human line of a log step, for stderr, from its metrics line (null MFU: no peak known)."""
     lr = " ".join(f"{name} {v:.2e}" for name, v in m["lr"].items())
@@ -395,13 +404,16 @@ def main(argv=None) -> int:
     """`train.py plot RUN` plots a run; anything else trains. Exit codes: 0 done, 1 bad input or a failure (one line on stderr), 2 bad flags (argparse),
     130 / 143 interrupted by SIGINT / SIGTERM. Under torchrun rank 0 alone prints an error that every
     rank meets alike; torchrun then adds its own report of the failed workers."""
-    global INTERRUPTED
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plot"]:  # before the training parser: its flags stay as they are
         return plot_main(argv[1:])
-    code, quiet_exit, lost, INTERRUPTED = 0, False, False, 0
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    out = None
+    with interruptible() as received:  # SIGINT / SIGTERM abandon the step wherever it is (complete checkpoints stay)
+        return train_main(argv, received)
+
+
+def train_main(argv: list[str], received: list[int]) -> int:
+    """main's training path; `received`: the signals interruptible has caught so far."""
+    code, quiet_exit, lost, out = 0, False, False, None
     try:
         cfg = parse_args(argv)
         cfg.check_files()
@@ -427,8 +439,8 @@ def main(argv=None) -> int:
         return train(cfg, tok, data)
     except (KeyboardInterrupt, CheckpointException, Exception) as e:
         who = f"rank {rank()}: " if dist.is_initialized() and dist.get_world_size() > 1 else ""  # this rank's own errors
-        if INTERRUPTED or isinstance(e, KeyboardInterrupt):  # whatever a peer's exit then caused here
-            signum = INTERRUPTED or signal.SIGINT
+        if received or isinstance(e, KeyboardInterrupt):  # whatever a peer's exit then caused here
+            signum = received[0] if received else signal.SIGINT
             code, quiet_exit = 128 + signum, dist.is_initialized() and dist.get_world_size() > 1
             kept = checkpoints(out) if out is not None and out.is_dir() else []
             log(f"interrupted by {signal.Signals(signum).name}: the current step was abandoned; "
@@ -451,8 +463,6 @@ def main(argv=None) -> int:
             raise  # a bug: the traceback is the useful report
         return code
     finally:
-        for sig, handler in previous.items():  # main() called in-process (tests) leaves no trace
-            signal.signal(sig, handler)
         if dist.is_initialized():
             if quiet_exit:  # peers may be gone: no barrier to wait on, no teardown that can abort
                 sys.stdout.flush(), sys.stderr.flush()

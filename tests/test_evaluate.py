@@ -575,12 +575,14 @@ def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
         pairs.append(tmp_path / f"pair{vb}{lb}.json")
         pairs[-1].write_text(json.dumps({"benchmark": "OCRBench", "score": v, "pv": 2, "pl": 2,
                                          "vision_branch": vb, "language_branch": lb}))
-    rc, out, err = main_out(capsys, "report", *files, pair, *pairs, "--out", tmp_path / "rep")
+    shared = tmp_path / "shared.json"  # a shared-KV 2:2 run (another decoder, Table 4) with the best WeMath
+    shared.write_text(json.dumps({"benchmark": "WeMath", "score": 90.0, "pv": 2, "pl": 2, "shared_kv": True}))
+    rc, out, err = main_out(capsys, "report", *files, pair, *pairs, shared, "--out", tmp_path / "rep")
     assert rc == 0
     # matplotlib is optional: without it one line says so, with it every grid gets a heatmap
     assert "matplotlib is not installed" in err or (tmp_path / "rep" / "heatmap_All.png").exists()
     data = json.loads((tmp_path / "rep" / "report.json").read_text())
-    by = {(c["pv"], c["pl"], c["vision_branch"]): c for c in data["configs"]}
+    by = {(c["pv"], c["pl"], c["vision_branch"]): c for c in data["configs"] if not c["shared_kv"]}
     s22 = by[(2, 2, None)]["scores"]
     assert s22["General"] == 39.0  # Eq. A3
     assert s22["Math"] == pytest.approx((48 + 24 + 29 + 13) / 4)
@@ -590,7 +592,8 @@ def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
     from flops import profile_params
     assert by[(2, 2, 0)]["gflops"] == profile_params("1b", 1, 1)["total_gflops"]  # one pair runs: a pair's cost
     assert by[(2, 2, None)]["gflops"] == profile_params("1b", 2, 2)["total_gflops"]
-    assert data["grids"]["MathVista_MINI"] == [[44.0, 45.0], [46.0, 48.0]]  # rows Pv 1, 2; columns Pl 1, 2
+    # Table S4's orientation: rows Pl 1, 2; columns Pv 1, 2
+    assert data["grids"]["MathVista_MINI"] == [[44.0, 46.0], [45.0, 48.0]]
     best = data["best"]
     # MMMU: 1:2 and 2:1 tie at 41.0 -> 1:2 (4262.6 < 5113.9 GFLOPs for 1B); TextVQA the same tie
     assert best["MMMU_DEV_VAL"] == "1:2" and best["TextVQA_VAL"] == "1:2"
@@ -598,7 +601,10 @@ def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
     assert best["WeMath"] == "2:2" and best["ChartQA_TEST"] == "2:1" and best["OCRBench"] == "1:2"
     # 2:2 All = 50.5, 2:1 All = 50.2778 -> 2:2
     assert best["All"] == "2:2"
-    assert "| 2 | 46.0 | 48.0 |" in (tmp_path / "rep" / "report.md").read_text()
+    assert "| Pl \\ Pv | 1 | 2 |" in (tmp_path / "rep" / "report.md").read_text()
+    assert "| 2 | 45.0 | 48.0 |" in (tmp_path / "rep" / "report.md").read_text()
+    rc, _, _ = main_out(capsys, "report", *files, shared, "--best-with-shared-kv", "--out", tmp_path / "rep2")
+    assert rc == 0 and json.loads((tmp_path / "rep2" / "report.json").read_text())["best"]["WeMath"] == "2:2 sharedKV"
     ocr = data["pairs"]["OCRBench"]
     assert ocr["grid"] == [[70.0, 74.0], [72.0, 76.0]] and ocr["best"] == [[1, 1]]
     assert ocr["vision_mean"] == [72.0, 74.0] and ocr["language_mean"] == [71.0, 75.0]
@@ -724,7 +730,8 @@ def test_judge_wemath_mathvision_logicvista(tmp_path, capsys):
 
 def test_run_with_a_router_gives_the_routed_engines_answers(checkpoint, tmp_path, capsys):
     """--router: each row runs the pair the router picks; predictions and pairs equal Engine(router=...);
-    report keeps routed runs out of the allocation grids with one line."""
+    --random-pair: each row its own seeded pair; report puts both beside the dense run (Table 3), out
+    of the allocation grids."""
     import router as router_mod
 
     torch.manual_seed(0)
@@ -754,8 +761,32 @@ def test_run_with_a_router_gives_the_routed_engines_answers(checkpoint, tmp_path
     score = tmp_path / "score.json"
     assert main_out(capsys, "score", "--benchmark", "TextVQA_VAL", "--data", tsv, "--predictions", tmp_path / "p.jsonl",
                     "--out", score)[0] == 0
-    rc, _, err = main_out(capsys, "report", score, "--out", tmp_path / "rep")
-    assert rc == 1 and "a routed run" in err and len(err.strip().splitlines()) == 1
+    # Table 3's random pair: each row its own seeded pair, whatever the batch, equal to that pair alone
+    run = ["run", "--benchmark", "TextVQA_VAL", "--data", tsv, "--model", tmp_path / "parvl", "--max-new-tokens", NEW]
+    assert main_out(capsys, *run, "--out", tmp_path / "r.jsonl", "--random-pair", "--seed", 3, "--batch-size", 3)[0] == 0
+    drawn = {r["index"]: evaluate.random_pair(3, r["index"], 2, 2) for r in rows}
+    assert len(set(drawn.values())) > 1  # the rows of one batch run different pairs
+    plain = Engine(model)
+    for p in read_preds(tmp_path / "r.jsonl"):
+        r = rows[int(p["index"])]
+        pil = Image.open(io.BytesIO(base64.b64decode(r["image"]))).convert("RGB")
+        tiles = load_image(pil, max_tiles=6)
+        ids = tok.encode(build_prompt(f"<image>\n{r['question']}\nAnswer the question using a single word or phrase.", [tiles.shape[0]]))
+        v, l = drawn[p["index"]]
+        res = plain.generate([ids], tiles, GenerateConfig(max_new_tokens=NEW), tok.eos_ids, vision_branch=v, language_branch=l)
+        assert p["pair"] == [v, l] and p["random_pair"] == 3 and p["prediction"] == tok.answer(res.tokens[0])
+    rc, _, err = main_out(capsys, *run, "--out", tmp_path / "r.jsonl", "--random-pair", "--seed", 4)
+    assert rc == 1 and "random_pair 3 there, 4 now" in err  # another seed is another run
+    assert main_out(capsys, *run, "--out", tmp_path / "d.jsonl")[0] == 0
+    for name in ("r", "d"):
+        assert main_out(capsys, "score", "--benchmark", "TextVQA_VAL", "--data", tsv, "--predictions", tmp_path / f"{name}.jsonl",
+                        "--out", tmp_path / f"{name}.json")[0] == 0
+    rc, _, _ = main_out(capsys, "report", score, tmp_path / "r.json", tmp_path / "d.json", "--out", tmp_path / "rep")
+    data = json.loads((tmp_path / "rep" / "report.json").read_text())
+    assert rc == 0 and [c["label"] for c in data["configs"]] == ["2:2"]  # the allocation tables: the dense run only
+    assert [t["label"] for t in data["table3"]] == ["2:2 dense", "2:2 random pair (seed 3)", f"2:2 router {tmp_path / 'R'}"]
+    assert [t["scores"]["TextVQA_VAL"] for t in data["table3"]] == [
+        json.loads((tmp_path / f).read_text())["score"] for f in ("d.json", "r.json", "score.json")]
 
 
 def test_run_out_of_memory_is_one_line(bench, tmp_path, capsys, monkeypatch):
@@ -875,3 +906,41 @@ def test_score_checks_the_predictions_against_their_record(bench, full_run, tmp_
     assert rc == 0 and line["n"] == 3 and line["missing_indices"] == ["11", "12", "13", "14"]  # validation: 10, 11, 14
     assert line["score"] == pytest.approx(round(100 * hit / 3, 4))  # 11 and 14 count as wrong, not dropped
     assert "4 TSV rows have no prediction and count as wrong (index 11, 12, 13, 14)" in err
+
+
+# -- lengths: Table S5 ---------------------------------------------------------------------------------
+
+
+def test_lengths_bootstrap_has_the_known_answer():
+    """Where every paired difference of a benchmark is the same, each resample gives that mean: the
+    interval is that point. One benchmark with differences 0 and 2 resamples to means 0, 1, 2 (1/4,
+    1/2, 1/4): its interval is [0, 2]. Answers at or above the near-cap threshold leave the clean
+    means, and the pairs, of their side only."""
+    import lengths as L
+
+    a = {"MMMU_DEV_VAL": {"1": 10, "2": 20, "3": 4090}, "WeMath": {"1": 5, "2": 7}}
+    b = {"MMMU_DEV_VAL": {"1": 13, "2": 23, "3": 30}, "WeMath": {"1": 6, "2": 8}}  # +3 and +1 everywhere
+    got = L.compare(a, b, near_cap=4090, resamples=1000)
+    t = got["table"]
+    assert t["MMMU_DEV_VAL"] == {"a": 15.0, "b": 22.0, "delta": 3.0, "n_a": 2, "n_b": 3, "n_paired": 2}
+    assert t["Math"] == {"a": 6.0, "b": 7.0, "delta": 1.0} and t["General"]["delta"] == 3.0
+    assert t["All"]["delta"] == 2.0 and got["interval_95"] == [2.0, 2.0]  # equal benchmark weight: (3 + 1) / 2
+    spread = L.compare({"OCRBench": {"1": 5, "2": 5}}, {"OCRBench": {"1": 5, "2": 7}})
+    assert spread["table"]["All"]["delta"] == 1.0 and spread["interval_95"] == [0.0, 2.0] and spread["resamples"] == 10_000
+    with pytest.raises(S.DataError, match="other benchmarks"):
+        L.compare(a, {"WeMath": b["WeMath"]})
+
+
+def test_lengths_command_retokenises_the_answers(bench, full_run, tmp_path, capsys):
+    folder = bench[0]
+    tok = Tokenizer.from_pretrained(folder)
+    longer = tmp_path / "longer.jsonl"  # the same rows, each answer one word longer
+    longer.write_text("".join(json.dumps(p | {"prediction": p["prediction"] + " yes"}) + "\n" for p in read_preds(full_run)))
+    rc, out, _ = main_out(capsys, "lengths", "--model", folder, "--a", full_run, "--b", longer, "--names", "1:1", "4:4",
+                          "--out", tmp_path / "s5.json")
+    result = json.loads((tmp_path / "s5.json").read_text())
+    want = [len(tok.encode(p["prediction"] + " yes")) - len(tok.encode(p["prediction"])) for p in read_preds(full_run)]
+    assert rc == 0 and result["table"]["MMMU_DEV_VAL"]["delta"] == pytest.approx(sum(want) / len(want))
+    assert "| Clean mean (1:1) |" in out and "Clean paired Δ (4:4 − 1:1)" in out and "95 % interval" in out
+    rc, _, err = main_out(capsys, "lengths", "--model", folder, "--a", full_run, full_run, "--b", longer)
+    assert rc == 1 and "a second predictions file of MMMU_DEV_VAL" in err

@@ -23,6 +23,7 @@ def test_suite_dry_run_writes_every_figure(tmp_path):
     rows = result["latency"]["rows"]
     assert sorted((r["pv"], r["shared_kv"], r["batch"]) for r in rows) == [(1, False, 1), (1, False, 2), (4, False, 1),
                                                                           (4, False, 2), (4, True, 1), (4, True, 2)]
+    assert list(result["training"]["runs"]) == ["2:2"]  # the dry run trains one configuration
     for name, run in result["training"]["runs"].items():  # both steps logged, the figures read back from the run
         lines = [json.loads(x) for x in (tmp_path / f"train_{name.replace(':', 'x')}" / "metrics.jsonl").read_text().splitlines()]
         assert run["steps"] == len(lines) == 2, run

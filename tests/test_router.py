@@ -194,8 +194,8 @@ def test_router_training_does_not_depend_on_world_size(model23, labelled, tmp_pa
     args = ["train", "--model", str(model23), "--labels", str(labels), "--steps", "12", "--global-batch", "4",
             "--log-every", "4", "--lr", "1e-2", "--check-samples", "1"]
     assert run_router(*args, "--out", tmp_path / "one") == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(29500 + os.getpid() % 200), str(ROOT / "router.py"), *args, "--out", str(tmp_path / "two")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(ROOT / "router.py"),
+           *args, "--out", str(tmp_path / "two")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
     assert res.returncode == 0, res.stderr[-3000:]
     one, two = (load_file(str(tmp_path / d / "router.safetensors")) for d in ("one", "two"))

@@ -63,8 +63,8 @@ def write_dataset(folder: Path, rows: int = 8, bad: int = 0, repeat: float = 1.0
 def run_train(*args, nproc: int = 1, check: bool = True, fault: str | None = None):
     """train.py with these flags (under torchrun with nproc > 1); fault: one of tests/faults.py's."""
     script = [str(ROOT / "tests" / "faults.py"), fault] if fault else [str(ROOT / "train.py")]
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-            str(29500 + os.getpid() % 1000)] if nproc > 1 else [sys.executable]) + [*script, *map(str, args)]
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"] if nproc > 1
+           else [sys.executable]) + [*script, *map(str, args)]  # --standalone: a free port, so runs side by side never clash
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if check:
@@ -269,6 +269,40 @@ def test_freeze_backbone_trains_only_branch_tensors(model_dir, meta, tmp_path):
     assert f"trainable parameters {n_branch:,} of" in res.stdout
 
 
+def test_branch_flags_are_saved_and_every_command_runs_them(model_dir, meta, tmp_path, capsys):
+    """Figure 3 / Table S8's knobs from train.py: prefix lengths, mean aggregation and the smoothing
+    go into the export's config.json; generate.py runs the export with them (its answer is the engine's
+    on the loaded model, whose branch tensors have those shapes); a ParVL checkpoint's branch tensors
+    cannot be retrained under other lengths (one line)."""
+    import generate
+    import train
+    from parvl import ParConfig
+
+    out = tmp_path / "run"
+    flags = ["--vit-prefix-len", "3", "--llm-prefix-len", "2", "--aggregation", "mean", "--lambda-v", "0.05", "--lambda-l", "0.2"]
+    run_train("--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--out", out, "--max-steps", "1",
+              "--freeze-backbone", *flags, *COMMON)
+    model = ParVL.from_pretrained(out / "export")
+    assert model.cfg.par == ParConfig(pv=2, pl=2, vit_prefix_len=3, llm_prefix_len=2, aggregation="mean", lambda_v=0.05,
+                                      lambda_l=0.2)
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if is_branch_tensor(k)}
+    assert shapes and not any("aggregator" in k for k in shapes)  # mean aggregation has no parameters
+    # prefixes [branches, kv heads, tokens, head dim]: 3 tokens per ViT layer, 2 per LLM layer
+    assert {(v[0], v[2]) for k, v in shapes.items() if k.startswith("vision")} == {(2, 3)}, shapes
+    assert {(v[0], v[2]) for k, v in shapes.items() if k.startswith("language")} == {(2, 2)}, shapes
+    png = tmp_path / "img.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 90, 3), dtype=np.uint8)).save(png)
+    assert generate.main([str(png), "Hi?", "--model", str(out / "export"), "--max-new-tokens", "4", "--json"]) == 0
+    tok, pv = Tokenizer.from_pretrained(out / "export"), load_image(png, max_tiles=12)
+    ids = tok.encode(build_prompt("<image>\nHi?", [pv.shape[0]], tokens_per_tile=model.cfg.tokens_per_tile))
+    want = Engine(model).generate([ids], pv, GenerateConfig(max_new_tokens=4), tok.eos_ids).tokens[0]
+    assert json.loads(capsys.readouterr().out)["answer"] == tok.answer(want)
+    code = train.main(["--model", str(out / "export"), "--data", str(meta), "--out", str(tmp_path / "again"), "--max-steps", "1",
+                       "--vit-prefix-len", "4", *COMMON])
+    assert code == 1 and one_line(capsys.readouterr().err).endswith(
+        "branches with vit_prefix_len 3, cannot load them as vit_prefix_len 4"), code
+
+
 # -- bad input ---------------------------------------------------------------------------------
 
 
@@ -391,8 +425,8 @@ def test_sharded_loading_equals_from_pretrained_and_holds_one_shard(tmp_path):
     model.save(folder)
     full_bytes = sum(p.numel() for p in model.parameters()) * 4
     largest = max(p.numel() for p in model.parameters()) * 4
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(29500 + (os.getpid() + 7) % 1000), str(ROOT / "tests" / "sharded_load_worker.py"), str(folder), str(tmp_path)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           str(ROOT / "tests" / "sharded_load_worker.py"), str(folder), str(tmp_path)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 0, res.stderr[-3000:]
     torch.manual_seed(42)  # TrainConfig's default seed
