@@ -10,8 +10,8 @@ branch each row runs. Two layouts:
 - per item: each item runs one branch of its own (a fixed pair for every sample, or a router's
   choice per sample). Row b is item b running branch[b]; nothing is repeated or fused, so the
   other branches' compute is skipped (P x less than dense).
-Either way every row gathers its own branch's prefixes, `prefix_k[rows.branch]`: the attention
-code has one path. `fold`, `unfold` and `per_branch` below are the only places rows and items are converted.
+Either way every row gathers its own branch's prefixes, `prefix_k[rows.branch]` (or, for LoRA
+vision branches, its own low-rank updates, `LoRA`): the attention code has one path. `fold`, `unfold` and `per_branch` below are the only places rows and items are converted.
 
 Prefix attention (Eq. 1): the row's learned prefix K/V [Lp] sit in front of its token K/V, queries
 are not prefixed; the ViT attends bidirectionally, the LLM causally aligned bottom-right (token i
@@ -132,6 +132,30 @@ class PrefixKV(nn.Module):
         if self.prefix_k is None:
             return None, None
         return self.prefix_k[rows.branch].to(dtype), self.prefix_v[rows.branch].to(dtype)
+
+
+class LoRA(nn.Module):
+    """Per-branch low-rank updates of one shared linear, the alternative to vision prefixes of Figure 3
+    (Hu et al. 2022): row r adds scale * B_p A_p x to the shared W x, p = rows.branch[r], so dense
+    rows fold the batch, per-item rows run their own branch's update alone, and W stays shared.
+    lora_A [P,r,in], lora_B [P,out,r]; B starts at zero (ParVL.branch_init), so a fresh model is the
+    shared one exactly. scale = alpha / r with alpha = 2r, as InternVL's wrap_backbone_lora sets it."""
+
+    def __init__(self, branches: int, rank: int, fan_in: int, fan_out: int):
+        super().__init__()
+        self.lora_A = nn.Parameter(torch.zeros(branches, rank, fan_in))
+        self.lora_B = nn.Parameter(torch.zeros(branches, fan_out, rank))
+        self.scale = 2.0
+
+    def forward(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """x [R,T,in] -> every row's own branch's update [R,T,out]."""
+        a, b = self.lora_A[rows.branch].to(x.dtype), self.lora_B[rows.branch].to(x.dtype)  # [R,r,in], [R,out,r]
+        return (x @ a.transpose(1, 2)) @ b.transpose(1, 2) * self.scale
+
+
+def lora_linear(linear: nn.Linear, lora: LoRA | None, x: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """A shared linear with, when the branches are LoRA ones, each row's own low-rank update."""
+    return linear(x) if lora is None else linear(x) + lora(x, rows)
 
 
 def prefix_mask(token_mask: torch.Tensor, prefix_len: int, branches: int = 1) -> torch.Tensor:

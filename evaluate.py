@@ -41,6 +41,7 @@ from pathlib import Path
 
 import torch
 
+import analysis
 from cli import (Interrupted, OneLineParser, allocation, check_shared, command, end_processes, error, interruptible, log,
                  make_folder, one_line, os_error, pyplot, rank, resolve_dtype, resolve_model, start_processes,
                  world_size)
@@ -531,6 +532,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ln.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default 10000)")
     ln.add_argument("--seed", type=int, default=42, help="bootstrap seed (default 42, the paper's)")
     ln.add_argument("--out", help="also write the JSON here")
+    d = sub.add_parser("descriptors", help="Table S2: each benchmark's source pixels, question and reference tokens, best Pv:Pl")
+    d.add_argument("data", nargs="+", help="VLMEvalKit TSVs, named <benchmark>.tsv")
+    d.add_argument("--model", required=True, help="checkpoint whose tokenizer counts the tokens")
+    d.add_argument("--report", help="report.json of evaluate.py report: its best configuration per benchmark")
+    d.add_argument("--predictions", nargs="+", metavar="JSONL", help="the best configuration's predictions (one file "
+                                                                     "per benchmark): their mean response tokens")
+    d.add_argument("--out", help="also write the JSON here")
+    c = sub.add_parser("cost", help="Figure 4: the score of each configuration against its latency and peak memory")
+    c.add_argument("--report", required=True, help="report.json of evaluate.py report")
+    c.add_argument("--latency", required=True, help="the output of profiling.py latency --json (batch 1 rows)")
+    c.add_argument("--column", default="All", help="the score column (default All)")
+    c.add_argument("--out", help="folder for score_cost.json and, with matplotlib, score_cost.png")
     f = sub.add_parser("fit-law", help="fit ParScale's parallel scaling law to a CSV of losses")
     f.add_argument("csv", help="CSV with columns params (raw parameter count), p, loss")
     args = p.parse_args(argv)
@@ -545,27 +558,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def lengths_cmd(args) -> int:
-    from lengths import compare, lengths, markdown
-    from processor import Tokenizer
-
-    if args.near_cap < 1 or args.resamples < 1:
-        raise DataError("--near-cap and --resamples must be >= 1")
-    encode = Tokenizer.from_pretrained(resolve_model(args.model)).encode
-    result = compare(lengths(args.a, encode), lengths(args.b, encode), args.near_cap, args.resamples, args.seed)
-    print(markdown(result, tuple(args.names)), end="")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result | {"names": args.names}) + "\n")
-    return 0
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     from checkpoint import CheckpointError
     from processor import ImageError
     try:
         with interruptible():
-            commands = {"run": run, "score": score_cmd, "report": report, "lengths": lengths_cmd, "fit-law": fit_law_cmd}
+            commands = {"run": run, "score": score_cmd, "report": report, "lengths": analysis.lengths_cmd,
+                        "descriptors": analysis.descriptors_cmd, "cost": analysis.cost_cmd, "fit-law": fit_law_cmd}
             return commands[args.cmd](args)
     except (DataError, CheckpointError, ImageError, ValueError) as e:
         error(f"error: {one_line(e)}")

@@ -24,6 +24,8 @@ passes through it, so this file counts the same things:
     dropped after aggregation); pixel shuffle and the connector run once; the Pl LLM branches each
     run the decoder blocks over all 1152 tokens; the language aggregator and lm_head run once per
     token, after aggregation. An aggregator (P*C -> C, SiLU, C -> P, softmax) exists only for P > 1.
+  - LoRA vision branches (Figure 3): each branch's update of qkv, proj, fc1 and fc2 is two linears
+    (fan_in -> r -> fan_out) over that branch's tokens, counted as linears; no prefix.
 This reproduces Table S3 (tests/test_profiling.py): every parameter entry to 0.01 M, the LLM and
 connector FLOPs to the table's rounding, the ViT and total FLOPs within 1e-5 relative. The
 paper's ViT entries sit a constant 0.016 GFLOPs above this count at every Pv: the size of one
@@ -73,11 +75,13 @@ class Workload:
         return self.image_tokens(cfg) + self.text_tokens + self.response_tokens
 
 
-def build_config(arch: str, pv: int, pl: int) -> ParVLConfig:
+def build_config(arch: str, pv: int, pl: int, **branches) -> ParVLConfig:
+    """The preset with these branch counts; branches: other ParConfig fields (vision_branches="lora",
+    lora_rank=16), else the preset's prefix lengths and aggregation."""
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}, choose from {sorted(ARCHS)}")
-    base = ARCHS[arch]  # keep the preset's prefix lengths and aggregation, change the branch counts
-    return dataclasses.replace(base, par=dataclasses.replace(base.par, pv=pv, pl=pl))
+    base = ARCHS[arch]
+    return dataclasses.replace(base, par=dataclasses.replace(base.par, pv=pv, pl=pl, **branches))
 
 
 def meta_model(cfg: ParVLConfig) -> ParVL:
@@ -117,6 +121,9 @@ def vit_flops(cfg: ParVLConfig, tiles: int) -> int:
     tokens = tiles * (1 + patches)  # CLS + patches per tile
     patch_embed = linear(tiles * patches, 3 * v.patch_size**2, C) + tiles * patches * C  # conv + bias
     block = linear(tokens, C, 3 * C) + linear(tokens, C, C) + linear(tokens, C, I) + linear(tokens, I, C)
+    if pv > 1 and cfg.par.vision_branches == "lora":  # each branch's low-rank updates of the four linears
+        r = cfg.par.lora_rank
+        block += sum(linear(tokens, a, r) + linear(tokens, r, b) for a, b in ((C, 3 * C), (C, C), (C, I), (I, C)))
     if v.norm_type == "layer_norm":  # norm1, norm2; InternViT-6B's RMSNorm is invisible to calflops
         block += 2 * 5 * tokens * C
     return patch_embed + pv * cfg.vit_layers * block + aggregator_flops(cfg, tokens, C, pv)
@@ -139,16 +146,16 @@ def llm_flops(cfg: ParVLConfig, tokens: int) -> int:
     return pl * m.num_layers * (attn + mlp) + aggregator_flops(cfg, tokens, C, pl) + lm_head
 
 
-def profile_params(arch: str, pv: int, pl: int, work: Workload = Workload()) -> dict:
-    """One Table S3 row: parameter counts (integers) and forward GFLOPs per part."""
-    cfg = build_config(arch, pv, pl)
+def profile_params(arch: str, pv: int, pl: int, work: Workload = Workload(), **branches) -> dict:
+    """One Table S3 row: parameter counts (integers) and forward GFLOPs per part; branches: as build_config."""
+    cfg = build_config(arch, pv, pl, **branches)
     params = count_params(meta_model(cfg))
     flops = {
         "vit": vit_flops(cfg, work.tiles),
         "connector": connector_flops(cfg, work.tiles),
         "llm": llm_flops(cfg, work.llm_tokens(cfg)),
     }
-    row = {"arch": arch, "pv": pv, "pl": pl}
+    row = {"arch": arch, "pv": pv, "pl": pl, "vision_branches": cfg.par.vision_branches}
     row |= {f"{k}_params": n for k, n in params.items()} | {"total_params": sum(params.values())}
     row |= {f"{k}_gflops": f / 1e9 for k, f in flops.items()} | {"total_gflops": sum(flops.values()) / 1e9}
     return row

@@ -49,6 +49,8 @@ class ParConfig:
     lambda_v: float = 0.0  # smoothing of the vision branch weights toward uniform
     lambda_l: float = 0.1  # ... of the language branch weights
     aggregation: str = "mlp"  # "mlp" (Eq. 2) or "mean" (Appendix D.1 ablation)
+    vision_branches: str = "prefix"  # "prefix" (Eq. 1) or "lora": a low-rank update per branch (Figure 3)
+    lora_rank: int = 16  # of "lora" vision branches (the paper's best)
 
     def __post_init__(self):
         for name in ("pv", "pl"):
@@ -62,6 +64,9 @@ class ParConfig:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if self.aggregation not in ("mlp", "mean"):
             raise ValueError(f"aggregation must be 'mlp' or 'mean', got {self.aggregation!r}")
+        if self.vision_branches not in ("prefix", "lora") or self.lora_rank < 1:
+            raise ValueError(f"vision_branches must be 'prefix' or 'lora' and lora_rank >= 1, got "
+                             f"{self.vision_branches!r}, {self.lora_rank}")
 
 
 @dataclass
@@ -138,7 +143,8 @@ class ParVL(nn.Module):
         if cfg.vit is not None:
             Cv = cfg.vit.hidden_size
             Cs = Cv * round(1 / cfg.downsample_ratio) ** 2  # width after pixel shuffle
-            self.vision_model = ViT(cfg.vit, par.pv, par.vit_prefix_len)
+            lora_rank = par.lora_rank if par.vision_branches == "lora" else 0  # LoRA replaces the vision prefixes
+            self.vision_model = ViT(cfg.vit, par.pv, par.vit_prefix_len, lora_rank)
             # `mlp1` with the checkpoint's Sequential indices (2 is the parameter-free GELU)
             self.mlp1 = nn.Sequential(nn.LayerNorm(Cs), nn.Linear(Cs, C), nn.GELU(), nn.Linear(C, C))
         self.language_model = LLM(cfg.llm, par.pl, par.llm_prefix_len)
@@ -286,10 +292,17 @@ class ParVL(nn.Module):
         """Initial values (fp32, on the CPU) of the ParVL tensors of a model started from an InternVL3.5
         checkpoint, drawn in a fixed order from the CPU generator. Prefixes ~ N(0, std^2), as ParScale
         does: random prefixes are enough to make the branches diverge, and small ones start every
-        branch close to the pretrained model. The aggregators start uniform (zero last layer), so the
+        branch close to the pretrained model. LoRA branches start as PEFT starts them, random A and
+        zero B: exactly the pretrained ViT, diverging from the first update. The aggregators start uniform (zero last layer), so the
         first step sees the mean of the branches. Works on a meta model (train.py's sharded loading)."""
-        values = {name: torch.empty(p.shape).normal_(std=std) for name, p in self.named_parameters()
-                  if name.endswith(("prefix_k", "prefix_v"))}
+        values = {}
+        for name, p in self.named_parameters():
+            if name.endswith(("prefix_k", "prefix_v")):
+                values[name] = torch.empty(p.shape).normal_(std=std)
+            elif name.endswith("lora_A"):  # PEFT's kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+                values[name] = torch.empty(p.shape).uniform_(-p.shape[-1] ** -0.5, p.shape[-1] ** -0.5)
+            elif name.endswith("lora_B"):  # zero: a fresh LoRA branch is the shared ViT
+                values[name] = torch.zeros(p.shape)
         for name, agg in (("vision_aggregator", self.vision_aggregator), ("language_aggregator", self.language_aggregator)):
             if agg is not None:
                 values |= {f"{name}.{k}": v for k, v in agg.initial_values().items()}
@@ -369,7 +382,8 @@ class ParVL(nn.Module):
         if par is not None or pv is not None or pl is not None:
             par = replace(par or saved, **{k: v for k, v in (("pv", pv), ("pl", pl)) if v is not None})
             if (saved.pv, saved.pl) != (1, 1):  # its branch tensors are what they are; the smoothing may change
-                for name in ("pv", "pl", "vit_prefix_len", "llm_prefix_len", "aggregation"):
+                for name in ("pv", "pl", "vit_prefix_len", "llm_prefix_len", "aggregation", "vision_branches",
+                             "lora_rank"):
                     if getattr(saved, name) != getattr(par, name):
                         raise CheckpointError(f"{folder}: holds Pv:Pl = {saved.pv}:{saved.pl} branches with {name} "
                                               f"{getattr(saved, name)}, cannot load them as {name} {getattr(par, name)}")
@@ -442,8 +456,8 @@ def check_tokenizer(tok: Tokenizer, cfg: ParVLConfig, folder: Path) -> None:
 
 
 def is_branch_tensor(key: str) -> bool:
-    """The ParVL tensors on top of InternVL: per-layer prefixes and the two aggregators."""
-    return key.endswith((".prefix_k", ".prefix_v")) or key.startswith(("vision_aggregator.", "language_aggregator."))
+    """The ParVL tensors on top of InternVL: per-layer prefixes (or LoRA updates) and the two aggregators."""
+    return key.endswith((".prefix_k", ".prefix_v", ".lora_A", ".lora_B")) or key.startswith(("vision_aggregator.", "language_aggregator."))
 
 
 # -- config.json: original (InternVLChatConfig) and -HF (InternVLConfig) spellings ---------------

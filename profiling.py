@@ -309,6 +309,9 @@ def run(argv: list[str] | None = None) -> None:
     p.add_argument("--pv", type=int, default=1, help="ViT branches Pv (default 1)")
     p.add_argument("--pl", type=int, default=1, help="LLM branches Pl (default 1)")
     p.add_argument("--all", action="store_true", help="all nine Pv:Pl in {1,2,4}^2 for --arch")
+    p.add_argument("--vision-branches", choices=["prefix", "lora"], default="prefix",
+                   help="prefix (default) or lora vision branches (Figure 3)")
+    p.add_argument("--lora-rank", type=int, default=16, help="rank of lora vision branches (default 16)")
     p.add_argument("--json", action="store_true", help="one JSON object per configuration and line")
     p.add_argument("--tiles", type=int, default=3, help="448 px image tiles, 256 tokens each (default 3)")
     p.add_argument("--text-tokens", type=int, default=256, help="prompt text tokens (default 256)")
@@ -341,7 +344,8 @@ def run(argv: list[str] | None = None) -> None:
     if args.command == "params":
         work = Workload(args.tiles, args.text_tokens, args.response_tokens)
         grid = [(pv, pl) for pv in BRANCHES for pl in BRANCHES] if args.all else [(args.pv, args.pl)]
-        rows = [profile_params(args.arch, pv, pl, work) for pv, pl in grid]
+        rows = [profile_params(args.arch, pv, pl, work, vision_branches=args.vision_branches, lora_rank=args.lora_rank)
+                for pv, pl in grid]
         if args.json:
             for r in rows:
                 print(json.dumps(r))

@@ -22,7 +22,8 @@ the upstream file and function it follows (paths relative to VLMEvalKit's `vlmev
                  can_infer, can_infer_option, can_infer_text
   MathVista_MINI dataset/utils/mathvista.py post_check (options through can_infer, int / float
                  conversion compared exactly)
-  MathVision_MINI dataset/utils/mathv.py post_check, is_equal (string match, then |a - b| < 1e-6)
+  MathVision_MINI dataset/utils/mathv.py post_check, is_equal (string match, then |a - b| < 1e-6,
+                 then LaTeX through latex2sympy2, an optional extra: pip install latex2sympy2)
   LogicVista     dataset/utils/logicvista.py LogicVista_auxeval's letter-set comparison, applied to
                  the stripped reply as if the judge had returned it
   WeMath         dataset/utils/wemath.py load_and_process_data ("Answer" split rule),
@@ -32,8 +33,9 @@ A row whose answer cannot be extracted deterministically is wrong and counted in
 (these are the rows VLMEvalKit sends to its answer extractor; see evaluate.py --judge-url).
 
 Deviations (each also noted where it happens): Python `eval` on answers and replies becomes
-`ast.literal_eval` and a small arithmetic evaluator (no code from a reply ever runs); MathVision's
-LaTeX equivalence (latex2sympy) is not checked; WeMath divides by the problem groups present
+`ast.literal_eval` and a small arithmetic evaluator (no code from a reply ever runs), also for the
+text of a latex2sympy expression; without latex2sympy2 installed MathVision's LaTeX step is skipped
+(one line says so) and LaTeX answers count only as text; WeMath divides by the problem groups present
 (VLMEvalKit hard-codes 525, which equals it on the full set).
 
 TSV format: tab-separated with CSV quoting (what pandas writes and reads); every cell is kept as a
@@ -319,16 +321,46 @@ def arithmetic(text: str):
 
 
 def mathv_equal(answer, truth) -> bool:
-    """mathv.py is_equal without its latex2sympy step: equal after lower/strip, or both arithmetic
-    with |a - b| < 1e-6. Not reproduced: upstream's eval() of the reply "a" (any case) reads is_equal's
+    """mathv.py is_equal: equal after lower/strip, or both arithmetic with |a - b| < 1e-6, or both
+    LaTeX (latex_equal). Not reproduced: upstream's eval() of the reply "a" (any case) reads is_equal's
     own local variable a, so that reply equals every numeric answer there."""
     a, t = str(answer).lower().strip(), str(truth).lower().strip()
     if a == t:
         return True
     x, y = arithmetic(t), arithmetic(a)
     try:
-        return x is not None and y is not None and abs(x - y) < 1e-6
+        if x is not None and y is not None and abs(x - y) < 1e-6:
+            return True
     except (TypeError, OverflowError):  # a huge integer against a float: not within 1e-6 either
+        pass
+    return latex_equal(t, a)
+
+
+_LATEX: list = []  # latex2sympy2's parser once imported, or None when it is not installed
+
+
+def latex_equal(truth: str, answer: str) -> bool:
+    """is_equal's last step: both parsed by latex2sympy; equal if the values of the two expressions'
+    text are within 1e-6 (upstream eval()s that text, here the arithmetic evaluator reads it: a text
+    that is not arithmetic, such as sqrt(2), fails there as eval's NameError does, and upstream's
+    except then skips the rest), else if the expressions differ by less than 1e-6."""
+    if not _LATEX:
+        try:
+            from latex2sympy2 import latex2sympy
+        except ImportError:
+            latex2sympy = None
+            print("note: latex2sympy2 is not installed: MathVision's LaTeX answers are compared as text and "
+                  "numbers only, where VLMEvalKit also parses them (pip install latex2sympy2)", file=sys.stderr)
+        _LATEX.append(latex2sympy)
+    if _LATEX[0] is None:
+        return False
+    try:
+        ta, aa = _LATEX[0](truth), _LATEX[0](answer)
+        x, y = arithmetic(str(ta)), arithmetic(str(aa))
+        if x is None or y is None:
+            return False
+        return abs(x - y) < 1e-6 or bool(abs(ta - aa) < 1e-6)
+    except Exception:  # the parser's own errors on text that is not LaTeX (upstream: a bare except)
         return False
 
 

@@ -58,7 +58,8 @@ from runs import (check_out, checkpoints, discard_run, export, finite, os_cause,
 from schedule import lr_lambda
 
 
-BRANCH_FLAGS = ("vit_prefix_len", "llm_prefix_len", "aggregation", "lambda_v", "lambda_l")  # parvl.ParConfig's fields
+BRANCH_FLAGS = ("vit_prefix_len", "llm_prefix_len", "aggregation", "lambda_v", "lambda_l", "vision_branches",
+                "lora_rank")  # parvl.ParConfig's fields
 
 
 def default_workers() -> int:
@@ -106,6 +107,8 @@ class TrainConfig:
     aggregation: str | None = None
     lambda_v: float | None = None
     lambda_l: float | None = None
+    vision_branches: str | None = None
+    lora_rank: int | None = None
     validate_data: bool = False
 
     def check_files(self) -> None:
@@ -172,6 +175,8 @@ def parse_args(argv=None) -> TrainConfig:
         "aggregation": "how branches fuse: mlp (Eq. 2, the paper's) or mean (Table S8's ablation)",
         "lambda_v": "smoothing of the vision branch weights toward uniform, in [0, 1] (the paper: 0)",
         "lambda_l": "smoothing of the language branch weights toward uniform, in [0, 1] (the paper: 0.1)",
+        "vision_branches": "prefix (the paper's) or lora: a low-rank update of the ViT's qkv, proj, fc1, fc2 per vision "
+                           "branch (Figure 3; B starts at zero, alpha = 2 x rank)", "lora_rank": "rank of lora (default 16)",
         "resume": "continue from the newest checkpoint in --out that verifies (none: start fresh)",
         "overwrite": "discard the run --out holds (checkpoints, export, metrics) and start a new one"}
     for f in fields(TrainConfig):
@@ -180,9 +185,9 @@ def parse_args(argv=None) -> TrainConfig:
         if isinstance(default, bool):
             p.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_)
         else:
-            kind = {"pv": int, "pl": int, "vit_prefix_len": int, "llm_prefix_len": int, "aggregation": str,
-                    "lambda_v": float, "lambda_l": float}.get(f.name, type(default))
-            choices = {"dtype": ["auto", "bf16", "fp32"], "aggregation": ["mlp", "mean"]}.get(f.name)
+            kind = ({"pv": int, "pl": int} | {k: type(getattr(ParConfig(), k)) for k in BRANCH_FLAGS}).get(f.name, type(default))
+            choices = {"dtype": ["auto", "bf16", "fp32"], "aggregation": ["mlp", "mean"],
+                       "vision_branches": ["prefix", "lora"]}.get(f.name)
             p.add_argument(flag, type=kind, default=default, choices=choices, help=help_)
     cfg = TrainConfig(**vars(p.parse_args(argv)))
     try:
@@ -401,9 +406,8 @@ def plot_main(argv: list[str]) -> int:
 
 
 def main(argv=None) -> int:
-    """`train.py plot RUN` plots a run; anything else trains. Exit codes: 0 done, 1 bad input or a failure (one line on stderr), 2 bad flags (argparse),
-    130 / 143 interrupted by SIGINT / SIGTERM. Under torchrun rank 0 alone prints an error that every
-    rank meets alike; torchrun then adds its own report of the failed workers."""
+    """`train.py plot RUN` plots a run; anything else trains. Exit codes (README): 0 done, 1 bad input or a failure,
+    2 bad flags, 130 / 143 interrupted by SIGINT / SIGTERM; an error is one line on stderr (cli.error)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plot"]:  # before the training parser: its flags stay as they are
         return plot_main(argv[1:])

@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aggregate import PrefixKV, Rows, fold, prefix_attention
+from aggregate import LoRA, PrefixKV, Rows, fold, lora_linear, prefix_attention
 from llm import RMSNorm  # the same fp32-normalise, cast back, then scale as Qwen's
 
 
@@ -99,12 +99,15 @@ class Attention(PrefixKV):
     branches each branch has learned key/value prefixes [P,H,Lp,D]; each row attends with its own
     branch's prefix in front of its keys and values (Eq. 1, aggregate.prefix_attention), no mask."""
 
-    def __init__(self, cfg: ViTConfig, branches: int = 1, prefix_len: int = 0):
+    def __init__(self, cfg: ViTConfig, branches: int = 1, prefix_len: int = 0, lora_rank: int = 0):
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         C = cfg.hidden_size
         self.qkv = nn.Linear(C, 3 * C, bias=cfg.qkv_bias)
         self.proj = nn.Linear(C, C)
+        lora = branches > 1 and lora_rank > 0  # LoRA vision branches: no prefix, an update of each linear
+        self.qkv_lora = LoRA(branches, lora_rank, C, 3 * C) if lora else None
+        self.proj_lora = LoRA(branches, lora_rank, C, C) if lora else None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(C, cfg.norm_eps)
             self.k_norm = RMSNorm(C, cfg.norm_eps)
@@ -113,33 +116,38 @@ class Attention(PrefixKV):
 
     def forward(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
         R, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=-1)  # 3 x [R,T,C]
+        q, k, v = lora_linear(self.qkv, self.qkv_lora, x, rows).split(C, dim=-1)  # 3 x [R,T,C]
         if self.qk_norm:  # over the whole width, all heads jointly (InternViT-6B)
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.view(R, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [R,H,T,D]
         pk, pv = self.row_prefixes(rows, k.dtype)  # each row's own branch prefix: [R,H,Lp,D]
         out = prefix_attention(q, k, v, pk, pv, causal=False)  # [R,H,T,D]
-        return self.proj(out.transpose(1, 2).reshape(R, T, C))
+        return lora_linear(self.proj, self.proj_lora, out.transpose(1, 2).reshape(R, T, C), rows)
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ViTConfig):
+    def __init__(self, cfg: ViTConfig, branches: int = 1, lora_rank: int = 0):
         super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
-        self.fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+        C, I = cfg.hidden_size, cfg.intermediate_size
+        self.fc1 = nn.Linear(C, I)
+        self.fc2 = nn.Linear(I, C)
+        lora = branches > 1 and lora_rank > 0
+        self.fc1_lora = LoRA(branches, lora_rank, C, I) if lora else None
+        self.fc2_lora = LoRA(branches, lora_rank, I, C) if lora else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))  # exact erf GELU, as the checkpoint was trained
+    def forward(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
+        h = F.gelu(lora_linear(self.fc1, self.fc1_lora, x, rows))  # exact erf GELU, as the checkpoint was trained
+        return lora_linear(self.fc2, self.fc2_lora, h, rows)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ViTConfig, drop_path_rate: float, branches: int = 1, prefix_len: int = 0):
+    def __init__(self, cfg: ViTConfig, drop_path_rate: float, branches: int = 1, prefix_len: int = 0, lora_rank: int = 0):
         super().__init__()
         C = cfg.hidden_size
         self.norm1 = make_norm(cfg, C)
-        self.attn = Attention(cfg, branches, prefix_len)
+        self.attn = Attention(cfg, branches, prefix_len, lora_rank)
         self.norm2 = make_norm(cfg, C)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, branches, lora_rank)
         self.ls1 = nn.Parameter(torch.ones(C))  # layer scale: multiplies the branch output
         self.ls2 = nn.Parameter(torch.ones(C))
         self.drop_path_rate = drop_path_rate
@@ -147,28 +155,30 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
         p = self.drop_path_rate
         x = x + drop_path(self.attn(self.norm1(x).to(x.dtype), rows) * self.ls1, p, self.training)
-        x = x + drop_path(self.mlp(self.norm2(x).to(x.dtype)) * self.ls2, p, self.training)
+        x = x + drop_path(self.mlp(self.norm2(x).to(x.dtype), rows) * self.ls2, p, self.training)
         return x
 
 
 class Encoder(nn.Module):
-    def __init__(self, cfg: ViTConfig, branches: int = 1, prefix_len: int = 0):
+    def __init__(self, cfg: ViTConfig, branches: int = 1, prefix_len: int = 0, lora_rank: int = 0):
         super().__init__()
         n = cfg.num_layers
         rates = [cfg.drop_path_rate * i / max(n - 1, 1) for i in range(n)]  # linspace(0, rate, n)
-        self.layers = nn.ModuleList(Block(cfg, r, branches, prefix_len) for r in rates)
+        self.layers = nn.ModuleList(Block(cfg, r, branches, prefix_len, lora_rank) for r in rates)
 
 
 class ViT(nn.Module):
-    """InternViT, optionally with P prefix-conditioned branches. `forward` returns hidden state number
+    """InternViT, optionally with P branches, each conditioned by its key/value prefixes or (lora_rank
+    > 0, Figure 3's alternative) by its low-rank updates of qkv, proj, fc1 and fc2, the linears
+    InternVL's own wrap_backbone_lora adapts in the ViT. `forward` returns hidden state number
     `num_layers` (0 = the embeddings; no final norm) of every row: each tile once per branch it runs
     (see aggregate.Rows)."""
 
-    def __init__(self, cfg: ViTConfig, branches: int = 1, prefix_len: int = 0):
+    def __init__(self, cfg: ViTConfig, branches: int = 1, prefix_len: int = 0, lora_rank: int = 0):
         super().__init__()
         self.cfg, self.branches = cfg, branches
         self.embeddings = Embeddings(cfg)
-        self.encoder = Encoder(cfg, branches, prefix_len)
+        self.encoder = Encoder(cfg, branches, 0 if lora_rank else prefix_len, lora_rank)
 
     def forward(
         self,

@@ -66,6 +66,42 @@ def test_one_one_is_internvl(checkpoint, reference):
     assert torch.equal(par(ids[None], px, vision_branch=[0], language_branch=[0]), want)
 
 
+def test_lora_branches_start_as_internvl_and_are_their_weight_updates(checkpoint, reference):
+    """LoRA vision branches (Figure 3): started from the official checkpoint (B = 0) the model gives
+    InternVL's logits; with random A and B, branch p of the ViT is a plain ViT whose qkv, proj, fc1
+    and fc2 weights are W + 2 B_p A_p (alpha / r = 2), in fp64 to check the algorithm."""
+    from vit import ViT
+
+    folder = checkpoint("qwen3", "original")
+    par = ParVL.from_pretrained(folder, par=ParConfig(pv=2, pl=1, vision_branches="lora", lora_rank=4))
+    extra = par.state_dict().keys() - read_safetensors(folder).keys()
+    assert extra and all(k.endswith((".lora_A", ".lora_B")) or k.startswith("vision_aggregator.") for k in extra)
+    ids, px = prompt_ids(folder, [2]), random_pixels(2, seed=1)
+    # the two branch rows are the pretrained ViT's exactly and fuse with weights 1/2: fp32 matmuls of
+    # 2N rather than N rows may block differently, hence a tolerance at fp32 noise, not equality
+    torch.testing.assert_close(par(ids[None], px), reference("qwen3")(input_ids=ids[None], pixel_values=px).logits,
+                               atol=1e-5, rtol=1e-5)
+    cfg = ViTConfig(hidden_size=32, num_heads=4, intermediate_size=48, num_layers=2, image_size=28, patch_size=14)
+    torch.manual_seed(0)
+    lora, plain = ViT(cfg, branches=3, lora_rank=2).double(), ViT(cfg).double()
+    for p in lora.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(2, 3, 28, 28, dtype=torch.float64)
+    for branch in range(3):
+        state = {k: v for k, v in lora.state_dict().items() if "lora" not in k}
+        for i, layer in enumerate(lora.encoder.layers):
+            for name, up in (("attn.qkv", layer.attn.qkv_lora), ("attn.proj", layer.attn.proj_lora),
+                             ("mlp.fc1", layer.mlp.fc1_lora), ("mlp.fc2", layer.mlp.fc2_lora)):
+                key = f"encoder.layers.{i}.{name}.weight"
+                state[key] = state[key] + 2.0 * up.lora_B[branch] @ up.lora_A[branch]
+        plain.load_state_dict(state)
+        with torch.no_grad():
+            got = lora(x, Rows.choose(branch, 3, 2, "cpu"))
+            dense = lora(x)  # all three, branch-major: rows branch * 2 + n
+        torch.testing.assert_close(got, plain(x), atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(dense[2 * branch: 2 * branch + 2], got, atol=1e-10, rtol=1e-10)
+
+
 # -- prefix attention against an explicit reference --------------------------------------------
 
 
@@ -444,6 +480,9 @@ def make_branches_matter(model: ParVL) -> ParVL:
         for layer in model.vision_model.encoder.layers:
             torch.nn.init.normal_(layer.attn.qkv.weight, std=0.3)
             layer.ls1.fill_(1.0)
+            for lora in (layer.attn.qkv_lora, layer.attn.proj_lora, layer.mlp.fc1_lora, layer.mlp.fc2_lora):
+                if lora is not None:  # LoRA branches start equal (B = 0): large updates set them apart
+                    torch.nn.init.normal_(lora.lora_B, std=0.3)
             if layer.attn.prefix_k is not None:
                 torch.nn.init.normal_(layer.attn.prefix_k, std=3.0)
                 torch.nn.init.normal_(layer.attn.prefix_v, std=3.0)
@@ -454,12 +493,13 @@ def make_branches_matter(model: ParVL) -> ParVL:
 SAMPLES = [(2, 10), (0, 23), (1, 6), (3, 8), (1, 14)]  # (tiles, text tokens)
 
 
-@pytest.mark.parametrize("pv,pl", [(2, 1), (1, 3), (4, 4)])
-def test_per_sample_pairs_equal_each_sample_alone(pv, pl):
+@pytest.mark.parametrize("pv,pl,vision", [(2, 1, "prefix"), (1, 3, "prefix"), (4, 4, "prefix"), (3, 2, "lora")])
+def test_per_sample_pairs_equal_each_sample_alone(pv, pl, vision):
     """A batch whose samples carry their own (v, l) pair equals each sample run alone with that pair:
     logits within fp32 noise, greedy tokens identical; B rows enter the ViT (one per tile) and the LLM
-    blocks, not P*B; and one tower per sample with the other dense equals it alone too."""
-    model = make_branches_matter(tiny(pv=pv, pl=pl, seed=20 + pv + pl))
+    blocks, not P*B; and one tower per sample with the other dense equals it alone too. The same for
+    LoRA vision branches (Figure 3), which run through the same rows."""
+    model = make_branches_matter(tiny(pv=pv, pl=pl, seed=20 + pv + pl, vision_branches=vision, lora_rank=3))
     samples = [prompt(t, text=n, seed=30 + k) for k, (t, n) in enumerate(SAMPLES)]
     g = torch.Generator().manual_seed(pv * 10 + pl)
     vb = torch.randint(0, pv, (len(samples),), generator=g).tolist()

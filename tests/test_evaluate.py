@@ -10,6 +10,7 @@ import re
 import math
 import os
 import signal
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -236,6 +237,24 @@ def test_mathvision_equivalence_1e6_and_no_eval():
     assert S.mathvision_check(mc, "The answer is (C)") == (True, "C")
     s = S.score("MathVision_MINI", [free, mc], {"0": "The answer is 0.6", "2": "C"})
     assert [x["hit"] for x in s.per_row] == [False, True] and s.unresolved == 1  # a sentence is not 0.6
+
+
+def test_mathvision_latex_answers_through_latex2sympy(monkeypatch, capsys):
+    """is_equal's LaTeX step (latex2sympy2, the optional extra VLMEvalKit uses): fractions and powers
+    on either side equal their values; a value whose text is not arithmetic (sqrt(2)) fails, as
+    upstream's eval does; nothing of the reply is ever run. Without the package: one line, and LaTeX
+    counts only as text."""
+    monkeypatch.setattr(S, "_LATEX", [])
+    assert S.mathv_equal("0.5", r"\frac{1}{2}") and S.mathv_equal(r"\dfrac{3}{4}", "0.75")
+    assert S.mathv_equal("8", "2^{3}") and S.mathv_equal(r"2^{-1}", r"\frac{2}{4}")
+    assert not S.mathv_equal("0.6", r"\frac{1}{2}") and not S.mathv_equal("1.41421356", r"\sqrt{2}")
+    assert not S.mathv_equal(r"\frac{1}{3}", r"\frac{1}{2}") and not S.mathv_equal("__import__('os')", r"\frac{1}{2}")
+    free = {"index": "0", "choices": "[]", "answer": r"\frac{3}{5}"}
+    assert S.score("MathVision_MINI", [free], {"0": "0.6"}).per_row[0]["hit"]
+    monkeypatch.setattr(S, "_LATEX", [])
+    monkeypatch.setitem(sys.modules, "latex2sympy2", None)  # as if not installed: its import raises ImportError
+    assert not S.mathv_equal("0.5", r"\frac{1}{2}") and not S.mathv_equal("0.5", r"\frac{1}{2}")
+    assert capsys.readouterr().err.count("latex2sympy2 is not installed") == 1  # said once
 
 
 def test_logicvista_letter_sets():
@@ -916,7 +935,7 @@ def test_lengths_bootstrap_has_the_known_answer():
     interval is that point. One benchmark with differences 0 and 2 resamples to means 0, 1, 2 (1/4,
     1/2, 1/4): its interval is [0, 2]. Answers at or above the near-cap threshold leave the clean
     means, and the pairs, of their side only."""
-    import lengths as L
+    import analysis as L
 
     a = {"MMMU_DEV_VAL": {"1": 10, "2": 20, "3": 4090}, "WeMath": {"1": 5, "2": 7}}
     b = {"MMMU_DEV_VAL": {"1": 13, "2": 23, "3": 30}, "WeMath": {"1": 6, "2": 8}}  # +3 and +1 everywhere
@@ -944,3 +963,54 @@ def test_lengths_command_retokenises_the_answers(bench, full_run, tmp_path, caps
     assert "| Clean mean (1:1) |" in out and "Clean paired Δ (4:4 − 1:1)" in out and "95 % interval" in out
     rc, _, err = main_out(capsys, "lengths", "--model", folder, "--a", full_run, full_run, "--b", longer)
     assert rc == 1 and "a second predictions file of MMMU_DEV_VAL" in err
+
+
+def test_descriptors_count_pixels_and_tokens_per_benchmark(bench, full_run, tmp_path, capsys):
+    """Table S2's descriptors: the mean of each row's summed image pixels (a shared image counted for
+    each row that asks about it), question and reference tokens, report.json's best Pv:Pl and the mean
+    response tokens of that configuration's predictions."""
+    folder, tsv, rows, imgs = bench
+    tok = Tokenizer.from_pretrained(folder)
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"best": {"MMMU_DEV_VAL": "2:4", "All": "2:2"}}))
+    rc, out, err = main_out(capsys, "descriptors", tsv, "--model", folder, "--report", report, "--out", tmp_path / "s2.json")
+    assert rc == 1 and "unreadable image" in err and "row 13" in err  # the bench TSV's corrupt row is named
+    good = [r for r in rows if r["index"] != "13"]
+    clean = write_tsv(tmp_path / "MMMU_DEV_VAL.tsv", good)
+    rc, out, _ = main_out(capsys, "descriptors", clean, "--model", folder, "--report", report, "--out", tmp_path / "s2.json",
+                          "--predictions", full_run)
+    got = json.loads((tmp_path / "s2.json").read_text())["MMMU_DEV_VAL"]
+    area = {imgs[0]: 24 * 24, imgs[1]: 20 * 20, imgs[2]: 64 * 32}  # row 12 shares row 10's image
+    pixels = [area[imgs[0]], area[imgs[1]] + area[imgs[0]], area[imgs[0]], area[imgs[2]]]
+    assert rc == 0 and got["rows"] == 4 and got["pixels"] == pytest.approx(sum(pixels) / 4) and got["best"] == "2:4"
+    assert got["question_tokens"] == pytest.approx(sum(len(tok.encode(r["question"])) for r in good) / 4)
+    assert got["reference_tokens"] == pytest.approx(sum(len(tok.encode(r["answer"])) for r in good) / 4)
+    responses = [len(tok.encode(p["prediction"])) for p in read_preds(full_run)]
+    assert got["response_tokens"] == pytest.approx(sum(responses) / len(responses))
+    assert "| MMMU_DEV_VAL | 4 |" in out and out.rstrip().endswith(f"| 2:4 | {sum(responses) / len(responses):.1f} |")
+
+
+def test_cost_puts_each_configuration_at_its_latency_and_memory(tmp_path, capsys):
+    """Figure 4's points: report.json's overall score of each dense (and shared-KV) configuration beside
+    the batch-1 latency and peak memory of its profile row; fixed pairs have no point; a configuration
+    the profile lacks is refused with one line naming the profiling command."""
+    config = lambda pv, pl, shared, score, vb=None: {  # noqa: E731
+        "label": f"{pv}:{pl}" + (" sharedKV" if shared else ""), "pv": pv, "pl": pl, "vision_branch": vb,
+        "language_branch": None, "shared_kv": shared, "scores": {"All": score}}
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"configs": [config(1, 1, False, 40.0), config(4, 4, False, 42.5), config(4, 4, True, 41.0),
+                                              config(4, 4, False, 39.0, vb=1)]}))
+    row = lambda pv, shared, batch, lat, mem: {"pv": pv, "pl": pv, "shared_kv": shared, "batch": batch,  # noqa: E731
+                                               "latency_s": lat, "peak_gib": mem}
+    latency = tmp_path / "latency.json"
+    latency.write_text("table for people\n" + json.dumps({"command": "latency", "rows": [
+        row(1, False, 1, 1.0, 2.0), row(1, False, 8, 0.2, 5.0), row(4, False, 1, 1.9, 2.6), row(4, True, 1, 1.5, 2.2)]}) + "\n")
+    rc, out, _ = main_out(capsys, "cost", "--report", report, "--latency", latency, "--out", tmp_path / "fig4")
+    points = json.loads((tmp_path / "fig4" / "score_cost.json").read_text())
+    assert rc == 0 and points == [{"label": "1:1", "score": 40.0, "latency_s": 1.0, "peak_gib": 2.0},
+                                  {"label": "4:4", "score": 42.5, "latency_s": 1.9, "peak_gib": 2.6},
+                                  {"label": "4:4 sharedKV", "score": 41.0, "latency_s": 1.5, "peak_gib": 2.2}]
+    assert "| 4:4 sharedKV | 41.0 | 1.5000 | 2.200 |" in out and (tmp_path / "fig4" / "score_cost.png").stat().st_size > 0
+    latency.write_text(json.dumps({"rows": [row(1, False, 1, 1.0, 2.0)]}) + "\n")
+    rc, _, err = main_out(capsys, "cost", "--report", report, "--latency", latency)
+    assert rc == 1 and "no batch-1 row for 4:4 (profiling.py latency --pv 4 --pl 4 --batch 1)" in err

@@ -181,7 +181,7 @@ def test_cli_json_lines():
     ints = ("pv", "pl", "vit_params", "connector_params", "llm_params", "total_params")
     floats = ("vit_gflops", "connector_gflops", "llm_gflops", "total_gflops")
     for r in lines:
-        assert set(r) == {"arch", *ints, *floats}, sorted(r)
+        assert set(r) == {"arch", "vision_branches", *ints, *floats}, sorted(r)
         assert isinstance(r["arch"], str)
         assert all(type(r[k]) is int for k in ints), r
         assert all(type(r[k]) is float for k in floats), r
@@ -293,3 +293,20 @@ def test_forward_cli_tiny(tmp_path):
     rows = run_cli("forward", "--arch", "tiny", "--configs", "1:1", "2:2", "--repeats", "1", "--warmup", "0", "--pair")["rows"]
     assert [(r["pv"], r["pl"], r["pair"]) for r in rows] == [(1, 1, None), (2, 2, None), (2, 2, "0,0")]
     assert rows[2]["gflops"] == pytest.approx(0.314926336, rel=1e-12) and rows[2]["gflops_x"] == 1.0
+
+
+def test_lora_vision_branches_count_their_updates():
+    """Figure 3's LoRA branches in Table S3's terms: the vision prefixes go, each of the Pv branches
+    adds r x (fan_in + fan_out) parameters per adapted linear (qkv, proj, fc1, fc2) and twice that
+    per token in FLOPs, counted as the two linears they are; the CLI prints the same row."""
+    pre, lora = flops.profile_params("1b", 4, 1), flops.profile_params("1b", 4, 1, vision_branches="lora", lora_rank=16)
+    v = flops.ARCHS["1b"].vit
+    C, I, L, Lp = v.hidden_size, v.intermediate_size, v.num_layers, flops.ARCHS["1b"].par.vit_prefix_len
+    per_layer = 16 * ((C + 3 * C) + (C + C) + (C + I) + (I + C))
+    assert lora["vit_params"] == pre["vit_params"] - 4 * L * 2 * Lp * C + 4 * L * per_layer
+    assert lora["llm_params"] == pre["llm_params"] and lora["vision_branches"] == "lora"
+    tokens = 3 * (1 + v.grid ** 2)  # the workload's 3 tiles
+    assert lora["vit_gflops"] * 1e9 == pytest.approx(pre["vit_gflops"] * 1e9 + 4 * L * 2 * tokens * per_layer, rel=1e-12)
+    out = subprocess.run([sys.executable, "profiling.py", "params", "--pv", "4", "--pl", "1", "--vision-branches", "lora",
+                          "--json"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    assert json.loads(out) == lora

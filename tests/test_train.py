@@ -173,10 +173,15 @@ def test_lr_schedule_and_parameter_groups(model_dir):
 
 
 @pytest.mark.slow
-def test_two_nodes_equal_one_process(model_dir, meta, tmp_path):
+def test_two_nodes_equal_one_process(model_dir, meta, tmp_path, capsys):
     """2 nodes x 1 process (conftest.two_nodes: the README's multi-node torchrun, on 127.0.0.1) against
-    one process: the same losses, and exports equal to fp32 reduction-order noise."""
-    args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3", *COMMON]
+    one process: the same losses, and exports equal to fp32 reduction-order noise. The vision branches
+    are LoRA ones (Figure 3): sharded by FSDP2 like every tensor, trained (B leaves zero), saved in
+    the export's config and run by generate.py from it."""
+    import generate
+
+    args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3", "--vision-branches", "lora",
+            "--lora-rank", "2", *COMMON]
     run_train(*args, "--out", tmp_path / "one")
     codes, err = two_nodes([ROOT / "train.py", *args, "--out", tmp_path / "two", "--activation-checkpointing"])
     assert codes == [0, 0], err[-3000:]
@@ -187,6 +192,18 @@ def test_two_nodes_equal_one_process(model_dir, meta, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     a, b = load_file(str(tmp_path / "one" / "export" / "model.safetensors")), load_file(str(tmp_path / "two" / "export" / "model.safetensors"))
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+    ups = [k for k in a if k.endswith(".lora_B")]
+    assert ups and not any(k.endswith(".prefix_k") and k.startswith("vision") for k in a)  # LoRA in place of prefixes
+    assert all(a[k].abs().max() > 0 for k in ups)  # every update trained away from its zero start
+    model = ParVL.from_pretrained(tmp_path / "one" / "export")
+    assert (model.cfg.par.vision_branches, model.cfg.par.lora_rank) == ("lora", 2)
+    png = tmp_path / "img.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 90, 3), dtype=np.uint8)).save(png)
+    assert generate.main([str(png), "Hi?", "--model", str(tmp_path / "one" / "export"), "--max-new-tokens", "4", "--json"]) == 0
+    tok, pv = Tokenizer.from_pretrained(tmp_path / "one" / "export"), load_image(png, max_tiles=12)
+    ids = tok.encode(build_prompt("<image>\nHi?", [pv.shape[0]], tokens_per_tile=model.cfg.tokens_per_tile))
+    want = Engine(model).generate([ids], pv, GenerateConfig(max_new_tokens=4), tok.eos_ids).tokens[0]
+    assert json.loads(capsys.readouterr().out)["answer"] == tok.answer(want)
 
 
 def test_a_node_that_cannot_see_the_run_folder_is_refused(model_dir, meta, tmp_path):
