@@ -36,10 +36,12 @@ from scoring import BENCHMARKS, GROUPS, DataError, as_list, read_jsonl, read_tsv
 NEAR_CAP = 4090  # the paper's threshold for its 4096-token budget
 
 
-def lengths(files: list, encode) -> dict[str, dict[str, int]]:
+def lengths(files: list, encode, near_cap: int = NEAR_CAP) -> dict[str, dict[str, int | None]]:
     """{benchmark: {index: tokens}} of prediction files (`evaluate.py run`), each file's benchmark read
-    from its own record; two files of one benchmark are refused."""
-    out: dict[str, dict[str, int]] = {}
+    from its own record; two files of one benchmark are refused. A row whose generation reached
+    near_cap tokens (its recorded new_tokens; without one, its re-tokenised length) is None: cut at
+    the budget, however its text re-tokenises."""
+    out: dict[str, dict[str, int | None]] = {}
     for f in files:
         rows = read_jsonl(Path(f))
         benches = {r.get("benchmark") for r in rows}
@@ -48,22 +50,26 @@ def lengths(files: list, encode) -> dict[str, dict[str, int]]:
         bench = benches.pop()
         if bench in out:
             raise DataError(f"{f}: a second predictions file of {bench}")
-        out[bench] = {str(r["index"]): len(encode(str(r["prediction"]))) for r in rows}
+        out[bench] = {}
+        for r in rows:
+            n = len(encode(str(r["prediction"])))
+            out[bench][str(r["index"])] = None if r.get("new_tokens", n) >= near_cap else n
     return out
 
 
 def compare(a: dict, b: dict, near_cap: int = NEAR_CAP, resamples: int = 10_000, seed: int = 42) -> dict:
-    """Table S5 of configurations a and b ({benchmark: {index: tokens}}, the same benchmarks): per
-    benchmark, domain and overall the clean means of a and b, the paired difference b - a, and the
-    bootstrap 95 % interval of the overall paired difference."""
+    """Table S5 of configurations a and b ({benchmark: {index: tokens, None for a row cut at the
+    budget}}, the same benchmarks): per benchmark, domain and overall the clean means of a and b, the
+    paired difference b - a, and the bootstrap 95 % interval of the overall paired difference."""
     if a.keys() != b.keys():
         raise DataError(f"the two sets of predictions cover other benchmarks: {sorted(a)} against {sorted(b)}")
     rng = np.random.default_rng(seed)
     table, draws = {}, []
     for bench in [x for x in BENCHMARKS if x in a]:
-        clean_a = [n for n in a[bench].values() if n < near_cap]
-        clean_b = [n for n in b[bench].values() if n < near_cap]
-        both = [i for i in a[bench] if i in b[bench] and a[bench][i] < near_cap and b[bench][i] < near_cap]
+        clean = lambda n: n is not None and n < near_cap  # noqa: E731
+        clean_a = [n for n in a[bench].values() if clean(n)]
+        clean_b = [n for n in b[bench].values() if clean(n)]
+        both = [i for i in a[bench] if i in b[bench] and clean(a[bench][i]) and clean(b[bench][i])]
         if not both:
             raise DataError(f"{bench}: no row is answered below {near_cap} tokens in both configurations")
         diff = np.array([b[bench][i] - a[bench][i] for i in both], dtype=np.float64)
@@ -169,10 +175,9 @@ def plot_score_cost(points: list[dict], column: str, png: Path) -> None:
 
 
 def lengths_cmd(args) -> int:
-    if args.near_cap < 1 or args.resamples < 1:
-        raise DataError("--near-cap and --resamples must be >= 1")
     encode = Tokenizer.from_pretrained(resolve_model(args.model)).encode
-    result = compare(lengths(args.a, encode), lengths(args.b, encode), args.near_cap, args.resamples, args.seed)
+    a, b = lengths(args.a, encode, args.near_cap), lengths(args.b, encode, args.near_cap)
+    result = compare(a, b, args.near_cap, args.resamples, args.seed)
     print(markdown(result, tuple(args.names)), end="")
     if args.out:
         Path(args.out).write_text(json.dumps(result | {"names": args.names}) + "\n")
@@ -201,10 +206,11 @@ def cost_cmd(args) -> int:
         except (OSError, IndexError, ValueError) as e:
             raise DataError(f"{path}: not {what} ({type(e).__name__})") from None
 
-    report, latency = last_json(args.report, "a report.json"), last_json(args.latency, "profiling.py latency --json output")
-    if "configs" not in report or "rows" not in latency:
-        raise DataError(f"{args.report} / {args.latency}: need report.json's configs and the profile's rows")
-    points = score_cost(report, latency, args.column)
+    report = last_json(args.report, "a report.json")
+    profiles = [last_json(f, "profiling.py latency --json output") for f in args.latency]  # one run per Pv:Pl, say
+    if "configs" not in report or not all("rows" in p for p in profiles):
+        raise DataError(f"{args.report} / {' '.join(args.latency)}: need report.json's configs and the profiles' rows")
+    points = score_cost(report, {"rows": [r for p in profiles for r in p["rows"]]}, args.column)
     print(f"| configuration | {args.column} | latency per sample (s) | peak memory (GiB) |\n| --- | --- | --- | --- |")
     for p in points:
         print(f"| {p['label']} | {p['score']:.1f} | {p['latency_s']:.4f} | {p['peak_gib']:.3f} |")

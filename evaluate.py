@@ -63,8 +63,8 @@ FIT_PARAMETERS = 4  # E, A, alpha, k of scaling_law.law
 # what a prediction row records of the run that produced it; a resume must match every one (the
 # model by its fingerprint, not its path: a moved folder is the same model)
 RECORD_FIELDS = ("benchmark", "model_fingerprint", "data_fingerprint", "pv", "pl", "vision_branch", "language_branch",
-                 "shared_kv", "router", "random_pair", "max_new_tokens", "max_tiles", "dtype")
-CONFIG_FIELDS = ("model", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router", "random_pair")
+                 "shared_kv", "router", "random_pair", "branches", "max_new_tokens", "max_tiles", "dtype")
+CONFIG_FIELDS = ("model", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router", "random_pair", "branches")
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 
 
@@ -133,6 +133,16 @@ def row_inputs(benchmark: str, row: dict, max_tiles: int | None, mcfg):
 # -- run: the loop -----------------------------------------------------------------------------
 
 
+def branch_variant(par) -> dict:
+    """The checkpoint's branch parameterisation where it is not the paper's (Figure 3, Table S8): the
+    ParConfig fields other than the counts that differ from their defaults ({} for the paper's)."""
+    from dataclasses import asdict
+
+    from parvl import ParConfig
+    unused = "lora_rank" if par.vision_branches == "prefix" else "vit_prefix_len"
+    return {k: v for k, v in asdict(par).items() if k not in ("pv", "pl", unused) and v != getattr(ParConfig(), k)}
+
+
 def random_pair(seed: int, index: str, pv: int, pl: int) -> tuple[int, int]:
     """Table 3's random baseline: row `index`'s (vision, language) branch pair, uniform and seeded by
     (seed, index) alone, so it does not depend on the batch, the world size or a resume."""
@@ -180,7 +190,7 @@ def run(args) -> int:
     meta = {"benchmark": args.benchmark, "model": str(folder), "model_fingerprint": fingerprint(model),
             "data_fingerprint": file_fingerprint(args.data), "pv": par.pv, "pl": par.pl,
             "vision_branch": args.vision_branch, "language_branch": args.language_branch, "shared_kv": args.shared_kv,
-            "router": args.router, "random_pair": args.seed if args.random_pair else None,
+            "router": args.router, "random_pair": args.seed if args.random_pair else None, "branches": branch_variant(par),
             "max_new_tokens": args.max_new_tokens, "max_tiles": args.max_tiles,
             "dtype": str(dtype).removeprefix("torch.")}
     for f in earlier():  # a resume continues the same run only: every row records what produced it
@@ -312,8 +322,8 @@ def score_cmd(args) -> int:
 def config_label(c: tuple) -> str:
     if len(c) == 3:  # Table 3's (pv, pl, policy)
         return f"{c[0]}:{c[1]} {c[2]}"
-    pv, pl, vb, lb, shared = c
-    label = f"{pv}:{pl}"
+    pv, pl, vb, lb, shared, variant = c
+    label = f"{pv}:{pl}" + "".join(f" {k}={v}" for k, v in variant)
     if vb is not None or lb is not None:
         label += f" pair ({'*' if vb is None else vb},{'*' if lb is None else lb})"
     return label + (" sharedKV" if shared else "")
@@ -329,7 +339,8 @@ def report(args) -> int:
             text = Path(name).read_text().strip()
             s = json.loads(text.splitlines()[-1])
             bench, value = s["benchmark"], float(s["score"])
-            key = (int(s["pv"]), int(s["pl"]), s.get("vision_branch"), s.get("language_branch"), bool(s.get("shared_kv")))
+            key = (int(s["pv"]), int(s["pl"]), s.get("vision_branch"), s.get("language_branch"), bool(s.get("shared_kv")),
+                   tuple(sorted((s.get("branches") or {}).items())))  # Figure 3 / Table S8 variants apart
         except (OSError, IndexError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
             raise DataError(f"{name}: not a score file with benchmark, score, pv, pl ({type(e).__name__}: {e})") from None
         if bench not in BENCHMARKS:
@@ -341,19 +352,20 @@ def report(args) -> int:
         if bench in into.setdefault(key, {}):
             raise DataError(f"{name}: a second {bench} score for configuration {config_label(key)}")
         into[key][bench] = value
-    configs = sorted(runs, key=lambda c: (c[4], c[2] is not None or c[3] is not None, c[0], c[1], c[2] or 0, c[3] or 0))
+    configs = sorted(runs, key=lambda c: (c[4], c[2] is not None or c[3] is not None, c[5], c[0], c[1], c[2] or 0, c[3] or 0))
     columns = list(BENCHMARKS) + ["General", "Math", "OCR", "All"]
     table = {c: runs[c] | aggregates(runs[c]) for c in configs}
     flops = {}  # the Table S3 workload on --arch; a fixed branch runs alone: one vision or language branch's cost
     for c in configs:
-        flops[c] = profile_params(args.arch, 1 if c[2] is not None else c[0], 1 if c[3] is not None else c[1])["total_gflops"]
+        flops[c] = profile_params(args.arch, 1 if c[2] is not None else c[0], 1 if c[3] is not None else c[1],
+                                  **dict(c[5]))["total_gflops"]
     # Table S2: best configuration per column among full (dense) runs, ties at the reported precision
     # going to fewer FLOPs (fixed-pair runs are diagnostics, Table S9, and do not compete; shared-KV
     # runs are another decoder, Table 4, and compete only with --best-with-shared-kv)
     best = {}
     for col in columns:
-        cands = [c for c in configs if c[2] is None and c[3] is None and table[c].get(col) is not None
-                 and (args.best_with_shared_kv or not c[4])]
+        cands = [c for c in configs if c[2] is None and c[3] is None and not c[5] and table[c].get(col) is not None
+                 and (args.best_with_shared_kv or not c[4])]  # from Table S4: the paper's parameterisation
         if cands:
             top = max(round(table[c][col], args.tie_decimals) for c in cands)
             tied = [c for c in cands if round(table[c][col], args.tie_decimals) == top]
@@ -364,10 +376,10 @@ def report(args) -> int:
     md += ["", "Best configuration (ties to fewer FLOPs):", ""]
     md += ["| " + " | ".join(best) + " |", "|" + " --- |" * len(best), "| " + " | ".join(config_label(c) for c in best.values()) + " |"]
     grids = {}  # Table 2 / S4 as the paper prints them: Pl rows x Pv columns, per benchmark and aggregate, dense runs only
-    dense = [c for c in configs if c[2] is None and c[3] is None and not c[4]]
+    dense = [c for c in configs if c[2] is None and c[3] is None and not c[4] and not c[5]]
     pvs, pls = sorted({c[0] for c in dense}), sorted({c[1] for c in dense})
     for col in columns:
-        grid = [[table.get((pv, pl, None, None, False), {}).get(col) for pv in pvs] for pl in pls]
+        grid = [[table.get((pv, pl, None, None, False, ()), {}).get(col) for pv in pvs] for pl in pls]
         if any(v is not None for row in grid for v in row):
             grids[col] = grid
             md += ["", f"{col}", "", "| Pl \\ Pv | " + " | ".join(map(str, pvs)) + " |", "|" + " --- |" * (len(pvs) + 1)]
@@ -380,7 +392,8 @@ def report(args) -> int:
         md += ["| mean | " + " | ".join(fmt(m) for m in p["language_mean"]) + " | |"]
     table3 = []  # Table 3: per Pv:Pl with a routed or random-pair run, its dense row, then one pair per sample
     for pv, pl in sorted({k[:2] for k in policies}):
-        rows = [(f"{pv}:{pl} dense", runs[(pv, pl, None, None, False)])] if (pv, pl, None, None, False) in runs else []
+        dense_key = (pv, pl, None, None, False, ())
+        rows = [(f"{pv}:{pl} dense", runs[dense_key])] if dense_key in runs else []
         rows += [(config_label(k), policies[k]) for k in sorted(policies) if k[:2] == (pv, pl)]
         md += ["", f"Table 3, {pv}:{pl}: one branch pair per sample", "", "| policy | " + " | ".join(columns) + " |",
                "|" + " --- |" * (len(columns) + 1)]
@@ -391,7 +404,7 @@ def report(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(md) + "\n")
     data = {"configs": [{"label": config_label(c), "pv": c[0], "pl": c[1], "vision_branch": c[2], "language_branch": c[3],
-                         "shared_kv": c[4], "gflops": flops[c], "scores": table[c]} for c in configs],
+                         "shared_kv": c[4], "branches": dict(c[5]), "gflops": flops[c], "scores": table[c]} for c in configs],
             "best": {k: config_label(c) for k, c in best.items()}, "grid_pv": pvs, "grid_pl": pls, "grids": grids,
             "pairs": pairs, "table3": table3}
     (out / "report.json").write_text(json.dumps(data, indent=1) + "\n")
@@ -541,13 +554,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     d.add_argument("--out", help="also write the JSON here")
     c = sub.add_parser("cost", help="Figure 4: the score of each configuration against its latency and peak memory")
     c.add_argument("--report", required=True, help="report.json of evaluate.py report")
-    c.add_argument("--latency", required=True, help="the output of profiling.py latency --json (batch 1 rows)")
+    c.add_argument("--latency", required=True, nargs="+", help="outputs of profiling.py latency --json (their batch-1 rows)")
     c.add_argument("--column", default="All", help="the score column (default All)")
     c.add_argument("--out", help="folder for score_cost.json and, with matplotlib, score_cost.png")
     f = sub.add_parser("fit-law", help="fit ParScale's parallel scaling law to a CSV of losses")
     f.add_argument("csv", help="CSV with columns params (raw parameter count), p, loss")
     args = p.parse_args(argv)
+    if args.cmd == "lengths" and (args.near_cap < 1 or args.resamples < 1):
+        p.error("--near-cap and --resamples must be >= 1")
     if args.cmd == "run":
+        if args.random_pair and args.shared_kv:  # one pair per row has no branches to share a cache over
+            p.error("--random-pair runs one branch pair per row; it cannot be combined with --shared-kv")
         for name in ("batch_size", "max_new_tokens", "max_tiles"):
             if getattr(args, name) is not None and getattr(args, name) < 1:
                 p.error(f"--{name.replace('_', '-')} must be >= 1")

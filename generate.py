@@ -231,22 +231,24 @@ def answer_file(engine: Engine, tok: Tokenizer, rows: list[dict], done: set[int]
         for start in range(0, len(todo), args.batch_size):
             batch, prompts, pixels = [], [], []
             for r in todo[start:start + args.batch_size]:
+                tiling = dict(max_tiles=args.max_tiles or mcfg.max_dynamic_patch, use_thumbnail=mcfg.use_thumbnail,
+                              image_size=mcfg.vit.image_size) if r["paths"] else {}
                 try:
-                    tiles = [load_image(f, max_tiles=args.max_tiles or mcfg.max_dynamic_patch,
-                                        use_thumbnail=mcfg.use_thumbnail, image_size=mcfg.vit.image_size) for f in r["paths"]]
+                    opened = [open_rgb(f) for f in r["paths"]]
                 except ImageError as e:  # found only now (images are decoded batch by batch): named, skipped
                     log(f"{questions} line {r['line']}: {e}; skipped")
                     unreadable.append(r["line"])
                     continue
                 batch.append(r)
-                question = place_images(r["question"], len(tiles))
-                try:  # the command's own prompt for one question, so each answer is the one-by-one answer
-                    prompts.append(tok.encode(build_prompt(question, [t.shape[0] for t in tiles], system=args.system,
-                                                           tokens_per_tile=mcfg.tokens_per_tile)))
+                question = place_images(r["question"], len(opened))
+                try:  # the command's own prompt for one question, so each answer is the one-by-one answer;
+                    # its length, known from the tile counts, is checked before any image is tiled
+                    prompts.append(tok.encode(build_prompt(question, [tile_count(img, **tiling) for img in opened],
+                                                           system=args.system, tokens_per_tile=mcfg.tokens_per_tile)))
                     context_check(len(prompts[-1]), cfg.max_new_tokens, limit)
                 except ValueError as e:
                     raise ValueError(f"{questions} line {r['line']}: {e}") from None
-                pixels += tiles
+                pixels += [load_image(img, **tiling) for img in opened]
             if not batch:
                 continue
             res = engine.generate(prompts, torch.cat(pixels).to(dtype) if pixels else None, cfg, tok.eos_ids)

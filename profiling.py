@@ -340,6 +340,11 @@ def run(argv: list[str] | None = None) -> None:
     fwd.add_argument("--pair", action="store_true",
                      help="also time each config with branches running one pair (vision 0, language 0) per sample")
     args = parser.parse_args(argv)
+    for name, low in {"tiles": 0, "text_tokens": 0, "warmup": 0, "new_tokens": 1, "iters": 1, "repeats": 1,
+                      "batch": 1, "threads": 1, "pv": 1, "pl": 1, "lora_rank": 1, "response_tokens": 0}.items():
+        value = getattr(args, name, None)  # batch: a list for latency, one size for forward; None: not given
+        if value is not None and min(value if isinstance(value, list) else [value]) < low:
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
 
     if args.command == "params":
         work = Workload(args.tiles, args.text_tokens, args.response_tokens)
@@ -354,11 +359,6 @@ def run(argv: list[str] | None = None) -> None:
             print_table(rows)
         return
 
-    for name, low in {"tiles": 0, "text_tokens": 0, "warmup": 0, "new_tokens": 1, "iters": 1, "repeats": 1,
-                      "batch": 1, "threads": 1}.items():
-        value = getattr(args, name, None)  # batch: a list for latency, one size for forward; None: not given
-        if value is not None and min(value if isinstance(value, list) else [value]) < low:
-            parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     if getattr(args, "plot", None):
         pyplot()  # a missing matplotlib is said before the measurement, not after it
     device = resolve_device(args.device)

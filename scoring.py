@@ -51,8 +51,11 @@ import json
 import math
 import operator
 import re
+import signal
 import string
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 from dataclasses import dataclass, field
 
@@ -337,6 +340,27 @@ def mathv_equal(answer, truth) -> bool:
 
 
 _LATEX: list = []  # latex2sympy2's parser once imported, or None when it is not installed
+LATEX_SECONDS = 30  # mathv.py's @timeout_decorator.timeout(30) on is_equal: a reply that takes longer is wrong
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Raise TimeoutError inside after `seconds` (SIGALRM, as timeout_decorator does; the main thread
+    only, elsewhere no limit)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_alarm(signum, frame):
+        raise TimeoutError
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def latex_equal(truth: str, answer: str) -> bool:
@@ -355,12 +379,13 @@ def latex_equal(truth: str, answer: str) -> bool:
     if _LATEX[0] is None:
         return False
     try:
-        ta, aa = _LATEX[0](truth), _LATEX[0](answer)
-        x, y = arithmetic(str(ta)), arithmetic(str(aa))
-        if x is None or y is None:
-            return False
-        return abs(x - y) < 1e-6 or bool(abs(ta - aa) < 1e-6)
-    except Exception:  # the parser's own errors on text that is not LaTeX (upstream: a bare except)
+        with time_limit(LATEX_SECONDS):
+            ta, aa = _LATEX[0](truth), _LATEX[0](answer)
+            x, y = arithmetic(str(ta)), arithmetic(str(aa))
+            if x is None or y is None:
+                return False
+            return abs(x - y) < 1e-6 or bool(abs(ta - aa) < 1e-6)
+    except Exception:  # the parser's errors on text that is not LaTeX, the time limit (upstream: a bare except)
         return False
 
 

@@ -12,6 +12,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
+import analysis
 import evaluate
 from conftest import two_nodes
 import scoring as S
@@ -251,6 +253,11 @@ def test_mathvision_latex_answers_through_latex2sympy(monkeypatch, capsys):
     assert not S.mathv_equal(r"\frac{1}{3}", r"\frac{1}{2}") and not S.mathv_equal("__import__('os')", r"\frac{1}{2}")
     free = {"index": "0", "choices": "[]", "answer": r"\frac{3}{5}"}
     assert S.score("MathVision_MINI", [free], {"0": "0.6"}).per_row[0]["hit"]
+    slow = lambda text: time.sleep(5)  # noqa: E731  a parse that does not end: wrong after the time limit, as upstream
+    monkeypatch.setattr(S, "_LATEX", [slow])
+    monkeypatch.setattr(S, "LATEX_SECONDS", 0.2)
+    t0 = time.perf_counter()
+    assert not S.mathv_equal("0.5", r"\frac{1}{2}") and time.perf_counter() - t0 < 2
     monkeypatch.setattr(S, "_LATEX", [])
     monkeypatch.setitem(sys.modules, "latex2sympy2", None)  # as if not installed: its import raises ImportError
     assert not S.mathv_equal("0.5", r"\frac{1}{2}") and not S.mathv_equal("0.5", r"\frac{1}{2}")
@@ -396,6 +403,7 @@ def test_run_matches_engine_answers_and_skips_corrupt_rows(bench, full_run):
     assert [p["index"] for p in preds] == ["10", "11", "12", "14"]  # TSV order; corrupt 13 skipped
     assert {p["index"]: p["prediction"] for p in preds} == expected_answers(folder, rows)
     assert all(p["pv"] == 1 and p["pl"] == 1 and p["benchmark"] == "MMMU_DEV_VAL" for p in preds)
+    assert all(p["branches"] == {} for p in preds)  # the paper's parameterisation
 
 
 def test_run_resume_gives_the_same_file(bench, full_run, tmp_path, capsys):
@@ -581,6 +589,8 @@ SCORES = {  # (pv, pl) -> the nine benchmark scores, in scoring.BENCHMARKS order
 
 
 def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
+    from flops import profile_params as flops_of
+
     files = []
     for (pv, pl), values in SCORES.items():
         for bench, v in zip(S.BENCHMARKS, values):
@@ -596,19 +606,25 @@ def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
                                          "vision_branch": vb, "language_branch": lb}))
     shared = tmp_path / "shared.json"  # a shared-KV 2:2 run (another decoder, Table 4) with the best WeMath
     shared.write_text(json.dumps({"benchmark": "WeMath", "score": 90.0, "pv": 2, "pl": 2, "shared_kv": True}))
-    rc, out, err = main_out(capsys, "report", *files, pair, *pairs, shared, "--out", tmp_path / "rep")
+    lora = tmp_path / "lora.json"  # a Figure 3 variant at 2:2: its own row, not in the grids, never "best"
+    lora.write_text(json.dumps({"benchmark": "MMMU_DEV_VAL", "score": 98.0, "pv": 2, "pl": 2,
+                                "branches": {"vision_branches": "lora", "lora_rank": 8}}))
+    rc, out, err = main_out(capsys, "report", *files, pair, *pairs, shared, lora, "--out", tmp_path / "rep")
     assert rc == 0
     # matplotlib is optional: without it one line says so, with it every grid gets a heatmap
     assert "matplotlib is not installed" in err or (tmp_path / "rep" / "heatmap_All.png").exists()
     data = json.loads((tmp_path / "rep" / "report.json").read_text())
-    by = {(c["pv"], c["pl"], c["vision_branch"]): c for c in data["configs"] if not c["shared_kv"]}
+    by = {(c["pv"], c["pl"], c["vision_branch"]): c for c in data["configs"] if not c["shared_kv"] and not c["branches"]}
+    variant = next(c for c in data["configs"] if c["branches"])
+    assert variant["label"] == "2:2 lora_rank=8 vision_branches=lora" and variant["scores"]["MMMU_DEV_VAL"] == 98.0
+    assert variant["gflops"] == flops_of("1b", 2, 2, vision_branches="lora", lora_rank=8)["total_gflops"]
     s22 = by[(2, 2, None)]["scores"]
     assert s22["General"] == 39.0  # Eq. A3
     assert s22["Math"] == pytest.approx((48 + 24 + 29 + 13) / 4)
     assert s22["OCR"] == pytest.approx((72 + 70 + 82.5 + 77) / 4)
     assert s22["All"] == pytest.approx(sum(SCORES[(2, 2)]) / 9)
     assert by[(2, 2, 0)]["scores"]["All"] is None  # one benchmark only: no aggregate
-    from flops import profile_params
+    profile_params = flops_of
     assert by[(2, 2, 0)]["gflops"] == profile_params("1b", 1, 1)["total_gflops"]  # one pair runs: a pair's cost
     assert by[(2, 2, None)]["gflops"] == profile_params("1b", 2, 2)["total_gflops"]
     # Table S4's orientation: rows Pl 1, 2; columns Pv 1, 2
@@ -963,6 +979,10 @@ def test_lengths_command_retokenises_the_answers(bench, full_run, tmp_path, caps
     assert "| Clean mean (1:1) |" in out and "Clean paired Δ (4:4 − 1:1)" in out and "95 % interval" in out
     rc, _, err = main_out(capsys, "lengths", "--model", folder, "--a", full_run, full_run, "--b", longer)
     assert rc == 1 and "a second predictions file of MMMU_DEV_VAL" in err
+    cut = tmp_path / "cut.jsonl"  # one answer cut at the budget: out by its new_tokens, however short its text
+    cut.write_text("".join(json.dumps(p | {"new_tokens": 4096 if k == 0 else p["new_tokens"]}) + "\n"
+                           for k, p in enumerate(read_preds(longer))))
+    assert list(analysis.lengths([cut], tok.encode)["MMMU_DEV_VAL"].values())[0] is None
 
 
 def test_descriptors_count_pixels_and_tokens_per_benchmark(bench, full_run, tmp_path, capsys):

@@ -281,6 +281,10 @@ def test_a_flag_out_of_range_exits_2_in_every_command(model_dir, png, tmp_path, 
         "evaluate.py run": (evaluate.main, ["run", "--benchmark", "TextVQA_VAL", "--data", d, "--model", m, "--out",
                                             str(tmp_path / "p.jsonl"), "--batch-size", "0"], "--batch-size"),
         "profiling.py": (profiling.main, ["latency", "--batch", "0"], "--batch"),
+        "profiling.py params": (profiling.main, ["params", "--pv", "0"], "--pv"),
+        "evaluate.py lengths": (evaluate.main, ["lengths", "--model", m, "--a", d, "--b", d, "--resamples", "0"], "--resamples"),
+        "evaluate.py run --random-pair": (evaluate.main, ["run", "--benchmark", "TextVQA_VAL", "--data", d, "--model", m, "--out",
+                                                          str(tmp_path / "p.jsonl"), "--random-pair", "--shared-kv"], "--shared-kv"),
     }
     for name, (main, argv, needle) in cases.items():
         with pytest.raises(SystemExit) as e:
