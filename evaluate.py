@@ -1,5 +1,5 @@
 """Evaluation of ParVL on the paper's nine benchmarks (Appendix A.3), the allocation study's tables
-(Tables 1, 2, S2, S4, S9) and ParScale's parallel scaling-law fit.
+(Tables 1, 2, 3, S2, S4, S9; analysis.py: S5, S2's descriptors, Figure 4) and ParScale's law fit.
 
     python evaluate.py run --benchmark TextVQA_VAL --data TextVQA_VAL.tsv --model DIR --out pred.jsonl
     torchrun --nproc-per-node 8 evaluate.py run ...          # data parallel, same merged output
@@ -13,12 +13,12 @@ build_multi_choice_prompt, reorganize_prompt), greedy decoding with engine.py's 
 and sorted by prompt length, resumable, sharded over torchrun ranks. score: scoring.py, with an
 optional OpenAI-compatible answer extractor (--judge-url) fed VLMEvalKit's own extraction prompts,
 which are read from a VLMEvalKit checkout (--vlmevalkit DIR) rather than copied here. report:
-Eq. A3 aggregates, Pv x Pl grids, best configuration with ties broken toward fewer FLOPs
+Eq. A3 aggregates, Pl x Pv grids, best configuration with ties broken toward fewer FLOPs
 (flops.py). fit-law: ParScale's parametric_fit.py (Huber on log L, delta 1e-3, L-BFGS from its
 grid of starts).
 
-Formats: PRED.jsonl rows {"index", "prediction", "benchmark", "model", "pv", "pl", "vision_branch",
-"language_branch", "shared_kv", "new_tokens"}; score JSON {"benchmark", "score" (0-100), "n",
+Formats: PRED.jsonl rows {"index", "prediction", "new_tokens", and RECORD_FIELDS: what produced it,
+"pair" for a routed or random-pair row}; score JSON {"benchmark", "score" (0-100), "n",
 "unresolved", "missing", configuration fields}; fit-law CSV params (raw parameter count N), p, loss.
 Bad input: one line on stderr, exit 1 (bad input) or 2 (usage).
 """
