@@ -20,16 +20,13 @@ tokens (the `question` and `answer` cells, before any prompt template), next to 
 """
 from __future__ import annotations
 
-import base64
-import binascii
-import io
 import json
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from cli import resolve_model
+from cli import SEED, resolve_model
 from processor import Tokenizer
 from scoring import BENCHMARKS, GROUPS, DataError, as_list, read_jsonl, read_tsv
 
@@ -57,7 +54,7 @@ def lengths(files: list, encode, near_cap: int = NEAR_CAP) -> dict[str, dict[str
     return out
 
 
-def compare(a: dict, b: dict, near_cap: int = NEAR_CAP, resamples: int = 10_000, seed: int = 42) -> dict:
+def compare(a: dict, b: dict, near_cap: int = NEAR_CAP, resamples: int = 10_000, seed: int = SEED) -> dict:
     """Table S5 of configurations a and b ({benchmark: {index: tokens, None for a row cut at the
     budget}}, the same benchmarks): per benchmark, domain and overall the clean means of a and b, the
     paired difference b - a, and the bootstrap 95 % interval of the overall paired difference."""
@@ -103,7 +100,7 @@ def descriptors(tsvs: list, encode, best: dict | None = None, responses: dict | 
     """Table S2's columns per benchmark, from VLMEvalKit TSVs named <benchmark>.tsv (VLMEvalKit's own
     names); `best`: report.json's {column: "Pv:Pl"}; `responses`: the best configuration's answer
     lengths ({benchmark: {index: tokens}}, `lengths`), whose mean is a last column."""
-    from PIL import Image, UnidentifiedImageError
+    from processor import ImageError, open_base64
 
     out = {}
     for path in map(Path, tsvs):
@@ -113,9 +110,9 @@ def descriptors(tsvs: list, encode, best: dict | None = None, responses: dict | 
         rows, pixels = read_tsv(path, ("index", "question", "answer", "image")), []
         for r in rows:
             try:
-                sizes = [Image.open(io.BytesIO(base64.b64decode(b))).size for b in as_list(r["image"])]
-            except (binascii.Error, ValueError, UnidentifiedImageError, OSError) as e:
-                raise DataError(f"{path}: row {r['index']}: unreadable image ({type(e).__name__})") from None
+                sizes = [open_base64(b, str(k)).size for k, b in enumerate(as_list(r["image"]))]
+            except ImageError as e:
+                raise DataError(f"{path}: row {r['index']}: unreadable image ({e})") from None
             pixels.append(sum(w * h for w, h in sizes))
         out[bench] = {"rows": len(rows), "pixels": float(np.mean(pixels)),
                       "question_tokens": float(np.mean([len(encode(r["question"] or "")) for r in rows])),

@@ -8,11 +8,13 @@ and profiling.py use it; it imports no model code, so every floor of the house c
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
 import resource
 import secrets
+import shutil
 import signal
 import socket
 import sys
@@ -23,8 +25,12 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpoint import CheckpointError, check_not_run_folder
+
+
+SEED = 42  # the paper's seed for every SFT and router-training job (Appendix A.1), and ours for every draw
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -34,6 +40,27 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
         error(f"{self.prog}: error: {message} (see --help)")
         sys.exit(2)
+
+    def check_ranges(self, args, ranges: dict[str, str]) -> None:
+        """Every numeric flag's range is declared once per command, as an interval; see out_of_range."""
+        if why := out_of_range(args, ranges):
+            self.error(why)
+
+
+def out_of_range(args, ranges: dict[str, str]) -> str | None:
+    """The first flag whose value lies outside its interval ("[1, inf)", "(0, 1]", ...), as one line
+    ("--top-p must be in (0, 1], got 1.5"), or None. A flag not given (None) passes; a list is checked
+    element by element."""
+    for name, interval in ranges.items():
+        value = getattr(args, name, None)
+        low, high = (float(x) for x in interval[1:-1].split(","))
+        inside = [(low < x or interval[0] == "[" and x == low) and (x < high or interval[-1] == "]" and x == high)
+                  for x in (value if isinstance(value, list) else [value]) if x is not None]
+        if not all(inside):
+            low = int(low) if low.is_integer() else low
+            bound = (f">= {low}" if interval[0] == "[" else f"> {low}") if high == float("inf") else f"in {interval}"
+            return f"--{name.replace('_', '-')} must be {bound}, got {value}"
+    return None
 
 
 def one_line(e: BaseException) -> str:
@@ -213,9 +240,46 @@ def interruptible():
             signal.signal(sig, handler)
 
 
-def os_error(e: OSError) -> str:
-    """A failed read or write in one line: the file and the cause ("x: Read-only file system")."""
-    return f"{e.filename}: {e.strerror}" if e.filename and e.strerror else one_line(e)
+CAUSES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
+          errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
+          errno.EPERM: "operation not permitted", errno.ENOENT: "no such file or folder",
+          errno.ENOTDIR: "a parent is a file, not a folder", errno.EIO: "input/output error"}
+
+
+def os_cause(e: BaseException, folder: Path | None = None) -> str:
+    """The cause of a failed write or read in a few words: the first OSError in the exception's chain
+    (DCP wraps each rank's failure in a CheckpointException), else its message. torch's zip writer
+    reports a full disk as "file write failed" with no errno, so the free space is checked too."""
+    todo, seen = [e], set()
+    while todo:
+        x = todo.pop(0)
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno:
+            return CAUSES.get(x.errno, os.strerror(x.errno))
+        if isinstance(x, CheckpointException):
+            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
+        todo += [x.__cause__, x.__context__]
+    text = one_line(e)
+    for needle, cause in (("No space left", errno.ENOSPC), ("Read-only file system", errno.EROFS),
+                          ("Permission denied", errno.EACCES)):
+        if needle in text:
+            return CAUSES[cause]
+    if folder is not None:
+        try:
+            free = shutil.disk_usage(next(p for p in (folder, *folder.parents) if p.exists())).free
+            if free < 2**30:
+                return f"the disk is (nearly) full, {free / 2**20:.0f} MiB free ({type(e).__name__}: {text[:120]})"
+        except OSError:
+            pass
+    return f"{type(e).__name__}: {text[:200]}"
+
+
+def os_error(e: BaseException, folder: Path | None = None) -> str:
+    """A failed read or write in one line: the file, when the error names one, and its cause
+    ("OUT/parts: read-only file system")."""
+    return f"{e.filename}: {os_cause(e, folder)}" if isinstance(e, OSError) and e.filename else os_cause(e, folder)
 
 
 class OutOfMemory(ValueError):

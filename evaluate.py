@@ -25,11 +25,8 @@ Bad input: one line on stderr, exit 1 (bad input) or 2 (usage).
 from __future__ import annotations
 
 import argparse
-import base64
-import binascii
 import csv
 import hashlib
-import io
 import itertools
 import json
 import math
@@ -42,7 +39,7 @@ from pathlib import Path
 import torch
 
 import analysis
-from cli import (Interrupted, OneLineParser, allocation, check_shared, command, end_processes, error, interruptible, log,
+from cli import (SEED, Interrupted, OneLineParser, allocation, check_shared, command, end_processes, error, interruptible, log,
                  make_folder, one_line, os_error, pyplot, rank, resolve_dtype, resolve_model, start_processes,
                  world_size)
 from judge import Judge
@@ -92,20 +89,8 @@ def question_text(benchmark: str, row: dict) -> str:
 
 def decode_images(row: dict) -> list:
     """The row's images as RGB PIL images (VLMEvalKit writes them to PNG first: lossless)."""
-    from PIL import Image
-
-    from processor import open_rgb
-    out = []
-    for k, b64 in enumerate(as_list(row["image"])):
-        try:
-            data = base64.b64decode(b64)
-        except (binascii.Error, ValueError) as e:
-            raise ValueError(f"image {k}: not base64 ({e})") from None
-        img = open_rgb(Image.open(io.BytesIO(data))) if data else None
-        if img is None:
-            raise ValueError(f"image {k}: empty")
-        out.append(img)
-    return out
+    from processor import open_base64
+    return [open_base64(b64, str(k)) for k, b64 in enumerate(as_list(row["image"]))]
 
 
 def row_inputs(benchmark: str, row: dict, max_tiles: int | None, mcfg):
@@ -517,7 +502,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                                                   "by the router (Table 3; default: none)")
     r.add_argument("--random-pair", action="store_true", help="one branch pair per row drawn at random, seeded by "
                                                               "--seed and the row's index (Table 3's baseline)")
-    r.add_argument("--seed", type=int, default=42, help="seed of --random-pair (default 42, the paper's)")
+    r.add_argument("--seed", type=int, default=SEED, help=f"seed of --random-pair (default {SEED}, the paper's)")
     s = sub.add_parser("score", help="score predictions with the benchmark's native metric")
     s.add_argument("--benchmark", required=True)
     s.add_argument("--data", required=True, help="the benchmark's VLMEvalKit TSV")
@@ -543,7 +528,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ln.add_argument("--near-cap", type=int, default=4090, help="answers of this many tokens or more are left out (default "
                                                                 "4090 of the 4096 budget, the paper's)")
     ln.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples (default 10000)")
-    ln.add_argument("--seed", type=int, default=42, help="bootstrap seed (default 42, the paper's)")
+    ln.add_argument("--seed", type=int, default=SEED, help=f"bootstrap seed (default {SEED}, the paper's)")
     ln.add_argument("--out", help="also write the JSON here")
     d = sub.add_parser("descriptors", help="Table S2: each benchmark's source pixels, question and reference tokens, best Pv:Pl")
     d.add_argument("data", nargs="+", help="VLMEvalKit TSVs, named <benchmark>.tsv")
@@ -560,14 +545,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     f = sub.add_parser("fit-law", help="fit ParScale's parallel scaling law to a CSV of losses")
     f.add_argument("csv", help="CSV with columns params (raw parameter count), p, loss")
     args = p.parse_args(argv)
-    if args.cmd == "lengths" and (args.near_cap < 1 or args.resamples < 1):
-        p.error("--near-cap and --resamples must be >= 1")
+    p.check_ranges(args, {"near_cap": "[1, inf)", "resamples": "[1, inf)", "batch_size": "[1, inf)",
+                          "max_new_tokens": "[1, inf)", "max_tiles": "[1, inf)"})
     if args.cmd == "run":
         if args.random_pair and args.shared_kv:  # one pair per row has no branches to share a cache over
             p.error("--random-pair runs one branch pair per row; it cannot be combined with --shared-kv")
-        for name in ("batch_size", "max_new_tokens", "max_tiles"):
-            if getattr(args, name) is not None and getattr(args, name) < 1:
-                p.error(f"--{name.replace('_', '-')} must be >= 1")
         for flag, used in (("--router", args.router), ("--vision-branch", args.vision_branch is not None),
                            ("--language-branch", args.language_branch is not None)):
             if args.random_pair and used:

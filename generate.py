@@ -75,15 +75,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                        ("--language-branch", args.language_branch is not None), ("--shared-kv", args.shared_kv)):
         if args.router and used:
             p.error(f"--router picks the branches per prompt; it cannot be combined with {flag}")
-    for name, ok in [("--max-new-tokens", args.max_new_tokens >= 1), ("--temperature", args.temperature >= 0),
-                     ("--top-p", 0 < args.top_p <= 1), ("--top-k", args.top_k >= 0), ("--max-tiles", args.max_tiles >= 0)]:
-        if not ok:
-            p.error(f"{name} out of range: {getattr(args, name[2:].replace('-', '_'))}")
+    p.check_ranges(args, {"max_new_tokens": "[1, inf)", "temperature": "[0, inf)", "top_p": "(0, 1]", "top_k": "[0, inf)",
+                          "max_tiles": "[0, inf)", "batch_size": "[1, inf)"})
     if args.batch is not None:
         if args.inputs or args.chat or args.json:
             p.error("--batch reads images and questions from its file: no inputs, --chat or --json with it")
-        if args.batch_size < 1:
-            p.error(f"--batch-size out of range: {args.batch_size}")
         return args
     if args.out is not None:
         p.error("--out goes with --batch")

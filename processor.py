@@ -13,6 +13,9 @@ internvl/train/dataset.py (`dynamic_preprocess`, `build_transform`), the special
 Test: python -m pytest tests/test_processor.py -q
 """
 
+import base64
+import binascii
+import io
 import json
 import os
 import sys
@@ -140,13 +143,15 @@ def _to_rgb(img: Image.Image, name: str) -> Image.Image:
     return img.convert("RGB")
 
 
-def open_rgb(path_or_pil) -> Image.Image:
-    """Decode fully and convert to RGB, turning every decoder failure into an ImageError."""
-    name = "<PIL image>" if isinstance(path_or_pil, Image.Image) else os.fspath(path_or_pil)
+def open_rgb(path_or_pil, name: str | None = None) -> Image.Image:
+    """Decode fully and convert to RGB, turning every decoder failure into an ImageError. A path, a
+    PIL image or a binary file object (named by `name` in errors)."""
+    if name is None:
+        name = "<PIL image>" if isinstance(path_or_pil, Image.Image) else os.fspath(path_or_pil)
     try:
         if isinstance(path_or_pil, Image.Image):
             return _to_rgb(path_or_pil, name)
-        with Image.open(name) as f:
+        with Image.open(path_or_pil) as f:
             # Image.open only reads the header; load() decodes every byte, so a truncated file
             # fails here instead of silently yielding grey pixels later.
             f.load()
@@ -154,6 +159,18 @@ def open_rgb(path_or_pil) -> Image.Image:
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as e:
         detail = one_line(e)  # decoder messages may span lines; keep one line
         raise ImageError(f"cannot read image {name}: {type(e).__name__}: {detail}") from e
+
+
+def open_base64(cell: str, name: str) -> Image.Image:
+    """An image as a benchmark TSV holds it (VLMEvalKit writes PNG or JPEG bytes as base64), decoded
+    fully to RGB; anything unreadable is an ImageError naming `name`."""
+    try:
+        data = base64.b64decode(cell)
+    except (binascii.Error, ValueError) as e:
+        raise ImageError(f"cannot read image {name}: not base64 ({e})") from None
+    if not data:
+        raise ImageError(f"cannot read image {name}: empty")
+    return open_rgb(io.BytesIO(data), name)
 
 
 def load_image(path_or_pil, max_tiles: int = 12, use_thumbnail: bool = True,

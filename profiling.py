@@ -340,11 +340,9 @@ def run(argv: list[str] | None = None) -> None:
     fwd.add_argument("--pair", action="store_true",
                      help="also time each config with branches running one pair (vision 0, language 0) per sample")
     args = parser.parse_args(argv)
-    for name, low in {"tiles": 0, "text_tokens": 0, "warmup": 0, "new_tokens": 1, "iters": 1, "repeats": 1,
-                      "batch": 1, "threads": 1, "pv": 1, "pl": 1, "lora_rank": 1, "response_tokens": 0}.items():
-        value = getattr(args, name, None)  # batch: a list for latency, one size for forward; None: not given
-        if value is not None and min(value if isinstance(value, list) else [value]) < low:
-            parser.error(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    parser.check_ranges(args, {name: f"[{low}, inf)" for name, low in {  # batch: a list for latency, one size for forward
+        "tiles": 0, "text_tokens": 0, "response_tokens": 0, "warmup": 0, "new_tokens": 1, "iters": 1, "repeats": 1,
+        "batch": 1, "threads": 1, "pv": 1, "pl": 1, "lora_rank": 1}.items()})
 
     if args.command == "params":
         work = Workload(args.tiles, args.text_tokens, args.response_tokens)

@@ -39,8 +39,8 @@ from safetensors.torch import save_file
 
 from aggregate import fold, per_branch
 from checkpoint import CheckpointError, check_not_run_folder, read_json, read_safetensors
-from cli import (Interrupted, OneLineParser, allocation, barrier, check_folder, check_shared, command, end_processes, error,
-                 interruptible, log, one_line, os_error, rank, resolve_dtype, start_processes, world_size)
+from cli import (SEED, Interrupted, OneLineParser, allocation, barrier, check_folder, check_shared, command, end_processes,
+                 error, interruptible, log, one_line, os_error, rank, resolve_dtype, start_processes, world_size)
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, collate
 from gates import (Router, RouterConfig, RouterError, fingerprint, image_tiles, load_router, path_teacher, pool_tiles,
                    question_span, router_loss, save_router, text_feature, thumbnail_feature)
@@ -447,6 +447,12 @@ def dense_nll(model: ParVL, data: SFTData, rows: torch.Tensor, batch_size: int, 
 # -- commands ---------------------------------------------------------------------------------
 
 
+RANGES = {"batch_size": "[1, inf)", "max_tokens": "[1, inf)", "max_tiles": "[1, inf)", "max_seq_len": "[1, inf)",
+          "max_bad_frac": "[0, 1]", "global_batch": "[1, inf)", "steps": "[1, inf)", "hidden": "[1, inf)", "tau": "(0, inf)",
+          "lr": "(0, inf)", "weight_decay": "[0, inf)", "warmup_ratio": "[0, 1)", "log_every": "[1, inf)",
+          "num_workers": "[0, inf)"}
+
+
 @dataclass
 class LabelConfig:
     model: str = ""  # ParVL checkpoint folder (Pv:Pl > 1:1)
@@ -476,7 +482,7 @@ class TrainRouterConfig:
     warmup_ratio: float = 0.03
     global_batch: int = 128
     steps: int = 1200
-    seed: int = 42  # the paper's (Appendix A.1: every SFT and router-training job)
+    seed: int = SEED
     log_every: int = 50
     check_samples: int = 2  # labelled samples recomputed with the model before training
     overwrite: bool = False  # replace the router already in --out (and drop its stale eval.json)
@@ -492,7 +498,7 @@ class EvalConfig:
     labels: str = ""  # held-out labels
     data: str = ""  # default: the path stored in the labels
     out: str = ""  # JSON result; default ROUTER/eval.json
-    seed: int = 0  # of the random-pair baseline
+    seed: int = SEED  # of the random-pair baseline
     batch_size: int = 4  # dense forward
     max_tokens: int = 16384  # padded tokens per forward: a batch is split by length to stay within it
     dtype: str = ""
@@ -533,15 +539,7 @@ def main(argv=None) -> int:
     args = vars(p.parse_args(argv))
     command = args.pop("command")
     cfg = {"label": LabelConfig, "train": TrainRouterConfig, "eval": EvalConfig}[command](**args)
-    for name in ("batch_size", "max_tokens", "max_tiles", "max_seq_len", "global_batch", "steps", "hidden", "log_every"):
-        if getattr(cfg, name, 1) <= 0:  # bad flags: exit 2, as argparse's own
-            p.error(f"--{name.replace('_', '-')} must be positive, got {getattr(cfg, name)}")
-    if getattr(cfg, "tau", 1.0) <= 0 or getattr(cfg, "lr", 1.0) <= 0:
-        p.error("--tau and --lr must be positive")
-    if not 0 <= getattr(cfg, "max_bad_frac", 0.0) <= 1:
-        p.error(f"--max-bad-frac must be in [0, 1], got {cfg.max_bad_frac}")
-    if getattr(cfg, "weight_decay", 0.0) < 0 or not 0 <= getattr(cfg, "warmup_ratio", 0.0) < 1:
-        p.error("--weight-decay must be >= 0 and --warmup-ratio in [0, 1)")
+    p.check_ranges(cfg, RANGES)
     interrupted = False
     try:
         with interruptible():

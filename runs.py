@@ -9,10 +9,8 @@ export, and one-line causes for failed saves. train.py drives it; this module ho
 """
 from __future__ import annotations
 
-import errno
 import json
 import math
-import os
 import re
 import shutil
 import tempfile
@@ -25,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from cli import log, one_line, rank
+from cli import log, one_line, os_cause, rank
 from parvl import ParVL
 
 def all_sum(*values: float, device) -> list[float]:
@@ -37,40 +35,6 @@ def all_sum(*values: float, device) -> list[float]:
 # -- the run folder and its checkpoints ---------------------------------------------------------
 
 
-CAUSES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
-          errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
-          errno.EPERM: "operation not permitted", errno.ENOENT: "no such file or folder",
-          errno.ENOTDIR: "a parent is a file, not a folder", errno.EIO: "input/output error"}
-
-
-def os_cause(e: BaseException, folder: Path | None = None) -> str:
-    """The cause of a failed write or read in a few words: the first OSError in the exception's chain
-    (DCP wraps each rank's failure in a CheckpointException), else its message. torch's zip writer
-    reports a full disk as "file write failed" with no errno, so the free space is checked too."""
-    todo, seen = [e], set()
-    while todo:
-        x = todo.pop(0)
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if isinstance(x, OSError) and x.errno:
-            return CAUSES.get(x.errno, os.strerror(x.errno))
-        if isinstance(x, CheckpointException):
-            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
-        todo += [x.__cause__, x.__context__]
-    text = one_line(e)
-    for needle, cause in (("No space left", errno.ENOSPC), ("Read-only file system", errno.EROFS),
-                          ("Permission denied", errno.EACCES)):
-        if needle in text:
-            return CAUSES[cause]
-    if folder is not None:
-        try:
-            free = shutil.disk_usage(next(p for p in (folder, *folder.parents) if p.exists())).free
-            if free < 2**30:
-                return f"the disk is (nearly) full, {free / 2**20:.0f} MiB free ({type(e).__name__}: {text[:120]})"
-        except OSError:
-            pass
-    return f"{type(e).__name__}: {text[:200]}"
 
 
 RUN_FILES = ("checkpoints", "export", "metrics.jsonl")  # what makes a folder someone's run

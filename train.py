@@ -48,13 +48,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from aggregate import entropy
 from checkpoint import CheckpointReader, check_not_run_folder, read_json
 from cli import (OneLineParser, OutOfMemory, allocation, check_shared, command, end_processes, error, hms, interruptible,
-                 log, one_line, peak_memory_gib, pyplot, rank, start_processes, wait_for_torchrun)
+                 SEED, log, one_line, os_cause, os_error, out_of_range, peak_memory_gib, pyplot, rank, start_processes, wait_for_torchrun)
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, filler_batch, make_loader, validate
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParConfig, ParVL, config_from_json, is_branch_tensor, open_checkpoint
 from processor import Tokenizer
-from runs import (check_out, checkpoints, discard_run, export, finite, os_cause, resume, save_checkpoint,
-                  trim_metrics)
+from runs import check_out, checkpoints, discard_run, export, finite, resume, save_checkpoint, trim_metrics
 from schedule import lr_lambda
 
 
@@ -66,6 +65,12 @@ def default_workers() -> int:
     """Data loading processes per rank: 4, or fewer when this process may use fewer CPUs per local rank."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(4, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+
+
+RANGES = {"lr_new": "(0, inf)", "lr_pretrained": "(0, inf)", "weight_decay": "[0, inf)", "warmup_ratio": "[0, 1)",
+          "clip": "(0, inf)", "global_batch": "[1, inf)", "micro_batch": "[1, inf)", "max_seq_len": "[1, inf)",
+          "max_tiles": "[0, inf)", "max_steps": "[0, inf)", "pv": "[1, inf)", "pl": "[1, inf)", "save_every": "[1, inf)",
+          "keep_last": "[1, inf)", "log_every": "[1, inf)", "max_bad_frac": "[0, 1]", "num_workers": "[0, inf)"}
 
 
 @dataclass
@@ -86,7 +91,7 @@ class TrainConfig:
     max_seq_len: int = 32768
     max_tiles: int = 0  # tiles per row, shared by its images; 0 = the checkpoint's max_dynamic_patch (12)
     max_steps: int = 0  # 0 = one epoch
-    seed: int = 42
+    seed: int = SEED
     dtype: str = "auto"  # parameter dtype inside FSDP's mixed precision: bf16, fp32, or auto (bf16 on CUDA, fp32 on CPU)
     compile: bool = False  # torch.compile every block
     activation_checkpointing: bool = True
@@ -121,25 +126,14 @@ class TrainConfig:
 
     def check_flags(self) -> None:
         """Bad flags (exit 2, as argparse's own): values out of range and flags that exclude each other."""
-        if self.max_tiles < 0:
-            raise ValueError(f"--max-tiles must be >= 0 (0 = the checkpoint's), got {self.max_tiles}")
-        for name in ("lr_new", "lr_pretrained", "global_batch", "micro_batch", "max_seq_len", "save_every",
-                     "keep_last", "log_every"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("pv", "pl"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be a positive integer, got {getattr(self, name)}")
+        if why := out_of_range(self, RANGES):
+            raise ValueError(why)
         try:  # the branch flags' ranges are ParConfig's
             ParConfig(**{k: getattr(self, k) for k in BRANCH_FLAGS if getattr(self, k) is not None})
         except ValueError as e:
             raise ValueError(f"--{str(e).replace('_', '-')}") from None
-        if not 0 <= self.warmup_ratio < 1 or not 0 <= self.max_bad_frac <= 1 or self.weight_decay < 0 or self.clip <= 0:
-            raise ValueError("--warmup-ratio must be in [0, 1), --max-bad-frac in [0, 1], --weight-decay >= 0, --clip > 0")
         if self.dtype not in ("auto", "bf16", "fp32"):
             raise ValueError(f"--dtype must be auto, bf16 or fp32, got {self.dtype!r}")
-        if self.num_workers < 0:
-            raise ValueError(f"--num-workers must be >= 0 (0 = load in the training process), got {self.num_workers}")
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --out, --overwrite discards it: pass one of them")
 
@@ -457,9 +451,9 @@ def train_main(argv: list[str], received: list[int]) -> int:
             error(f"error: {one_line(e) if isinstance(e, ValueError) else os_cause(e)}",
                   wait=not dist.is_initialized())  # else end_processes' barrier holds the others
         elif isinstance(e, OSError):  # a file this rank could not read or write: maybe this rank's alone
-            code, where = 1, f" ({e.filename})" if e.filename else ""
+            code = 1
             quiet_exit = dist.is_initialized() and dist.get_world_size() > 1  # the others may be mid-collective
-            error(f"error: {who}{os_cause(e)}{where}", every_rank=True)
+            error(f"error: {who}{os_error(e)}", every_rank=True)
         elif isinstance(e, dist.DistBackendError) or "by peer" in str(e):  # another rank left: it says why
             code, quiet_exit, lost = 1, True, True  # a consequence, not the cause: no error file, torchrun reports the cause
             log(f"error: lost contact with another rank ({one_line(e)[:200]})", every_rank=True)

@@ -884,7 +884,7 @@ def test_an_out_that_cannot_be_written_is_one_line(bench, full_run, tmp_path, ca
     for args, want in [(["run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder, "--out", a_file / "p.jsonl"],
                         f"error: --out {a_file}: {a_file} is a file, not a folder"),  # before the model loads
                        (["score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", full_run, "--out",
-                         a_file / "s.json"], f"error: {a_file / 's.json'}: Not a directory")]:
+                         a_file / "s.json"], f"error: {a_file / 's.json'}: a parent is a file, not a folder")]:
         rc, _, err = main_out(capsys, *args)
         assert rc == 1 and err.strip().splitlines()[-1:] == [want], (args, err)
     assert a_file.read_text() == "kept"

@@ -266,20 +266,20 @@ def test_out_of_memory_on_one_rank_is_one_line_and_keeps_the_checkpoints(model_d
 def test_os_cause_names_the_cause(monkeypatch, tmp_path):
     for code, words in [(errno.ENOSPC, "no space left"), (errno.EROFS, "read-only"), (errno.EACCES, "permission denied")]:
         wrapped = CheckpointException("save failed", {1: (OSError(code, os.strerror(code)), None)})  # DCP, rank 1
-        assert runs.os_cause(wrapped) == runs.CAUSES[code] and words in runs.CAUSES[code]
+        assert cli.os_cause(wrapped) == cli.CAUSES[code] and words in cli.CAUSES[code]
         try:
             try:
                 raise OSError(code, os.strerror(code))
             except OSError as e:
                 raise RuntimeError("enforce fail at inline_container.cc: file write failed") from e
         except RuntimeError as e:
-            assert runs.os_cause(e) == runs.CAUSES[code]
+            assert cli.os_cause(e) == cli.CAUSES[code]
     # torch's zip writer on a full disk: no errno anywhere, so the free space is what tells
     zip_error = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file")
-    monkeypatch.setattr(runs.shutil, "disk_usage", lambda path: SimpleNamespace(free=3 * 2**20))
-    assert runs.os_cause(zip_error, tmp_path).startswith("the disk is (nearly) full, 3 MiB free")
-    monkeypatch.setattr(runs.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
-    assert runs.os_cause(zip_error, tmp_path).startswith("RuntimeError: [enforce fail")
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: SimpleNamespace(free=3 * 2**20))
+    assert cli.os_cause(zip_error, tmp_path).startswith("the disk is (nearly) full, 3 MiB free")
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
+    assert cli.os_cause(zip_error, tmp_path).startswith("RuntimeError: [enforce fail")
 
 
 def test_a_loader_worker_is_quiet_when_the_trainer_leaves_mid_handshake():

@@ -448,7 +448,7 @@ def test_bad_input_refused_with_one_line(model23, labelled, checkpoint, tmp_path
         (["label", "--model", checkpoint("qwen3", "original"), "--data", meta, "--out", tmp_path / "y", *LABEL], "Pv:Pl = 1:1"),
         (["eval", "--model", model23, "--router", tmp_path / "none", "--labels", labels], "--router"),
         (["train", "--model", model23, "--labels", cut, "--out", tmp_path / "x"], "labels.safetensors: unreadable safetensors"),
-        (["label", "--model", model23, "--data", meta, "--out", a_file, *LABEL], f"{a_file}/parts: Not a directory"),
+        (["label", "--model", model23, "--data", meta, "--out", a_file, *LABEL], f"{a_file}/parts: a parent is a file, not a folder"),
         (["train", "--model", model23, "--labels", labels, "--out", a_file / "r"], f"{a_file} is a file, not a folder"),
     ]
     for args, needle in cases:
