@@ -25,7 +25,6 @@ from typing import NoReturn
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
 
 from checkpoint import CheckpointError, check_not_run_folder
 
@@ -250,6 +249,8 @@ def os_cause(e: BaseException, folder: Path | None = None) -> str:
     """The cause of a failed write or read in a few words: the first OSError in the exception's chain
     (DCP wraps each rank's failure in a CheckpointException), else its message. torch's zip writer
     reports a full disk as "file write failed" with no errno, so the free space is checked too."""
+    from torch.distributed.checkpoint.api import CheckpointException  # here: generate.py never loads DCP
+
     todo, seen = [e], set()
     while todo:
         x = todo.pop(0)

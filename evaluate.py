@@ -39,9 +39,9 @@ from pathlib import Path
 import torch
 
 import analysis
-from cli import (SEED, Interrupted, OneLineParser, allocation, check_shared, command, end_processes, error, interruptible, log,
-                 make_folder, one_line, os_error, pyplot, rank, resolve_dtype, resolve_model, start_processes,
-                 world_size)
+from cli import (SEED, Interrupted, OneLineParser, allocation, check_shared, command, end_processes, error, interruptible,
+                 log, make_folder, one_line, os_error, pyplot, rank, resolve_device, resolve_dtype, resolve_model,
+                 start_processes, world_size)
 from judge import Judge
 from scaling_law import fit_law
 from scoring import BENCHMARKS, SCORE_COLUMNS, DataError, aggregates, as_list, options, read_jsonl, read_tsv, score
@@ -152,7 +152,7 @@ def run(args) -> int:
         raise DataError(f"unknown benchmark {args.benchmark!r}; choose from {', '.join(BENCHMARKS)}")
     rows = read_tsv(args.data, ("index", "question", "image"))
     distributed = "RANK" in os.environ
-    device = start_processes(torch.cuda.is_available() and args.device != "cpu")
+    device = start_processes(resolve_device(args.device).type == "cuda")  # under torchrun: cuda:LOCAL_RANK
     me, world = rank(), world_size()
     dtype = resolve_dtype(args.dtype, device)
     out = Path(args.out)
@@ -492,7 +492,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     r.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS, help=f"token budget per answer (default {MAX_NEW_TOKENS}, VLMEvalKit's)")
     r.add_argument("--max-tiles", type=int, default=None, help="tiles per image (default: VLMEvalKit's budget for the benchmark)")
     r.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="default bf16 on CUDA, fp32 on CPU")
-    r.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
+    r.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="cuda (each rank its LOCAL_RANK's GPU) or cpu")
     r.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the decode step (default: on for CUDA, off for CPU)")
     r.add_argument("--shared-kv", action="store_true", help="one mean-reduced token KV cache per sample (Appendix C.2)")

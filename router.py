@@ -386,6 +386,8 @@ def state_hash(model: nn.Module) -> str:
 
 @torch.no_grad()
 def evaluate(cfg: EvalConfig) -> int:
+    out = Path(cfg.out or Path(cfg.router) / "eval.json")
+    check_folder(out.parent, "--out")  # before the model loads
     device = start_processes(torch.cuda.is_available())
     model = load_model(cfg.model, cfg.dtype, device)
     router = load_router(cfg.router, model)
@@ -422,7 +424,7 @@ def evaluate(cfg: EvalConfig) -> int:
         print(f"  ViT {i}:  {cells}  | {result['vision_marginal'][i]:.4f}")
     print("  LLM   :  " + "  ".join(f"{x:.4f}       " for x in result["language_marginal"]))
     print(f"  router's choices (rows v, columns l): {result['router_pairs']}")
-    out = Path(cfg.out or Path(cfg.router) / "eval.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2))
     log(f"wrote {out}")
     return 0

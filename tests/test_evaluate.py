@@ -875,6 +875,20 @@ def test_run_interrupted_keeps_whole_predictions_and_resumes(bench, full_run, tm
     assert rc == 0 and json.loads(stdout.splitlines()[-1])["new"] == 2 and out.read_text() == full_run.read_text()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_run_on_a_device_that_is_not_there_is_one_line(bench, tmp_path, capsys):
+    """--device cuda without CUDA is refused in one line before the model loads (it ran on the CPU,
+    silently); a device that is neither is argparse's exit 2."""
+    folder, tsv, _, _ = bench
+    args = ["run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder, "--out", tmp_path / "p.jsonl"]
+    rc, _, err = main_out(capsys, *args, "--device", "cuda")
+    lines = err.strip().splitlines()
+    assert rc == 1 and len(lines) == 1 and lines[0].startswith("error: --device cuda: CUDA is not available ("), err
+    with pytest.raises(SystemExit) as e:
+        evaluate.main([str(a) for a in args] + ["--device", "tpu"])
+    assert e.value.code == 2 and "--device" in capsys.readouterr().err and not (tmp_path / "p.jsonl").exists()
+
+
 def test_an_out_that_cannot_be_written_is_one_line(bench, full_run, tmp_path, capsys):
     """--out where a folder is a file (as a read-only file system, an OSError at the write): one line
     naming the path and the cause, exit 1, for run, score and report."""

@@ -450,6 +450,8 @@ def test_bad_input_refused_with_one_line(model23, labelled, checkpoint, tmp_path
         (["train", "--model", model23, "--labels", cut, "--out", tmp_path / "x"], "labels.safetensors: unreadable safetensors"),
         (["label", "--model", model23, "--data", meta, "--out", a_file, *LABEL], f"{a_file}/parts: a parent is a file, not a folder"),
         (["train", "--model", model23, "--labels", labels, "--out", a_file / "r"], f"{a_file} is a file, not a folder"),
+        (["eval", "--model", model23, "--router", labels, "--labels", labels, "--out", a_file / "e.json"],
+         f"--out {a_file}: {a_file} is a file, not a folder"),  # before the model and the router (not one here) load
     ]
     for args, needle in cases:
         assert run_router(*args) == 1, args
