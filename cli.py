@@ -1,8 +1,9 @@
-"""What every command shares and that knows no model: the one-line argument parser, device, dtype
-and model resolution (a local folder or the huggingface_hub cache), logging from rank 0, one-line
-errors (also into torchrun's error file) and allocation failures, the process group torchrun asks
-for, the check that every node sees a shared folder, the process exit, and small figures (h:mm:ss,
-peak memory), plus the optional matplotlib import. generate.py, train.py, router.py, evaluate.py
+"""What every command shares and that knows no model: the one-line argument parser and its check of
+every numeric flag's range, the paper's seed, device, dtype and model resolution (a local folder or
+the huggingface_hub cache), logging from rank 0, one-line errors (also into torchrun's error file),
+the causes of failed reads and writes, allocation failures and signals, the process group torchrun
+asks for, the check that every node sees a shared folder, the process exit, and small figures
+(h:mm:ss, peak memory), plus the optional matplotlib import. generate.py, train.py, router.py, evaluate.py
 and profiling.py use it; it imports no model code, so every floor of the house can sit on it.
 """
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """A training run's folder: one run per --out, DCP checkpoints saved atomically and verified,
 --resume with fallback past broken checkpoints, metrics continued without duplicate steps, the final
-export, and one-line causes for failed saves. train.py drives it; this module holds no training.
+export, and one line for a failed save (its cause from cli.os_cause). train.py drives it; this module holds no training.
 
     OUT/checkpoints/step_N/   DCP shards + .metadata, train.json (step, scheduler, config, bad-row
                               counts, every file's size), done   (step_N.tmp while being written;
