@@ -298,12 +298,12 @@ def test_batch_bad_input_is_one_line(tiny, questions, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def run_dir(checkpoint, tmp_path_factory):
     """A 3-step tiny training run with --dtype auto (the default): its folder and stderr."""
-    from test_train import COMMON, run_train, write_dataset
+    from test_train import COMMON, train_here, write_dataset
 
     root = tmp_path_factory.mktemp("run")
     meta = write_dataset(root / "data", rows=12)
-    res = run_train("--model", checkpoint("qwen3", "original"), "--data", meta, "--out", root / "run", "--pl", "2",
-                    "--max-steps", "3", *COMMON, "--dtype", "auto")
+    res = train_here("--model", checkpoint("qwen3", "original"), "--data", meta, "--out", root / "run", "--pl", "2",
+                     "--max-steps", "3", *COMMON, "--dtype", "auto")
     return root / "run", res.stderr
 
 

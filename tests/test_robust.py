@@ -26,7 +26,7 @@ import runs
 import train
 from data import SFTData
 from processor import Tokenizer
-from test_train import COMMON, ROOT, metrics, run_train, write_dataset
+from test_train import COMMON, ROOT, metrics, run_train, train_here, write_dataset
 
 TRAIN = ["--max-tiles", "2", "--dtype", "fp32", "--global-batch", "4", "--num-workers", "0", "--log-every", "1",
          "--no-activation-checkpointing"]
@@ -86,19 +86,14 @@ def copy_run(base: Path, tmp_path: Path) -> Path:
     return out
 
 
-def train_main(capsys, *args) -> tuple[int, str, str]:
-    code = train.main([str(a) for a in args])
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
-
-
 # -- 1. a run folder belongs to one run ----------------------------------------------------------
 
 
-def test_new_run_into_a_finished_run_is_refused(model_dir, meta, base_run, tmp_path, capsys):
+def test_new_run_into_a_finished_run_is_refused(model_dir, meta, base_run, tmp_path):
     out = copy_run(base_run, tmp_path)
     before = tree(out)
-    code, _, err = train_main(capsys, "--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, *TRAIN)
+    res = train_here("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, *TRAIN, check=False)
+    code, err = res.returncode, res.stderr
     line = one_line(err)
     assert code == 1 and "already holds a run" in line and "--resume" in line and "--overwrite" in line, line
     assert tree(out) == before
@@ -143,9 +138,10 @@ def test_an_error_under_torchrun_reaches_the_user_every_time(model_dir, tmp_path
         assert worker_lines(err).count(got) == 1, err[-3000:]
 
 
-def test_max_steps_past_the_epoch_is_refused(model_dir, meta, tmp_path, capsys):
+def test_max_steps_past_the_epoch_is_refused(model_dir, meta, tmp_path):
     """16 rows in global batches of 4 make 4 steps: --max-steps 5 is one line, not a silent 4."""
-    code, _, err = train_main(capsys, "--model", model_dir, "--data", meta, "--out", tmp_path / "run", "--max-steps", 5, *TRAIN)
+    res = train_here("--model", model_dir, "--data", meta, "--out", tmp_path / "run", "--max-steps", 5, *TRAIN, check=False)
+    code, err = res.returncode, res.stderr
     assert code == 1 and one_line(err) == (f"error: --max-steps 5: {meta} gives 4 steps of 4 samples in its one epoch "
                                            "(train.py trains one epoch, as the paper does); pass at most 4, or raise "
                                            "repeat_time in the meta file"), err
@@ -155,8 +151,8 @@ def test_max_steps_past_the_epoch_is_refused(model_dir, meta, tmp_path, capsys):
 def test_overwrite_discards_the_old_run_explicitly(model_dir, meta, base_run, tmp_path):
     out = copy_run(base_run, tmp_path)
     old_export = tree(out / "export")
-    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 1, "--overwrite", "--lr-pretrained",
-                    "1e-2", *TRAIN)
+    res = train_here("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 1, "--overwrite", "--lr-pretrained",
+                     "1e-2", *TRAIN)
     assert res.returncode == 0 and notes(res.stderr) == [], res.stderr
     assert [m["step"] for m in metrics(out)] == [1]  # not 1, 2, 3, 1
     assert sorted(d.name for d in (out / "checkpoints").iterdir()) == ["step_1"]
@@ -164,10 +160,11 @@ def test_overwrite_discards_the_old_run_explicitly(model_dir, meta, base_run, tm
 
 
 @pytest.mark.parametrize("case", ["file", "proc", "sys"])
-def test_unusable_out_is_one_line(model_dir, meta, tmp_path, capsys, case):
+def test_unusable_out_is_one_line(model_dir, meta, tmp_path, case):
     out = {"file": meta, "proc": Path("/proc/parvl_test/run"), "sys": Path("/sys/parvl_test")}[case]
     before = meta.read_bytes()
-    code, _, err = train_main(capsys, "--model", model_dir, "--data", meta, "--out", out, *TRAIN)
+    res = train_here("--model", model_dir, "--data", meta, "--out", out, *TRAIN, check=False)
+    code, err = res.returncode, res.stderr
     line = one_line(err)
     needle = {"file": "is a file, not a folder", "proc": "cannot write there", "sys": "cannot write there"}[case]
     assert code == 1 and line.startswith("error: ") and needle in line, line
@@ -183,8 +180,8 @@ def test_resume_falls_back_past_broken_checkpoints(model_dir, meta, base_run, tm
     (ck / "step_3" / ".metadata").unlink()  # was a bare AssertionError
     (ck / "step_2" / "train.json").write_text('{"step": 2, "sched')  # was a JSONDecodeError naming no file
     broken3, broken2, good1 = tree(ck / "step_3"), tree(ck / "step_2"), tree(ck / "step_1")
-    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 4, "--save-every", 1,
-                    "--keep-last", 5, "--resume", *TRAIN)
+    res = train_here("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 4, "--save-every", 1,
+                     "--keep-last", 5, "--resume", *TRAIN)
     line = one_line(res.stderr)
     assert line.startswith(f"resuming from {ck / 'step_1'} at step 1"), line
     assert "step_3: .metadata is missing" in line and "step_2: train.json is unreadable" in line, line
@@ -215,8 +212,8 @@ def test_resume_falls_back_past_a_truncated_shard_under_torchrun(model_dir, meta
 def test_resume_with_no_checkpoint_says_it_starts_fresh_and_names_bad_rows(model_dir, tmp_path):
     meta = write_dataset(tmp_path / "d", rows=6, bad=2)
     out = tmp_path / "run"
-    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, "--resume",
-                    "--max-bad-frac", "0.5", *TRAIN)  # 2 steps of 4: every row once
+    res = train_here("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, "--resume",
+                     "--max-bad-frac", "0.5", *TRAIN)  # 2 steps of 4: every row once
     lines = notes(res.stderr)
     assert "Traceback" not in res.stderr and lines[0] == (f"--resume: no usable checkpoint in {out / 'checkpoints'}: "
                                                          "starting from step 0"), res.stderr
@@ -362,9 +359,10 @@ def test_flag_errors_are_one_line_and_quiet_on_other_ranks(monkeypatch, capsys):
 # -- 5. misleading messages, silently wrong inputs (generate.py, images: test_robust_cli.py) ------
 
 
-def test_jsonl_given_as_meta_gets_a_hint(model_dir, meta, tmp_path, capsys):
+def test_jsonl_given_as_meta_gets_a_hint(model_dir, meta, tmp_path):
     jsonl = meta.parent / "train.jsonl"
-    code, _, err = train_main(capsys, "--validate-data", "--model", model_dir, "--data", jsonl, *TRAIN)
+    res = train_here("--validate-data", "--model", model_dir, "--data", jsonl, *TRAIN, check=False)
+    code, err = res.returncode, res.stderr
     line = one_line(err)
     assert code == 1 and "JSONL annotation file" in line and "meta JSON" in line, line
 
@@ -413,22 +411,24 @@ def test_role_content_rows_are_told_the_format(model_dir, tmp_path):
     assert isinstance(second, D.BadRow) and "'messages'" in second.detail and "from/value" in second.detail
 
 
-def test_validate_data_lists_bad_rows_capped(model_dir, tmp_path, capsys, monkeypatch):
+def test_validate_data_lists_bad_rows_capped(model_dir, tmp_path, monkeypatch):
     meta = write_dataset(tmp_path / "d", rows=6, bad=2)
     jsonl = meta.parent / "train.jsonl"
     with open(jsonl, "a") as f:  # a blank line, then a row that is not JSON: named by its line in the file
         f.write("\n{not json\n")
     before = tree(meta.parent)
-    code, out, err = train_main(capsys, "--validate-data", "--model", model_dir, "--data", meta, "--max-bad-frac", "0.5",
-                                *TRAIN)
+    res = train_here("--validate-data", "--model", model_dir, "--data", meta, "--max-bad-frac", "0.5",
+                     *TRAIN, check=False)
+    code, out, err = res.returncode, res.stdout, res.stderr
     lines = out.strip().splitlines()
     assert code == 0 and err == "" and json.loads(lines[-1])["missing_image"] == 2 and json.loads(lines[-1])["bad_row"] == 1
     listed = lines[:-1]
     assert len(listed) == 3 and all(x.startswith("bad row: tiny line ") and f"of {jsonl}: " in x for x in listed), listed
     assert listed[-1].startswith("bad row: tiny line 10 of") and listed[-1].endswith("[bad_row]"), listed  # 9 is blank
     monkeypatch.setattr(train, "MAX_NAMED", 1)
-    code, out, err = train_main(capsys, "--validate-data", "--model", model_dir, "--data", meta, "--max-bad-frac", "0.1",
-                                *TRAIN)
+    res = train_here("--validate-data", "--model", model_dir, "--data", meta, "--max-bad-frac", "0.1",
+                     *TRAIN, check=False)
+    code, out, err = res.returncode, res.stdout, res.stderr
     lines = out.strip().splitlines()
     assert code == 1 and len(lines) == 3 and lines[1] == "... and 2 more bad rows", lines
     assert one_line(err).startswith("error: 3 of the data set's 9 rows are bad")

@@ -1,5 +1,7 @@
 """train.py end to end on CPU: the Eq. 6 loss, world-size invariance under torchrun (gloo),
 bit-identical resume, overfitting, freezing, the schedule, export, bad rows and NaN handling."""
+import contextlib
+import io
 import json
 import math
 import os
@@ -24,6 +26,8 @@ from parvl import ParVL, is_branch_tensor
 from engine import Engine, GenerateConfig
 from processor import Tokenizer, build_prompt, load_image
 from schedule import lr_lambda
+import generate
+import train
 from train import TrainConfig, micro_loss, param_groups
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +73,26 @@ def run_train(*args, nproc: int = 1, check: bool = True, fault: str | None = Non
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if check:
         assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def train_here(*args, check: bool = True) -> subprocess.CompletedProcess:
+    """train.py's main in this process, for the runs of one process with no fault: what run_train
+    gives, less the 3.6 s of imports a new interpreter spends. One intra-op thread, as run_train's
+    OMP_NUM_THREADS=1; stdout and stderr captured; a flag error's SystemExit is its exit code."""
+    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = train.main([str(a) for a in args])
+            except SystemExit as e:
+                code = e.code
+    finally:
+        torch.set_num_threads(threads)
+    res = subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+    if check:
+        assert code == 0, res.stdout[-3000:] + res.stderr[-3000:]
     return res
 
 
@@ -221,12 +245,12 @@ def test_a_node_that_cannot_see_the_run_folder_is_refused(model_dir, meta, tmp_p
 @pytest.mark.slow
 def test_resume_is_bit_identical_and_ignores_partial_saves(model_dir, meta, tmp_path):
     args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "1", "--max-steps", "4", "--save-every", "1", *COMMON]
-    run_train(*args, "--out", tmp_path / "full")
-    run_train(*args, "--out", tmp_path / "cut", fault="stop-after=2")
+    train_here(*args, "--out", tmp_path / "full")
+    run_train(*args, "--out", tmp_path / "cut", fault="stop-after=2")  # a process of its own, stopped after step 2
     ckpts = tmp_path / "cut" / "checkpoints"
     shutil.copytree(ckpts / "step_2", ckpts / "step_3.tmp")  # a save killed half-way: never "done"
     (ckpts / "step_3.tmp" / "done").unlink()
-    run_train(*args, "--out", tmp_path / "cut", "--resume")
+    train_here(*args, "--out", tmp_path / "cut", "--resume")
     full, cut = metrics(tmp_path / "full"), metrics(tmp_path / "cut")
     assert [m["step"] for m in cut] == [1, 2, 3, 4]
     assert sorted(d.name for d in ckpts.iterdir()) == ["step_3", "step_4"]  # --keep-last 2; the stale .tmp replaced
@@ -236,11 +260,11 @@ def test_resume_is_bit_identical_and_ignores_partial_saves(model_dir, meta, tmp_
 
 
 @pytest.mark.slow
-def test_overfit_then_generate_from_export(model_dir, tmp_path):
+def test_overfit_then_generate_from_export(model_dir, tmp_path, capsys):
     meta = write_dataset(tmp_path / "d", rows=4, repeat=8)
     out = tmp_path / "run"
-    run_train("--model", model_dir, "--data", meta, "--pv", "1", "--pl", "2", "--out", out, "--lr-new", "1e-2",
-              "--lr-pretrained", "1e-2", "--warmup-ratio", "0", "--max-steps", "8", "--seed", "1", *COMMON)
+    train_here("--model", model_dir, "--data", meta, "--pv", "1", "--pl", "2", "--out", out, "--lr-new", "1e-2",
+               "--lr-pretrained", "1e-2", "--warmup-ratio", "0", "--max-steps", "8", "--seed", "1", *COMMON)
     losses = [m["loss"] for m in metrics(out)]
     assert losses[-1] < 0.5 * losses[0], losses
     # the export is the trained model: on the training rows its loss is the overfit one, far below
@@ -259,21 +283,21 @@ def test_overfit_then_generate_from_export(model_dir, tmp_path):
     assert trained < 0.5 * start, (trained, start)
     # and generate.py answers with it: the same greedy tokens as the export loaded here
     png = tmp_path / "d" / "img0.png"
-    res = subprocess.run([sys.executable, str(ROOT / "generate.py"), str(png), "What colour dominates?", "--model",
-                          str(out / "export"), "--max-new-tokens", "6", "--max-tiles", "2", "--json"],
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "Pv:Pl = 1:2" in res.stderr, res.stderr
+    code = generate.main([str(png), "What colour dominates?", "--model", str(out / "export"), "--max-new-tokens", "6",
+                          "--max-tiles", "2", "--json"])
+    res = capsys.readouterr()
+    assert code == 0 and "Pv:Pl = 1:2" in res.err, res.err
     model = ParVL.from_pretrained(out / "export")
     pixels = load_image(png, max_tiles=2)
     ids = tok.encode(build_prompt("What colour dominates?", [pixels.shape[0]]))
     want = Engine(model).generate([ids], pixels, GenerateConfig(max_new_tokens=6), tok.eos_ids).tokens[0]
-    assert json.loads(res.stdout)["answer"] == tok.decode(want, skip_special_tokens=True).strip()
+    assert json.loads(res.out)["answer"] == tok.decode(want, skip_special_tokens=True).strip()
 
 
 def test_freeze_backbone_trains_only_branch_tensors(model_dir, meta, tmp_path):
     out = tmp_path / "frozen"
-    res = run_train("--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--out", out, "--freeze-backbone",
-                    "--max-steps", "2", "--lr-new", "1e-2", "--warmup-ratio", "0", *COMMON)
+    res = train_here("--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--out", out, "--freeze-backbone",
+                     "--max-steps", "2", "--lr-new", "1e-2", "--warmup-ratio", "0", *COMMON)
     torch.manual_seed(42)  # train.py's seed: the same initial prefixes and aggregators
     start = ParVL.from_pretrained(model_dir, pv=2, pl=2).state_dict()
     end = ParVL.from_pretrained(out / "export").state_dict()
@@ -297,8 +321,8 @@ def test_branch_flags_are_saved_and_every_command_runs_them(model_dir, meta, tmp
 
     out = tmp_path / "run"
     flags = ["--vit-prefix-len", "3", "--llm-prefix-len", "2", "--aggregation", "mean", "--lambda-v", "0.05", "--lambda-l", "0.2"]
-    run_train("--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--out", out, "--max-steps", "1",
-              "--freeze-backbone", *flags, *COMMON)
+    train_here("--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--out", out, "--max-steps", "1",
+               "--freeze-backbone", *flags, *COMMON)
     model = ParVL.from_pretrained(out / "export")
     assert model.cfg.par == ParConfig(pv=2, pl=2, vit_prefix_len=3, llm_prefix_len=2, aggregation="mean", lambda_v=0.05,
                                       lambda_l=0.2)
@@ -329,14 +353,13 @@ def test_bad_rows_counted_and_threshold(model_dir, tmp_path):
     meets the bad rows (seed 1 puts one in the first step of 2 rows: a count over the rows seen so
     far, 1 of 2, aborted there a set --validate-data passes); at 0.2 training stops, one line."""
     meta = write_dataset(tmp_path / "d", rows=6, bad=2)
-    res = subprocess.run([sys.executable, str(ROOT / "train.py"), "--validate-data", "--model", str(model_dir),
-                          "--data", str(meta), "--max-tiles", "2", "--max-bad-frac", "0.25"], capture_output=True, text=True)
+    res = train_here("--validate-data", "--model", model_dir, "--data", meta, "--max-tiles", "2", "--max-bad-frac", "0.25")
     assert res.returncode == 0 and json.loads(res.stdout.strip().splitlines()[-1])["missing_image"] == 2, res.stderr
-    run_train("--model", model_dir, "--data", meta, "--out", tmp_path / "edge", "--max-steps", "4", "--max-bad-frac", "0.25",
-              *COMMON, "--global-batch", "2", "--seed", "1")
+    train_here("--model", model_dir, "--data", meta, "--out", tmp_path / "edge", "--max-steps", "4", "--max-bad-frac", "0.25",
+               *COMMON, "--global-batch", "2", "--seed", "1")
     assert metrics(tmp_path / "edge")[-1]["bad_rows"] == {"missing_image": 2}
-    res = run_train("--model", model_dir, "--data", meta, "--out", tmp_path / "under", "--max-steps", "2",
-                    "--max-bad-frac", "0.2", *COMMON, check=False)  # 2 > 0.2 x 8: refused at the step that meets them
+    res = train_here("--model", model_dir, "--data", meta, "--out", tmp_path / "under", "--max-steps", "2",
+                     "--max-bad-frac", "0.2", *COMMON, check=False)  # 2 > 0.2 x 8: refused at the step that meets them
     assert res.returncode == 1 and one_line(res.stderr).endswith(
         "error: 2 of the data set's 8 rows are bad (25.00% > --max-bad-frac 20.00%): {'missing_image': 2}"), res.stderr[-2000:]
 
@@ -360,10 +383,10 @@ def test_samples_past_the_position_table_are_too_long(model_dir, meta, tmp_path)
     over = sum(n > limit for n in lengths)
     assert 0 < over < len(lengths)
     out = tmp_path / "run"  # one epoch: every sample is seen once, so every long one is counted
-    run_train("--model", small, "--data", meta, "--out", out, "--max-steps", "0", "--max-bad-frac", "1", *COMMON)
+    train_here("--model", small, "--data", meta, "--out", out, "--max-steps", "0", "--max-bad-frac", "1", *COMMON)
     assert metrics(out)[-1]["bad_rows"] == {"too_long": over}
-    res = run_train("--model", small, "--data", meta, "--out", tmp_path / "strict", "--max-steps", "0", *COMMON,
-                    check=False)  # the default --max-bad-frac: one line, no traceback
+    res = train_here("--model", small, "--data", meta, "--out", tmp_path / "strict", "--max-steps", "0", *COMMON,
+                     check=False)  # the default --max-bad-frac: one line, no traceback
     last = res.stderr.strip().splitlines()[-1]
     assert res.returncode == 1 and "rows are bad" in last and "Traceback" not in res.stderr, res.stderr[-2000:]
 
@@ -403,9 +426,9 @@ def test_resume_with_more_steps_follows_the_new_schedule(model_dir, tmp_path):
     data = write_dataset(tmp_path / "d", rows=14, bad=2)  # 16 rows: four global batches of 4
     args = ["--model", model_dir, "--data", data, "--pv", "1", "--pl", "2", "--save-every", "1", "--max-bad-frac", "0.5",
             "--warmup-ratio", "0.5", *COMMON]
-    run_train(*args, "--out", tmp_path / "full", "--max-steps", "4")
-    run_train(*args, "--out", tmp_path / "ext", "--max-steps", "2")
-    res = run_train(*args, "--out", tmp_path / "ext", "--max-steps", "4", "--resume")
+    train_here(*args, "--out", tmp_path / "full", "--max-steps", "4")
+    train_here(*args, "--out", tmp_path / "ext", "--max-steps", "2")
+    res = train_here(*args, "--out", tmp_path / "ext", "--max-steps", "4", "--resume")
     assert "--max-steps 2 -> 4" in res.stderr, res.stderr
     full, ext = metrics(tmp_path / "full"), metrics(tmp_path / "ext")
     assert [m["step"] for m in ext] == [1, 2, 3, 4]
@@ -415,7 +438,7 @@ def test_resume_with_more_steps_follows_the_new_schedule(model_dir, tmp_path):
     assert [m["bad_rows"] for m in ext] == [m["bad_rows"] for m in full] and sum(full[-1]["bad_rows"].values()) == 2
     files = lambda: {str(p): p.read_bytes() for p in sorted((tmp_path / "ext").rglob("*")) if p.is_file()}  # noqa: E731
     before = files()
-    res = run_train(*args, "--out", tmp_path / "ext", "--max-steps", "4", "--resume", "--seed", "7", check=False)
+    res = train_here(*args, "--out", tmp_path / "ext", "--max-steps", "4", "--resume", "--seed", "7", check=False)
     assert res.returncode == 1 and "--seed" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert files() == before  # config.json too: it is written only once a resume is accepted
 
