@@ -340,9 +340,10 @@ def run(argv: list[str] | None = None) -> None:
     fwd.add_argument("--pair", action="store_true",
                      help="also time each config with branches running one pair (vision 0, language 0) per sample")
     args = parser.parse_args(argv)
-    parser.check_ranges(args, {name: f"[{low}, inf)" for name, low in {  # batch: a list for latency, one size for forward
-        "tiles": 0, "text_tokens": 0, "response_tokens": 0, "warmup": 0, "new_tokens": 1, "iters": 1, "repeats": 1,
-        "batch": 1, "threads": 1, "pv": 1, "pl": 1, "lora_rank": 1}.items()})
+    parser.check_ranges(args, {"tiles": "[0, inf)", "text_tokens": "[0, inf)", "response_tokens": "[0, inf)",
+                               "warmup": "[0, inf)", "new_tokens": "[1, inf)", "iters": "[1, inf)", "repeats": "[1, inf)",
+                               "batch": "[1, inf)", "threads": "[1, inf)", "pv": "[1, inf)", "pl": "[1, inf)",
+                               "lora_rank": "[1, inf)"})  # batch: a list for latency, one size for forward
 
     if args.command == "params":
         work = Workload(args.tiles, args.text_tokens, args.response_tokens)

@@ -47,8 +47,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 
 from aggregate import entropy
 from checkpoint import CheckpointReader, check_not_run_folder, read_json
-from cli import (OneLineParser, OutOfMemory, allocation, check_shared, command, end_processes, error, hms, interruptible,
-                 SEED, log, one_line, os_cause, os_error, out_of_range, peak_memory_gib, pyplot, rank, start_processes, wait_for_torchrun)
+from cli import (SEED, OneLineParser, OutOfMemory, allocation, check_shared, command, end_processes, error, hms,
+                 interruptible, log, one_line, os_cause, os_error, out_of_range, peak_memory_gib, pyplot, rank,
+                 start_processes, wait_for_torchrun)
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, filler_batch, make_loader, validate
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParConfig, ParVL, config_from_json, is_branch_tensor, open_checkpoint
@@ -451,8 +452,7 @@ def train_main(argv: list[str], received: list[int]) -> int:
             error(f"error: {one_line(e) if isinstance(e, ValueError) else os_cause(e)}",
                   wait=not dist.is_initialized())  # else end_processes' barrier holds the others
         elif isinstance(e, OSError):  # a file this rank could not read or write: maybe this rank's alone
-            code = 1
-            quiet_exit = dist.is_initialized() and dist.get_world_size() > 1  # the others may be mid-collective
+            code, quiet_exit = 1, dist.is_initialized() and dist.get_world_size() > 1  # the others may be mid-collective
             error(f"error: {who}{os_error(e)}", every_rank=True)
         elif isinstance(e, dist.DistBackendError) or "by peer" in str(e):  # another rank left: it says why
             code, quiet_exit, lost = 1, True, True  # a consequence, not the cause: no error file, torchrun reports the cause
