@@ -21,8 +21,9 @@ import socket
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import MISSING, field, fields
 from pathlib import Path
-from typing import NoReturn
+from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -45,6 +46,87 @@ class OneLineParser(argparse.ArgumentParser):
         """Every numeric flag's range is declared once per command, as an interval; see out_of_range."""
         if why := out_of_range(args, ranges):
             self.error(why)
+
+
+# -- flags, declared once: a config dataclass's fields ---------------------------------------------
+
+
+def flag(default=None, help: str = "", *, range: str | None = None, choices=None, unit: str | None = None,
+         shown: str | None = None, factory=None, **argparse_kw):
+    """A config dataclass field that is also a command-line flag: its help (with unit, range and
+    default, as --help shows them), its range as an interval ("[1, inf)", "(0, 1]"; checked once for
+    every command, see parse), its choices, and what argparse needs beyond that (positional=True,
+    nargs, metavar, type, required). `shown` is the default as the help says it ("the checkpoint's");
+    `factory` makes a default that is a list, or one read at start (an environment variable)."""
+    meta = {"help": help, "range": range, "choices": choices, "unit": unit, "shown": shown, **argparse_kw}
+    meta = {k: v for k, v in meta.items() if v is not None}
+    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
+FLAG_TYPES = {"int": int, "float": float, "str": str}
+
+
+def add_flags(p: argparse.ArgumentParser, cls) -> None:
+    """One argparse argument per field of cls that carries a help (flag()): `--max-new-tokens` for
+    max_new_tokens, its type from the annotation (a list: nargs="+"), a bool as --x / --no-x."""
+    for f in fields(cls):
+        m = dict(f.metadata)
+        if "help" not in m:
+            continue
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        help_ = m.pop("help")
+        notes = [m.pop("unit", None), m.pop("range", None) and f"in {f.metadata['range']}"]
+        shown = m.pop("shown", None)
+        if shown is not None or (default not in (None, "", [], False) and not m.get("positional")):
+            notes.append(f"default {shown if shown is not None else default_text(default)}")
+        notes = [n for n in notes if n]
+        kw = {"help": f"{help_} ({'; '.join(notes)})" if notes else help_}
+        annotation = f.type.__name__ if isinstance(f.type, type) else str(f.type)  # a string under __future__
+        many = annotation.startswith("list[")
+        kind = FLAG_TYPES.get(annotation.removeprefix("list[").removesuffix("]").split("|")[0].strip())
+        if m.pop("positional", False):
+            p.add_argument(f.name, **{"type": kind} | kw | m)
+        elif annotation.startswith("bool"):
+            p.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=default,
+                           **kw | m)
+        else:
+            p.add_argument("--" + f.name.replace("_", "-"), default=default,
+                           **{"type": kind} | ({"nargs": "+"} if many else {}) | kw | m)
+
+
+def default_text(value) -> str:
+    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def command_parser(description: str, config=None, subcommands: dict | None = None, **kw) -> "OneLineParser":
+    """The parser of a command whose flags are one config dataclass's fields, or of a command with
+    subcommands, {name: (config class, one-line help)}. parse() then returns the config."""
+    p = OneLineParser(description=description, **kw)
+    if subcommands is None:
+        add_flags(p, config)
+        p.configs = {None: config}
+        return p
+    sub = p.add_subparsers(dest="command", required=True)
+    for name, (cls, help_) in subcommands.items():
+        add_flags(sub.add_parser(name, help=help_, description=help_), cls)
+    p.configs = {name: cls for name, (cls, _) in subcommands.items()}
+    return p
+
+
+def parse(p: "OneLineParser", argv=None):
+    """The config the flags say (for a command with subcommands, the subcommand's own class), its
+    ranges checked (out_of_range) and then its `check()`, if it has one, for flags that exclude each
+    other: either failing is one line and exit 2, as argparse's own errors."""
+    values = vars(p.parse_args(argv))
+    cls = p.configs[values.pop("command", None)]
+    cfg = cls(**values)
+    if why := out_of_range(cfg, {f.name: f.metadata["range"] for f in fields(cls) if "range" in f.metadata}):
+        p.error(why)
+    try:
+        getattr(cfg, "check", lambda: None)()
+    except ValueError as e:
+        p.error(one_line(e))
+    return cfg
 
 
 def out_of_range(args, ranges: dict[str, str]) -> str | None:
@@ -141,6 +223,71 @@ def command(main):
     then exit_process with main's code."""
     from torch.distributed.elastic.multiprocessing.errors import record
     exit_process(record(main)() or 0)
+
+
+def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None = None) -> int:
+    """Run a command's job and turn every way it can end into the exit code and at most one line, the
+    same in every command (README, exit codes). A command's main parses its flags (a bad flag exits 2
+    there, OneLineParser) and hands its job here:
+
+        0          the job returned (or the code it returned);
+        1          bad input, any ValueError (data, a checkpoint, an image, a value found bad late):
+                   "error: LINE" from rank 0 (every rank meets it alike);
+                   a failed read or write: the file and its cause (os_error), from the rank that met it;
+                   DCP's failed save: its cause (os_cause);
+                   an allocation failure: the sizes and the flags that lower them (OutOfMemory), from
+                   the rank that met it;
+                   a lost peer under torchrun: said by this rank, which leaves the report to the peer;
+                   a closed output pipe (`| head`): quietly;
+        130 / 143  SIGINT / SIGTERM (interruptible): "interrupted by SIGINT", then the job's own words
+                   on what stays and how to go on (`interrupted()`), whatever the signal then caused
+                   elsewhere (a peer's exit seen as a lost connection is still the signal's).
+
+    Anything else is a bug and keeps its traceback. Under torchrun the line also goes to the worker's
+    error file (error), and the process group ends here: with a last barrier when every rank met the
+    same end, or at once (os._exit) when this rank's peers may be mid-collective or gone."""
+    from torch.distributed.checkpoint.api import CheckpointException  # here: generate.py never loads DCP
+
+    code, alone, lost = 0, False, False  # alone: leave without the last barrier
+    with interruptible() as received:
+        try:
+            code = job() or 0
+            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+        except BrokenPipeError:  # the reader left (`| head`): stop quietly, as command-line tools do
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+            code = 1
+        except (KeyboardInterrupt, CheckpointException, Exception) as e:
+            many = dist.is_initialized() and dist.get_world_size() > 1
+            who = f"rank {rank()}: " if many else ""  # a line only this rank may meet names it
+            if received or isinstance(e, KeyboardInterrupt):
+                signum = received[0] if received else getattr(e, "code", 130) - 128
+                code, alone = 128 + signum, many
+                words = interrupted() if interrupted is not None else ""
+                log(f"interrupted by {signal.Signals(signum).name}" + (f": {words}" if words else ""))
+            elif isinstance(e, OutOfMemory):  # this rank's batch: the others may be mid-collective
+                code, alone = 1, many
+                error(f"error: {who}{e}", every_rank=True)
+            elif isinstance(e, (ValueError, CheckpointException)):  # alike on every rank
+                code = 1
+                line = one_line(e) if isinstance(e, ValueError) else os_cause(e)
+                error(f"error: {line}", wait=not dist.is_initialized())  # else the last barrier holds the others
+            elif isinstance(e, OSError):  # a file this rank could not read or write: maybe this rank's alone
+                code, alone = 1, many
+                error(f"error: {who}{os_error(e)}", every_rank=True)
+            elif isinstance(e, dist.DistBackendError) or "by peer" in str(e):  # another rank left: it says why
+                code, alone, lost = 1, True, True  # a consequence: no error file, torchrun reports the cause
+                log(f"error: lost contact with another rank ({one_line(e)[:200]})", every_rank=True)
+            else:
+                raise  # a bug: the traceback is the useful report
+        finally:
+            if dist.is_initialized():
+                if alone:  # peers may be gone: no barrier to wait on, no teardown that can abort
+                    sys.stdout.flush(), sys.stderr.flush()
+                    if lost:
+                        wait_for_torchrun()
+                    os._exit(code)
+                end_processes()  # its barrier: rank 0 has reported before any rank leaves
+    return code
 
 
 def check_folder(folder: Path, flag: str) -> None:
