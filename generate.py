@@ -12,18 +12,18 @@ sits above the model: it resolves and loads the checkpoint, builds the prompts a
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointError
-from chat import Interrupted, answer, chat_session
-from cli import DEFAULT_MODEL, OneLineParser, command, error, hms, log, one_line, resolve_device, resolve_dtype, resolve_model
+from chat import answer, chat_session
+from cli import (DEFAULT_MODEL, command, command_parser, error, flag, hms, log, parse, resolve_device, resolve_dtype,
+                 resolve_model, shell)
 from engine import Engine, GenerateConfig, context_check, engine_from_flags
 from parvl import ParVL, open_checkpoint
 from processor import ImageError, Tokenizer, build_prompt, load_image, open_rgb, place_images, tile_count
@@ -33,122 +33,117 @@ from gates import router_flag
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = OneLineParser(description="Answer a question about images (or text) with ParVL / InternVL3.5.")
-    p.add_argument("inputs", nargs="*", help="zero or more image paths, then the question (with --chat: images only, "
-                                              "or none for a text-only session; with --batch: nothing)")
-    p.add_argument("--model", default=os.environ.get("PARVL_MODEL"),
-                   help=f"checkpoint folder or hub repo id (default: $PARVL_MODEL, else {DEFAULT_MODEL}, downloaded "
-                        f"once into the huggingface_hub cache)")
-    p.add_argument("--revision", default=None, help="hub branch, tag or commit of --model (default: main)")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="token budget per answer, in tokens (default 512)")
-    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature, >= 0; 0 = greedy (default 0)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling probability mass in (0, 1], 1 = off (default 1.0)")
-    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens, 0 = off (default 0)")
-    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default 0)")
-    p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="weights and activations (default bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="torch device: cpu, cuda or cuda:N (default cuda if available, else cpu)")
-    p.add_argument("--max-tiles", type=int, default=0,
-                   help="448 px tiles per image, thumbnail excluded (default 0: the checkpoint's max_dynamic_patch, 12 for InternVL3.5)")
-    p.add_argument("--system", default=None, help="system message text (default: InternVL's own)")
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile the decode step (default: on for CUDA, off for CPU)")
-    p.add_argument("--shared-kv", action="store_true",
-                   help="ParVL: one mean-reduced token KV cache per sample instead of one per language branch "
-                        "(less memory, an approximation; paper Appendix C.2)")
-    p.add_argument("--vision-branch", type=int, default=None, help="ParVL: run only vision branch 0..Pv-1 (default: all, fused)")
-    p.add_argument("--language-branch", type=int, default=None, help="ParVL: run only language branch 0..Pl-1 (default: all, fused)")
-    p.add_argument("--router", default=None, help="ParVL: a router folder (router.py train); runs one (vision, language) "
-                                                  "branch pair per prompt, chosen by the router (default: none)")
-    p.add_argument("--chat", action="store_true", help="interactive multi-turn session; images enter the first turn")
-    p.add_argument("--json", action="store_true", help="print one JSON line with the answer and metrics instead of text")
-    p.add_argument("--batch", metavar="QUESTIONS.jsonl", default=None,
-                   help='answer every row {"image": path or list of paths (optional, relative to the file), '
-                        '"question": ...} of a JSONL file; answers as JSONL in input order')
-    p.add_argument("--batch-size", type=int, default=8, help="--batch: questions per generate call, left-padded together (default 8)")
-    p.add_argument("--out", metavar="FILE", default=None,
-                   help="--batch: answers file, appended to; rows it already answers are skipped (resume) "
-                        "(default: stdout, no resume)")
-    args = p.parse_args(argv)
-    for flag, used in (("--vision-branch", args.vision_branch is not None),
-                       ("--language-branch", args.language_branch is not None), ("--shared-kv", args.shared_kv)):
-        if args.router and used:
-            p.error(f"--router picks the branches per prompt; it cannot be combined with {flag}")
-    p.check_ranges(args, {"max_new_tokens": "[1, inf)", "temperature": "[0, inf)", "top_p": "(0, 1]", "top_k": "[0, inf)",
-                          "max_tiles": "[0, inf)", "batch_size": "[1, inf)"})
-    if args.batch is not None:
-        if args.inputs or args.chat or args.json:
-            p.error("--batch reads images and questions from its file: no inputs, --chat or --json with it")
-        return args
-    if args.out is not None:
-        p.error("--out goes with --batch")
-    if not args.chat:  # the last input is the question; an image file there means it was left out
-        if not args.inputs:
-            p.error("no question: give zero or more images, then the question (or --chat for a session)")
-        last = args.inputs[-1]
-        if (last.lower().endswith(IMAGE_SUFFIXES) and not any(c.isspace() for c in last)) or (
-                len(last) < 4096 and Path(last).is_file()):  # "What is in cat.jpg" stays a question
-            p.error(f"no question after {last!r}: the last argument is the question (or use --chat)")
-    return args
+@dataclass
+class GenerateFlags:
+    """generate.py's flags, one field each (cli.flag)."""
 
+    inputs: list[str] = flag(help="zero or more image paths, then the question (with --chat: images only, or none "
+                             "for a text-only session; with --batch: nothing)", positional=True, nargs="*",
+                             factory=list)
+    model: str | None = flag(help="checkpoint folder or hub repo id", factory=lambda: os.environ.get("PARVL_MODEL"),
+                             shown=f"$PARVL_MODEL, else {DEFAULT_MODEL}, downloaded once into the huggingface_hub "
+                                   f"cache")
+    revision: str | None = flag(None, "hub branch, tag or commit of --model", shown="main")
+    max_new_tokens: int = flag(512, "token budget per answer", unit="tokens", range="[1, inf)")
+    temperature: float = flag(0.0, "sampling temperature; 0 = greedy", range="[0, inf)")
+    top_p: float = flag(1.0, "nucleus sampling probability mass, 1 = off", range="(0, 1]")
+    top_k: int = flag(0, "sample among the k most likely tokens, 0 = off", range="[0, inf)")
+    seed: int = flag(0, "random seed for sampling")
+    dtype: str | None = flag(None, "weights and activations", choices=["bf16", "fp16", "fp32"],
+                             shown="bf16 on CUDA, fp32 on CPU")
+    device: str = flag(help="torch device: cpu, cuda or cuda:N",
+                       factory=lambda: "cuda" if torch.cuda.is_available() else "cpu", shown="cuda if available, else cpu")
+    max_tiles: int = flag(0, "448 px tiles per image, thumbnail excluded; 0 = the checkpoint's max_dynamic_patch, 12 "
+                          "for InternVL3.5", range="[0, inf)")
+    system: str | None = flag(None, "system message text", shown="InternVL's own")
+    compile: bool | None = flag(None, "torch.compile the decode step", shown="on for CUDA, off for CPU")
+    shared_kv: bool = flag(False, "ParVL: one mean-reduced token KV cache per sample instead of one per language "
+                           "branch (less memory, an approximation; paper Appendix C.2)")
+    vision_branch: int | None = flag(None, "ParVL: run only vision branch 0..Pv-1", shown="all, fused")
+    language_branch: int | None = flag(None, "ParVL: run only language branch 0..Pl-1", shown="all, fused")
+    router: str | None = flag(None, "ParVL: a router folder (router.py train); runs one (vision, language) branch "
+                              "pair per prompt, chosen by the router", shown="none")
+    chat: bool = flag(False, "interactive multi-turn session; images enter the first turn")
+    json: bool = flag(False, "print one JSON line with the answer and metrics instead of text")
+    batch: str | None = flag(None, 'answer every row {"image": path or list of paths (optional, relative to the '
+                             'file), "question": ...} of a JSONL file; answers as JSONL in input order',
+                             metavar="QUESTIONS.jsonl")
+    batch_size: int = flag(8, "--batch: questions per generate call, left-padded together", range="[1, inf)")
+    out: str | None = flag(None, "--batch: answers file, appended to; rows it already answers are skipped (resume)",
+                           metavar="FILE", shown="stdout, no resume")
+
+    def check(self) -> None:
+        """Flags that exclude each other, and a question that is missing or is an image path."""
+        for flag_, used in (("--vision-branch", self.vision_branch is not None),
+                            ("--language-branch", self.language_branch is not None), ("--shared-kv", self.shared_kv)):
+            if self.router and used:
+                raise ValueError(f"--router picks the branches per prompt; it cannot be combined with {flag_}")
+        if self.batch is not None:
+            if self.inputs or self.chat or self.json:
+                raise ValueError("--batch reads images and questions from its file: no inputs, --chat or --json with it")
+            return
+        if self.out is not None:
+            raise ValueError("--out goes with --batch")
+        if not self.chat:  # the last input is the question; an image file there means it was left out
+            if not self.inputs:
+                raise ValueError("no question: give zero or more images, then the question (or --chat for a session)")
+            last = self.inputs[-1]
+            if (last.lower().endswith(IMAGE_SUFFIXES) and not any(c.isspace() for c in last)) or (
+                    len(last) < 4096 and Path(last).is_file()):  # "What is in cat.jpg" stays a question
+                raise ValueError(f"no question after {last!r}: the last argument is the question (or use --chat)")
+
+
+def parse_args(argv=None) -> GenerateFlags:
+    return parse(command_parser("Answer a question about images (or text) with ParVL / InternVL3.5.", GenerateFlags),
+                 argv)
 
 
 def main(argv=None) -> int:
-    """Exit codes: 0 answered, 1 bad input or a failure (one line on stderr), 2 bad flags
-    (argparse), 130 interrupted (Ctrl-C; in --chat it stops the answer, at the prompt the session;
-    in --batch the answers written so far stay, and a rerun with the same --out resumes)."""
+    """Exit codes and lines: cli.shell. In --chat, Ctrl-C stops the answer (the session goes on) and at the
+    prompt the session; in --batch the answers written so far stay, and a rerun with the same --out resumes."""
     args = parse_args(argv)
-    images, question = (args.inputs, None) if args.chat or args.batch else (args.inputs[:-1], args.inputs[-1])
-    try:
-        device = resolve_device(args.device)
-        dtype = resolve_dtype(args.dtype, device)
-        rows = read_questions(Path(args.batch)) if args.batch else []  # bad rows fail before any model is fetched
-        done = answered_lines(Path(args.out), rows, Path(args.batch)) if args.batch and args.out else set()
-        folder = resolve_model(args.model, args.revision)
-        mcfg, tok = open_checkpoint(folder)  # tiles and tokens as the model sees them, and its own tokenizer
-        if any(r["paths"] for r in rows) and mcfg.vit is None:
-            raise ValueError(f"{folder}: a language-only model takes no images ({args.batch} has some)")
-        if images and mcfg.vit is None:
-            raise ValueError(f"{folder}: a language-only model takes no images")
-        tiling = dict(max_tiles=args.max_tiles or mcfg.max_dynamic_patch, use_thumbnail=mcfg.use_thumbnail,
-                      image_size=mcfg.vit.image_size) if images else {}
-        opened = [open_rgb(path) for path in images]  # bad images fail before the weights load
-        num_tiles = [tile_count(img, **tiling) for img in opened]
-        t0 = time.perf_counter()
-        prompt = None
-        # a prompt that cannot fit is refused before any image is tiled or the weights are read
-        if not args.chat:
-            prompt = build_prompt(place_images(question, len(num_tiles)), num_tiles, system=args.system,
-                                  tokens_per_tile=mcfg.tokens_per_tile)
-            context_check(len(tok.encode(prompt)), args.max_new_tokens, mcfg.llm.max_position_embeddings)
-        else:  # the session's first turn holds the images' tokens at least
-            context_check(sum(num_tiles) * mcfg.tokens_per_tile, args.max_new_tokens, mcfg.llm.max_position_embeddings)
-        pixel_list = [load_image(img, **tiling) for img in opened]
-        model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
-        load_s = time.perf_counter() - t0
-        log(f"loaded {folder} in {load_s:.2f} s ({dtype}, {device}, Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl})")
-        engine = engine_from_flags(model, args, router_flag(args.router, model))
-        cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                             top_k=args.top_k, top_p=args.top_p)
-        pixel_values = torch.cat(pixel_list).to(dtype) if pixel_list else None
-        if args.chat:
-            return chat_session(engine, tok, pixel_values, num_tiles, cfg, args)
-        if args.batch:
-            return answer_file(engine, tok, rows, done, cfg, args)
-        answer(engine, tok, prompt, pixel_values, cfg, args, load_s)
-        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
-    except BrokenPipeError:  # `generate.py ... | head`: the reader left; nothing more to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        return 1
-    except (ImageError, CheckpointError, ValueError, OSError) as e:
-        error(f"error: {one_line(e)}")
-        return 1
-    except (KeyboardInterrupt, Interrupted):  # Ctrl-C while loading, or during the one answer
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
+    return shell(lambda: run(args))
 
+
+def run(args: GenerateFlags) -> int:
+    images, question = (args.inputs, None) if args.chat or args.batch else (args.inputs[:-1], args.inputs[-1])
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    rows = read_questions(Path(args.batch)) if args.batch else []  # bad rows fail before any model is fetched
+    done = answered_lines(Path(args.out), rows, Path(args.batch)) if args.batch and args.out else set()
+    folder = resolve_model(args.model, args.revision)
+    mcfg, tok = open_checkpoint(folder)  # tiles and tokens as the model sees them, and its own tokenizer
+    if any(r["paths"] for r in rows) and mcfg.vit is None:
+        raise ValueError(f"{folder}: a language-only model takes no images ({args.batch} has some)")
+    if images and mcfg.vit is None:
+        raise ValueError(f"{folder}: a language-only model takes no images")
+    tiling = dict(max_tiles=args.max_tiles or mcfg.max_dynamic_patch, use_thumbnail=mcfg.use_thumbnail,
+                  image_size=mcfg.vit.image_size) if images else {}
+    opened = [open_rgb(path) for path in images]  # bad images fail before the weights load
+    num_tiles = [tile_count(img, **tiling) for img in opened]
+    t0 = time.perf_counter()
+    prompt = None
+    # a prompt that cannot fit is refused before any image is tiled or the weights are read
+    if not args.chat:
+        prompt = build_prompt(place_images(question, len(num_tiles)), num_tiles, system=args.system,
+                              tokens_per_tile=mcfg.tokens_per_tile)
+        context_check(len(tok.encode(prompt)), args.max_new_tokens, mcfg.llm.max_position_embeddings)
+    else:  # the session's first turn holds the images' tokens at least
+        context_check(sum(num_tiles) * mcfg.tokens_per_tile, args.max_new_tokens, mcfg.llm.max_position_embeddings)
+    pixel_list = [load_image(img, **tiling) for img in opened]
+    model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
+    load_s = time.perf_counter() - t0
+    log(f"loaded {folder} in {load_s:.2f} s ({dtype}, {device}, Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl})")
+    engine = engine_from_flags(model, args, router_flag(args.router, model))
+    cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k, top_p=args.top_p)
+    pixel_values = torch.cat(pixel_list).to(dtype) if pixel_list else None
+    if args.chat:
+        return chat_session(engine, tok, pixel_values, num_tiles, cfg, args)
+    if args.batch:
+        return answer_file(engine, tok, rows, done, cfg, args)
+    answer(engine, tok, prompt, pixel_values, cfg, args, load_s)
+    return 0
 
 
 # -- --batch: a JSONL file of questions -----------------------------------------------------------

@@ -24,15 +24,15 @@ import argparse
 import ctypes
 import gc
 import json
-import os
 import statistics
-import sys
 import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-from cli import DTYPES, OneLineParser, error, one_line, pyplot, resolve_device, resolve_dtype
+from cli import DTYPES, command, command_parser, flag, parse, pyplot, resolve_device, resolve_dtype, shell
 from engine import Engine, GenerateConfig
 from flops import ARCHS, BRANCHES, Workload, build_config, profile_params
 from parvl import ParVL, ParVLConfig
@@ -244,18 +244,77 @@ def branch_pair(text: str) -> tuple[int, int]:
     return pv, pl
 
 
-def add_run_args(p: argparse.ArgumentParser, arch: str, tiles: int, text_tokens: int, warmup: int) -> None:
-    p.add_argument("--arch", default=arch, choices=sorted(ARCHS), help=f"size preset, random weights (default {arch})")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="weights and activations (default bf16 on CUDA, else fp32)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
-                   help="torch device: cpu, cuda or cuda:N (default cuda if available)")
-    p.add_argument("--tiles", type=int, default=tiles, help=f"448 px tiles per sample, 256 tokens each (default {tiles})")
-    p.add_argument("--text-tokens", type=int, default=text_tokens, help=f"non-image tokens per sample (default {text_tokens})")
-    p.add_argument("--warmup", type=int, default=warmup, help=f"untimed calls before the timed ones (default {warmup})")
-    p.add_argument("--seed", type=int, default=0, help="weights and inputs (default 0)")
-    p.add_argument("--threads", type=int, help="CPU threads (torch.set_num_threads); 1 resists a busy shared machine (default: torch's)")
-    p.add_argument("--trace", metavar="DIR", help="also write a Chrome trace (+ CUDA memory snapshot) per row")
-    p.add_argument("--json", action="store_true", help="print only the final JSON line, not the table")
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class ParamsConfig:
+    command: ClassVar[str] = "params"
+    arch: str = flag("1b", "model size preset", choices=sorted(ARCHS))
+    pv: int = flag(1, "ViT branches Pv", range="[1, inf)")
+    pl: int = flag(1, "LLM branches Pl", range="[1, inf)")
+    all: bool = flag(False, "all nine Pv:Pl in {1,2,4}^2 for --arch")
+    vision_branches: str = flag("prefix", "prefix or lora vision branches (Figure 3)", choices=["prefix", "lora"])
+    lora_rank: int = flag(16, "rank of lora vision branches", range="[1, inf)")
+    json: bool = flag(False, "one JSON object per configuration and line")
+    tiles: int = flag(3, "448 px image tiles, 256 tokens each", range="[0, inf)")
+    text_tokens: int = flag(256, "prompt text tokens", range="[0, inf)")
+    response_tokens: int = flag(128, "response tokens, scored in the same forward pass", range="[0, inf)")
+
+
+@dataclass
+class Timed:
+    """The flags of the timed subcommands (latency, forward), which set their own defaults."""
+
+    arch: str = flag("1b", "size preset, random weights", choices=sorted(ARCHS))
+    dtype: str | None = flag(None, "weights and activations", choices=sorted(DTYPES), shown="bf16 on CUDA, else fp32")
+    device: str = flag(help="torch device: cpu, cuda or cuda:N", factory=default_device, shown="cuda if available")
+    tiles: int = flag(3, "448 px tiles per sample, 256 tokens each", range="[0, inf)")
+    text_tokens: int = flag(256, "non-image tokens per sample", range="[0, inf)")
+    warmup: int = flag(3, "untimed calls before the timed ones", range="[0, inf)")
+    seed: int = flag(0, "weights and inputs")
+    threads: int | None = flag(None, "CPU threads (torch.set_num_threads); 1 resists a busy shared machine",
+                               range="[1, inf)", shown="torch's")
+    trace: str | None = flag(None, "also write a Chrome trace (+ CUDA memory snapshot) per row", metavar="DIR")
+    json: bool = flag(False, "print only the final JSON line, not the table")
+
+
+@dataclass
+class LatencyConfig(Timed):
+    command: ClassVar[str] = "latency"
+    pv: int = flag(1, "ViT branches Pv", range="[1, inf)")
+    pl: int = flag(1, "LLM branches Pl", range="[1, inf)")
+    batch: list[int] = flag(help="batch sizes, samples per generate call", range="[1, inf)", factory=lambda: [1, 2, 4, 8])
+    new_tokens: int = flag(128, "generated tokens per sample, forced", range="[1, inf)")
+    iters: int = flag(10, "timed generate calls per batch size", range="[1, inf)")
+    shared_kv: bool = flag(False, "one mean-reduced token KV cache per sample (C.2)")
+    compare_shared: bool = flag(False, "profile standard and shared KV in one run")
+    baseline: bool = flag(False, "profile standard 1:1 first, as Table 4's reference")
+    compile: bool = flag(False, "torch.compile the decode step (CUDA graphs on GPU)")
+    plot: str | None = flag(None, "also write latency and peak memory against batch size per configuration (needs "
+                            "matplotlib)", metavar="FILE.png")
+
+
+@dataclass
+class ForwardConfig(Timed):
+    command: ClassVar[str] = "forward"
+    arch: str = flag("mid", "size preset, random weights", choices=sorted(ARCHS))
+    tiles: int = flag(1, "448 px tiles per sample, 256 tokens each", range="[0, inf)")
+    text_tokens: int = flag(128, "non-image tokens per sample", range="[0, inf)")
+    warmup: int = flag(1, "untimed calls before the timed ones", range="[0, inf)")
+    configs: list[tuple] = flag(help="Pv:Pl list, the first is the reference of the ratios", type=branch_pair,
+                                factory=lambda: [(1, 1), (2, 2), (4, 4)], shown="1:1 2:2 4:4")
+    batch: int = flag(1, "samples per forward", range="[1, inf)")
+    repeats: int = flag(5, "timed rounds over all configs", range="[1, inf)")
+    pair: bool = flag(False, "also time each config with branches running one pair (vision 0, language 0) per sample")
+
+
+def parse_args(argv=None):
+    return parse(command_parser(__doc__.split("\n")[0], subcommands={
+        "params": (ParamsConfig, "parameters (meta device) and forward FLOPs per part, Table S3"),
+        "latency": (LatencyConfig, "per-sample generation latency and peak memory, Appendix C.1 / Table S7"),
+        "forward": (ForwardConfig, "time one full forward pass per Pv:Pl, interleaved, medians and ratios")}), argv)
 
 
 def plot_latency(rows: list[dict], png: Path) -> None:
@@ -284,67 +343,11 @@ def plot_latency(rows: list[dict], png: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 done, 1 bad input or a failure (one line on stderr) or a closed output pipe
-    (`| head`, quietly), 2 bad flags, 130 interrupted (Ctrl-C)."""
-    try:
-        run(argv)
-        sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
-    except BrokenPipeError:  # the reader left (`| head`): stop quietly, as command-line tools do
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-        return 1
-    except (ValueError, OSError) as e:
-        error(f"error: {one_line(e)}")
-        return 1
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
+    cfg = parse_args(argv)
+    return shell(lambda: run(cfg))
 
 
-def run(argv: list[str] | None = None) -> None:
-    parser = OneLineParser(description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("params", help="parameters (meta device) and forward FLOPs per part, Table S3")
-    p.add_argument("--arch", default="1b", choices=sorted(ARCHS), help="model size preset (default 1b)")
-    p.add_argument("--pv", type=int, default=1, help="ViT branches Pv (default 1)")
-    p.add_argument("--pl", type=int, default=1, help="LLM branches Pl (default 1)")
-    p.add_argument("--all", action="store_true", help="all nine Pv:Pl in {1,2,4}^2 for --arch")
-    p.add_argument("--vision-branches", choices=["prefix", "lora"], default="prefix",
-                   help="prefix (default) or lora vision branches (Figure 3)")
-    p.add_argument("--lora-rank", type=int, default=16, help="rank of lora vision branches (default 16)")
-    p.add_argument("--json", action="store_true", help="one JSON object per configuration and line")
-    p.add_argument("--tiles", type=int, default=3, help="448 px image tiles, 256 tokens each (default 3)")
-    p.add_argument("--text-tokens", type=int, default=256, help="prompt text tokens (default 256)")
-    p.add_argument("--response-tokens", type=int, default=128,
-                   help="response tokens, scored in the same forward pass (default 128)")
-    lat = sub.add_parser("latency", help="per-sample generation latency and peak memory, Appendix C.1 / Table S7")
-    add_run_args(lat, "1b", 3, 256, 3)
-    lat.add_argument("--pv", type=int, default=1, help="ViT branches Pv (default 1)")
-    lat.add_argument("--pl", type=int, default=1, help="LLM branches Pl (default 1)")
-    lat.add_argument("--batch", type=int, nargs="+", default=[1, 2, 4, 8], help="batch sizes, samples per generate call (default 1 2 4 8)")
-    lat.add_argument("--new-tokens", type=int, default=128, help="generated tokens per sample, forced (default 128)")
-    lat.add_argument("--iters", type=int, default=10, help="timed generate calls per batch size (default 10)")
-    lat.add_argument("--shared-kv", action="store_true", help="one mean-reduced token KV cache per sample (C.2)")
-    lat.add_argument("--compare-shared", action="store_true", help="profile standard and shared KV in one run")
-    lat.add_argument("--baseline", action="store_true", help="profile standard 1:1 first, as Table 4's reference")
-    lat.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
-                     help="torch.compile the decode step (CUDA graphs on GPU; default off)")
-    lat.add_argument("--plot", metavar="FILE.png", default=None,
-                     help="also write latency and peak memory against batch size per configuration (needs matplotlib)")
-    fwd = sub.add_parser("forward", help="time one full forward pass per Pv:Pl, interleaved, medians and ratios")
-    add_run_args(fwd, "mid", 1, 128, 1)
-    fwd.add_argument("--configs", type=branch_pair, nargs="+", default=[(1, 1), (2, 2), (4, 4)],
-                     help="Pv:Pl list, the first is the reference of the ratios (default 1:1 2:2 4:4)")
-    fwd.add_argument("--batch", type=int, default=1, help="samples per forward (default 1)")
-    fwd.add_argument("--repeats", type=int, default=5, help="timed rounds over all configs (default 5)")
-    fwd.add_argument("--pair", action="store_true",
-                     help="also time each config with branches running one pair (vision 0, language 0) per sample")
-    args = parser.parse_args(argv)
-    parser.check_ranges(args, {"tiles": "[0, inf)", "text_tokens": "[0, inf)", "response_tokens": "[0, inf)",
-                               "warmup": "[0, inf)", "new_tokens": "[1, inf)", "iters": "[1, inf)", "repeats": "[1, inf)",
-                               "batch": "[1, inf)", "threads": "[1, inf)", "pv": "[1, inf)", "pl": "[1, inf)",
-                               "lora_rank": "[1, inf)"})  # batch: a list for latency, one size for forward
-
+def run(args) -> None:
     if args.command == "params":
         work = Workload(args.tiles, args.text_tokens, args.response_tokens)
         grid = [(pv, pl) for pv in BRANCHES for pl in BRANCHES] if args.all else [(args.pv, args.pl)]
@@ -377,9 +380,9 @@ def run(argv: list[str] | None = None) -> None:
         rows, columns = run_forward(args, device, dtype), FORWARD_COLUMNS
     if not args.json:
         print_rows(rows, columns)
-    settings = {k: v for k, v in vars(args).items() if k not in ("json", "command")}
+    settings = {k: v for k, v in asdict(args).items() if k != "json"}
     print(json.dumps({"command": args.command, **env, "args": settings, "rows": rows}))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command(main)

@@ -41,7 +41,8 @@ from aggregate import fold, per_branch
 from checkpoint import CheckpointError, check_not_run_folder, read_json, read_safetensors
 from cli import (SEED, Interrupted, OneLineParser, allocation, barrier, check_folder, check_shared, command, end_processes,
                  error, interruptible, log, one_line, os_error, rank, resolve_dtype, start_processes, world_size)
-from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, collate
+from batches import collate
+from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction
 from gates import (Router, RouterConfig, RouterError, fingerprint, image_tiles, load_router, path_teacher, pool_tiles,
                    question_span, router_loss, save_router, text_feature, thumbnail_feature)
 from llm import prompt_positions
@@ -63,7 +64,7 @@ def data_fingerprint(data: SFTData) -> str:
 
 @torch.no_grad()
 def label_batch(model: ParVL, batch, im_start_id: int) -> dict[str, torch.Tensor]:
-    """The Pv x Pl answer NLLs and the gate inputs of a collated batch (data.collate, good rows only).
+    """The Pv x Pl answer NLLs and the gate inputs of a collated batch (batches.collate, good rows only).
     Each vision branch's features are computed once; all language branches of it run folded in one pass."""
     dev = model.language_model.lm_head.weight.device
     ids, labels, valid = batch.input_ids.to(dev), batch.labels.to(dev), batch.attention_mask.to(dev)

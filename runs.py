@@ -1,6 +1,7 @@
 """A training run's folder: one run per --out, DCP checkpoints saved atomically and verified,
 --resume with fallback past broken checkpoints, metrics continued without duplicate steps, the final
-export, and one line for a failed save (its cause from cli.os_cause). train.py drives it; this module holds no training.
+export, one line for a failed save (its cause from cli.os_cause), and `train.py plot`'s picture of a
+run's metrics (plot_run). train.py drives it; this module holds no training.
 
     OUT/checkpoints/step_N/   DCP shards + .metadata, train.json (step, scheduler, config, bad-row
                               counts, every file's size), done   (step_N.tmp while being written;
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from cli import log, one_line, os_cause, rank
+from cli import log, one_line, os_cause, pyplot, rank
 from parvl import ParVL
 
 def all_sum(*values: float, device) -> list[float]:
@@ -273,3 +274,48 @@ def export(model: ParVL, out: Path, tokenizer_from: Path) -> None:
             failure = f"cannot write the export {out / 'export'}: {os_cause(e, out)}"
     if all_sum(float(failure is not None), device=next(model.parameters()).device)[0]:
         raise ValueError(failure or "the export failed on rank 0")
+
+
+# -- train.py plot RUN: the metrics as one PNG ----------------------------------------------------
+
+PANELS = (("loss", ("loss",)), ("grad norm", ("grad_norm",)), ("learning rate", ("lr",)),
+          ("branch-weight entropy (nats)", ("entropy_vision", "entropy_language")))
+
+
+def plot_run(run: Path, png: Path | None = None) -> Path:
+    """One PNG of a run's metrics.jsonl against step: loss, grad norm, lr per group (log scale), and
+    the entropies of the vision and language branch weights (collapse shows as a drop)."""
+    metrics = run / "metrics.jsonl"
+    if not metrics.is_file():
+        raise ValueError(f"{metrics}: no such file (RUN is a train.py --out folder)")
+    rows = []
+    for raw in metrics.read_text().splitlines():
+        try:
+            rows.append(json.loads(raw))
+        except json.JSONDecodeError:  # the last line of a run that is writing it
+            continue
+    if not rows:
+        raise ValueError(f"{metrics}: no log steps yet")
+    plt = pyplot()  # matplotlib is optional: imported only here, one line when missing
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
+    for ax, (title, keys) in zip(axes.flat, PANELS):
+        for key in keys:
+            series = ({f"lr {g}": [r["lr"][g] for r in rows] for g in rows[0]["lr"]} if key == "lr"
+                      else {key.replace("entropy_", ""): [math.nan if r.get(key) is None else r[key] for r in rows]})
+            for label, ys in series.items():
+                ax.plot(steps, ys, label=label, marker="." if len(steps) < 50 else None)
+        if key == "lr":
+            ax.set_yscale("log")
+        if len(keys) > 1 or key == "lr":
+            ax.legend(fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.grid(alpha=0.3)
+    for ax in axes[1]:
+        ax.set_xlabel("step")
+    fig.suptitle(str(run), fontsize=10)
+    fig.tight_layout()
+    png = png or run / "metrics.png"
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+    return png

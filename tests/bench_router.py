@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from data import Batch  # noqa: E402
+from batches import Batch  # noqa: E402
 from loss import token_nll  # noqa: E402
 from cli import sync  # noqa: E402
 from engine import Engine, GenerateConfig  # noqa: E402

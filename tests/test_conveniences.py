@@ -389,7 +389,7 @@ def test_every_flag_has_help(monkeypatch, capsys):
 
     monkeypatch.setattr("argparse.ArgumentParser.add_argument", record)
     for command[0], parse, argv in (("generate", generate.parse_args, ["--help"]), ("train", train.parse_args, ["--help"]),
-                                    ("profiling", profiling.run, ["--help"]), ("plot", train.main, ["plot", "--help"])):
+                                    ("profiling", profiling.parse_args, ["--help"]), ("plot", train.main, ["plot", "--help"])):
         with pytest.raises(SystemExit):
             parse(argv)
     capsys.readouterr()

@@ -18,7 +18,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `pytest` works from anywhere
 import data as D  # noqa: E402
-from data import BadRow, RankSampler, Sample, SFTData, collate, make_loader  # noqa: E402
+from batches import RankSampler, collate, make_loader  # noqa: E402
+from data import BadRow, Sample, SFTData  # noqa: E402
 from loss import loss_weights  # noqa: E402
 from processor import DEFAULT_SYSTEM_MESSAGE, Tokenizer, load_image  # noqa: E402
 from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402

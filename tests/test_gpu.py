@@ -90,7 +90,7 @@ def pinned(batch):
 def test_training_micro_batch_has_no_host_sync(packed):
     """train.micro_loss forward and backward on a 2:2 model with images, padding (or packing) and a
     text-only row, under torch.cuda.set_sync_debug_mode("error"): any host synchronisation raises."""
-    from data import collate, pack_step
+    from batches import collate, pack_step
     from train import micro_loss
 
     cfg = replace(PRESETS["tiny"], par=ParConfig(pv=2, pl=2, vit_prefix_len=8, llm_prefix_len=8))
@@ -112,7 +112,7 @@ def test_training_micro_batch_has_no_host_sync(packed):
 def test_packed_flex_attention_training_equals_unpacked(pv, pl):
     """On CUDA a packed row runs flex_attention (compiled) under the BlockMask of aggregate.packed_mask:
     loss and gradients equal the three samples as one-sample micro-batches (SDPA), fp32."""
-    from data import collate, pack_step
+    from batches import collate, pack_step
     from loss import loss_weights
     from train import micro_loss
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask
 
 from aggregate import BLOCK, Rows, packed_mask, prefix_attention, segment_positions
-from data import BadRow, Sample, SFTData, collate, pack_rows, pack_step
+from batches import collate, pack_rows, pack_step
+from data import BadRow, Sample, SFTData
 from loss import IGNORE, loss_weights
 from parvl import ParVL
 from processor import Tokenizer

@@ -289,8 +289,8 @@ def test_a_loader_worker_is_quiet_when_the_trainer_leaves_mid_handshake():
 import os, socket, sys, time
 sys.path.insert(0, {str(ROOT)!r})
 from multiprocessing import connection, current_process, resource_sharer
-import data
-data._leave_signals_to_the_trainer(0)
+import batches
+batches.leave_signals_to_the_trainer(0)
 r, w = os.pipe()
 offered = resource_sharer.DupFd(r)  # what pickling a shared tensor in a worker does
 for half in (False, True):  # the trainer leaves before the handshake, or halfway through it
@@ -425,7 +425,7 @@ def test_validate_data_lists_bad_rows_capped(model_dir, tmp_path, monkeypatch):
     listed = lines[:-1]
     assert len(listed) == 3 and all(x.startswith("bad row: tiny line ") and f"of {jsonl}: " in x for x in listed), listed
     assert listed[-1].startswith("bad row: tiny line 10 of") and listed[-1].endswith("[bad_row]"), listed  # 9 is blank
-    monkeypatch.setattr(train, "MAX_NAMED", 1)
+    monkeypatch.setattr(D, "MAX_NAMED", 1)
     res = train_here("--validate-data", "--model", model_dir, "--data", meta, "--max-bad-frac", "0.1",
                      *TRAIN, check=False)
     code, out, err = res.returncode, res.stdout, res.stderr

@@ -126,7 +126,7 @@ def test_ctrl_c_stops_the_answer_cleanly(model_dir, png, capsys, monkeypatch):
     interrupt_at(monkeypatch, step=3)
     code, out, err = gen_main(capsys, png, "What is it?", "--model", model_dir, "--max-new-tokens", 8, "--max-tiles", 1,
                               "--json")
-    assert code == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted", err
+    assert code == 130 and "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted by SIGINT", err
     line = json.loads(out)
     assert line["interrupted"] is True and line["new_tokens"] <= 3  # at most the three tokens before Ctrl-C
 
@@ -170,7 +170,7 @@ def test_ctrl_c_at_the_chat_prompt_ends_the_session(model_dir, capsys, monkeypat
 
     monkeypatch.setattr("builtins.input", ctrl_c)
     code, _, err = gen_main(capsys, "--chat", "--model", model_dir, "--max-new-tokens", 3)
-    assert code == 130 and err.strip().splitlines()[-1] == "interrupted" and "Traceback" not in err
+    assert code == 130 and err.strip().splitlines()[-1] == "interrupted by SIGINT" and "Traceback" not in err
 
 
 # -- profiling.py ----------------------------------------------------------------------------------

@@ -493,7 +493,8 @@ def test_label_interrupted_keeps_its_chunks_and_resumes(model23, labelled, tmp_p
 MEMORY_PROBE = """
 import resource, sys, torch
 import router
-from data import SFTData, collate
+from batches import collate
+from data import SFTData
 from parvl import ParVL, open_checkpoint
 torch.set_num_threads(1)
 folder, meta, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])

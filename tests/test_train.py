@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 
 from cli import one_line
 from conftest import two_nodes
-from data import SFTData, collate
+from batches import collate
+from data import SFTData
 from loss import chunked_sft_loss, loss_weights, sft_loss
 from parvl import ParVL, is_branch_tensor
 from engine import Engine, GenerateConfig
