@@ -113,7 +113,8 @@ class Router(nn.Module):
         v = torch.zeros(len(tiles), dtype=torch.long, device=input_ids.device)
         connector, features = torch.zeros_like(text), None
         if pixel_values is not None and pixel_values.shape[0]:
-            v = torch.where(num_tiles > 0, self.vision_gate(thumbnail_feature(model, pixel_values, tiles), text).argmax(-1), 0)
+            v = torch.where(num_tiles > 0,
+                            self.vision_gate(thumbnail_feature(model, pixel_values, tiles), text).argmax(-1), 0)
             features = model.extract_features(pixel_values, v, num_tiles=num_tiles)  # [N,256,C]
             connector = pool_tiles(features, num_tiles)
         return v.tolist(), self.language_gate(connector, text).argmax(-1).tolist(), features
@@ -173,7 +174,8 @@ def thumbnail_feature(model: ParVL, pixel_values: torch.Tensor, tiles: list[list
 def pool_tiles(features: torch.Tensor, num_tiles: torch.Tensor) -> torch.Tensor:
     """Connector output [N,256,C] -> mean per sample [B,C] fp32 (num_tiles [B]; zero without tiles)."""
     per_tile = features.float().mean(1)  # [N,C]; every tile has the same token count
-    sample = torch.repeat_interleave(torch.arange(len(num_tiles), device=features.device), num_tiles.to(features.device))
+    sample = torch.repeat_interleave(torch.arange(len(num_tiles), device=features.device),
+                                     num_tiles.to(features.device))
     out = per_tile.new_zeros(len(num_tiles), per_tile.shape[-1]).index_add_(0, sample, per_tile)
     return out / num_tiles.to(out.device).clamp(min=1)[:, None]
 
@@ -217,7 +219,8 @@ def fingerprint(model: ParVL) -> str:
 
 def save_router(router: Router, folder: Path, extra: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in router.state_dict().items()}, str(folder / "router.safetensors"))
+    save_file({k: v.detach().cpu().contiguous() for k, v in router.state_dict().items()},
+              str(folder / "router.safetensors"))
     (folder / "config.json").write_text(json.dumps({"router": asdict(router.cfg), **extra}, indent=2))
 
 

@@ -29,7 +29,8 @@ def upstream_strings(path: Path, function: str) -> dict[str, str]:
         if isinstance(node, ast.FunctionDef) and node.name == function:
             found, k = {}, 0
             for sub in ast.walk(node):
-                if isinstance(sub, ast.Assign) and isinstance(sub.value, ast.Constant) and isinstance(sub.value.value, str):
+                if (isinstance(sub, ast.Assign) and isinstance(sub.value, ast.Constant)
+                        and isinstance(sub.value.value, str)):
                     found.update({t.id: sub.value.value for t in sub.targets if isinstance(t, ast.Name)})
                 if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == "replace"
                         and sub.args and isinstance(sub.args[0], ast.Constant)):
@@ -53,7 +54,8 @@ class Judge:
             self.mcq_cn = upstream_strings(utils / "multiple_choice.py", "build_prompt_cn")["tmpl"]
         elif benchmark in ("MathVista_MINI", "MathVision_MINI"):  # build_mathvista_gpt4_prompt, get_gpt4_ICE
             f = utils / ("mathvista.py" if benchmark == "MathVista_MINI" else "mathv.py")
-            task = upstream_strings(f, "build_mathvista_gpt4_prompt" if benchmark == "MathVista_MINI" else "build_mathv_gpt4_prompt")
+            task = upstream_strings(f, "build_mathvista_gpt4_prompt" if benchmark == "MathVista_MINI"
+                                    else "build_mathv_gpt4_prompt")
             ice = upstream_strings(f, "get_gpt4_ICE")
             self.math = (task["task_description"], [ice[k] for k in sorted(ice) if k.startswith("example_")])
         elif benchmark == "LogicVista":

@@ -71,7 +71,8 @@ FAIL_MSG = "Failed to obtain answer via API"  # VLMEvalKit's marker of a failed 
 
 def aggregates(scores: dict[str, float]) -> dict[str, float | None]:
     """Eq. A3: General = MMMU, Math and OCR = means of their four, All = mean of all nine."""
-    out = {g: (sum(scores[b] for b in bs) / len(bs) if all(b in scores for b in bs) else None) for g, bs in GROUPS.items()}
+    out = {g: (sum(scores[b] for b in bs) / len(bs) if all(b in scores for b in bs) else None)
+           for g, bs in GROUPS.items()}
     out["All"] = sum(scores[b] for b in BENCHMARKS) / 9 if all(b in scores for b in BENCHMARKS) else None
     return out
 
@@ -567,7 +568,8 @@ def _score_row(benchmark: str, r: dict, pred: str, extract) -> tuple[float | boo
                 resolved = True
         return hit, got, resolved
     if benchmark == "LogicVista":
-        hit, got = logicvista_check(r, pred) if extract is None else logicvista_check(r, extract("logic", r, pred) or "")
+        hit, got = (logicvista_check(r, pred) if extract is None
+                    else logicvista_check(r, extract("logic", r, pred) or ""))
         return hit, got, got is not None
     raise AssertionError(benchmark)
 

@@ -47,7 +47,8 @@ def run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
     """Run one step; never raise: status ok / failed / timeout, the exit code, the output's tail."""
     t0 = time.perf_counter()
     try:
-        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+        res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                             env={**os.environ, **(env or {})})
         status, rc, out = ("ok" if res.returncode == 0 else "failed"), res.returncode, res.stdout + res.stderr
     except subprocess.TimeoutExpired as e:
         status, rc = "timeout", None
@@ -58,7 +59,8 @@ def run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
 
 def step_tests(out: Path, dry: bool) -> dict:
     report = out / "kernels.json"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu.py", "tests/test_kernels.py"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+           "tests/test_gpu.py", "tests/test_kernels.py"]
     # on CUDA the GPU tests and the kernel tests; the dry run (CPU, inside the suite, which runs both
     # files itself) only proves the plumbing: pytest runs and the kernel table comes back
     cmd += ["-m", "gpu"] if not dry else ["-k", "every_attention_case"]
@@ -69,8 +71,8 @@ def step_tests(out: Path, dry: bool) -> dict:
 
 def step_latency(dry: bool) -> dict:
     if dry:
-        size = ["--arch", "tiny", "--device", "cpu", "--dtype", "fp32", "--batch", "1", "2", "--warmup", "1", "--iters", "1",
-                "--new-tokens", "4", "--tiles", "1", "--text-tokens", "16", "--threads", "1"]
+        size = ["--arch", "tiny", "--device", "cpu", "--dtype", "fp32", "--batch", "1", "2", "--warmup", "1",
+                "--iters", "1", "--new-tokens", "4", "--tiles", "1", "--text-tokens", "16", "--threads", "1"]
     else:  # the protocol's defaults: 3 tiles, 256 text tokens, 128 new tokens, 3 warm-ups, 10 iterations
         size = ["--arch", "1b", "--device", "cuda", "--dtype", "bf16", "--batch", *map(str, BATCHES), "--compile"]
     res = run([sys.executable, "profiling.py", "latency", "--pv", "4", "--pl", "4", "--baseline", "--compare-shared",
@@ -92,7 +94,8 @@ def synthetic_checkpoint(folder: Path, arch: str, rows: int, seed: int = 0) -> P
 
     ids = write_tiny_tokenizer(folder / "model")
     cfg = PRESETS[arch]
-    llm = replace(cfg.llm, vocab_size=max(cfg.llm.vocab_size, ids["vocab_size_tokenizer"]))  # tiny's 512 rows are too few
+    # tiny's 512 rows are too few
+    llm = replace(cfg.llm, vocab_size=max(cfg.llm.vocab_size, ids["vocab_size_tokenizer"]))
     ParVL.from_config(replace(cfg, llm=llm, image_token_id=ids["img_context_id"]), seed=seed).save(folder / "model")
     rng = np.random.default_rng(seed)
     words = ["the", "chart", "shows", "a", "value", "of", "image", "red", "blue", "line", "sum", "what", "is"]
@@ -154,12 +157,16 @@ def markdown(result: dict) -> str:
     rows = result["latency"].get("rows")
     if rows:
         md += ["", "## Latency (Table S7 layout; ours / paper)", "",
-               "| Pv:Pl | Shared KV | metric | " + " | ".join(f"batch {b}" for b in sorted({r['batch'] for r in rows})) + " |",
+               "| Pv:Pl | Shared KV | metric | "
+               + " | ".join(f"batch {b}" for b in sorted({r['batch'] for r in rows})) + " |",
                "| --- | --- | --- |" + " --- |" * len({r["batch"] for r in rows})]
         for key in PAPER_S7:
-            mine = sorted((r for r in rows if f"{r['pv']}:{r['pl']}" == key[0] and r["shared_kv"] == key[1]), key=lambda r: r["batch"])
-            for metric, col, paper in (("latency (s)", "latency_s", PAPER_S7[key][0]), ("memory (GB)", "peak_gib", PAPER_S7[key][1])):
-                cells = [f"{r[col] * (2**30 / 1e9 if col == 'peak_gib' else 1):.3f} / {paper[BATCHES.index(r['batch'])]:.3f}"
+            mine = sorted((r for r in rows if f"{r['pv']}:{r['pl']}" == key[0] and r["shared_kv"] == key[1]),
+                          key=lambda r: r["batch"])
+            for metric, col, paper in (("latency (s)", "latency_s", PAPER_S7[key][0]),
+                                       ("memory (GB)", "peak_gib", PAPER_S7[key][1])):
+                cells = [f"{r[col] * (2**30 / 1e9 if col == 'peak_gib' else 1):.3f} / "
+                         f"{paper[BATCHES.index(r['batch'])]:.3f}"
                          for r in mine]
                 md.append(f"| {key[0]} | {'yes' if key[1] else 'no'} | {metric} | " + " | ".join(cells) + " |")
         md += ["", "## Table 4 ratios (vs standard 1:1 at the same batch; ours / paper)", "",
@@ -175,7 +182,8 @@ def markdown(result: dict) -> str:
                       f"{r['peak_x']:.2f} / {mem:.2f} |")
     runs = result["training"].get("runs") or {}
     if runs:
-        md += ["", "## FSDP2 training (steady steps)", "", "| Pv:Pl | status | tokens/s | MFU |", "| --- | --- | --- | --- |"]
+        md += ["", "## FSDP2 training (steady steps)", "", "| Pv:Pl | status | tokens/s | MFU |",
+               "| --- | --- | --- | --- |"]
         for key, r in runs.items():
             mfu = r.get("mfu")
             md.append(f"| {key} | {r['status']} | {r.get('tokens_per_s', float('nan')):.0f} | "
@@ -184,7 +192,8 @@ def markdown(result: dict) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="The GPU suite: CUDA tests, the latency protocol and FSDP2 training, figures to OUT.")
+    p = argparse.ArgumentParser(description="The GPU suite: CUDA tests, the latency protocol and FSDP2 training, "
+                                            "figures to OUT.")
     p.add_argument("out", nargs="?", default="runs/h200", help="output folder (default runs/h200)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the suite itself (CI)")
     args = p.parse_args(argv)
@@ -198,7 +207,8 @@ def main(argv=None) -> int:
     result = {"dry_run": args.dry_run, "torch": torch.__version__,
               "device": "cpu" if args.dry_run else torch.cuda.get_device_name(0)}
     t0 = time.perf_counter()
-    for name, step in (("tests", lambda: step_tests(out, args.dry_run)), ("latency", lambda: step_latency(args.dry_run)),
+    for name, step in (("tests", lambda: step_tests(out, args.dry_run)),
+                       ("latency", lambda: step_latency(args.dry_run)),
                        ("training", lambda: step_training(out, args.dry_run))):
         try:
             result[name] = step()
@@ -209,7 +219,8 @@ def main(argv=None) -> int:
     (out / "h200.json").write_text(json.dumps(result, indent=2))
     (out / "h200.md").write_text(markdown(result))
     print((out / "h200.md").read_text())
-    print(json.dumps({k: result[k]["status"] for k in ("tests", "latency", "training")} | {"seconds": result["seconds"]}))
+    print(json.dumps({k: result[k]["status"] for k in ("tests", "latency", "training")}
+                     | {"seconds": result["seconds"]}))
     return 0 if all(result[k]["status"] == "ok" for k in ("tests", "latency", "training")) else 1
 
 

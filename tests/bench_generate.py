@@ -74,7 +74,8 @@ class BenchConfig:
 
     def __post_init__(self):
         if self.hidden % 128 or self.hidden < 256:
-            raise ValueError(f"--hidden must be a multiple of 128 and >= 256 (heads = hidden/64, kv = heads/2), got {self.hidden}")
+            raise ValueError(f"--hidden must be a multiple of 128 and >= 256 (heads = hidden/64, kv = heads/2), "
+                             f"got {self.hidden}")
         if self.new_tokens < 2 or self.repeats < 1 or self.tiles < 0 or self.layers < 1 or self.threads < 1:
             raise ValueError(f"out of range: {self}")
         if self.profile and self.new_tokens < 5:
@@ -82,7 +83,8 @@ class BenchConfig:
         if self.dtype not in ("fp32", "bf16"):
             raise ValueError(f"--dtype must be fp32 or bf16, got {self.dtype!r}")
         if self.vocab < tokenizer_ids("qwen3")["vocab_size_tokenizer"]:
-            raise ValueError(f"--vocab must cover the tiny tokenizer ({tokenizer_ids('qwen3')['vocab_size_tokenizer']} ids)")
+            raise ValueError(f"--vocab must cover the tiny tokenizer "
+                             f"({tokenizer_ids('qwen3')['vocab_size_tokenizer']} ids)")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -93,14 +95,21 @@ def parse_args(argv=None) -> BenchConfig:
     d = BenchConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=d.threads, help=f"CPU threads for both sides (default {d.threads})")
-    p.add_argument("--new-tokens", type=int, default=d.new_tokens, help=f"tokens generated per run, N >= 2 (default {d.new_tokens})")
-    p.add_argument("--tiles", type=int, default=d.tiles, help=f"image tiles in the prompt, 0 = text only (default {d.tiles})")
-    p.add_argument("--repeats", type=int, default=d.repeats, help=f"interleaved timing rounds; the best is shown (default {d.repeats})")
-    p.add_argument("--hidden", type=int, default=d.hidden, help=f"decoder width, a multiple of 128 (default {d.hidden})")
+    p.add_argument("--new-tokens", type=int, default=d.new_tokens,
+                   help=f"tokens generated per run, N >= 2 (default {d.new_tokens})")
+    p.add_argument("--tiles", type=int, default=d.tiles,
+                   help=f"image tiles in the prompt, 0 = text only (default {d.tiles})")
+    p.add_argument("--repeats", type=int, default=d.repeats,
+                   help=f"interleaved timing rounds; the best is shown (default {d.repeats})")
+    p.add_argument("--hidden", type=int, default=d.hidden,
+                   help=f"decoder width, a multiple of 128 (default {d.hidden})")
     p.add_argument("--layers", type=int, default=d.layers, help=f"decoder blocks (default {d.layers})")
-    p.add_argument("--vocab", type=int, default=d.vocab, help=f"vocabulary rows of embedding and lm_head (default {d.vocab})")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default=d.dtype, help=f"weights and activations (default {d.dtype})")
-    p.add_argument("--profile", action="store_true", help="also print where one decode step of each side goes (torch.profiler)")
+    p.add_argument("--vocab", type=int, default=d.vocab,
+                   help=f"vocabulary rows of embedding and lm_head (default {d.vocab})")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default=d.dtype,
+                   help=f"weights and activations (default {d.dtype})")
+    p.add_argument("--profile", action="store_true",
+                   help="also print where one decode step of each side goes (torch.profiler)")
     p.add_argument("--seed", type=int, default=d.seed, help=f"weights and pixels seed (default {d.seed})")
     try:
         return BenchConfig(**vars(p.parse_args(argv)))
@@ -170,7 +179,8 @@ class TokenClock:
         pass
 
 
-def run_hf(ref, ids: list[int], pixel_values, n: int, pad_id: int, on_put=None) -> tuple[float, float, float, list[int]]:
+def run_hf(ref, ids: list[int], pixel_values, n: int, pad_id: int,
+           on_put=None) -> tuple[float, float, float, list[int]]:
     """transformers' greedy generate of exactly n tokens."""
     images = {} if pixel_values is None else {"pixel_values": pixel_values}  # None trips transformers 5.24
     input_ids, clock = torch.tensor([ids]), TokenClock(on_put)
@@ -286,7 +296,8 @@ def main(argv=None) -> int:
     for side in ("ours eager", "ours compiled"):
         toks = first[side][3]
         match[side.split()[1]] = toks == hf_tokens
-        note = " (bf16 rounding flips near-ties; the check is exact in fp32)" if toks != hf_tokens and cfg.dtype == "bf16" else ""
+        note = (" (bf16 rounding flips near-ties; the check is exact in fp32)"
+                if toks != hf_tokens and cfg.dtype == "bf16" else "")
         print(f"greedy tokens, {side} vs transformers: "
               f"{'identical' if toks == hf_tokens else 'DIFFER'} ({same_prefix(toks, hf_tokens)}/{N} agree){note}")
 
@@ -337,9 +348,10 @@ def main(argv=None) -> int:
               f"{row['weight_gb_s']:>14.1f}{100 * row['of_floor']:>9.0f}%"
               f"{row['decode_tok_s'] / hf['decode_tok_s']:>13.2f}x{row['ttft_ms'] / hf['ttft_ms']:>11.2f}x")
     lo, mid, hi = min(bandwidths), statistics.median(bandwidths), max(bandwidths)
-    print(f"weight-bandwidth floor: {step_bytes / 1e6:.0f} MB of decoder weights per token at the rate torch.sum reads a "
-          f"{max(step_bytes, 2**28) / 1e6:.0f} MB buffer around each run, {lo / 1e9:.1f} / {mid / 1e9:.1f} / {hi / 1e9:.1f} "
-          f"GB/s (min / median / max) = {1e3 * step_bytes / hi:.2f} - {1e3 * step_bytes / lo:.2f} ms/token; 'of floor': "
+    print(f"weight-bandwidth floor: {step_bytes / 1e6:.0f} MB of decoder weights per token at the rate "
+          f"torch.sum reads a {max(step_bytes, 2**28) / 1e6:.0f} MB buffer around each run, "
+          f"{lo / 1e9:.1f} / {mid / 1e9:.1f} / {hi / 1e9:.1f} GB/s (min / median / max) = "
+          f"{1e3 * step_bytes / hi:.2f} - {1e3 * step_bytes / lo:.2f} ms/token; 'of floor': "
           f"each run's floor over its ms/token, the median run")
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # Linux reports KiB; both sides' models
     print(f"compile, cold (first compiled generate minus the best one): {compile_s:.1f} s; decoder weights read per "
@@ -352,7 +364,8 @@ def main(argv=None) -> int:
         profiles["transformers"] = profile_decode(
             "transformers", lambda step: run_hf(ref, ids, pixel_values, N, pad_id, on_put=step), steps)
         profiles["ours eager"] = profile_decode("ours eager", ours_stepped(eager, sides["ours eager"]), steps)
-        profiles["ours compiled"] = profile_decode("ours compiled", ours_stepped(compiled, sides["ours compiled"]), steps)
+        profiles["ours compiled"] = profile_decode("ours compiled", ours_stepped(compiled, sides["ours compiled"]),
+                                                   steps)
         for side, prof in profiles.items():
             rows[side].update(prof)
 

@@ -86,16 +86,18 @@ def main(argv=None) -> int:
             runs[side].append(json.loads(out.strip().splitlines()[-1]))
     base = max(r["peak_gib"] for r in runs["inputs only"])
     best = {s: min(runs[s], key=lambda r: r["seconds"]) for s in sides}
-    print(f"one row of {args.tokens} positions, width {args.hidden}, vocabulary {args.vocab}, fp32, chunk {args.chunk}; "
-          f"best of {args.rounds} alternating rounds")
+    print(f"one row of {args.tokens} positions, width {args.hidden}, vocabulary {args.vocab}, fp32, "
+          f"chunk {args.chunk}; best of {args.rounds} alternating rounds")
     print(f"{'side':<16}{'forward+backward s':>20}{'peak GiB over inputs':>22}{'loss':>12}")
     for s in sides[1:]:
-        print(f"{s:<16}{best[s]['seconds']:>20.3f}{max(r['peak_gib'] for r in runs[s]) - base:>22.2f}{best[s]['loss']:>12.6f}")
+        print(f"{s:<16}{best[s]['seconds']:>20.3f}{max(r['peak_gib'] for r in runs[s]) - base:>22.2f}"
+              f"{best[s]['loss']:>12.6f}")
     whole, chunked = best["whole logits"], best["chunked"]
     rel = {k: abs(chunked[k] - whole[k]) / abs(whole[k]) for k in ("loss", "grad_h", "grad_w")}
     print(f"chunked vs whole: time {chunked['seconds'] / whole['seconds']:.2f}x, extra memory "
-          f"{(max(r['peak_gib'] for r in runs['chunked']) - base) / (max(r['peak_gib'] for r in runs['whole logits']) - base):.2f}x; "
-          f"relative difference of the loss {rel['loss']:.1e}, gradient norms {rel['grad_h']:.1e} (h) {rel['grad_w']:.1e} (W)")
+          f"{(max(r['peak_gib'] for r in runs['chunked']) - base) / (max(r['peak_gib'] for r in runs['whole logits']) - base):.2f}x; "  # noqa: E501
+          f"relative difference of the loss {rel['loss']:.1e}, "
+          f"gradient norms {rel['grad_h']:.1e} (h) {rel['grad_w']:.1e} (W)")
     print(json.dumps({"bench": "loss", "config": {k: v for k, v in vars(args).items() if k != "side"},
                       "runs": runs, "relative_difference": rel}))
     return 0

@@ -62,7 +62,8 @@ def write_run_inputs(folder: Path, rows: int, seed: int = 0) -> tuple[Path, Path
         a = " ".join(rng.choice(WORDS, int(rng.integers(lo, hi))))
         row = {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]}
         if i % 10 == 0:
-            row = {"image": "img.png", "conversations": [{"from": "human", "value": "<image>\n" + q}, {"from": "gpt", "value": a}]}
+            row = {"image": "img.png",
+                   "conversations": [{"from": "human", "value": "<image>\n" + q}, {"from": "gpt", "value": a}]}
         lines.append(row)
     (folder / "rows.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     meta = {"mix": {"root": str(folder), "annotation": str(folder / "rows.jsonl"), "repeat_time": 1, "length": rows}}
@@ -102,9 +103,11 @@ def main(argv=None) -> int:
             for name, flags in layouts.items():
                 lines = train(model, meta, Path(tmp) / "run", args, flags)
                 steady = lines[1:]
-                speed[name].append(len(steady) / sum(1 / m["samples_per_s"] for m in steady))  # samples over time, G per step
+                # samples over time, G per step
+                speed[name].append(len(steady) / sum(1 / m["samples_per_s"] for m in steady))
                 pad[name] = statistics.mean(m["pad_frac"] for m in steady)
-                print(f"round {r + 1}: {name}: {speed[name][-1]:.2f} samples/s, padding {pad[name]:.1%}", file=sys.stderr)
+                print(f"round {r + 1}: {name}: {speed[name][-1]:.2f} samples/s, padding {pad[name]:.1%}",
+                      file=sys.stderr)
     print("| layout | samples/s best | median | padding | x best unpacked |\n| --- | --- | --- | --- | --- |")
     best_unpacked = max(max(speed[k]) for k in list(layouts)[:2])
     for name in layouts:

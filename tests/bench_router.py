@@ -76,13 +76,15 @@ def main() -> int:
     p.add_argument("--text-tokens", type=int, default=64, help="text tokens per prompt (default 64)")
     p.add_argument("--new-tokens", type=int, default=32, help="generated tokens, exactly (default 32)")
     p.add_argument("--answer-tokens", type=int, default=32, help="supervised tokens per labelled sample (default 32)")
-    p.add_argument("--iters", type=int, default=5, help="timed iterations after one warm-up; the best counts (default 5)")
+    p.add_argument("--iters", type=int, default=5,
+                   help="timed iterations after one warm-up; the best counts (default 5)")
     args = p.parse_args()
     DEVICE = torch.device(args.device)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     torch.set_grad_enabled(False)
     big, one = models(4, 4, dtype, DEVICE)
-    rcfg = RouterConfig(pv=4, pl=4, vision_width=MID.vit.hidden_size, text_width=MID.llm.hidden_size, im_start_id=IM_START)
+    rcfg = RouterConfig(pv=4, pl=4, vision_width=MID.vit.hidden_size, text_width=MID.llm.hidden_size,
+                        im_start_id=IM_START)
     torch.manual_seed(0)
     router = Router(rcfg).to(DEVICE).eval()
     for w in router.parameters():
@@ -111,8 +113,9 @@ def main() -> int:
     input_ids = torch.tensor([x + torch.randint(0, 30000, (args.answer_tokens,), generator=g).tolist() for x in ids])
     labels = torch.full_like(input_ids, -100)
     labels[:, -args.answer_tokens:] = input_ids[:, -args.answer_tokens:]
-    batch = Batch(input_ids, labels, torch.ones_like(input_ids, dtype=torch.bool), torch.arange(T).expand(args.batch, T),
-                  pix, [args.tiles] * args.batch, args.batch, {}, list(range(args.batch)))
+    batch = Batch(input_ids, labels, torch.ones_like(input_ids, dtype=torch.bool),
+                  torch.arange(T).expand(args.batch, T), pix, [args.tiles] * args.batch, args.batch, {},
+                  list(range(args.batch)))
 
     def single_pairs():
         out = torch.zeros(args.batch, 4, 4)
@@ -134,15 +137,19 @@ def main() -> int:
     t_lab, t_base = min(lab), min(base)
 
     print(f"CPU threads {torch.get_num_threads()}, {args.device} {args.dtype}, flops.MID ViT {MID.vit.hidden_size}x"
-          f"{MID.vit.num_layers} LLM {MID.llm.hidden_size}x{MID.llm.num_layers} vocab {MID.llm.vocab_size}, batch {args.batch}, "
-          f"{args.tiles} tile(s) + {args.text_tokens} text tokens, {args.new_tokens} new tokens, best of {args.iters} (a shared CPU: the minimum is the least disturbed)")
+          f"{MID.vit.num_layers} LLM {MID.llm.hidden_size}x{MID.llm.num_layers} vocab {MID.llm.vocab_size}, "
+          f"batch {args.batch}, {args.tiles} tile(s) + {args.text_tokens} text tokens, {args.new_tokens} new tokens, "
+          f"best of {args.iters} (a shared CPU: the minimum is the least disturbed)")
     for name, s in gen.items():
-        print(f"  generate {name:<10} {s:7.3f} s per sample  ({s / gen['1:1']:.2f} x 1:1, {s / gen['dense 4:4']:.2f} x dense)")
+        print(f"  generate {name:<10} {s:7.3f} s per sample  ({s / gen['1:1']:.2f} x 1:1, "
+              f"{s / gen['dense 4:4']:.2f} x dense)")
     print(f"  routed pairs (v, l) per sample: {pairs}")
-    print(f"  label: {args.batch / t_lab:.3f} samples/s; Pv x Pl single-pair forwards {args.batch / t_base:.3f} samples/s; "
+    print(f"  label: {args.batch / t_lab:.3f} samples/s; "
+          f"Pv x Pl single-pair forwards {args.batch / t_base:.3f} samples/s; "
           f"cost {t_lab / t_base:.2f} x (max |NLL difference| {err:.1e})")
     print(json.dumps({"routed_s": gen["routed 4:4"], "dense_s": gen["dense 4:4"], "one_one_s": gen["1:1"],
-                      "routed_vs_one_one": gen["routed 4:4"] / gen["1:1"], "routed_vs_dense": gen["routed 4:4"] / gen["dense 4:4"],
+                      "routed_vs_one_one": gen["routed 4:4"] / gen["1:1"],
+                      "routed_vs_dense": gen["routed 4:4"] / gen["dense 4:4"],
                       "label_samples_per_s": args.batch / t_lab, "label_vs_single_pairs": t_lab / t_base,
                       "label_max_abs_err": err, "pairs": pairs}))
     return 0

@@ -228,7 +228,8 @@ def greedy_recompute(model: ParVL, ids, pv, n: int, **branches) -> list[int]:
         for _ in range(n):
             gen = model.language_model.model.embed_tokens(torch.tensor([out], dtype=torch.long))
             x = torch.cat([base, gen], 1)
-            h, _ = model.hidden_from_embeds(x, torch.arange(x.shape[1])[None], rows=model.language_rows(branches.get("language_branch"), 1, "cpu"))
+            h, _ = model.hidden_from_embeds(x, torch.arange(x.shape[1])[None],
+                                            rows=model.language_rows(branches.get("language_branch"), 1, "cpu"))
             out.append(int(model.language_model.lm_head(h[0, -1]).argmax()))
     return out
 
@@ -250,7 +251,8 @@ def test_shared_kv():
     batch = [ids1.tolist(), ids2.tolist()]
     # P = 1: one branch, nothing to share: identical to the standard cache
     one = tiny(seed=8)
-    assert Engine(one, shared_kv=True).generate(batch, pv1, cfg, []).tokens == Engine(one).generate(batch, pv1, cfg, []).tokens
+    assert (Engine(one, shared_kv=True).generate(batch, pv1, cfg, []).tokens
+            == Engine(one).generate(batch, pv1, cfg, []).tokens)
     # identical branches: the mean of identical K/V is exact, so shared KV must equal standard decoding
     model = same_prefixes(tiny(pv=2, pl=3, seed=9), 0, 2)
     cache = lambda: model.language_model.model.layers[0].self_attn.kv_cache.k  # noqa: E731
@@ -271,7 +273,8 @@ def test_shared_kv():
             rows = distinct.language_rows(None, 1, "cpu", shared)
             distinct.language_model.setup_cache(rows, len(ids))
             with torch.no_grad():
-                logits[shared] = prefill(distinct, ids[None], pv, torch.ones(1, len(ids), dtype=torch.bool), False, None, rows)[0]
+                logits[shared] = prefill(distinct, ids[None], pv, torch.ones(1, len(ids), dtype=torch.bool), False,
+                                         None, rows)[0]
         torch.testing.assert_close(logits[True], first, atol=2e-5, rtol=1e-5)
         assert (logits[True] - logits[False]).abs().max() > 1e-3  # shared KV is not dense decoding
 
@@ -396,7 +399,8 @@ def test_parscale_checkpoint_loads_to_identical_outputs(tmp_path):
     mask[1, :5] = 0
     assert torch.equal(model(ids, attention_mask=mask), back(ids, attention_mask=mask))
     cfg = GenerateConfig(max_new_tokens=NEW, ignore_eos=True)
-    assert Engine(back).generate([ids[0].tolist()], None, cfg, []).tokens == Engine(model).generate([ids[0].tolist()], None, cfg, []).tokens
+    assert (Engine(back).generate([ids[0].tolist()], None, cfg, []).tokens
+            == Engine(model).generate([ids[0].tolist()], None, cfg, []).tokens)
 
 
 def test_parscale_hidden_major_aggregation_by_hand():
@@ -407,8 +411,9 @@ def test_parscale_hidden_major_aggregation_by_hand():
     z = torch.randn(P * B, T, C)
     w0 = agg.mlp[0].weight.view(C, P, C).transpose(1, 2).reshape(C, P * C)  # ParScale layout
     concat = z.view(P, B, T, C).permute(1, 2, 3, 0).reshape(B, T, C * P)  # "(p b) t h -> b t (h p)"
-    logits = torch.nn.functional.linear(torch.nn.functional.silu(torch.nn.functional.linear(concat, w0, agg.mlp[0].bias)),
-                                        agg.mlp[2].weight, agg.mlp[2].bias)
+    logits = torch.nn.functional.linear(
+        torch.nn.functional.silu(torch.nn.functional.linear(concat, w0, agg.mlp[0].bias)),
+        agg.mlp[2].weight, agg.mlp[2].bias)
     a = logits.float().softmax(-1) * (1 - 0.05) + 0.05 / P  # [B,T,P]
     ref = (z.view(P, B, T, C).permute(1, 2, 0, 3) * a[..., None]).sum(2)
     fused, w = agg(z)
@@ -436,9 +441,10 @@ def test_cli_takes_branches_from_the_checkpoint(checkpoint, tmp_path, capsys):
     pv = load_image(png, max_tiles=2)
     ids = tok.encode(build_prompt("What is this?", [pv.shape[0]]))
     for flags, engine in [([], Engine(model)), (["--shared-kv"], Engine(model, shared_kv=True)),
-                          (["--vision-branch", "1", "--language-branch", "0"], Engine(model, vision_branch=1, language_branch=0))]:
-        rc = generate.main([str(png), "What is this?", "--model", str(folder), "--max-new-tokens", str(NEW), "--max-tiles", "2",
-                            "--json", *flags])
+                          (["--vision-branch", "1", "--language-branch", "0"],
+                           Engine(model, vision_branch=1, language_branch=0))]:
+        rc = generate.main([str(png), "What is this?", "--model", str(folder), "--max-new-tokens", str(NEW),
+                            "--max-tiles", "2", "--json", *flags])
         out = capsys.readouterr()
         assert rc == 0, out.err
         want = engine.generate([ids], pv, GenerateConfig(max_new_tokens=NEW), tok.eos_ids).tokens[0]
@@ -524,7 +530,8 @@ def test_per_sample_pairs_equal_each_sample_alone(pv, pl, vision):
             torch.testing.assert_close(batch[b, ids.shape[1] - len(s_ids):], alone, atol=2e-5, rtol=1e-5)
     # greedy generation: the batch with per-sample pairs equals each prompt alone with its pair
     engine = Engine(model)
-    got = engine.generate([s.tolist() for s, _ in samples], pixels, cfg, [], vision_branch=vb, language_branch=lb).tokens
+    got = engine.generate([s.tolist() for s, _ in samples], pixels, cfg, [], vision_branch=vb,
+                          language_branch=lb).tokens
     want = [Engine(model, vision_branch=v, language_branch=l).generate([s.tolist()], p, cfg, []).tokens[0]
             for (s, p), v, l in zip(samples, vb, lb)]
     assert got == want
@@ -554,7 +561,8 @@ def test_compiled_decode_equals_eager_in_every_branch_mode():
     from engine import GEMV_ROWS, cpu_backend, decode_one_token, prefill
 
     batch = 3  # one LLM layer: the graphs are compiled cold in CI, and a second layer adds compile time, not cases
-    cfg = replace(TINY, llm=replace(TINY.llm, num_layers=1), par=ParConfig(pv=2, pl=3, vit_prefix_len=5, llm_prefix_len=4))
+    cfg = replace(TINY, llm=replace(TINY.llm, num_layers=1),
+                  par=ParConfig(pv=2, pl=3, vit_prefix_len=5, llm_prefix_len=4))
     model = make_branches_matter(ParVL.from_config(cfg, seed=43).eval())
     samples = [prompt(1, text=7, seed=44), prompt(0, text=12, seed=45), prompt(2, text=5, seed=46)][:batch]
     prompts = [s.tolist() for s, _ in samples]
@@ -623,5 +631,6 @@ def test_length_buckets_equal_full_cache_attention():
         torch.testing.assert_close(bucketed_compiled, full, atol=1e-5, rtol=1e-5)
         prompts = [s.tolist() for s, _ in samples]
         gen = lambda bucket: Engine(model, shared_kv=shared).generate(  # noqa: E731
-            prompts, pixels, GenerateConfig(max_new_tokens=NEW, ignore_eos=True, bucket=bucket), [], language_branch=lb).tokens
+            prompts, pixels, GenerateConfig(max_new_tokens=NEW, ignore_eos=True, bucket=bucket), [],
+            language_branch=lb).tokens
         assert gen(4) == gen(0)

@@ -119,7 +119,8 @@ def test_compiled_decode_equals_eager(qwen3):
     model.language_model.setup_cache(rows, T + 4)
     with torch.no_grad():
         logits = prefill(model, torch.tensor([ids]), pv, torch.ones(1, T, dtype=torch.bool), False, None, rows)
-        step = (logits.argmax(-1, keepdim=True), torch.tensor([T]), torch.tensor([[T]]), torch.ones(1, T + 4, dtype=torch.bool), rows)
+        step = (logits.argmax(-1, keepdim=True), torch.tensor([T]), torch.tensor([[T]]),
+                torch.ones(1, T + 4, dtype=torch.bool), rows)
         eager_logits = decode_one_token(model, *step)
         compiled = torch.compile(decode_one_token, backend=cpu_backend, fullgraph=True)  # as Engine on CPU
         compiled_logits = compiled(model, *step)  # rewrites the same slot

@@ -55,7 +55,8 @@ def test_reduce_overhead_decode_equals_eager(pv, pl, shared, pairs):
     logits = prefill(model, ids, pixels, valid, True, kw.get("vision_branch"), rows)
     key_valid = torch.ones(B, T + 8, dtype=torch.bool, device="cuda")
     key_valid[:, :T] = valid
-    step = (logits.argmax(-1, keepdim=True), torch.tensor([T], device="cuda"), valid.sum(-1, keepdim=True), key_valid, rows)
+    step = (logits.argmax(-1, keepdim=True), torch.tensor([T], device="cuda"), valid.sum(-1, keepdim=True),
+            key_valid, rows)
     want = decode_one_token(model, *step)
     compiled = torch.compile(decode_one_token, mode="reduce-overhead", fullgraph=True)
     for _ in range(3):  # warm-up, recording, replay

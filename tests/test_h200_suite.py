@@ -17,7 +17,8 @@ def test_suite_dry_run_writes_every_figure(tmp_path):
                          text=True, timeout=600, env={**os.environ, "PYTHON": sys.executable})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     result = json.loads((tmp_path / "h200.json").read_text())
-    assert {k: result[k]["status"] for k in ("tests", "latency", "training")} == dict.fromkeys(("tests", "latency", "training"), "ok")
+    assert ({k: result[k]["status"] for k in ("tests", "latency", "training")}
+            == dict.fromkeys(("tests", "latency", "training"), "ok"))
     kernels = result["tests"]["kernels"]
     assert len(kernels) == 9 and all(k["fused"] for k in kernels.values()), kernels  # 4 cases at 1:1, 5 at 2:2
     rows = result["latency"]["rows"]
@@ -25,7 +26,8 @@ def test_suite_dry_run_writes_every_figure(tmp_path):
                                                                           (4, False, 2), (4, True, 1), (4, True, 2)]
     assert list(result["training"]["runs"]) == ["2:2"]  # the dry run trains one configuration
     for name, run in result["training"]["runs"].items():  # both steps logged, the figures read back from the run
-        lines = [json.loads(x) for x in (tmp_path / f"train_{name.replace(':', 'x')}" / "metrics.jsonl").read_text().splitlines()]
+        lines = [json.loads(x)
+                 for x in (tmp_path / f"train_{name.replace(':', 'x')}" / "metrics.jsonl").read_text().splitlines()]
         assert run["steps"] == len(lines) == 2, run
         assert run["tokens_per_s"] == statistics.median(x["tokens_per_s"] for x in lines), (run, lines)
         assert run["pad_frac"] == 0.0, run  # packed, one row per micro-batch: a row holds its samples and nothing else

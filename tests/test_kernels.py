@@ -30,7 +30,8 @@ def sdpa_kernels(fn) -> list[str]:
         fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    return sorted({e.key for e in prof.key_averages() if "scaled_dot_product" in e.key and e.key != "aten::scaled_dot_product_attention"})
+    return sorted({e.key for e in prof.key_averages()
+                   if "scaled_dot_product" in e.key and e.key != "aten::scaled_dot_product_attention"})
 
 
 def model_and_inputs(device: str, pv: int, pl: int):
@@ -61,7 +62,8 @@ def cases(model, ids, pixels, valid) -> dict:
             prefill(model, ids, pixels, valid, True, None, rows)
 
         def call(rows=rows):
-            decode_one_token(model, ids[:, :1], torch.tensor([T], device=dev), valid.sum(-1, keepdim=True), key_valid, rows)
+            decode_one_token(model, ids[:, :1], torch.tensor([T], device=dev), valid.sum(-1, keepdim=True),
+                             key_valid, rows)
 
         out[name] = (prepare, call)
 
@@ -110,4 +112,5 @@ def test_decode_step_has_no_graph_break(device):
                                                            valid.sum(-1, keepdim=True), key_valid, rows,
                                                            torch.zeros(2, dtype=torch.bool, device=device),
                                                            torch.tensor([5, 7], device=device), 0, 0.8, 20, 0.9)
-        assert explained.graph_break_count == 0 and explained.graph_count == 1, (pv, pl, choice, shared, explained.break_reasons)
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, (pv, pl, choice, shared,
+                                                                                 explained.break_reasons)

@@ -124,19 +124,25 @@ def test_first_fit_packing_in_order_and_bad_rows_counted():
 
     def sample(n, row):
         ids = torch.arange(n) + 10
-        return Sample(ids, torch.where(ids % 2 == 0, ids, IGNORE), torch.full((row % 2, 3, 8, 8), float(row)), [row % 2] * (row % 2), row)
+        return Sample(ids, torch.where(ids % 2 == 0, ids, IGNORE), torch.full((row % 2, 3, 8, 8), float(row)),
+                      [row % 2] * (row % 2), row)
 
-    items = [sample(6, 0), BadRow("missing_image", "x", 1), sample(5, 2), sample(3, 3), BadRow("too_long", "y", 4), sample(3, 5)]
+    items = [sample(6, 0), BadRow("missing_image", "x", 1), sample(5, 2), sample(3, 3), BadRow("too_long", "y", 4),
+             sample(3, 5)]
     batches = pack_step(items, max_seq_len=10, rows_per_batch=1, pad_id=0, image_size=8)
     assert [b.rows for b in batches] == [[0, 3], [2, 5]] and [b.num_samples for b in batches] == [2, 2]
-    assert batches[0].bad == {"missing_image": 1, "too_long": 1} and batches[0].bad_rows == [1, 4] and not batches[1].bad
+    assert (batches[0].bad == {"missing_image": 1, "too_long": 1} and batches[0].bad_rows == [1, 4]
+            and not batches[1].bad)
     first = batches[0]
-    assert first.segment_ids.tolist() == [[0] * 6 + [1] * 3] and first.position_ids.tolist() == [list(range(6)) + [0, 1, 2]]
+    assert (first.segment_ids.tolist() == [[0] * 6 + [1] * 3]
+            and first.position_ids.tolist() == [list(range(6)) + [0, 1, 2]])
     assert first.input_ids[0].tolist() == list(range(10, 16)) + [10, 11, 12] and first.attention_mask.all()
     assert first.num_tiles == [1] and first.pixel_values[:, 0, 0, 0].tolist() == [3.0]  # row 3's tile; row 0 has none
     two = pack_step(items, max_seq_len=10, rows_per_batch=2, pad_id=0, image_size=8)[0]  # rows of 9 and 8 tokens
-    assert two.segment_ids[1].tolist() == [0] * 5 + [1] * 3 + [2] and two.attention_mask[1].tolist() == [True] * 8 + [False]
-    assert two.num_tiles == [1, 1] and two.pixel_values[:, 0, 0, 0].tolist() == [3.0, 5.0]  # row by row, sample by sample
+    assert (two.segment_ids[1].tolist() == [0] * 5 + [1] * 3 + [2]
+            and two.attention_mask[1].tolist() == [True] * 8 + [False])
+    # row by row, sample by sample
+    assert two.num_tiles == [1, 1] and two.pixel_values[:, 0, 0, 0].tolist() == [3.0, 5.0]
     only_bad = pack_step([items[1]], 10, 1, 0, 8)
     assert len(only_bad) == 1 and only_bad[0].num_samples == 0 and loss_weights(only_bad[0].labels).sum() == 0
 

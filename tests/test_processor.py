@@ -1,7 +1,7 @@
 """Tests for processor.py against an independent transcription of the official behaviour.
 
-The `ref_*` functions below restate the official code (dynamic_preprocess, ToTensor + Normalize) and the internvl2_5 template (the
-"internvl2_5" template as `chat()` fills it) step by step, without calling processor.py's helpers.
+The `ref_*` functions below restate the official code (dynamic_preprocess, ToTensor + Normalize) and the internvl2_5
+template (the "internvl2_5" template as `chat()` fills it) step by step, without calling processor.py's helpers.
 Token ids are checked against transformers' AutoTokenizer (a test-only dependency) on the tiny
 Qwen-style tokenizers from tests/tiny_tokenizer.py, in both the tokenizer.json and vocab layouts.
 
@@ -31,8 +31,8 @@ REF_SYSTEM = ("你是书生·万象，英文名是InternVL，是由上海人工�
 
 
 def ref_grid(width, height, min_num=1, max_num=12, image_size=448):
-    """InternVL's dynamic_preprocess / find_closest_aspect_ratio: candidate set sorted by product; smallest |aspect - i/j|; ties go to the later
-    candidate iff the image area exceeds half of its canvas."""
+    """InternVL's dynamic_preprocess / find_closest_aspect_ratio: candidate set sorted by product;
+    smallest |aspect - i/j|; ties go to the later candidate iff the image area exceeds half of its canvas."""
     aspect = width / height
     candidates = set()
     for n in range(min_num, max_num + 1):
