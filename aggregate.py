@@ -306,12 +306,14 @@ def shared_kv_mask(mask: torch.Tensor | None, B: int, T: int, P: int, Lp: int, d
 
 
 class Aggregator(nn.Module):
+    """Eq. 2, the token-wise fusion of P branch states: a_t = softmax(g(c_t)) over the branch-major
+    concat c_t (P*C), smoothed toward uniform, a'_t = (1 - lambda) a_t + lambda / P, and the fused
+    z_t = sum_k a'_{t,k} z_{k,t}; kind "mean" is the fixed a' = 1/P of the ablation (Appendix D.1).
+    kind and smoothing are ParConfig's aggregation and lambda_v / lambda_l, checked there."""
+
     def __init__(self, branches: int, width: int, smoothing: float = 0.0, kind: str = "mlp"):
         super().__init__()
-        if kind not in ("mlp", "mean"):
-            raise ValueError(f"aggregation must be 'mlp' or 'mean', got {kind!r}")
-        if not 0.0 <= smoothing <= 1.0:
-            raise ValueError(f"aggregation smoothing lambda must be in [0, 1], got {smoothing}")
+        assert kind in ("mlp", "mean") and 0.0 <= smoothing <= 1.0, (kind, smoothing)
         self.branches, self.smoothing, self.kind = branches, smoothing, kind
         if kind == "mlp":  # ParScale's aggregate_layer: P*C -> C -> P
             self.mlp = nn.Sequential(nn.Linear(branches * width, width), nn.SiLU(), nn.Linear(width, branches))

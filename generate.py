@@ -21,11 +21,12 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointError
+from checkpoint import DEFAULT_MODEL, CheckpointError, resolve_model
 from chat import Interrupted, answer, chat_session
-from cli import DEFAULT_MODEL, OneLineParser, command, error, hms, log, one_line, resolve_device, resolve_dtype, resolve_model
+from cli import OneLineParser, command, error, hms, log, one_line, resolve_device, resolve_dtype
+from config import open_checkpoint
 from engine import Engine, GenerateConfig, context_check, engine_from_flags
-from parvl import ParVL, open_checkpoint
+from parvl import ParVL
 from processor import ImageError, Tokenizer, build_prompt, load_image, open_rgb, place_images, tile_count
 from gates import router_flag
 

@@ -46,13 +46,14 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from aggregate import entropy
-from checkpoint import CheckpointReader, check_not_run_folder, read_json
+from checkpoint import CheckpointReader, check_not_run_folder, is_branch_tensor, read_json
 from cli import (SEED, OneLineParser, OutOfMemory, allocation, check_shared, command, end_processes, error, hms,
                  interruptible, log, one_line, os_cause, os_error, out_of_range, peak_memory_gib, pyplot, rank,
                  start_processes, wait_for_torchrun)
+from config import ParConfig, config_from_json, open_checkpoint
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction, filler_batch, make_loader, validate
 from loss import chunked_sft_loss, loss_weights
-from parvl import ParConfig, ParVL, config_from_json, is_branch_tensor, open_checkpoint
+from parvl import ParVL
 from processor import Tokenizer
 from runs import check_out, checkpoints, discard_run, export, finite, resume, save_checkpoint, trim_metrics
 from schedule import lr_lambda

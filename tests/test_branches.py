@@ -12,7 +12,8 @@ from aggregate import Aggregator, Rows
 from conftest import prompt_ids, random_pixels, read_safetensors
 from engine import Engine, GenerateConfig
 from llm import LLMConfig, apply_rope, causal_mask, rope_tables
-from parvl import PRESETS, ParConfig, ParVL, ParVLConfig, pixel_shuffle
+from config import PRESETS, ParConfig, ParVLConfig
+from parvl import ParVL, pixel_shuffle
 from vit import Attention as ViTAttention
 from vit import ViTConfig
 

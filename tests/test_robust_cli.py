@@ -14,12 +14,11 @@ import torch
 from PIL import Image
 
 import chat
-import cli
 import engine
 import generate
 import processor
 import profiling
-from checkpoint import CheckpointError
+from checkpoint import CheckpointError, resolve_model
 from processor import Tokenizer, load_image, open_rgb
 from test_robust import one_line, tree
 from test_train import ROOT
@@ -76,7 +75,7 @@ def test_lfs_pointer_and_run_folder_are_named(model_dir, png, tmp_path, capsys):
     assert code == 1 and one_line(err) == f"error: {run}: a training run folder, not a model; its model is {run / 'export'}"
     shutil.rmtree(run / "export")
     with pytest.raises(CheckpointError, match="no export yet"):
-        cli.resolve_model(str(run))
+        resolve_model(str(run))
     assert tree(run) == {k: v for k, v in before.items() if not k.startswith("export")}
 
 
@@ -248,7 +247,7 @@ def test_answers_skip_special_tokens_as_the_official_chat_does(model_dir, png, c
     InternVL's chat() and evaluate.py do (processor.Tokenizer.answer: skip_special_tokens, the text
     before <|im_end|>, stripped)."""
     import engine
-    from parvl import open_checkpoint
+    from config import open_checkpoint
 
     _, tok = open_checkpoint(model_dir)
     ids = tok.encode("Hello") + [tok.token_to_id("<img>")] + tok.encode(" there")
@@ -298,7 +297,7 @@ def test_a_tile_budget_past_the_context_is_refused_before_tiling(model_dir, tmp_
     """--max-tiles 10000 on a 2000:1 image (a 2000 x 1 grid): the grid is chosen in
     O(max_tiles log max_tiles) and the prompt's length, known from it, is refused against the context
     before one tile is resized (the triple loop and the 2001 tiles took minutes and gigabytes)."""
-    from parvl import open_checkpoint
+    from config import open_checkpoint
 
     wide = tmp_path / "wide.png"
     Image.fromarray(np.full((2, 4000, 3), 128, dtype=np.uint8)).save(wide)
