@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from PIL import Image
 
 from conftest import random_pixels
-from chat import Streamer
-from engine import GEMV_ROWS, Engine, GenerateConfig, cpu_backend, decode_one_token, prefill
+from cpu_decode import GEMV_ROWS, cpu_backend
+from engine import Engine, GenerateConfig, decode_one_token, prefill
+from generate import Streamer
 from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
 
@@ -130,7 +131,7 @@ def test_compiled_decode_equals_eager(qwen3):
 def test_gemv_backend_rewrites_few_row_linears(dtype):
     """The CPU decode backend turns exactly the linears of <= GEMV_ROWS rows into gemv (a graph that
     stops matching would silently lose the speed-up), and gemv equals F.linear, with and without bias."""
-    from engine import gemv
+    from cpu_decode import gemv
 
     torch.manual_seed(0)
     w, b = torch.randn(48, 32, dtype=dtype), torch.randn(48, dtype=dtype)

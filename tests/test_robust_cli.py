@@ -13,7 +13,6 @@ import pytest
 import torch
 from PIL import Image
 
-import chat
 import engine
 import generate
 import processor
@@ -104,8 +103,8 @@ def test_multi_frame_images_use_the_first_frame_and_say_so(tmp_path, capsys, fmt
 
 def interrupt_at(monkeypatch, step: int, on_call: int = 1):
     """Ctrl-C in the middle of the `on_call`-th answer, after `step` streamed tokens."""
-    real, calls = chat.Streamer.__call__, {"n": 0}
-    real_init = chat.Streamer.__init__
+    real, calls = generate.Streamer.__call__, {"n": 0}
+    real_init = generate.Streamer.__init__
 
     def init(self, *a, **k):
         calls["n"] += 1
@@ -117,8 +116,8 @@ def interrupt_at(monkeypatch, step: int, on_call: int = 1):
             raise KeyboardInterrupt
         return real(self, i, tokens)
 
-    monkeypatch.setattr(chat.Streamer, "__init__", init)
-    monkeypatch.setattr(chat.Streamer, "__call__", call)
+    monkeypatch.setattr(generate.Streamer, "__init__", init)
+    monkeypatch.setattr(generate.Streamer, "__call__", call)
 
 
 def test_ctrl_c_stops_the_answer_cleanly(model_dir, png, capsys, monkeypatch):
