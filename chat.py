@@ -105,7 +105,8 @@ def batch_chat(model, tokenizer: Tokenizer, pixel_values: torch.Tensor | None, q
         raise ValueError("batch_chat takes no history (as InternVL's); use chat() for a conversation")
     if num_patches_list is None:
         if pixel_values is not None and len(questions) != 1:
-            raise ValueError(f"{len(questions)} questions share pixel_values: pass num_patches_list (tiles per question)")
+            raise ValueError(f"{len(questions)} questions share pixel_values: pass num_patches_list "
+                             f"(tiles per question)")
         num_patches_list = [0 if pixel_values is None else pixel_values.shape[0]] * len(questions)
     if len(num_patches_list) != len(questions):
         raise ValueError(f"num_patches_list has {len(num_patches_list)} entries for {len(questions)} questions")

@@ -52,7 +52,8 @@ class Result:
     prefill_s: float = 0.0  # time to first token (ViT + connector + LLM prefill + first sample)
     decode_s: float = 0.0
     decode_steps: int = 0
-    pairs: list[tuple[int | None, int]] | None = None  # routed: (vision, language) branch per prompt, vision None without image
+    # routed: the (vision, language) branch pair of each prompt, vision None without an image
+    pairs: list[tuple[int | None, int]] | None = None
 
 
 # -- sampling ---------------------------------------------------------------------------------
@@ -146,7 +147,8 @@ class Engine:
         self.shared_kv, self.vision_branch, self.language_branch = shared_kv, vision_branch, language_branch
         if router is not None:
             if shared_kv or vision_branch is not None or language_branch is not None:
-                raise ValueError("a router picks the branches per sample: no shared_kv, vision_branch or language_branch with it")
+                raise ValueError("a router picks the branches per sample: no shared_kv, vision_branch or "
+                                 "language_branch with it")
             router.check(model)
         self.router = router
         self.cache_shape: tuple[int, bool, int] | None = None  # (rows, shared, slots)
@@ -231,8 +233,8 @@ class Engine:
             # attend over the slots written so far (T + i, the fed token included) rounded up to a
             # bucket, not the whole cache: fewer keys, and one graph per bucket
             n = min(S, -(-(T + i) // cfg.bucket) * cfg.bucket) if cfg.bucket else S
-            token, done, rec = self.step(model, token, input_pos, positions, key_valid[:, :n], rows, done, stops, pad_id,
-                                         *sampling)
+            token, done, rec = self.step(model, token, input_pos, positions, key_valid[:, :n], rows, done, stops,
+                                         pad_id, *sampling)
             if self.graphs:  # the next replay overwrites its outputs
                 token, done, rec = token.clone(), done.clone(), rec.clone()
             recorded.append(rec)

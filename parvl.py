@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -69,7 +69,7 @@ class ParVL(nn.Module):
             Cs = Cv * round(1 / cfg.downsample_ratio) ** 2  # width after pixel shuffle
             lora_rank = par.lora_rank if par.vision_branches == "lora" else 0  # LoRA replaces the vision prefixes
             self.vision_model = ViT(cfg.vit, par.pv, par.vit_prefix_len, lora_rank)
-            # `mlp1` with the checkpoint's Sequential indices (2 is the parameter-free GELU)
+            # `mlp1`, the connector of Eq. 5, with the checkpoint's Sequential indices (2 is the parameter-free GELU)
             self.mlp1 = nn.Sequential(nn.LayerNorm(Cs), nn.Linear(Cs, C), nn.GELU(), nn.Linear(C, C))
         self.language_model = LLM(cfg.llm, par.pl, par.llm_prefix_len)
         self.vision_aggregator = Aggregator(par.pv, Cv, par.lambda_v, par.aggregation) if par.pv > 1 else None
@@ -82,7 +82,8 @@ class ParVL(nn.Module):
     # fuses them; an int runs that one branch for every sample; a sequence (or [B] tensor) runs one
     # branch per sample. Only the chosen branches run: B rows through the blocks, not P*B.
 
-    def vision_rows(self, vision_branch: Choice, num_tiles: torch.Tensor | list[int] | None, tiles: int, device) -> Rows:
+    def vision_rows(self, vision_branch: Choice, num_tiles: torch.Tensor | list[int] | None, tiles: int,
+                    device) -> Rows:
         """ViT rows for `tiles` tiles; a branch per sample needs num_tiles [B] (tiles of each sample)."""
         if vision_branch is None or isinstance(vision_branch, int):
             return Rows.choose(vision_branch, self.cfg.par.pv, tiles, device)
@@ -90,7 +91,8 @@ class ParVL(nn.Module):
             raise ValueError("a vision branch per sample needs the tiles of each sample (num_tiles)")
         num_tiles = torch.as_tensor(num_tiles, dtype=torch.long)
         if int(num_tiles.sum()) != tiles:
-            raise ValueError(f"num_tiles {num_tiles.tolist()} sums to {int(num_tiles.sum())}, pixel_values has {tiles} tiles")
+            raise ValueError(f"num_tiles {num_tiles.tolist()} sums to {int(num_tiles.sum())}, pixel_values has "
+                             f"{tiles} tiles")
         return Rows.choose(vision_branch, self.cfg.par.pv, len(num_tiles), device).per_tile(num_tiles)
 
     def language_rows(self, language_branch: Choice, batch: int, device, shared_kv: bool = False) -> Rows:
@@ -117,8 +119,8 @@ class ParVL(nn.Module):
         rows = self.vision_rows(vision_branch, num_tiles, pixel_values.shape[0], pixel_values.device)
         return self.vision(pixel_values, rows)[0]
 
-    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-              vision_branch: Choice = None, features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, vision_branch: Choice = None,
+              features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token embeddings [B,T,C] with the image features written, in order, into the <IMG_CONTEXT>
         slots, and the vision branch weights (None without images or without fusion). A sample's
         tiles are told by its <IMG_CONTEXT> count (tokens_per_tile each). features: the connector
@@ -219,8 +221,9 @@ class ParVL(nn.Module):
         checkpoint, drawn in a fixed order from the CPU generator. Prefixes ~ N(0, std^2), as ParScale
         does: random prefixes are enough to make the branches diverge, and small ones start every
         branch close to the pretrained model. LoRA branches start as PEFT starts them, random A and
-        zero B: exactly the pretrained ViT, diverging from the first update. The aggregators start uniform (zero last layer), so the
-        first step sees the mean of the branches. Works on a meta model (train.py's sharded loading)."""
+        zero B: exactly the pretrained ViT, diverging from the first update. The aggregators start
+        uniform (zero last layer), so the first step sees the mean of the branches. Works on a meta
+        model (train.py's sharded loading)."""
         values = {}
         for name, p in self.named_parameters():
             if name.endswith(("prefix_k", "prefix_v")):
@@ -229,7 +232,8 @@ class ParVL(nn.Module):
                 values[name] = torch.empty(p.shape).uniform_(-p.shape[-1] ** -0.5, p.shape[-1] ** -0.5)
             elif name.endswith("lora_B"):  # zero: a fresh LoRA branch is the shared ViT
                 values[name] = torch.zeros(p.shape)
-        for name, agg in (("vision_aggregator", self.vision_aggregator), ("language_aggregator", self.language_aggregator)):
+        for name in ("vision_aggregator", "language_aggregator"):
+            agg = getattr(self, name)
             if agg is not None:
                 values |= {f"{name}.{k}": v for k, v in agg.initial_values().items()}
         return values
@@ -242,13 +246,13 @@ class ParVL(nn.Module):
              num_patches_list=None, verbose=False, system=None):
         """InternVLChatModel.chat, same arguments: see chat.chat."""
         return chat_api.chat(self, tokenizer, pixel_values, question, generation_config, history, return_history,
-                         num_patches_list, verbose, system)
+                             num_patches_list, verbose, system)
 
     def batch_chat(self, tokenizer, pixel_values, questions, generation_config, num_patches_list=None,
                    history=None, return_history=False, verbose=False, system=None):
         """InternVLChatModel.batch_chat, same arguments: see chat.batch_chat."""
-        return chat_api.batch_chat(self, tokenizer, pixel_values, questions, generation_config, num_patches_list, history,
-                               return_history, verbose, system)
+        return chat_api.batch_chat(self, tokenizer, pixel_values, questions, generation_config, num_patches_list,
+                                   history, return_history, verbose, system)
 
     @torch.no_grad()
     def init_branches(self, std: float = 0.02) -> None:
@@ -292,7 +296,8 @@ class ParVL(nn.Module):
             like = model.language_model.model.embed_tokens.weight
             for name in new:  # materialise the meta tensors the checkpoint does not have
                 owner, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
-                setattr(owner, attr, nn.Parameter(torch.empty_like(getattr(owner, attr), device=like.device, dtype=like.dtype)))
+                blank = torch.empty_like(getattr(owner, attr), device=like.device, dtype=like.dtype)
+                setattr(owner, attr, nn.Parameter(blank))
             model.init_branches()
         model.language_model.model.init_rope(device)
         model.source_dir = folder
@@ -308,11 +313,11 @@ class ParVL(nn.Module):
         if par is not None or pv is not None or pl is not None:
             par = replace(par or saved, **{k: v for k, v in (("pv", pv), ("pl", pl)) if v is not None})
             if (saved.pv, saved.pl) != (1, 1):  # its branch tensors are what they are; the smoothing may change
-                for name in ("pv", "pl", "vit_prefix_len", "llm_prefix_len", "aggregation", "vision_branches",
-                             "lora_rank"):
+                for name in (f.name for f in fields(ParConfig) if f.name not in ("lambda_v", "lambda_l")):
                     if getattr(saved, name) != getattr(par, name):
                         raise CheckpointError(f"{folder}: holds Pv:Pl = {saved.pv}:{saved.pl} branches with {name} "
-                                              f"{getattr(saved, name)}, cannot load them as {name} {getattr(par, name)}")
+                                              f"{getattr(saved, name)}, cannot load them as {name} "
+                                              f"{getattr(par, name)}")
             cfg = replace(cfg, par=par)
         return cfg
 
@@ -327,7 +332,8 @@ class ParVL(nn.Module):
         check_keys(expected - new if fresh else expected, reader.keys(), folder)
         for key, p in self.state_dict().items():
             if key in reader.shapes and reader.shapes[key] != tuple(p.shape):
-                raise CheckpointError(f"{folder}: {key} has shape {list(reader.shapes[key])}, the config needs {list(p.shape)}")
+                raise CheckpointError(f"{folder}: {key} has shape {list(reader.shapes[key])}, the config needs "
+                                      f"{list(p.shape)}")
         return new if fresh else set()
 
     def save(self, path: str | Path, tokenizer_from: str | Path | None = None) -> None:
