@@ -11,7 +11,8 @@ branch each row runs. Two layouts:
   choice per sample). Row b is item b running branch[b]; nothing is repeated or fused, so the
   other branches' compute is skipped (P x less than dense).
 Either way every row gathers its own branch's prefixes, `prefix_k[rows.branch]` (or, for LoRA
-vision branches, its own low-rank updates, `LoRA`): the attention code has one path. `fold`, `unfold` and `per_branch` below are the only places rows and items are converted.
+vision branches, its own low-rank updates, `LoRA`): the attention code has one path. `fold`,
+`unfold` and `per_branch` below are the only places rows and items are converted.
 
 Prefix attention (Eq. 1): the row's learned prefix K/V [Lp] sit in front of its token K/V, queries
 are not prefixed; the ViT attends bidirectionally, the LLM causally aligned bottom-right (token i
@@ -197,7 +198,8 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k
     R, H, T, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if isinstance(mask, BlockMask):
-        flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()  # inside a compiled block: traced in
+        # inside a compiled block flex_attention is traced in; eager calls take the compiled one
+        flex = flex_attention if torch.compiler.is_compiling() else compiled_flex_attention()
         return flex(q, k, v, block_mask=mask, enable_gqa=Hkv != H)
     if not causal and mask is None:  # the ViT: bidirectional over [prefix; tokens]
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=Hkv != H)
@@ -265,7 +267,8 @@ def packed_mask(segments: torch.Tensor, rows: Rows, prefix_len: int, flex: bool)
     partial = some & ~full
 
     def ordered(blocks):  # [R,1,nq,nk] bool -> per query block: count, then the block indices in order
-        return blocks.sum(-1, dtype=torch.int32), torch.argsort(blocks.int(), dim=-1, descending=True, stable=True).int()
+        order = torch.argsort(blocks.int(), dim=-1, descending=True, stable=True).int()
+        return blocks.sum(-1, dtype=torch.int32), order
 
     return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=n, mask_mod=mask_mod,
                                     seq_lengths=(T, S))
@@ -306,12 +309,14 @@ def shared_kv_mask(mask: torch.Tensor | None, B: int, T: int, P: int, Lp: int, d
 
 
 class Aggregator(nn.Module):
+    """Eq. 2, the token-wise fusion of P branch states: a_t = softmax(g(c_t)) over the branch-major
+    concat c_t (P*C), smoothed toward uniform, a'_t = (1 - lambda) a_t + lambda / P, and the fused
+    z_t = sum_k a'_{t,k} z_{k,t}; kind "mean" is the fixed a' = 1/P of the ablation (Appendix D.1).
+    kind and smoothing are ParConfig's aggregation and lambda_v / lambda_l, checked there."""
+
     def __init__(self, branches: int, width: int, smoothing: float = 0.0, kind: str = "mlp"):
         super().__init__()
-        if kind not in ("mlp", "mean"):
-            raise ValueError(f"aggregation must be 'mlp' or 'mean', got {kind!r}")
-        if not 0.0 <= smoothing <= 1.0:
-            raise ValueError(f"aggregation smoothing lambda must be in [0, 1], got {smoothing}")
+        assert kind in ("mlp", "mean") and 0.0 <= smoothing <= 1.0, (kind, smoothing)
         self.branches, self.smoothing, self.kind = branches, smoothing, kind
         if kind == "mlp":  # ParScale's aggregate_layer: P*C -> C -> P
             self.mlp = nn.Sequential(nn.Linear(branches * width, width), nn.SiLU(), nn.Linear(width, branches))

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from cli import SEED, resolve_model
+from checkpoint import resolve_model
+from cli import SEED
 from processor import Tokenizer
 from scoring import BENCHMARKS, GROUPS, DataError, as_list, read_jsonl, read_tsv
 

@@ -1,5 +1,6 @@
 """InternVL's chat API on the engine: `chat` and `batch_chat` as InternVLChatModel (the official
-remote code) has them, and the interactive session and streamed answer of `generate.py --chat`.
+remote code) has them. (The streamed answer and the interactive session of `generate.py --chat` are
+the command's own, in generate.py.)
 
     response, history = model.chat(tokenizer, pixel_values, "Describe the image.",
                                    dict(max_new_tokens=256, do_sample=False), return_history=True)
@@ -13,14 +14,10 @@ the command that loads models (generate.py) sits above all three. The model keep
 """
 from __future__ import annotations
 
-import argparse
-import json
 import re
-import sys
 
 import torch
 
-from cli import log, one_line, peak_memory_gib
 from engine import Engine, GenerateConfig
 from processor import IMAGE_PLACEHOLDER, IMG_CONTEXT, IMG_END, IMG_START, Tokenizer, build_prompt, place_images
 
@@ -29,7 +26,7 @@ def engine_of(model) -> Engine:
     """The model's Engine, created on the first chat: compiled on CUDA, as the command's default.
     Assign model.engine = Engine(model, ...) first for other settings (branches, shared KV)."""
     if model.engine is None:
-        model.engine = Engine(model, compile=model.language_model.lm_head.weight.device.type == "cuda")
+        model.engine = Engine(model, compile=None)
     return model.engine
 
 
@@ -108,7 +105,8 @@ def batch_chat(model, tokenizer: Tokenizer, pixel_values: torch.Tensor | None, q
         raise ValueError("batch_chat takes no history (as InternVL's); use chat() for a conversation")
     if num_patches_list is None:
         if pixel_values is not None and len(questions) != 1:
-            raise ValueError(f"{len(questions)} questions share pixel_values: pass num_patches_list (tiles per question)")
+            raise ValueError(f"{len(questions)} questions share pixel_values: pass num_patches_list "
+                             f"(tiles per question)")
         num_patches_list = [0 if pixel_values is None else pixel_values.shape[0]] * len(questions)
     if len(num_patches_list) != len(questions):
         raise ValueError(f"num_patches_list has {len(num_patches_list)} entries for {len(questions)} questions")
@@ -122,104 +120,3 @@ def batch_chat(model, tokenizer: Tokenizer, pixel_values: torch.Tensor | None, q
     out = engine_of(model).generate([tokenizer.encode(p) for p in prompts], pixels,
                                     to_generate_config(generation_config), tokenizer.eos_ids)
     return [tokenizer.answer(t) for t in out.tokens]
-
-
-
-# -- the streamed answer and the interactive session of generate.py ------------------------------
-
-
-class Interrupted(Exception):
-    """Ctrl-C during an answer: what was generated until then (already on stdout)."""
-
-    def __init__(self, text: str):
-        super().__init__(text)
-        self.text = text
-
-
-
-class Streamer:
-    """Streams the answer as tokens arrive: decodes everything so far and writes what is new, holding
-    back an incomplete UTF-8 character (decoded as U+FFFD) and trailing white space (the answer is
-    stripped), so the pieces written concatenate to exactly the final answer."""
-
-    def __init__(self, tok: Tokenizer, enabled: bool = True, write=None):
-        self.tok, self.enabled, self.write = tok, enabled, write or sys.stdout.write
-        self.ids: list[int] = []
-        self.shown, self.stopped = "", False
-
-    def __call__(self, step: int, tokens: list[int]) -> None:
-        if self.stopped or tokens[0] in self.tok.eos_ids:
-            self.stopped = True
-            return
-        self.ids.append(tokens[0])
-        text = self.tok.answer(self.ids)
-        if self.enabled and not text.endswith("\ufffd") and len(text) > len(self.shown):
-            self.write(text[len(self.shown):])
-            self.shown = text
-            sys.stdout.flush()
-
-    def finish(self) -> None:
-        if self.enabled:  # whatever was held back (a dangling partial character) goes out now
-            text = self.tok.answer(self.ids)
-            self.write(text[len(self.shown):] + "\n")
-
-
-def answer(engine: Engine, tok: Tokenizer, prompt: str, pixel_values, cfg: GenerateConfig,
-           args: argparse.Namespace, load_s: float = 0.0) -> str:
-    """Generate one answer, streaming text to stdout (unless --json); metrics to stderr."""
-    torch.manual_seed(args.seed)
-    ids = tok.encode(prompt)
-    streamed = Streamer(tok, enabled=not args.json)
-    try:
-        res = engine.generate([ids], pixel_values, cfg, stop_ids=tok.eos_ids, callback=streamed)
-    except KeyboardInterrupt:  # Ctrl-C: end the answer where it is, cleanly, and say so
-        text = tok.answer(streamed.ids)
-        streamed.finish()
-        if args.json:
-            print(json.dumps({"answer": text, "interrupted": True, "new_tokens": len(streamed.ids)}, ensure_ascii=False))
-        raise Interrupted(text) from None
-    text = tok.answer(res.tokens[0])
-    streamed.finish()
-    n = len(res.tokens[0])
-    metrics = {
-        "load_s": round(load_s, 3), "ttft_s": round(res.prefill_s, 4), "new_tokens": n,
-        "decode_tok_s": round((res.decode_steps - 1) / res.decode_s, 2) if res.decode_steps > 1 else None,
-        "peak_gib": round(peak_memory_gib(engine.device), 3), "prompt_tokens": len(ids),
-    }
-    if res.pairs is not None:  # routed: the (vision, language) branch pair that ran
-        metrics["pair"] = list(res.pairs[0])
-    if args.json:
-        print(json.dumps({"answer": text, **metrics}, ensure_ascii=False))
-    else:
-        log(" ".join(f"{k}={v}" for k, v in metrics.items()))
-    return text
-
-
-def chat_session(engine, tok, pixel_values, num_tiles, cfg, args) -> int:
-    """Read questions until end of input (0) or Ctrl-C at the prompt (130). A turn that is refused
-    (too long, a stray <image>) prints one line and is dropped; Ctrl-C during an answer stops it,
-    and the part shown stays in the history, as it does in chat interfaces."""
-    history: list[tuple[str, str]] = []
-    while True:
-        try:
-            question = input("> " if sys.stdin.isatty() else "").strip()
-        except EOFError:
-            return 0
-        except KeyboardInterrupt:
-            print("\ninterrupted", file=sys.stderr)
-            return 130
-        if not question:
-            continue
-        if not history:  # the first turn carries the images, as the official chat() stores it
-            question = place_images(question, len(num_tiles))
-        try:
-            # the whole history is re-sent each turn; its image tokens stay in the first turn
-            prompt = build_prompt(question, num_tiles, history=history, system=args.system,
-                                  tokens_per_tile=engine.model.cfg.tokens_per_tile)
-            history.append((question, answer(engine, tok, prompt, pixel_values, cfg, args)))
-        except ValueError as e:  # this turn only; the session and its history go on
-            print(f"error: {one_line(e)} (turn dropped; the conversation goes on)", file=sys.stderr)
-        except Interrupted as e:
-            print("interrupted: answer stopped (the conversation goes on)", file=sys.stderr)
-            history.append((question, e.text))
-

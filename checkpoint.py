@@ -1,4 +1,5 @@
-"""Checkpoint files: safetensors shards and the official key spellings.
+"""Checkpoint files: the model folder (a local one, or a hub model fetched once into the
+huggingface_hub cache), safetensors shards and the official key spellings.
 
 Reads a local checkpoint folder (model.safetensors, or shards listed in model.safetensors.index.json)
 shard by shard straight to the target device, and renames every official spelling to this
@@ -15,11 +16,14 @@ Only safetensors and JSON are read: nothing is unpickled.
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from cli import log
 
 
 class CheckpointError(ValueError):
@@ -66,6 +70,81 @@ def read_json(path: Path) -> dict:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
 
 
+# -- the model folder: local, or the huggingface_hub cache ---------------------------------------
+
+DEFAULT_MODEL = "OpenGVLab/InternVL3_5-1B"  # the original layout, which parvl.py reads natively
+HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name, as the hub spells repo ids
+HUB_FILES = ["*.json", "*.safetensors", "*.txt"]  # config, weights, tokenizer: not the remote code or example media
+
+
+def resolve_model(name: str | None = None, revision: str | None = None) -> Path:
+    """The checkpoint folder for --model: a local folder, else a hub repo id, fetched once into
+    huggingface_hub's cache (HF_HUB_CACHE / HF_HOME) and read from there on later runs, offline too.
+    No name: $PARVL_MODEL, else DEFAULT_MODEL. revision (a branch, tag or commit) pins a hub model."""
+    name = name or os.environ.get("PARVL_MODEL") or DEFAULT_MODEL
+    if Path(name).is_dir():
+        if revision:
+            raise ValueError(f"--revision {revision}: {name} is a local folder, not a hub model")
+        check_not_run_folder(Path(name))  # runs/22 instead of runs/22/export: say so before anything fails
+        return Path(name)
+    if Path(name).exists() or not HUB_ID.fullmatch(name) or name.startswith("."):
+        raise CheckpointError(f"{name}: not a checkpoint folder (nor a hub model id such as {DEFAULT_MODEL})")
+    return hub_snapshot(name, revision)
+
+
+def hub_snapshot(repo: str, revision: str | None) -> Path:
+    """The cached snapshot of a hub model, downloaded (with huggingface_hub's progress bars) only if the
+    cache lacks it or holds an incomplete copy. Every failure is one line naming the way out."""
+    pin = f" --revision {revision}" if revision else ""
+    local = repo.split("/")[-1]
+    elsewhere = (f"download it where the hub is reachable (hf download {repo}{pin} --local-dir {local}) and pass "
+                 f"--model {local}")
+    try:
+        from huggingface_hub import constants, snapshot_download
+        from huggingface_hub.utils import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
+                                           RepositoryNotFoundError, RevisionNotFoundError)
+    except ImportError:
+        raise CheckpointError(f"{repo}: not a local folder, and huggingface_hub is not installed to fetch it "
+                              f"(pip install huggingface_hub); or {elsewhere}") from None
+    kw = dict(revision=revision, allow_patterns=HUB_FILES)
+    try:  # the cache first: no network round trip, and it works offline
+        cached = Path(snapshot_download(repo, local_files_only=True, **kw))
+    except LocalEntryNotFoundError:
+        cached = None
+    if cached is not None and weights_complete(cached):
+        return cached
+    if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE=1: no download to attempt
+        state = "incomplete in" if cached is not None else "not in"
+        raise CheckpointError(f"{repo}{pin}: {state} the hub cache, and HF_HUB_OFFLINE is set; {elsewhere}")
+    try:
+        log(f"downloading {repo}{pin} into {constants.HF_HUB_CACHE} (once; later runs read it there)")
+        folder = Path(snapshot_download(repo, **kw))
+    except GatedRepoError:
+        raise CheckpointError(f"{repo}: a gated model; accept its terms on the hub and log in "
+                              f"(hf auth login)") from None
+    except RepositoryNotFoundError:
+        raise CheckpointError(f"{repo}: not a local folder, and no hub model of that name "
+                              f"(a private one needs hf auth login)") from None
+    except RevisionNotFoundError:
+        raise CheckpointError(f"{repo}: the hub has no revision {revision!r}") from None
+    except LocalEntryNotFoundError:  # not cached, and offline (HF_HUB_OFFLINE) or the hub is unreachable
+        raise CheckpointError(f"{repo}{pin}: not in the hub cache and the hub cannot be reached; {elsewhere}") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise CheckpointError(f"{repo}: download failed ({type(e).__name__}: {e}); {elsewhere}") from None
+    if not weights_complete(folder):
+        raise CheckpointError(f"{folder}: the cached {repo} is incomplete (no config.json or weights); {elsewhere}")
+    return folder
+
+
+def weights_complete(folder: Path) -> bool:
+    """config.json and every weight file there (an interrupted download leaves a partial snapshot)."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        return (folder / "config.json").is_file() and all((folder / s).is_file() for s in shards)
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
 # -- safetensors: shards, key spellings ---------------------------------------------------------
 
 # -HF key -> original key (after stripping a leading "model."); q/k/v are fused separately below.
@@ -73,9 +152,12 @@ HF_RENAMES = [
     (r"^vision_tower\.embeddings\.cls_token$", "vision_model.embeddings.class_embedding"),
     (r"^vision_tower\.embeddings\.patch_embeddings\.projection\.", "vision_model.embeddings.patch_embedding."),
     (r"^vision_tower\.embeddings\.position_embeddings$", "vision_model.embeddings.position_embedding"),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.projection_layer\.", r"vision_model.encoder.layers.\1.attn.proj."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.([qk])_norm\.", r"vision_model.encoder.layers.\1.attn.\2_norm."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.([qkv])_proj\.", r"vision_model.encoder.layers.\1.attn.qkv.\2."),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.projection_layer\.",
+     r"vision_model.encoder.layers.\1.attn.proj."),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.([qk])_norm\.",
+     r"vision_model.encoder.layers.\1.attn.\2_norm."),
+    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.([qkv])_proj\.",
+     r"vision_model.encoder.layers.\1.attn.qkv.\2."),
     (r"^vision_tower\.encoder\.layer\.(\d+)\.layernorm_before\.", r"vision_model.encoder.layers.\1.norm1."),
     (r"^vision_tower\.encoder\.layer\.(\d+)\.layernorm_after\.", r"vision_model.encoder.layers.\1.norm2."),
     (r"^vision_tower\.encoder\.layer\.(\d+)\.lambda_1$", r"vision_model.encoder.layers.\1.ls1"),
@@ -223,3 +305,9 @@ def check_keys(expected: set[str], found: set[str], folder: Path) -> None:
         if unexpected:
             what.append(f"unexpected {len(unexpected)} keys (e.g. {', '.join(unexpected[:3])})")
         raise CheckpointError(f"{folder}: checkpoint does not match the config: {'; '.join(what)}")
+
+
+def is_branch_tensor(key: str) -> bool:
+    """The ParVL tensors on top of InternVL: per-layer prefixes (or LoRA updates) and the two aggregators."""
+    return key.endswith((".prefix_k", ".prefix_v", ".lora_A", ".lora_B")) or key.startswith(
+        ("vision_aggregator.", "language_aggregator."))

@@ -1,6 +1,6 @@
 """What every command shares and that knows no model: the one-line argument parser and its check of
-every numeric flag's range, the paper's seed, device, dtype and model resolution (a local folder or
-the huggingface_hub cache), logging from rank 0, one-line errors (also into torchrun's error file),
+every numeric flag's range, the paper's seed, device and dtype resolution (the model folder is
+checkpoint.resolve_model's), logging from rank 0, one-line errors (also into torchrun's error file),
 the causes of failed reads and writes, allocation failures and signals, the process group torchrun
 asks for, the check that every node sees a shared folder, the process exit, and small figures
 (h:mm:ss, peak memory), plus the optional matplotlib import. generate.py, train.py, router.py, evaluate.py
@@ -12,7 +12,6 @@ import argparse
 import errno
 import json
 import os
-import re
 import resource
 import secrets
 import shutil
@@ -27,8 +26,6 @@ from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
-
-from checkpoint import CheckpointError, check_not_run_folder
 
 
 SEED = 42  # the paper's seed for every SFT and router-training job (Appendix A.1), and ours for every draw
@@ -259,8 +256,8 @@ def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None =
         except (KeyboardInterrupt, CheckpointException, Exception) as e:
             many = dist.is_initialized() and dist.get_world_size() > 1
             who = f"rank {rank()}: " if many else ""  # a line only this rank may meet names it
-            if received or isinstance(e, KeyboardInterrupt):
-                signum = received[0] if received else getattr(e, "code", 130) - 128
+            if received or isinstance(e, KeyboardInterrupt):  # the signal that raised it, else the first one
+                signum = e.code - 128 if isinstance(e, Interrupted) else received[0] if received else signal.SIGINT
                 code, alone = 128 + signum, many
                 words = interrupted() if interrupted is not None else ""
                 log(f"interrupted by {signal.Signals(signum).name}" + (f": {words}" if words else ""))
@@ -507,76 +504,3 @@ def pyplot():
     except ImportError:
         raise ValueError("matplotlib is not installed (it draws the plot): pip install matplotlib") from None
     return plt
-
-
-# -- the model folder: local, or the huggingface_hub cache ---------------------------------------
-
-DEFAULT_MODEL = "OpenGVLab/InternVL3_5-1B"  # the original layout, which parvl.py reads natively
-HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name, as the hub spells repo ids
-HUB_FILES = ["*.json", "*.safetensors", "*.txt"]  # config, weights, tokenizer: not the remote code or example media
-
-
-def resolve_model(name: str | None = None, revision: str | None = None) -> Path:
-    """The checkpoint folder for --model: a local folder, else a hub repo id, fetched once into
-    huggingface_hub's cache (HF_HUB_CACHE / HF_HOME) and read from there on later runs, offline too.
-    No name: $PARVL_MODEL, else DEFAULT_MODEL. revision (a branch, tag or commit) pins a hub model."""
-    name = name or os.environ.get("PARVL_MODEL") or DEFAULT_MODEL
-    if Path(name).is_dir():
-        if revision:
-            raise ValueError(f"--revision {revision}: {name} is a local folder, not a hub model")
-        check_not_run_folder(Path(name))  # runs/22 instead of runs/22/export: say so before anything fails
-        return Path(name)
-    if Path(name).exists() or not HUB_ID.fullmatch(name) or name.startswith("."):
-        raise CheckpointError(f"{name}: not a checkpoint folder (nor a hub model id such as {DEFAULT_MODEL})")
-    return hub_snapshot(name, revision)
-
-
-def hub_snapshot(repo: str, revision: str | None) -> Path:
-    """The cached snapshot of a hub model, downloaded (with huggingface_hub's progress bars) only if the
-    cache lacks it or holds an incomplete copy. Every failure is one line naming the way out."""
-    pin = f" --revision {revision}" if revision else ""
-    local = repo.split("/")[-1]
-    elsewhere = f"download it where the hub is reachable (hf download {repo}{pin} --local-dir {local}) and pass --model {local}"
-    try:
-        from huggingface_hub import constants, snapshot_download
-        from huggingface_hub.utils import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                           RepositoryNotFoundError, RevisionNotFoundError)
-    except ImportError:
-        raise CheckpointError(f"{repo}: not a local folder, and huggingface_hub is not installed to fetch it "
-                              f"(pip install huggingface_hub); or {elsewhere}") from None
-    kw = dict(revision=revision, allow_patterns=HUB_FILES)
-    try:  # the cache first: no network round trip, and it works offline
-        cached = Path(snapshot_download(repo, local_files_only=True, **kw))
-    except LocalEntryNotFoundError:
-        cached = None
-    if cached is not None and weights_complete(cached):
-        return cached
-    if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE=1: no download to attempt
-        state = "incomplete in" if cached is not None else "not in"
-        raise CheckpointError(f"{repo}{pin}: {state} the hub cache, and HF_HUB_OFFLINE is set; {elsewhere}")
-    try:
-        log(f"downloading {repo}{pin} into {constants.HF_HUB_CACHE} (once; later runs read it there)")
-        folder = Path(snapshot_download(repo, **kw))
-    except GatedRepoError:
-        raise CheckpointError(f"{repo}: a gated model; accept its terms on the hub and log in (hf auth login)") from None
-    except RepositoryNotFoundError:
-        raise CheckpointError(f"{repo}: not a local folder, and no hub model of that name "
-                              f"(a private one needs hf auth login)") from None
-    except RevisionNotFoundError:
-        raise CheckpointError(f"{repo}: the hub has no revision {revision!r}") from None
-    except LocalEntryNotFoundError:  # not cached, and offline (HF_HUB_OFFLINE) or the hub is unreachable
-        raise CheckpointError(f"{repo}{pin}: not in the hub cache and the hub cannot be reached; {elsewhere}") from None
-    except (HfHubHTTPError, OSError) as e:
-        raise CheckpointError(f"{repo}: download failed ({type(e).__name__}: {e}); {elsewhere}") from None
-    if not weights_complete(folder):
-        raise CheckpointError(f"{folder}: the cached {repo} is incomplete (no config.json or weights); {elsewhere}")
-    return folder
-
-
-def weights_complete(folder: Path) -> bool:
-    """config.json and every weight file there (an interrupted download leaves a partial snapshot)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = set(json.loads(index.read_text())["weight_map"].values())
-        return (folder / "config.json").is_file() and all((folder / s).is_file() for s in shards)
-    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()

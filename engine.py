@@ -7,11 +7,11 @@ static KV caches, batched left padding and the branch caches of ParVL.
 The prompt is prefilled once into a static KV cache (allocated once, written in place), then
 `decode_step` (`decode_one_token`, sampling and the stop check) runs one step at a time, compiled
 with torch.compile into one graph: CUDA graphs on GPU (mode="reduce-overhead"), and on CPU inductor
-with its linears of few rows as inductor's own reductions (`gemv`). Sampling runs on the device (no
-multinomial, no .item()), so the decode loop needs no host synchronisation except where the caller
-streams tokens or every `check_every` steps to see whether every sequence has stopped. Several
-prompts of different lengths and tile counts are generated as one left-padded batch; each prompt's
-positions start at 0 and its padding is masked out of every attention.
+with its linears of few rows as inductor's own reductions (cpu_decode.py). Sampling runs on the
+device (no multinomial, no .item()), so the decode loop needs no host synchronisation except where
+the caller streams tokens or every `check_every` steps to see whether every sequence has stopped.
+Several prompts of different lengths and tile counts are generated as one left-padded batch; each
+prompt's positions start at 0 and its padding is masked out of every attention.
 
 The engine reads only the model object it is handed (its embed, language states, towers and caches)
 and imports no name of parvl.py, so the model can sit above it and reach it for InternVL's
@@ -23,7 +23,6 @@ Shape legend: aggregate.py's (here T is the padded prompt, S the cache slots).
 """
 from __future__ import annotations
 
-import argparse
 import time
 from dataclasses import dataclass
 
@@ -31,6 +30,8 @@ import torch
 
 from aggregate import Choice, Rows
 from cli import sync
+from config import check_branch_choice  # for engine_from_flags alone (transitional)
+from cpu_decode import cpu_backend
 from llm import causal_mask, prompt_positions
 
 
@@ -51,7 +52,8 @@ class Result:
     prefill_s: float = 0.0  # time to first token (ViT + connector + LLM prefill + first sample)
     decode_s: float = 0.0
     decode_steps: int = 0
-    pairs: list[tuple[int | None, int]] | None = None  # routed: (vision, language) branch per prompt, vision None without image
+    # routed: the (vision, language) branch pair of each prompt, vision None without an image
+    pairs: list[tuple[int | None, int]] | None = None
 
 
 # -- sampling ---------------------------------------------------------------------------------
@@ -114,40 +116,8 @@ def decode_step(model, token: torch.Tensor, input_pos: torch.Tensor, positions: 
 
 
 # -- compiling the decode step ------------------------------------------------------------------
-# On CUDA the step runs as CUDA graphs (mode="reduce-overhead"). On CPU a decode step is a few
-# matrix-vector products per layer over every weight, bandwidth-bound work that MKL's sgemm does
-# poorly with few rows (it streams the weights on one thread). Inductor's own reduction kernel,
-# parallel over the outputs and vectorised along K, reads them near the memory's rate, so the
-# compiled CPU step turns each linear of few rows into multiply + sum (gemv) before inductor lowers
-# it: every weight is still read once per row, and the sums accumulate in fp32 as the BLAS's do.
-# The measurements behind this and GEMV_ROWS are in the README ("On a GPU", the decode step).
-GEMV_ROWS = 4  # linears of at most this many rows (samples x branches) become gemv; past 4 MKL wins
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear for few rows as one fp32 reduction over K per output: x [...,K], weight [N,K] -> [...,N].
-    Only for compiled code: inductor fuses the product into the sum, eager would materialise it."""
-    rows = x.reshape(-1, 1, x.shape[-1])  # [M,1,K]
-    out = (rows.float() * weight.float()).sum(-1)  # [M,N,K] -> [M,N]
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])  # [...,N]
-
-
-def cpu_backend(gm: torch.fx.GraphModule, example_inputs):
-    """The CPU decode backend: inductor, after turning every linear of at most GEMV_ROWS rows in
-    dynamo's graph into gemv. The rewrite is in the graph inductor receives (not in its decomposition
-    table, which its caches do not key on), so a cached plain graph is never handed back for it."""
-    from torch._inductor.compile_fx import compile_fx
-
-    for node in gm.graph.find_nodes(op="call_function", target=torch.nn.functional.linear):
-        x = node.args[0].meta["example_value"]
-        if x.numel() <= GEMV_ROWS * x.shape[-1]:
-            node.target = gemv
-    gm.recompile()
-    # store small activations (the RMSNorm output) rather than let inductor recompute them in the gemv
-    # loop for every weight row (faster at the benchmark's default size, README)
-    return compile_fx(gm, example_inputs, config_patches={"realize_opcount_threshold": 4})
+# On CUDA the step runs as CUDA graphs (mode="reduce-overhead"); on CPU as inductor with its linears
+# of few rows as inductor's own reductions (cpu_decode.py).
 
 
 def compile_step(device: torch.device):
@@ -166,16 +136,19 @@ class Engine:
     None = all branches fused, an int = one pair for every sample; `generate` can override it with
     a branch per sample.
     router (gates.Router): pick (vision, language) per prompt by argmax and run only that pair, in
-    calls that give no branches; it cannot be combined with default branches or shared KV."""
+    calls that give no branches; it cannot be combined with default branches or shared KV.
+    compile: torch.compile the decode step; None compiles on CUDA only (the commands' default)."""
 
-    def __init__(self, model, compile: bool = False, shared_kv: bool = False,
+    def __init__(self, model, compile: bool | None = False, shared_kv: bool = False,
                  vision_branch: Choice = None, language_branch: Choice = None, router=None):
         self.model = model
         self.device = model.language_model.lm_head.weight.device
+        compile = self.device.type == "cuda" if compile is None else compile
         self.shared_kv, self.vision_branch, self.language_branch = shared_kv, vision_branch, language_branch
         if router is not None:
             if shared_kv or vision_branch is not None or language_branch is not None:
-                raise ValueError("a router picks the branches per sample: no shared_kv, vision_branch or language_branch with it")
+                raise ValueError("a router picks the branches per sample: no shared_kv, vision_branch or "
+                                 "language_branch with it")
             router.check(model)
         self.router = router
         self.cache_shape: tuple[int, bool, int] | None = None  # (rows, shared, slots)
@@ -260,8 +233,8 @@ class Engine:
             # attend over the slots written so far (T + i, the fed token included) rounded up to a
             # bucket, not the whole cache: fewer keys, and one graph per bucket
             n = min(S, -(-(T + i) // cfg.bucket) * cfg.bucket) if cfg.bucket else S
-            token, done, rec = self.step(model, token, input_pos, positions, key_valid[:, :n], rows, done, stops, pad_id,
-                                         *sampling)
+            token, done, rec = self.step(model, token, input_pos, positions, key_valid[:, :n], rows, done, stops,
+                                         pad_id, *sampling)
             if self.graphs:  # the next replay overwrites its outputs
                 token, done, rec = token.clone(), done.clone(), rec.clone()
             recorded.append(rec)
@@ -278,17 +251,12 @@ class Engine:
         return result
 
 
-def engine_from_flags(model, args: argparse.Namespace, router=None) -> Engine:
-    """The Engine the branch flags ask for (generate.py and evaluate.py): --vision-branch and
-    --language-branch checked against the checkpoint, the router the command loaded for --router
-    (gates.router_flag), --compile on by default on CUDA."""
-    par = model.cfg.par
-    for name, value, count in (("--vision-branch", args.vision_branch, par.pv), ("--language-branch", args.language_branch, par.pl)):
-        if value is not None and not 0 <= value < count:
-            raise ValueError(f"{name} {value} out of range: the checkpoint has {count} branches")
-    cuda = model.language_model.lm_head.weight.device.type == "cuda"
-    return Engine(model, compile=cuda if args.compile is None else args.compile, shared_kv=args.shared_kv,
-                  vision_branch=args.vision_branch, language_branch=args.language_branch, router=router)
+def engine_from_flags(model, args, router=None) -> Engine:
+    """Transitional (issue 28), for evaluate.py run until it builds its Engine as generate.py does:
+    config.check_branch_choice, then Engine(model, compile=..., ...). Remove with that change."""
+    check_branch_choice(model.cfg.par, args.vision_branch, args.language_branch)
+    return Engine(model, compile=args.compile, shared_kv=args.shared_kv, vision_branch=args.vision_branch,
+                  language_branch=args.language_branch, router=router)
 
 
 def context_check(prompt_len: int, max_new_tokens: int, limit: int) -> None:

@@ -39,8 +39,9 @@ from pathlib import Path
 import torch
 
 import analysis
+from checkpoint import resolve_model
 from cli import (SEED, Interrupted, OneLineParser, allocation, check_shared, command, end_processes, error, interruptible,
-                 log, make_folder, one_line, os_error, pyplot, rank, resolve_device, resolve_dtype, resolve_model,
+                 log, make_folder, one_line, os_error, pyplot, rank, resolve_device, resolve_dtype,
                  start_processes, world_size)
 from judge import Judge
 from scaling_law import fit_law
@@ -123,7 +124,7 @@ def branch_variant(par) -> dict:
     ParConfig fields other than the counts that differ from their defaults ({} for the paper's)."""
     from dataclasses import asdict
 
-    from parvl import ParConfig
+    from config import ParConfig
     unused = "lora_rank" if par.vision_branches == "prefix" else "vit_prefix_len"
     return {k: v for k, v in asdict(par).items() if k not in ("pv", "pl", unused) and v != getattr(ParConfig(), k)}
 
@@ -144,9 +145,10 @@ def file_fingerprint(path) -> str:
 def run(args) -> int:
     import torch.distributed as dist
 
+    from config import open_checkpoint
     from engine import GenerateConfig, engine_from_flags
     from gates import fingerprint, router_flag
-    from parvl import ParVL, open_checkpoint
+    from parvl import ParVL
 
     if args.benchmark not in BENCHMARKS:
         raise DataError(f"unknown benchmark {args.benchmark!r}; choose from {', '.join(BENCHMARKS)}")

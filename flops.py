@@ -38,8 +38,9 @@ import dataclasses
 
 import torch
 
+from config import PRESETS, ParVLConfig
 from llm import LLMConfig
-from parvl import PRESETS, ParVL, ParVLConfig
+from parvl import ParVL
 from vit import ViTConfig
 
 # Which top-level modules each Table S3 column sums; aggregators belong to their modality.

@@ -46,9 +46,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from checkpoint import read_json, read_safetensors
+from checkpoint import is_branch_tensor, read_json, read_safetensors
 from cli import log
-from parvl import ParVL, is_branch_tensor
+from parvl import ParVL
 
 
 class RouterError(ValueError):

@@ -7,13 +7,14 @@
     python generate.py image.png --chat                 # interactive multi-turn session (no image: text only)
     python generate.py --batch questions.jsonl --out answers.jsonl   # resumable; rows {"image", "question"}
 
-One answer, a --chat session (chat.py) or a --batch file, on the engine (engine.py). The command
+One answer (streamed), a --chat session or a --batch file, on the engine (engine.py). The command
 sits above the model: it resolves and loads the checkpoint, builds the prompts and prints.
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -21,11 +22,13 @@ from pathlib import Path
 
 import torch
 
-from chat import answer, chat_session
-from cli import (DEFAULT_MODEL, command, command_parser, error, flag, hms, log, parse, resolve_device, resolve_dtype,
-                 resolve_model, shell)
-from engine import Engine, GenerateConfig, context_check, engine_from_flags
-from parvl import ParVL, open_checkpoint
+import cli
+from checkpoint import DEFAULT_MODEL, resolve_model
+from cli import (command, command_parser, error, flag, hms, log, one_line, parse, peak_memory_gib, resolve_device,
+                 resolve_dtype, shell)
+from config import check_branch_choice, open_checkpoint
+from engine import Engine, GenerateConfig, context_check
+from parvl import ParVL
 from processor import ImageError, Tokenizer, build_prompt, load_image, open_rgb, place_images, tile_count
 from gates import router_flag
 
@@ -134,7 +137,10 @@ def run(args: GenerateFlags) -> int:
     model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
     load_s = time.perf_counter() - t0
     log(f"loaded {folder} in {load_s:.2f} s ({dtype}, {device}, Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl})")
-    engine = engine_from_flags(model, args, router_flag(args.router, model))
+    router = router_flag(args.router, model)
+    check_branch_choice(model.cfg.par, args.vision_branch, args.language_branch)
+    engine = Engine(model, compile=args.compile, shared_kv=args.shared_kv, vision_branch=args.vision_branch,
+                    language_branch=args.language_branch, router=router)
     cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          top_k=args.top_k, top_p=args.top_p)
     pixel_values = torch.cat(pixel_list).to(dtype) if pixel_list else None
@@ -144,6 +150,109 @@ def run(args: GenerateFlags) -> int:
         return answer_file(engine, tok, rows, done, cfg, args)
     answer(engine, tok, prompt, pixel_values, cfg, args, load_s)
     return 0
+
+
+# -- one answer, streamed, and the interactive session (--chat) ----------------------------------
+
+
+class Interrupted(cli.Interrupted):
+    """SIGINT (Ctrl-C) or SIGTERM during an answer: cli.Interrupted (code 130 or 143) carrying what was
+    generated until then (already on stdout)."""
+
+    def __init__(self, text: str, signum: int):
+        super().__init__(signum)
+        self.text = text
+
+
+class Streamer:
+    """Streams the answer as tokens arrive: decodes everything so far and writes what is new, holding
+    back an incomplete UTF-8 character (decoded as U+FFFD) and trailing white space (the answer is
+    stripped), so the pieces written concatenate to exactly the final answer."""
+
+    def __init__(self, tok: Tokenizer, enabled: bool = True, write=None):
+        self.tok, self.enabled, self.write = tok, enabled, write or sys.stdout.write
+        self.ids: list[int] = []
+        self.shown, self.stopped = "", False
+
+    def __call__(self, step: int, tokens: list[int]) -> None:
+        if self.stopped or tokens[0] in self.tok.eos_ids:
+            self.stopped = True
+            return
+        self.ids.append(tokens[0])
+        text = self.tok.answer(self.ids)
+        if self.enabled and not text.endswith("\ufffd") and len(text) > len(self.shown):
+            self.write(text[len(self.shown):])
+            self.shown = text
+            sys.stdout.flush()
+
+    def finish(self) -> None:
+        if self.enabled:  # whatever was held back (a dangling partial character) goes out now
+            text = self.tok.answer(self.ids)
+            self.write(text[len(self.shown):] + "\n")
+
+
+def answer(engine: Engine, tok: Tokenizer, prompt: str, pixel_values, cfg: GenerateConfig,
+           args: GenerateFlags, load_s: float = 0.0) -> str:
+    """Generate one answer, streaming text to stdout (unless --json); metrics to stderr."""
+    torch.manual_seed(args.seed)
+    ids = tok.encode(prompt)
+    streamed = Streamer(tok, enabled=not args.json)
+    try:
+        res = engine.generate([ids], pixel_values, cfg, stop_ids=tok.eos_ids, callback=streamed)
+    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM): end the answer where it is, cleanly, and say so
+        text = tok.answer(streamed.ids)
+        streamed.finish()
+        if args.json:
+            print(json.dumps({"answer": text, "interrupted": True, "new_tokens": len(streamed.ids)},
+                             ensure_ascii=False))
+        raise Interrupted(text, getattr(e, "code", 130) - 128) from None  # a plain KeyboardInterrupt: SIGINT
+    text = tok.answer(res.tokens[0])
+    streamed.finish()
+    n = len(res.tokens[0])
+    metrics = {
+        "load_s": round(load_s, 3), "ttft_s": round(res.prefill_s, 4), "new_tokens": n,
+        "decode_tok_s": round((res.decode_steps - 1) / res.decode_s, 2) if res.decode_steps > 1 else None,
+        "peak_gib": round(peak_memory_gib(engine.device), 3), "prompt_tokens": len(ids),
+    }
+    if res.pairs is not None:  # routed: the (vision, language) branch pair that ran
+        metrics["pair"] = list(res.pairs[0])
+    if args.json:
+        print(json.dumps({"answer": text, **metrics}, ensure_ascii=False))
+    else:
+        log(" ".join(f"{k}={v}" for k, v in metrics.items()))
+    return text
+
+
+def chat_session(engine, tok, pixel_values, num_tiles, cfg, args) -> int:
+    """Read questions until end of input (0). A turn that is refused (too long, a stray <image>)
+    prints one line and is dropped; Ctrl-C during an answer stops it, and the part shown stays in the
+    history, as it does in chat interfaces. Ctrl-C at the prompt, or SIGTERM at any time, ends the
+    session: the interrupt goes on to the command's end (130, 143)."""
+    history: list[tuple[str, str]] = []
+    while True:
+        try:
+            question = input("> " if sys.stdin.isatty() else "").strip()
+        except EOFError:
+            return 0
+        except KeyboardInterrupt:  # at the prompt: end the line the prompt left open
+            print(file=sys.stderr)
+            raise
+        if not question:
+            continue
+        if not history:  # the first turn carries the images, as the official chat() stores it
+            question = place_images(question, len(num_tiles))
+        try:
+            # the whole history is re-sent each turn; its image tokens stay in the first turn
+            prompt = build_prompt(question, num_tiles, history=history, system=args.system,
+                                  tokens_per_tile=engine.model.cfg.tokens_per_tile)
+            history.append((question, answer(engine, tok, prompt, pixel_values, cfg, args)))
+        except ValueError as e:  # this turn only; the session and its history go on
+            print(f"error: {one_line(e)} (turn dropped; the conversation goes on)", file=sys.stderr)
+        except Interrupted as e:
+            if e.code != 128 + signal.SIGINT:  # SIGTERM: the session ends
+                raise
+            print("interrupted: answer stopped (the conversation goes on)", file=sys.stderr)
+            history.append((question, e.text))
 
 
 # -- --batch: a JSONL file of questions -----------------------------------------------------------

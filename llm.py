@@ -240,7 +240,8 @@ class LLM(nn.Module):
         seed the prefixes in front (see KVCache for the two layouts)."""
         w = self.model.embed_tokens.weight
         cfg, Lp = self.cfg, self.prefix_len
-        n, offset = (len(rows.branch) // rows.per_item, rows.per_item * Lp) if rows.shared_kv else (len(rows.branch), Lp)
+        R = len(rows.branch)
+        n, offset = (R // rows.per_item, rows.per_item * Lp) if rows.shared_kv else (R, Lp)
         for layer in self.model.layers:
             layer.self_attn.kv_cache = KVCache(n, cfg.num_kv_heads, offset + max_len, cfg.head_dim, offset,
                                                dtype or w.dtype, device or w.device)
@@ -254,7 +255,8 @@ class LLM(nn.Module):
             if attn.prefix_k is None:
                 continue
             if rows.shared_kv:  # every sample: slots p*Lp.. hold branch p's prefix
-                c.k[:, :, : c.offset] = attn.prefix_k.transpose(0, 1).flatten(1, 2).unsqueeze(0).to(c.k.dtype)  # [1,Hkv,P*Lp,D]
+                # [P,Hkv,Lp,D] -> [1,Hkv,P*Lp,D]
+                c.k[:, :, : c.offset] = attn.prefix_k.transpose(0, 1).flatten(1, 2).unsqueeze(0).to(c.k.dtype)
                 c.v[:, :, : c.offset] = attn.prefix_v.transpose(0, 1).flatten(1, 2).unsqueeze(0).to(c.v.dtype)
             else:  # [R,Hkv,Lp,D]
                 c.k[:, :, : c.offset], c.v[:, :, : c.offset] = attn.row_prefixes(rows, c.k.dtype)

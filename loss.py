@@ -26,7 +26,8 @@ def loss_weights(labels: torch.Tensor, segment_ids: torch.Tensor | None = None) 
     """
     sup = labels != IGNORE  # [B, T]
     seg = torch.zeros_like(labels) if segment_ids is None else segment_ids
-    per_segment = torch.zeros(labels.shape, device=labels.device).scatter_add_(1, seg, sup.float())  # [B, T]: column s, segment s
+    # [B, T]: column s counts the supervised labels of segment s
+    per_segment = torch.zeros(labels.shape, device=labels.device).scatter_add_(1, seg, sup.float())
     n = per_segment.gather(1, seg).clamp(min=1)  # [B, T] supervised labels of each token's sample
     w = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
     w[:, :-1] = (sup[:, 1:] & (seg[:, 1:] == seg[:, :-1])).float() / n[:, 1:].sqrt()
@@ -110,8 +111,8 @@ class ChunkedLinearNLL(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         dx, dw = ctx.grads
         del ctx.grads
-        return (None if dx is None else dx * grad.to(dx.dtype), None if dw is None else (dw * grad).to(ctx.weight_dtype),
-                None, None, None)
+        return (None if dx is None else dx * grad.to(dx.dtype),
+                None if dw is None else (dw * grad).to(ctx.weight_dtype), None, None, None)
 
 
 def answer_nll(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, chunk: int = 4096) -> torch.Tensor:

@@ -1,9 +1,11 @@
-"""ParVL: InternVL3.5 assembled from vit.py and llm.py, and its checkpoint loading and saving.
+"""ParVL: InternVL3.5 assembled from vit.py and llm.py (paper, "Method"), and its checkpoint loading
+and saving. The model only: its configuration, presets and config.json spellings are config.py's.
 
 The model is InternViT -> drop CLS -> pixel shuffle (v2, ratio 0.5) -> mlp1 connector
 (LayerNorm -> Linear -> GELU -> Linear) -> features written into the <IMG_CONTEXT> positions of
-the prompt -> Qwen3 decoder -> lm_head. With Pv = Pl = 1 this is exactly InternVL3.5: the same
-state-dict keys and the same outputs as the official implementation.
+the prompt -> Qwen3 decoder -> lm_head (Eq. 3-5 in `ParVL.vision`, the branches fused by Eq. 2 of
+aggregate.py). With Pv = Pl = 1 this is exactly InternVL3.5: the same state-dict keys and the same
+outputs as the official implementation.
 
 Usage:
     from parvl import ParVL, load_image
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import torch
@@ -32,96 +34,18 @@ from safetensors.torch import save_file
 
 import chat as chat_api
 from aggregate import Aggregator, Choice, Rows, segment_positions, unfold
-from checkpoint import TOKENIZER_FILES, CheckpointError, CheckpointReader, check_keys, read_json
-from llm import LLM, LLMConfig, prompt_positions
-from processor import IM_END, IM_START, IMG_CONTEXT, IMG_END, IMG_START, Tokenizer, load_image  # noqa: F401  (load_image: public API)
-from vit import ViT, ViTConfig
-
-
-@dataclass
-class ParConfig:
-    """The ParVL branches. Pv = Pl = 1 adds nothing: the model is exactly InternVL3.5."""
-
-    pv: int = 1  # vision branches (the paper studies 1, 2, 4)
-    pl: int = 1  # language branches
-    vit_prefix_len: int = 96  # learned key/value prefix tokens per ViT layer and branch
-    llm_prefix_len: int = 48  # ... per LLM layer and branch
-    lambda_v: float = 0.0  # smoothing of the vision branch weights toward uniform
-    lambda_l: float = 0.1  # ... of the language branch weights
-    aggregation: str = "mlp"  # "mlp" (Eq. 2) or "mean" (Appendix D.1 ablation)
-    vision_branches: str = "prefix"  # "prefix" (Eq. 1) or "lora": a low-rank update per branch (Figure 3)
-    lora_rank: int = 16  # of "lora" vision branches (the paper's best)
-
-    def __post_init__(self):
-        for name in ("pv", "pl"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        for name in ("vit_prefix_len", "llm_prefix_len"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("lambda_v", "lambda_l"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
-        if self.aggregation not in ("mlp", "mean"):
-            raise ValueError(f"aggregation must be 'mlp' or 'mean', got {self.aggregation!r}")
-        if self.vision_branches not in ("prefix", "lora") or self.lora_rank < 1:
-            raise ValueError(f"vision_branches must be 'prefix' or 'lora' and lora_rank >= 1, got "
-                             f"{self.vision_branches!r}, {self.lora_rank}")
-
-
-@dataclass
-class ParVLConfig:
-    vit: ViTConfig | None = field(default_factory=ViTConfig)  # None: language-only (ParScale)
-    llm: LLMConfig = field(default_factory=LLMConfig)
-    par: ParConfig = field(default_factory=ParConfig)
-    downsample_ratio: float = 0.5  # pixel shuffle: 2x2 neighbouring patches -> one token
-    ps_version: str = "v2"  # v1 leaves the token grid transposed (older checkpoints)
-    select_layer: int = -1  # which ViT hidden state feeds the connector (-1 = last)
-    image_token_id: int = 151671  # <IMG_CONTEXT> of the InternVL3.5 tokenizer
-    max_dynamic_patch: int = 12
-    use_thumbnail: bool = True
-    template: str = "internvl2_5"
-
-    def __post_init__(self):
-        r = round(1 / self.downsample_ratio)
-        assert self.vit is None or (r * self.downsample_ratio == 1.0 and self.vit.grid % r == 0), self.downsample_ratio
-        if self.vit is None and self.par.pv != 1:
-            raise ValueError("a language-only model has no vision branches: pv must be 1")
-        if self.ps_version not in ("v1", "v2"):
-            raise ValueError(f"ps_version must be v1 or v2, got {self.ps_version!r}")
-
-    @property
-    def tokens_per_tile(self) -> int:  # 256 for 448 px tiles; 0 for a language-only model
-        return round(self.vit.grid**2 * self.downsample_ratio**2) if self.vit is not None else 0
-
-    @property
-    def vit_layers(self) -> int:
-        """How many ViT blocks select_layer needs: hidden_states[k] with hidden_states[0] = embeddings."""
-        n = self.vit.num_layers + 1
-        assert -n <= self.select_layer < n, self.select_layer
-        return self.select_layer % n
-
-
-# The InternVL3.5 sizes (the released configs) and a tiny preset that runs on CPU in seconds.
-VIT_300M = ViTConfig()
-PRESETS = {
-    "1b": ParVLConfig(VIT_300M, LLMConfig(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16)),
-    "2b": ParVLConfig(VIT_300M, LLMConfig(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16)),
-    "4b": ParVLConfig(VIT_300M, LLMConfig(hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32)),
-    "8b": ParVLConfig(VIT_300M, LLMConfig(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32)),
-    "tiny": ParVLConfig(
-        ViTConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4),
-        LLMConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=32, max_position_embeddings=8192),
-        image_token_id=300,
-    ),
-}
+from checkpoint import TOKENIZER_FILES, CheckpointError, CheckpointReader, check_keys, is_branch_tensor, read_json
+from config import ParConfig, ParVLConfig, config_from_json, config_to_json
+from llm import LLM, prompt_positions
+from processor import load_image  # noqa: F401  (public API: `from parvl import ParVL, load_image`)
+from vit import ViT
 
 
 def pixel_shuffle(x: torch.Tensor, ratio: float = 0.5, version: str = "v2") -> torch.Tensor:
-    """[N,h,w,C] patch grid -> [N,h*w*ratio^2, C/ratio^2] tokens. Each output token concatenates an
-    r x r block of patches in row-major order: [(2i,2j), (2i,2j+1), (2i+1,2j), (2i+1,2j+1)] for r=2.
-    v2 orders output tokens row-major; v1 (the original bug kept for old checkpoints) column-major."""
+    """Eq. 4, InternVL's pixel shuffle Pi_r: [N,h,w,C] patch grid -> [N,h*w*ratio^2, C/ratio^2] tokens.
+    Each output token concatenates an r x r block of patches in row-major order: [(2i,2j), (2i,2j+1),
+    (2i+1,2j), (2i+1,2j+1)] for r=2. v2 orders output tokens row-major; v1 (the original bug kept for
+    old checkpoints) column-major."""
     N, h, w, C = x.shape
     r = round(1 / ratio)
     x = x.view(N, h // r, r, w // r, r, C)  # [N,h/r,dr,w/r,dc,C]
@@ -145,7 +69,7 @@ class ParVL(nn.Module):
             Cs = Cv * round(1 / cfg.downsample_ratio) ** 2  # width after pixel shuffle
             lora_rank = par.lora_rank if par.vision_branches == "lora" else 0  # LoRA replaces the vision prefixes
             self.vision_model = ViT(cfg.vit, par.pv, par.vit_prefix_len, lora_rank)
-            # `mlp1` with the checkpoint's Sequential indices (2 is the parameter-free GELU)
+            # `mlp1`, the connector of Eq. 5, with the checkpoint's Sequential indices (2 is the parameter-free GELU)
             self.mlp1 = nn.Sequential(nn.LayerNorm(Cs), nn.Linear(Cs, C), nn.GELU(), nn.Linear(C, C))
         self.language_model = LLM(cfg.llm, par.pl, par.llm_prefix_len)
         self.vision_aggregator = Aggregator(par.pv, Cv, par.lambda_v, par.aggregation) if par.pv > 1 else None
@@ -158,7 +82,8 @@ class ParVL(nn.Module):
     # fuses them; an int runs that one branch for every sample; a sequence (or [B] tensor) runs one
     # branch per sample. Only the chosen branches run: B rows through the blocks, not P*B.
 
-    def vision_rows(self, vision_branch: Choice, num_tiles: torch.Tensor | list[int] | None, tiles: int, device) -> Rows:
+    def vision_rows(self, vision_branch: Choice, num_tiles: torch.Tensor | list[int] | None, tiles: int,
+                    device) -> Rows:
         """ViT rows for `tiles` tiles; a branch per sample needs num_tiles [B] (tiles of each sample)."""
         if vision_branch is None or isinstance(vision_branch, int):
             return Rows.choose(vision_branch, self.cfg.par.pv, tiles, device)
@@ -166,7 +91,8 @@ class ParVL(nn.Module):
             raise ValueError("a vision branch per sample needs the tiles of each sample (num_tiles)")
         num_tiles = torch.as_tensor(num_tiles, dtype=torch.long)
         if int(num_tiles.sum()) != tiles:
-            raise ValueError(f"num_tiles {num_tiles.tolist()} sums to {int(num_tiles.sum())}, pixel_values has {tiles} tiles")
+            raise ValueError(f"num_tiles {num_tiles.tolist()} sums to {int(num_tiles.sum())}, pixel_values has "
+                             f"{tiles} tiles")
         return Rows.choose(vision_branch, self.cfg.par.pv, len(num_tiles), device).per_tile(num_tiles)
 
     def language_rows(self, language_branch: Choice, batch: int, device, shared_kv: bool = False) -> Rows:
@@ -175,10 +101,12 @@ class ParVL(nn.Module):
 
     def vision(self, pixel_values: torch.Tensor, rows: Rows) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Connector output for a batch of tiles, [N,3,px,px] -> [N,tokens_per_tile,C], and the vision
-        branch weights [N,1+h*w,Pv] (None when each tile runs one branch)."""
+        branch weights [N,1+h*w,Pv] (None when each tile runs one branch). After the branches are fused
+        (Eq. 2): Eq. 3 removes the class token, Eq. 4 is pixel_shuffle, and Eq. 5 is the connector
+        mlp1, H_v = W_2 GELU(W_1 LN(Z)), with the checkpoint's Sequential of those four layers."""
         x = self.vision_model(pixel_values, rows, num_layers=self.cfg.vit_layers)  # [R,1+h*w,Cv]
         x, weights = unfold(x, rows, self.vision_aggregator)  # [N,1+h*w,Cv], fused before CLS removal
-        x = x[:, 1:]  # drop CLS
+        x = x[:, 1:]  # drop CLS (Eq. 3)
         N, L, Cv = x.shape
         g = int(L**0.5)
         x = pixel_shuffle(x.reshape(N, g, g, Cv), self.cfg.downsample_ratio, self.cfg.ps_version)  # [N,L/4,4*Cv]
@@ -191,8 +119,8 @@ class ParVL(nn.Module):
         rows = self.vision_rows(vision_branch, num_tiles, pixel_values.shape[0], pixel_values.device)
         return self.vision(pixel_values, rows)[0]
 
-    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
-              vision_branch: Choice = None, features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def embed(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None, vision_branch: Choice = None,
+              features: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Token embeddings [B,T,C] with the image features written, in order, into the <IMG_CONTEXT>
         slots, and the vision branch weights (None without images or without fusion). A sample's
         tiles are told by its <IMG_CONTEXT> count (tokens_per_tile each). features: the connector
@@ -293,8 +221,9 @@ class ParVL(nn.Module):
         checkpoint, drawn in a fixed order from the CPU generator. Prefixes ~ N(0, std^2), as ParScale
         does: random prefixes are enough to make the branches diverge, and small ones start every
         branch close to the pretrained model. LoRA branches start as PEFT starts them, random A and
-        zero B: exactly the pretrained ViT, diverging from the first update. The aggregators start uniform (zero last layer), so the
-        first step sees the mean of the branches. Works on a meta model (train.py's sharded loading)."""
+        zero B: exactly the pretrained ViT, diverging from the first update. The aggregators start
+        uniform (zero last layer), so the first step sees the mean of the branches. Works on a meta
+        model (train.py's sharded loading)."""
         values = {}
         for name, p in self.named_parameters():
             if name.endswith(("prefix_k", "prefix_v")):
@@ -303,7 +232,8 @@ class ParVL(nn.Module):
                 values[name] = torch.empty(p.shape).uniform_(-p.shape[-1] ** -0.5, p.shape[-1] ** -0.5)
             elif name.endswith("lora_B"):  # zero: a fresh LoRA branch is the shared ViT
                 values[name] = torch.zeros(p.shape)
-        for name, agg in (("vision_aggregator", self.vision_aggregator), ("language_aggregator", self.language_aggregator)):
+        for name in ("vision_aggregator", "language_aggregator"):
+            agg = getattr(self, name)
             if agg is not None:
                 values |= {f"{name}.{k}": v for k, v in agg.initial_values().items()}
         return values
@@ -316,13 +246,13 @@ class ParVL(nn.Module):
              num_patches_list=None, verbose=False, system=None):
         """InternVLChatModel.chat, same arguments: see chat.chat."""
         return chat_api.chat(self, tokenizer, pixel_values, question, generation_config, history, return_history,
-                         num_patches_list, verbose, system)
+                             num_patches_list, verbose, system)
 
     def batch_chat(self, tokenizer, pixel_values, questions, generation_config, num_patches_list=None,
                    history=None, return_history=False, verbose=False, system=None):
         """InternVLChatModel.batch_chat, same arguments: see chat.batch_chat."""
-        return chat_api.batch_chat(self, tokenizer, pixel_values, questions, generation_config, num_patches_list, history,
-                               return_history, verbose, system)
+        return chat_api.batch_chat(self, tokenizer, pixel_values, questions, generation_config, num_patches_list,
+                                   history, return_history, verbose, system)
 
     @torch.no_grad()
     def init_branches(self, std: float = 0.02) -> None:
@@ -366,7 +296,8 @@ class ParVL(nn.Module):
             like = model.language_model.model.embed_tokens.weight
             for name in new:  # materialise the meta tensors the checkpoint does not have
                 owner, attr = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
-                setattr(owner, attr, nn.Parameter(torch.empty_like(getattr(owner, attr), device=like.device, dtype=like.dtype)))
+                blank = torch.empty_like(getattr(owner, attr), device=like.device, dtype=like.dtype)
+                setattr(owner, attr, nn.Parameter(blank))
             model.init_branches()
         model.language_model.model.init_rope(device)
         model.source_dir = folder
@@ -382,11 +313,11 @@ class ParVL(nn.Module):
         if par is not None or pv is not None or pl is not None:
             par = replace(par or saved, **{k: v for k, v in (("pv", pv), ("pl", pl)) if v is not None})
             if (saved.pv, saved.pl) != (1, 1):  # its branch tensors are what they are; the smoothing may change
-                for name in ("pv", "pl", "vit_prefix_len", "llm_prefix_len", "aggregation", "vision_branches",
-                             "lora_rank"):
+                for name in (f.name for f in fields(ParConfig) if f.name not in ("lambda_v", "lambda_l")):
                     if getattr(saved, name) != getattr(par, name):
                         raise CheckpointError(f"{folder}: holds Pv:Pl = {saved.pv}:{saved.pl} branches with {name} "
-                                              f"{getattr(saved, name)}, cannot load them as {name} {getattr(par, name)}")
+                                              f"{getattr(saved, name)}, cannot load them as {name} "
+                                              f"{getattr(par, name)}")
             cfg = replace(cfg, par=par)
         return cfg
 
@@ -401,7 +332,8 @@ class ParVL(nn.Module):
         check_keys(expected - new if fresh else expected, reader.keys(), folder)
         for key, p in self.state_dict().items():
             if key in reader.shapes and reader.shapes[key] != tuple(p.shape):
-                raise CheckpointError(f"{folder}: {key} has shape {list(reader.shapes[key])}, the config needs {list(p.shape)}")
+                raise CheckpointError(f"{folder}: {key} has shape {list(reader.shapes[key])}, the config needs "
+                                      f"{list(p.shape)}")
         return new if fresh else set()
 
     def save(self, path: str | Path, tokenizer_from: str | Path | None = None) -> None:
@@ -421,175 +353,3 @@ class ParVL(nn.Module):
         for name in TOKENIZER_FILES:
             if src is not None and (src / name).exists() and src.resolve() != folder.resolve():
                 shutil.copy(src / name, folder / name)
-
-
-# The decoders this code implements, by the llm_config.architectures name InternVL's own code
-# dispatches on (InternVLChatModel.__init__), and the family each one is. Anything else (Llama,
-# InternLM2, Phi-3, Qwen3-MoE, GPT-OSS) is refused rather than run as a Qwen decoder.
-DECODERS = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2"}
-
-
-def open_checkpoint(folder: Path) -> tuple[ParVLConfig, Tokenizer]:
-    """What every command reads of a checkpoint folder before its weights: the config and the
-    tokenizer, checked to belong together (check_tokenizer)."""
-    cfg = config_from_json(read_json(folder / "config.json"), folder)
-    tok = Tokenizer.from_pretrained(folder)
-    check_tokenizer(tok, cfg, folder)
-    return cfg, tok
-
-
-def check_tokenizer(tok: Tokenizer, cfg: ParVLConfig, folder: Path) -> None:
-    """Refuse a tokenizer that does not belong to the checkpoint, at load (open_checkpoint):
-    its <IMG_CONTEXT> must be config.json's image_token_id, its vocabulary must fit the embedding
-    rows, and it must have the chat template's tokens."""
-    source = f"the tokenizer in {tok.folder}"
-    needed = (IM_START, IM_END) if cfg.vit is None else (IM_START, IM_END, IMG_START, IMG_END, IMG_CONTEXT)
-    missing = [t for t in needed if tok.token_to_id(t) is None]
-    if missing:
-        raise CheckpointError(f"{source} has no {', '.join(missing)} token: not an InternVL3.5 tokenizer")
-    if cfg.vit is not None and tok.token_to_id(IMG_CONTEXT) != cfg.image_token_id:
-        raise CheckpointError(f"{source} has {IMG_CONTEXT} = {tok.token_to_id(IMG_CONTEXT)}, but {folder / 'config.json'} "
-                              f"says image_token_id = {cfg.image_token_id}: the tokenizer is not this checkpoint's")
-    if tok.vocab_size > cfg.llm.vocab_size:
-        raise CheckpointError(f"{source} has {tok.vocab_size} tokens, but the checkpoint in {folder} embeds only "
-                              f"{cfg.llm.vocab_size}: the tokenizer is not this checkpoint's")
-
-
-def is_branch_tensor(key: str) -> bool:
-    """The ParVL tensors on top of InternVL: per-layer prefixes (or LoRA updates) and the two aggregators."""
-    return key.endswith((".prefix_k", ".prefix_v", ".lora_A", ".lora_B")) or key.startswith(("vision_aggregator.", "language_aggregator."))
-
-
-# -- config.json: original (InternVLChatConfig) and -HF (InternVLConfig) spellings ---------------
-
-
-def llm_config_from_json(t: dict, family: str, tied: bool | None, default_theta: float = 1e6) -> LLMConfig:
-    """A Qwen3 / Qwen2 config dict (InternVL's llm_config, -HF text_config, or ParScale's) -> LLMConfig."""
-    rope_theta = t.get("rope_theta", (t.get("rope_parameters") or {}).get("rope_theta", default_theta))
-    return LLMConfig(
-        vocab_size=t["vocab_size"],
-        hidden_size=t["hidden_size"],
-        intermediate_size=t["intermediate_size"],
-        num_layers=t["num_hidden_layers"],
-        num_heads=t["num_attention_heads"],
-        num_kv_heads=t.get("num_key_value_heads", t["num_attention_heads"]),
-        head_dim=t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],  # Qwen2 has none
-        rms_norm_eps=t.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope_theta),
-        max_position_embeddings=t.get("max_position_embeddings", 32768),
-        qkv_bias=family == "qwen2" or bool(t.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
-        # the checkpoint decides: a stored lm_head is used, a missing one means tied embeddings
-        tie_word_embeddings=tied if tied is not None else bool(t.get("tie_word_embeddings", False)),
-    )
-
-
-def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = None) -> ParVLConfig:
-    """config.json in any supported spelling -> ParVLConfig: original InternVLChatConfig (with this
-    project's "parvl" block when saved here), -HF InternVLConfig, or ParScale's Qwen2 config."""
-    if "parscale_n" in raw:  # ParScale: a language-only model with Pl branches
-        par = ParConfig(pl=int(raw["parscale_n"]), llm_prefix_len=int(raw.get("parscale_n_tokens", 48)),
-                        lambda_l=float(raw.get("parscale_attn_smooth", 0.01)))
-        # Qwen2ParScaleConfig's own default rope_theta is 1e4 (the released configs all state it)
-        return ParVLConfig(vit=None, llm=llm_config_from_json(raw, "qwen2", tied, 1e4), par=par, image_token_id=-1)
-    hf = "text_config" in raw
-    t = raw.get("text_config") if hf else raw.get("llm_config")
-    v = raw.get("vision_config")
-    extra = raw.get("parvl", {})
-    language_only = bool(extra.get("language_only", False))
-    if t is None or (v is None and not language_only):
-        raise CheckpointError("config.json: needs llm_config (or text_config) and vision_config")
-    field = "text_config" if hf else "llm_config"
-    arch = (t.get("architectures") or [None])[0]
-    if arch is not None and arch not in DECODERS:
-        raise CheckpointError(f"config.json: {field}.architectures {arch!r} is not a supported decoder "
-                              f"(supported: {', '.join(DECODERS)})")
-    family = (t.get("model_type") or DECODERS.get(arch) or "").lower()
-    if family not in DECODERS.values():
-        raise CheckpointError(f"config.json: {field}.model_type {family!r} is not a supported decoder "
-                              f"(supported: {', '.join(DECODERS.values())})")
-    if arch is not None and DECODERS[arch] != family:
-        raise CheckpointError(f"config.json: {field}.model_type {family!r} does not match architectures {arch!r}")
-    llm = llm_config_from_json(t, family, tied)
-    par = ParConfig(**extra["par"]) if "par" in extra else ParConfig()
-    if language_only:
-        return ParVLConfig(vit=None, llm=llm, par=par, image_token_id=-1)
-    size, patch = v.get("image_size", 448), v.get("patch_size", 14)
-    vit = ViTConfig(
-        hidden_size=v["hidden_size"],
-        intermediate_size=v["intermediate_size"],
-        num_layers=v["num_hidden_layers"],
-        num_heads=v["num_attention_heads"],
-        patch_size=patch[0] if isinstance(patch, list) else patch,
-        image_size=size[0] if isinstance(size, list) else size,
-        qkv_bias=v.get("attention_bias" if hf else "qkv_bias", True),
-        qk_norm=v.get("use_qk_norm" if hf else "qk_normalization", False),
-        norm_type=v.get("norm_type", "layer_norm"),
-        norm_eps=v.get("layer_norm_eps", 1e-6),
-        drop_path_rate=v.get("drop_path_rate", 0.0),
-    )
-    image_token_id = raw.get("image_token_id") or raw.get("img_context_token_id")
-    if image_token_id is None:  # the original config leaves it to the tokenizer
-        tok = Tokenizer.from_pretrained(folder) if folder is not None else None
-        image_token_id = tok.token_to_id(IMG_CONTEXT) if tok is not None else None
-        if image_token_id is None:
-            raise CheckpointError(f"{folder}: no image_token_id in config.json and no {IMG_CONTEXT} in the tokenizer")
-    template = raw.get("template", "internvl2_5")
-    if template != "internvl2_5":  # the one chat template processor.py implements (InternVL3 and 3.5 use it)
-        raise CheckpointError(f"config.json: chat template {template!r} is not supported (internvl2_5)")
-    return ParVLConfig(
-        vit=vit,
-        llm=llm,
-        par=par,
-        downsample_ratio=raw.get("downsample_ratio", 0.5),
-        ps_version="v2" if hf else raw.get("ps_version", "v1"),  # -HF always uses v2; original class default v1
-        select_layer=raw.get("vision_feature_layer" if hf else "select_layer", -1),
-        image_token_id=int(image_token_id),
-        max_dynamic_patch=raw.get("max_dynamic_patch", 12),
-        use_thumbnail=raw.get("use_thumbnail", True),
-        template=template,
-    )
-
-
-def config_to_json(cfg: ParVLConfig) -> dict:
-    """The original InternVLChatConfig layout, which InternVL's own code reads, plus a "parvl" block
-    with the branch configuration (ignored by InternVL, read back by config_from_json)."""
-    v, t = cfg.vit, cfg.llm
-    family = "qwen3" if t.qk_norm else "qwen2"
-    arch = {v: k for k, v in DECODERS.items()}[family]
-    out = {
-        "architectures": ["InternVLChatModel"],
-        "model_type": "internvl_chat",
-        "tie_word_embeddings": t.tie_word_embeddings,
-        "llm_config": {
-            "architectures": [arch], "model_type": family, "vocab_size": t.vocab_size,
-            "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
-            "num_hidden_layers": t.num_layers, "num_attention_heads": t.num_heads,
-            "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim, "rms_norm_eps": t.rms_norm_eps,
-            "rope_theta": t.rope_theta, "max_position_embeddings": t.max_position_embeddings,
-            "attention_bias": t.qkv_bias, "hidden_act": "silu", "tie_word_embeddings": t.tie_word_embeddings,
-        },
-        "parvl": {"par": asdict(cfg.par), "language_only": v is None},
-    }
-    if v is None:
-        return out
-    return out | {
-        "downsample_ratio": cfg.downsample_ratio,
-        "ps_version": cfg.ps_version,
-        "select_layer": cfg.select_layer,
-        "template": cfg.template,
-        "force_image_size": v.image_size,
-        "dynamic_image_size": True,
-        "min_dynamic_patch": 1,
-        "max_dynamic_patch": cfg.max_dynamic_patch,
-        "use_thumbnail": cfg.use_thumbnail,
-        "image_token_id": cfg.image_token_id,
-        "vision_config": {
-            "architectures": ["InternVisionModel"], "model_type": "intern_vit_6b",
-            "hidden_size": v.hidden_size, "intermediate_size": v.intermediate_size,
-            "num_hidden_layers": v.num_layers, "num_attention_heads": v.num_heads,
-            "patch_size": v.patch_size, "image_size": v.image_size, "num_channels": 3,
-            "qkv_bias": v.qkv_bias, "qk_normalization": v.qk_norm, "norm_type": v.norm_type,
-            "layer_norm_eps": v.norm_eps, "hidden_act": "gelu", "drop_path_rate": v.drop_path_rate,
-        },
-    }

@@ -33,9 +33,10 @@ from typing import ClassVar
 import torch
 
 from cli import DTYPES, command, command_parser, flag, parse, pyplot, resolve_device, resolve_dtype, shell
+from config import ParVLConfig
 from engine import Engine, GenerateConfig
 from flops import ARCHS, BRANCHES, Workload, build_config, profile_params
-from parvl import ParVL, ParVLConfig
+from parvl import ParVL
 
 def print_table(rows: list[dict]) -> None:
     parts = ("vit", "connector", "llm", "total")

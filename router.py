@@ -42,12 +42,13 @@ from checkpoint import CheckpointError, check_not_run_folder, read_json, read_sa
 from cli import (SEED, Interrupted, OneLineParser, allocation, barrier, check_folder, check_shared, command, end_processes,
                  error, interruptible, log, one_line, os_error, rank, resolve_dtype, start_processes, world_size)
 from batches import collate
+from config import open_checkpoint
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction
 from gates import (Router, RouterConfig, RouterError, fingerprint, image_tiles, load_router, path_teacher, pool_tiles,
                    question_span, router_loss, save_router, text_feature, thumbnail_feature)
 from llm import prompt_positions
 from loss import IGNORE, answer_nll
-from parvl import ParVL, open_checkpoint
+from parvl import ParVL
 from processor import IM_START
 from schedule import lr_lambda
 

@@ -44,12 +44,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 
 from aggregate import entropy
 from batches import filler_batch, make_loader
-from checkpoint import CheckpointReader, check_not_run_folder, read_json
+from checkpoint import CheckpointReader, check_not_run_folder, is_branch_tensor, read_json
 from cli import (SEED, allocation, check_shared, command, command_parser, flag, hms, log, parse, peak_memory_gib, rank,
                  shell, start_processes)
+from config import ParConfig, config_from_json, open_checkpoint
 from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, report_bad_rows
 from loss import chunked_sft_loss, loss_weights
-from parvl import ParConfig, ParVL, config_from_json, is_branch_tensor, open_checkpoint
+from parvl import ParVL
 from runs import (check_out, checkpoints, discard_run, export, finite, plot_run, resume, save_checkpoint,
                   trim_metrics)
 from schedule import lr_lambda

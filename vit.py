@@ -141,7 +141,8 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ViTConfig, drop_path_rate: float, branches: int = 1, prefix_len: int = 0, lora_rank: int = 0):
+    def __init__(self, cfg: ViTConfig, drop_path_rate: float, branches: int = 1, prefix_len: int = 0,
+                 lora_rank: int = 0):
         super().__init__()
         C = cfg.hidden_size
         self.norm1 = make_norm(cfg, C)

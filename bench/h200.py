@@ -89,7 +89,8 @@ def synthetic_checkpoint(folder: Path, arch: str, rows: int, seed: int = 0) -> P
     from dataclasses import replace
     from PIL import Image
 
-    from parvl import PRESETS, ParVL
+    from config import PRESETS
+    from parvl import ParVL
     from tiny_tokenizer import write_tiny_tokenizer
 
     ids = write_tiny_tokenizer(folder / "model")

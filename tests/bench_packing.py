@@ -38,7 +38,8 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
-from parvl import PRESETS, ParVL  # noqa: E402
+from config import PRESETS  # noqa: E402
+from parvl import ParVL  # noqa: E402
 from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
 WORDS = ["the", "chart", "shows", "a", "value", "of", "image", "red", "blue", "line", "sum", "what", "is", "cat"]

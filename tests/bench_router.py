@@ -31,7 +31,9 @@ from batches import Batch  # noqa: E402
 from loss import token_nll  # noqa: E402
 from cli import sync  # noqa: E402
 from engine import Engine, GenerateConfig  # noqa: E402
-from parvl import ParConfig, ParVL, is_branch_tensor  # noqa: E402
+from checkpoint import is_branch_tensor  # noqa: E402
+from config import ParConfig  # noqa: E402
+from parvl import ParVL  # noqa: E402
 from flops import MID  # noqa: E402
 from gates import Router, RouterConfig  # noqa: E402
 from router import label_batch  # noqa: E402

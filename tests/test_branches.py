@@ -12,7 +12,8 @@ from aggregate import Aggregator, Rows
 from conftest import prompt_ids, random_pixels, read_safetensors
 from engine import Engine, GenerateConfig
 from llm import LLMConfig, apply_rope, causal_mask, rope_tables
-from parvl import PRESETS, ParConfig, ParVL, ParVLConfig, pixel_shuffle
+from config import PRESETS, ParConfig, ParVLConfig
+from parvl import ParVL, pixel_shuffle
 from vit import Attention as ViTAttention
 from vit import ViTConfig
 
@@ -558,7 +559,8 @@ def test_compiled_decode_equals_eager_in_every_branch_mode():
     shared KV, three left-padded samples: the pairs' 3 rows are within GEMV_ROWS (the gemv path), the
     dense modes' 9 rows past it (the BLAS). One sample at 1:1 is test_generate's compiled test. (Each
     mode is a graph of its own, compiled cold in CI: three is what this costs.)"""
-    from engine import GEMV_ROWS, cpu_backend, decode_one_token, prefill
+    from cpu_decode import GEMV_ROWS, cpu_backend
+    from engine import decode_one_token, prefill
 
     batch = 3  # one LLM layer: the graphs are compiled cold in CI, and a second layer adds compile time, not cases
     cfg = replace(TINY, llm=replace(TINY.llm, num_layers=1),
@@ -608,7 +610,8 @@ def test_length_buckets_equal_full_cache_attention():
     """Decode attends over the written slots rounded up to a bucket: the same logits as over the whole
     cache (the masked slots weigh exactly 0), eager and compiled as Engine compiles it, and the same
     tokens, for dense, shared-KV and per-sample rows with left padding."""
-    from engine import cpu_backend, decode_one_token, prefill
+    from cpu_decode import cpu_backend
+    from engine import decode_one_token, prefill
 
     compiled = torch.compile(decode_one_token, backend=cpu_backend, fullgraph=True)
 

@@ -18,7 +18,7 @@ from PIL import Image
 import chat
 import cli
 import generate
-from checkpoint import CheckpointError
+from checkpoint import DEFAULT_MODEL, CheckpointError, resolve_model
 from conftest import random_pixels
 from engine import Engine, GenerateConfig
 from parvl import ParVL
@@ -51,13 +51,13 @@ def hub_env(cache) -> dict:
 
 def test_local_folder_and_env_var(tiny, monkeypatch, tmp_path):
     folder = tiny[0]
-    assert cli.resolve_model(str(folder)) == folder
+    assert resolve_model(str(folder)) == folder
     monkeypatch.setenv("PARVL_MODEL", str(folder))
-    assert cli.resolve_model(None) == folder  # $PARVL_MODEL before the default
+    assert resolve_model(None) == folder  # $PARVL_MODEL before the default
     with pytest.raises(ValueError, match="local folder, not a hub model"):
-        cli.resolve_model(str(folder), revision="v1")
+        resolve_model(str(folder), revision="v1")
     with pytest.raises(CheckpointError, match="not a checkpoint folder"):
-        cli.resolve_model(str(tmp_path / "a" / "b" / "c"))
+        resolve_model(str(tmp_path / "a" / "b" / "c"))
 
 
 def fake_snapshot(cache, repo: str, rev: str, source, ref: str | None = "main", weights: bool = True):
@@ -76,8 +76,8 @@ def test_default_model_from_the_hub_cache_offline(tiny, tmp_path, capsys):
     folder, _, _ = tiny
     cache = tmp_path / "hub"
     main_rev, pinned = "a" * 40, "b" * 40
-    snap = fake_snapshot(cache, cli.DEFAULT_MODEL, main_rev, folder)
-    other = fake_snapshot(cache, cli.DEFAULT_MODEL, pinned, folder, ref=None)
+    snap = fake_snapshot(cache, DEFAULT_MODEL, main_rev, folder)
+    other = fake_snapshot(cache, DEFAULT_MODEL, pinned, folder, ref=None)
     fake_snapshot(cache, "Someone/partial", "c" * 40, folder, weights=False)
     # the two commands: no --model, no $PARVL_MODEL; the model comes from the cache, with no network
     res = subprocess.run([sys.executable, str(ROOT / "generate.py"), "Hello?", "--max-new-tokens", "4", "--json"],
@@ -87,12 +87,12 @@ def test_default_model_from_the_hub_cache_offline(tiny, tmp_path, capsys):
     assert generate.main(["Hello?", "--model", str(folder), "--max-new-tokens", "4", "--json"]) == 0
     assert json.loads(res.stdout)["answer"] == json.loads(capsys.readouterr().out)["answer"]
     res = run_python(f"""
-        import json, sys, cli, generate
-        from checkpoint import CheckpointError
-        out = {{"main": str(cli.resolve_model()), "pinned": str(cli.resolve_model(None, "{pinned}"))}}
+        import json, sys, generate
+        from checkpoint import CheckpointError, resolve_model
+        out = {{"main": str(resolve_model()), "pinned": str(resolve_model(None, "{pinned}"))}}
         for name in ("OpenGVLab/Missing", "Someone/partial"):
             try:
-                cli.resolve_model(name)
+                resolve_model(name)
             except CheckpointError as e:
                 out[name] = str(e)
         print(json.dumps(out), flush=True)

@@ -1,10 +1,13 @@
 """Generation engine and CLI: greedy tokens equal transformers' generate, cached decoding equals a
 full recompute, batching, compile, sampling reproducibility, streaming, and the command's errors."""
+import io
 import json
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,8 +16,9 @@ import torch.nn.functional as F
 from PIL import Image
 
 from conftest import random_pixels
-from chat import Streamer
-from engine import GEMV_ROWS, Engine, GenerateConfig, cpu_backend, decode_one_token, prefill
+from cpu_decode import GEMV_ROWS, cpu_backend
+from engine import Engine, GenerateConfig, decode_one_token, prefill
+from generate import Streamer
 from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
 
@@ -131,7 +135,7 @@ def test_compiled_decode_equals_eager(qwen3):
 def test_gemv_backend_rewrites_few_row_linears(dtype):
     """The CPU decode backend turns exactly the linears of <= GEMV_ROWS rows into gemv (a graph that
     stops matching would silently lose the speed-up), and gemv equals F.linear, with and without bias."""
-    from engine import gemv
+    from cpu_decode import gemv
 
     torch.manual_seed(0)
     w, b = torch.randn(48, 32, dtype=dtype), torch.randn(48, dtype=dtype)
@@ -172,6 +176,46 @@ def test_seed_reproduces_sampling_and_stream_concatenates(qwen3):
     other = engine.generate([ids], None, cfg, tok.eos_ids).tokens[0]
     assert other != runs[0][0], "a different seed should sample differently"
     assert "".join(runs[0][1]) == tok.answer(runs[0][0]) + "\n"
+
+
+def test_chat_session_interrupts_through_the_shell(qwen3, capsys, monkeypatch):
+    """--chat under cli.shell: Ctrl-C in an answer stops that answer and the session goes on; SIGTERM in
+    an answer and Ctrl-C at the prompt end it, with the shell's line and code (143, 130)."""
+    import cli
+    import generate
+
+    _, model, tok = qwen3
+    args = SimpleNamespace(system=None, seed=0, json=False)
+    real = generate.Streamer.__call__
+
+    def session(questions: str, signals: dict[int, int]):  # answer number -> the signal raised at its step 1
+        answers = {"n": 0}
+
+        def call(self, i, tokens):
+            if i == 0:
+                answers["n"] += 1
+            if i == 1 and answers["n"] in signals:
+                raise cli.Interrupted(signals[answers["n"]])
+            return real(self, i, tokens)
+
+        monkeypatch.setattr(generate.Streamer, "__call__", call)
+        monkeypatch.setattr(sys, "stdin", io.StringIO(questions))
+        code = cli.shell(lambda: generate.chat_session(Engine(model), tok, None, [], GenerateConfig(max_new_tokens=4),
+                                                       args))
+        return code, answers["n"], capsys.readouterr().err
+
+    code, answered, err = session("Hello?\nAgain?\n", {1: signal.SIGINT})
+    assert (code, answered) == (0, 2) and err.count("interrupted: answer stopped (the conversation goes on)") == 1, err
+    code, answered, err = session("Hello?\nAgain?\n", {1: signal.SIGTERM})
+    assert (code, answered) == (143, 1) and err.splitlines()[-1] == "interrupted by SIGTERM", err
+    assert "answer stopped" not in err
+
+    def ctrl_c(prompt=""):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("builtins.input", ctrl_c)
+    code, answered, err = session("", {})
+    assert (code, answered) == (130, 0) and err == "\ninterrupted by SIGINT\n", err
 
 
 # -- the command -------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from engine import Engine, GenerateConfig, decode_one_token, prefill
-from parvl import PRESETS, ParConfig, ParVL
+from config import PRESETS, ParConfig
+from parvl import ParVL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 NEW = 12

@@ -15,7 +15,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from engine import decode_one_token, decode_step, prefill
-from parvl import PRESETS, ParConfig, ParVL
+from config import PRESETS, ParConfig
+from parvl import ParVL
 
 FUSED = ("flash_attention", "efficient_attention", "cudnn_attention")  # aten::_scaled_dot_product_<kind>...
 MATH = "_scaled_dot_product_attention_math"

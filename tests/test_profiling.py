@@ -94,7 +94,7 @@ def test_totals_match_the_papers_parts(rows):
 
 
 # -- the tiny preset by hand ----------------------------------------------------------------------
-# parvl.PRESETS["tiny"]: ViT width 64, MLP 128, 2 blocks, 4 heads of 16, 448 px tiles of 14 px
+# config.PRESETS["tiny"]: ViT width 64, MLP 128, 2 blocks, 4 heads of 16, 448 px tiles of 14 px
 # patches (1024 patches + CLS = 1025 tokens a tile); connector LayerNorm(256) -> 256x64 -> GELU ->
 # 64x64; LLM width 64, MLP 96, 2 layers, 4 query heads and 2 KV heads of 32, vocabulary 512, untied
 # lm_head; learned prefixes 96 (ViT) and 48 (LLM) per layer and branch.

@@ -13,13 +13,11 @@ import pytest
 import torch
 from PIL import Image
 
-import chat
-import cli
 import engine
 import generate
 import processor
 import profiling
-from checkpoint import CheckpointError
+from checkpoint import CheckpointError, resolve_model
 from processor import Tokenizer, load_image, open_rgb
 from test_robust import one_line, tree
 from test_train import ROOT
@@ -76,7 +74,7 @@ def test_lfs_pointer_and_run_folder_are_named(model_dir, png, tmp_path, capsys):
     assert code == 1 and one_line(err) == f"error: {run}: a training run folder, not a model; its model is {run / 'export'}"
     shutil.rmtree(run / "export")
     with pytest.raises(CheckpointError, match="no export yet"):
-        cli.resolve_model(str(run))
+        resolve_model(str(run))
     assert tree(run) == {k: v for k, v in before.items() if not k.startswith("export")}
 
 
@@ -105,8 +103,8 @@ def test_multi_frame_images_use_the_first_frame_and_say_so(tmp_path, capsys, fmt
 
 def interrupt_at(monkeypatch, step: int, on_call: int = 1):
     """Ctrl-C in the middle of the `on_call`-th answer, after `step` streamed tokens."""
-    real, calls = chat.Streamer.__call__, {"n": 0}
-    real_init = chat.Streamer.__init__
+    real, calls = generate.Streamer.__call__, {"n": 0}
+    real_init = generate.Streamer.__init__
 
     def init(self, *a, **k):
         calls["n"] += 1
@@ -118,8 +116,8 @@ def interrupt_at(monkeypatch, step: int, on_call: int = 1):
             raise KeyboardInterrupt
         return real(self, i, tokens)
 
-    monkeypatch.setattr(chat.Streamer, "__init__", init)
-    monkeypatch.setattr(chat.Streamer, "__call__", call)
+    monkeypatch.setattr(generate.Streamer, "__init__", init)
+    monkeypatch.setattr(generate.Streamer, "__call__", call)
 
 
 def test_ctrl_c_stops_the_answer_cleanly(model_dir, png, capsys, monkeypatch):
@@ -248,7 +246,7 @@ def test_answers_skip_special_tokens_as_the_official_chat_does(model_dir, png, c
     InternVL's chat() and evaluate.py do (processor.Tokenizer.answer: skip_special_tokens, the text
     before <|im_end|>, stripped)."""
     import engine
-    from parvl import open_checkpoint
+    from config import open_checkpoint
 
     _, tok = open_checkpoint(model_dir)
     ids = tok.encode("Hello") + [tok.token_to_id("<img>")] + tok.encode(" there")
@@ -298,7 +296,7 @@ def test_a_tile_budget_past_the_context_is_refused_before_tiling(model_dir, tmp_
     """--max-tiles 10000 on a 2000:1 image (a 2000 x 1 grid): the grid is chosen in
     O(max_tiles log max_tiles) and the prompt's length, known from it, is refused against the context
     before one tile is resized (the triple loop and the 2001 tiles took minutes and gigabytes)."""
-    from parvl import open_checkpoint
+    from config import open_checkpoint
 
     wide = tmp_path / "wide.png"
     Image.fromarray(np.full((2, 4000, 3), 128, dtype=np.uint8)).save(wide)

@@ -24,7 +24,8 @@ import router
 from data import SFTData
 from loss import token_nll
 from engine import Engine, GenerateConfig
-from parvl import PRESETS, ParConfig, ParVL, open_checkpoint
+from config import PRESETS, ParConfig, open_checkpoint
+from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
 from gates import Router, RouterConfig, RouterError, path_teacher, router_loss
 from test_train import write_dataset
@@ -495,7 +496,8 @@ import resource, sys, torch
 import router
 from batches import collate
 from data import SFTData
-from parvl import ParVL, open_checkpoint
+from config import open_checkpoint
+from parvl import ParVL
 torch.set_num_threads(1)
 folder, meta, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
 model = ParVL.from_pretrained(folder)

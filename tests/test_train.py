@@ -23,7 +23,8 @@ from conftest import two_nodes
 from batches import collate
 from data import SFTData
 from loss import chunked_sft_loss, loss_weights, sft_loss
-from parvl import ParVL, is_branch_tensor
+from checkpoint import is_branch_tensor
+from parvl import ParVL
 from engine import Engine, GenerateConfig
 from processor import Tokenizer, build_prompt, load_image
 from schedule import lr_lambda
@@ -318,7 +319,7 @@ def test_branch_flags_are_saved_and_every_command_runs_them(model_dir, meta, tmp
     cannot be retrained under other lengths (one line)."""
     import generate
     import train
-    from parvl import ParConfig
+    from config import ParConfig
 
     out = tmp_path / "run"
     flags = ["--vit-prefix-len", "3", "--llm-prefix-len", "2", "--aggregation", "mean", "--lambda-v", "0.05", "--lambda-l", "0.2"]
@@ -369,7 +370,7 @@ def test_samples_past_the_position_table_are_too_long(model_dir, meta, tmp_path)
     """A sample longer than the model's rotary table (max_position_embeddings) is a too_long bad row,
     whatever --max-seq-len allows, not an index error in the middle of a step."""
     from checkpoint import read_json
-    from parvl import config_from_json
+    from config import config_from_json
 
     mcfg = config_from_json(read_json(model_dir / "config.json"), model_dir)
     data = SFTData(meta, Tokenizer.from_pretrained(model_dir), max_tiles=2, image_token_id=mcfg.image_token_id,
@@ -454,7 +455,7 @@ def test_sharded_loading_equals_from_pretrained_and_holds_one_shard(tmp_path):
 
     from safetensors.torch import load_file
 
-    from parvl import PRESETS
+    from config import PRESETS
     from tiny_tokenizer import write_tiny_tokenizer
 
     folder = tmp_path / "ck"
