@@ -77,7 +77,9 @@ def add_flags(p: argparse.ArgumentParser, cls) -> None:
         if shown is not None or (default not in (None, "", [], False) and not m.get("positional")):
             notes.append(f"default {shown if shown is not None else default_text(default)}")
         notes = [n for n in notes if n]
-        kw = {"help": f"{help_} ({'; '.join(notes)})" if notes else help_}
+        if notes:  # "rank (the paper's best; in [1, inf); default 16)": one pair of brackets
+            help_ = f"{help_[:-1]}; {'; '.join(notes)})" if help_.endswith(")") else f"{help_} ({'; '.join(notes)})"
+        kw = {"help": help_}
         annotation = f.type.__name__ if isinstance(f.type, type) else str(f.type)  # a string under __future__
         many = annotation.startswith("list[")
         kind = FLAG_TYPES.get(annotation.removeprefix("list[").removesuffix("]").split("|")[0].strip())

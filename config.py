@@ -60,14 +60,17 @@ class ParConfig:
                 raise ValueError(f"{f.name} must be {' or '.join(map(repr, meta['choices']))}, got {value!r}")
 
 
-def branch_flag(name: str, shown: str = "the checkpoint's"):
-    """A command's flag for ParConfig field `name` whose default None means "the checkpoint's": the
-    field's help, range and choices, declared once in ParConfig, with the default shown as `shown`.
+def branch_flag(name: str, shown: str = "the checkpoint's", own_default: bool = False):
+    """A command's flag for ParConfig field `name`: the field's help, range and choices, declared once in
+    ParConfig. Its default is None, "the checkpoint's" (shown as `shown`), or with own_default
+    ParConfig's own default (a command that builds a model from a preset, profiling.py).
 
         vit_prefix_len: int | None = branch_flag("vit_prefix_len")      # in train.py's TrainConfig
     """
-    meta = next(f.metadata for f in fields(ParConfig) if f.name == name)
-    return field(default=None, metadata={**meta, "shown": shown})
+    f = next(f for f in fields(ParConfig) if f.name == name)
+    if own_default:
+        return field(default=f.default, metadata=f.metadata)
+    return field(default=None, metadata={**f.metadata, "shown": shown})
 
 
 def check_branch_choice(par: ParConfig, vision_branch: int | None, language_branch: int | None) -> None:

@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 
 from cli import DTYPES, command, command_parser, flag, parse, pyplot, resolve_device, resolve_dtype, shell
-from config import ParVLConfig
+from config import ParVLConfig, branch_flag
 from engine import Engine, GenerateConfig
 from flops import ARCHS, BRANCHES, Workload, build_config, profile_params
 from parvl import ParVL
@@ -253,11 +253,11 @@ def default_device() -> str:
 class ParamsConfig:
     command: ClassVar[str] = "params"
     arch: str = flag("1b", "model size preset", choices=sorted(ARCHS))
-    pv: int = flag(1, "ViT branches Pv", range="[1, inf)")
-    pl: int = flag(1, "LLM branches Pl", range="[1, inf)")
+    pv: int = branch_flag("pv", own_default=True)
+    pl: int = branch_flag("pl", own_default=True)
     all: bool = flag(False, "all nine Pv:Pl in {1,2,4}^2 for --arch")
-    vision_branches: str = flag("prefix", "prefix or lora vision branches (Figure 3)", choices=["prefix", "lora"])
-    lora_rank: int = flag(16, "rank of lora vision branches", range="[1, inf)")
+    vision_branches: str = branch_flag("vision_branches", own_default=True)
+    lora_rank: int = branch_flag("lora_rank", own_default=True)
     json: bool = flag(False, "one JSON object per configuration and line")
     tiles: int = flag(3, "448 px image tiles, 256 tokens each", range="[0, inf)")
     text_tokens: int = flag(256, "prompt text tokens", range="[0, inf)")
@@ -284,8 +284,8 @@ class Timed:
 @dataclass
 class LatencyConfig(Timed):
     command: ClassVar[str] = "latency"
-    pv: int = flag(1, "ViT branches Pv", range="[1, inf)")
-    pl: int = flag(1, "LLM branches Pl", range="[1, inf)")
+    pv: int = branch_flag("pv", own_default=True)
+    pl: int = branch_flag("pl", own_default=True)
     batch: list[int] = flag(help="batch sizes, samples per generate call", range="[1, inf)", factory=lambda: [1, 2, 4, 8])
     new_tokens: int = flag(128, "generated tokens per sample, forced", range="[1, inf)")
     iters: int = flag(10, "timed generate calls per batch size", range="[1, inf)")

@@ -47,7 +47,7 @@ from batches import filler_batch, make_loader
 from checkpoint import CheckpointReader, check_not_run_folder, is_branch_tensor, read_json
 from cli import (SEED, allocation, check_shared, command, command_parser, flag, hms, log, parse, peak_memory_gib, rank,
                  shell, start_processes)
-from config import ParConfig, config_from_json, open_checkpoint
+from config import ParConfig, branch_flag, config_from_json, open_checkpoint
 from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, report_bad_rows
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL
@@ -69,8 +69,8 @@ class TrainConfig:
     model: str = flag("", "InternVL3.5 or ParVL checkpoint folder")
     data: str = flag("", "meta JSON in the official InternVL SFT format")
     out: str = flag("runs/parvl", "run folder: config, metrics.jsonl, checkpoints, export")
-    pv: int | None = flag(None, "vision branches Pv", range="[1, inf)", shown="the checkpoint's")
-    pl: int | None = flag(None, "language branches Pl", range="[1, inf)", shown="the checkpoint's")
+    pv: int | None = branch_flag("pv")  # the branch flags are ParConfig's (help, range), None = the checkpoint's
+    pl: int | None = branch_flag("pl")
     lr_new: float = flag(8e-5, "peak learning rate of prefixes and aggregators", range="(0, inf)")
     lr_pretrained: float = flag(8e-6, "peak learning rate of the pretrained weights", range="(0, inf)")
     weight_decay: float = flag(0.05, "AdamW weight decay", range="[0, inf)")
@@ -107,29 +107,18 @@ class TrainConfig:
                                "(--validate-data's rule)", range="[0, 1]")
     peak_tflops: float = flag(0.0, "per-device bf16 peak in TFLOP/s for MFU, 0 = from the device name "
                               "(H100/H200: 989)")
-    # the branch parameterisation (Figure 3, Table S8): parvl.ParConfig's fields, None = the checkpoint's
-    vit_prefix_len: int | None = flag(None, "key/value prefix tokens per ViT layer and vision branch (the paper: "
-                                      "96; Figure 3 sweeps 72, 96, 128)", shown="the checkpoint's")
-    llm_prefix_len: int | None = flag(None, "key/value prefix tokens per LLM layer and language branch (the "
-                                      "paper: 48)", shown="the checkpoint's")
-    aggregation: str | None = flag(None, "how branches fuse: mlp (Eq. 2, the paper's) or mean (Table S8's "
-                                   "ablation)", choices=["mlp", "mean"], shown="the checkpoint's")
-    lambda_v: float | None = flag(None, "smoothing of the vision branch weights toward uniform, in [0, 1] (the "
-                                  "paper: 0)", shown="the checkpoint's")
-    lambda_l: float | None = flag(None, "smoothing of the language branch weights toward uniform, in [0, 1] (the "
-                                  "paper: 0.1)", shown="the checkpoint's")
-    vision_branches: str | None = flag(None, "prefix (the paper's) or lora: a low-rank update of the ViT's qkv, "
-                                       "proj, fc1, fc2 per vision branch (Figure 3; B starts at zero, alpha = 2 x "
-                                       "rank)", choices=["prefix", "lora"], shown="the checkpoint's")
-    lora_rank: int | None = flag(None, "rank of lora", shown="16")
+    # the branch parameterisation (Figure 3, Table S8): saved in the export's config.json
+    vit_prefix_len: int | None = branch_flag("vit_prefix_len")
+    llm_prefix_len: int | None = branch_flag("llm_prefix_len")
+    aggregation: str | None = branch_flag("aggregation")
+    lambda_v: float | None = branch_flag("lambda_v")
+    lambda_l: float | None = branch_flag("lambda_l")
+    vision_branches: str | None = branch_flag("vision_branches")
+    lora_rank: int | None = branch_flag("lora_rank", shown="the checkpoint's, else 16")
     validate_data: bool = flag(False, "count and name bad rows, then exit without training")
 
     def check(self) -> None:
-        """Flags that exclude each other, and the branch flags' ranges, which are ParConfig's (exit 2)."""
-        try:
-            ParConfig(**{k: v for k, v in self.branches().items() if v is not None})
-        except ValueError as e:
-            raise ValueError(f"--{str(e).replace('_', '-')}") from None
+        """Flags that exclude each other (exit 2)."""
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --out, --overwrite discards it: pass one of them")
 
