@@ -6,7 +6,7 @@ presets, and config.json in the spellings this code reads and writes.
     par = ParConfig(pv=2, pl=2)                              # Pv:Pl = 2:2 (paper, "Method"; Figure 2)
 
 ParConfig's fields are also the command line's branch flags: each carries its help, range and choices
-once (cli.flag's metadata), the range check in __post_init__ reads them, and a command that takes a
+once (flags.flag's metadata), the range check in __post_init__ reads them, and a command that takes a
 branch flag whose default is the checkpoint's declares it with `branch_flag(name)`.
 
 config.json: the original InternVLChatConfig (`llm_config`, `vision_config`, plus this project's
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from checkpoint import CheckpointError, read_json
-from cli import flag, out_of_range
+from flags import flag, out_of_range
 from llm import LLMConfig
 from processor import IM_END, IM_START, IMG_CONTEXT, IMG_END, IMG_START, Tokenizer
 from vit import ViTConfig
@@ -30,7 +30,7 @@ from vit import ViTConfig
 @dataclass
 class ParConfig:
     """The ParVL branches. Pv = Pl = 1 adds nothing: the model is exactly InternVL3.5. Every field is
-    a flag (cli.flag): help, range and choices are written here once, for every command."""
+    a flag (flags.flag): help, range and choices are written here once, for every command."""
 
     pv: int = flag(1, "vision branches Pv (the paper studies 1, 2, 4)", range="[1, inf)")
     pl: int = flag(1, "language branches Pl (the paper studies 1, 2, 4)", range="[1, inf)")
@@ -51,7 +51,7 @@ class ParConfig:
 
     def __post_init__(self):
         """The ranges and choices of the fields' metadata, checked in field order: "lora_rank must be
-        >= 1, got 0" (cli.out_of_range's line, with the field's name for the flag's)."""
+        >= 1, got 0" (flags.out_of_range's line, with the field's name for the flag's)."""
         for f in fields(self):
             value, meta = getattr(self, f.name), f.metadata
             if "range" in meta and (why := out_of_range(self, {f.name: meta["range"]})):

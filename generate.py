@@ -24,10 +24,10 @@ import torch
 
 import cli
 from checkpoint import DEFAULT_MODEL, resolve_model
-from cli import (command, command_parser, error, flag, hms, log, one_line, parse, peak_memory_gib, resolve_device,
-                 resolve_dtype, shell)
+from cli import command, error, hms, log, one_line, peak_memory_gib, resolve_device, resolve_dtype, shell
 from config import check_branch_choice, open_checkpoint
 from engine import Engine, GenerateConfig, context_check
+from flags import command_parser, flag, parse
 from parvl import ParVL
 from processor import ImageError, Tokenizer, build_prompt, load_image, open_rgb, place_images, tile_count
 from gates import router_flag
@@ -38,7 +38,7 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".we
 
 @dataclass
 class GenerateFlags:
-    """generate.py's flags, one field each (cli.flag)."""
+    """generate.py's flags, one field each (flags.flag)."""
 
     inputs: list[str] = flag(help="zero or more image paths, then the question (with --chat: images only, or none "
                              "for a text-only session; with --batch: nothing)", positional=True, nargs="*",

@@ -32,9 +32,10 @@ from typing import ClassVar
 
 import torch
 
-from cli import DTYPES, command, command_parser, flag, parse, pyplot, resolve_device, resolve_dtype, shell
+from cli import DTYPES, command, pyplot, resolve_device, resolve_dtype, shell
 from config import ParVLConfig, branch_flag
 from engine import Engine, GenerateConfig
+from flags import command_parser, flag, parse
 from flops import ARCHS, BRANCHES, Workload, build_config, profile_params
 from parvl import ParVL
 

@@ -45,10 +45,10 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from aggregate import entropy
 from batches import filler_batch, make_loader
 from checkpoint import CheckpointReader, check_not_run_folder, is_branch_tensor, read_json
-from cli import (SEED, allocation, check_shared, command, command_parser, flag, hms, log, parse, peak_memory_gib, rank,
-                 shell, start_processes)
+from cli import SEED, allocation, check_shared, command, hms, log, peak_memory_gib, rank, shell, start_processes
 from config import ParConfig, branch_flag, config_from_json, open_checkpoint
 from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, report_bad_rows
+from flags import command_parser, flag, parse
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL
 from runs import (check_out, checkpoints, discard_run, export, finite, plot_run, resume, save_checkpoint,
@@ -64,7 +64,7 @@ def default_workers() -> int:
 
 @dataclass
 class TrainConfig:
-    """train.py's flags, one field each (cli.flag: help, range, default); saved as the run's config.json."""
+    """train.py's flags, one field each (flags.flag: help, range, default); saved as the run's config.json."""
 
     model: str = flag("", "InternVL3.5 or ParVL checkpoint folder")
     data: str = flag("", "meta JSON in the official InternVL SFT format")
