@@ -133,45 +133,49 @@ def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None =
     same end, or at once (os._exit) when this rank's peers may be mid-collective or gone."""
     from torch.distributed.checkpoint.api import CheckpointException  # here: generate.py never loads DCP
 
-    code, alone, lost = 0, False, False  # alone: leave without the last barrier
-    with interruptible() as received:
-        try:
-            code = job() or 0
-            sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
-        except BrokenPipeError:  # the reader left (`| head`): stop quietly, as command-line tools do
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-            code = 1
-        except (KeyboardInterrupt, CheckpointException, Exception) as e:
-            many = dist.is_initialized() and dist.get_world_size() > 1
-            who = f"rank {rank()}: " if many else ""  # a line only this rank may meet names it
-            if received or isinstance(e, KeyboardInterrupt):  # the signal that raised it, else the first one
-                signum = e.code - 128 if isinstance(e, Interrupted) else received[0] if received else signal.SIGINT
-                code, alone = 128 + signum, many
-                words = interrupted() if interrupted is not None else ""
-                log(f"interrupted by {signal.Signals(signum).name}" + (f": {words}" if words else ""))
-            elif isinstance(e, OutOfMemory):  # this rank's batch: the others may be mid-collective
-                code, alone = 1, many
-                error(f"error: {who}{e}", every_rank=True)
-            elif isinstance(e, (ValueError, CheckpointException)):  # alike on every rank
+    code, alone, lost, waits = 0, False, False, False  # alone: leave without the last barrier
+    try:
+        with interruptible() as received:
+            try:
+                code = job() or 0
+                sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+            except BrokenPipeError:  # the reader left (`| head`): stop quietly, as command-line tools do
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
                 code = 1
-                line = one_line(e) if isinstance(e, ValueError) else os_cause(e)
-                error(f"error: {line}", wait=not dist.is_initialized())  # else the last barrier holds the others
-            elif isinstance(e, OSError):  # a file this rank could not read or write: maybe this rank's alone
-                code, alone = 1, many
-                error(f"error: {who}{os_error(e)}", every_rank=True)
-            elif isinstance(e, dist.DistBackendError) or "by peer" in str(e):  # another rank left: it says why
-                code, alone, lost = 1, True, True  # a consequence: no error file, torchrun reports the cause
-                log(f"error: lost contact with another rank ({one_line(e)[:200]})", every_rank=True)
-            else:
-                raise  # a bug: the traceback is the useful report
-        finally:
-            if dist.is_initialized():
-                if alone:  # peers may be gone: no barrier to wait on, no teardown that can abort
-                    sys.stdout.flush(), sys.stderr.flush()
-                    if lost:
-                        wait_for_torchrun()
-                    os._exit(code)
-                end_processes()  # its barrier: rank 0 has reported before any rank leaves
+            except (KeyboardInterrupt, CheckpointException, Exception) as e:
+                many = dist.is_initialized() and dist.get_world_size() > 1
+                who = f"rank {rank()}: " if many else ""  # a line only this rank may meet names it
+                if received or isinstance(e, KeyboardInterrupt):  # the signal that raised it, else the first one
+                    signum = e.code - 128 if isinstance(e, Interrupted) else received[0] if received else signal.SIGINT
+                    code, alone = 128 + signum, many
+                    words = interrupted() if interrupted is not None else ""
+                    log(f"interrupted by {signal.Signals(signum).name}" + (f": {words}" if words else ""))
+                elif isinstance(e, OutOfMemory):  # this rank's batch: the others may be mid-collective
+                    code, alone = 1, many
+                    error(f"error: {who}{e}", every_rank=True)
+                elif isinstance(e, (ValueError, CheckpointException)):  # alike on every rank
+                    code = 1
+                    line = one_line(e) if isinstance(e, ValueError) else os_cause(e)
+                    waits = not dist.is_initialized()  # the other ranks wait for torchrun; else the last barrier
+                    error(f"error: {line}", wait=False)
+                elif isinstance(e, OSError):  # a file this rank could not read or write: maybe this rank's alone
+                    code, alone = 1, many
+                    error(f"error: {who}{os_error(e)}", every_rank=True)
+                elif isinstance(e, dist.DistBackendError) or "by peer" in str(e):  # another rank left: it says why
+                    code, alone, lost = 1, True, True  # a consequence: no error file, torchrun reports the cause
+                    log(f"error: lost contact with another rank ({one_line(e)[:200]})", every_rank=True)
+                else:
+                    raise  # a bug: the traceback is the useful report
+    finally:  # the handlers are gone: torchrun's SIGTERM to a rank that waits for it ends that rank quietly
+        if dist.is_initialized():
+            if alone:  # peers may be gone: no barrier to wait on, no teardown that can abort
+                sys.stdout.flush(), sys.stderr.flush()
+                if lost:
+                    wait_for_torchrun()
+                os._exit(code)
+            end_processes()  # its barrier: rank 0 has reported before any rank leaves
+        elif waits and rank() != 0:
+            wait_for_torchrun()
     return code
 
 
