@@ -119,17 +119,19 @@ def descriptors(tsvs: list, encode, best: dict | None = None, responses: dict | 
                       "question_tokens": float(np.mean([len(encode(r["question"] or "")) for r in rows])),
                       "reference_tokens": float(np.mean([len(encode(r["answer"] or "")) for r in rows])),
                       "best": (best or {}).get(bench),
-                      "response_tokens": float(np.mean(list(responses[bench].values()))) if bench in (responses or {}) else None}
+                      "response_tokens": (float(np.mean(list(responses[bench].values())))
+                                          if bench in (responses or {}) else None)}
     return out
 
 
 def descriptors_markdown(table: dict) -> str:
-    md = ["| Benchmark | rows | source pixels | question tokens | reference tokens | best Pv:Pl | its response tokens |",
+    md = ["| Benchmark | rows | source pixels | question tokens | reference tokens | best Pv:Pl "
+          "| its response tokens |",
           "|" + " --- |" * 7]
     for b, d in table.items():
         response = "-" if d["response_tokens"] is None else f"{d['response_tokens']:.1f}"
-        md.append(f"| {b} | {d['rows']} | {d['pixels']:,.0f} | {d['question_tokens']:.1f} | {d['reference_tokens']:.1f} | "
-                  f"{d['best'] or '-'} | {response} |")
+        md.append(f"| {b} | {d['rows']} | {d['pixels']:,.0f} | {d['question_tokens']:.1f} | "
+                  f"{d['reference_tokens']:.1f} | {d['best'] or '-'} | {response} |")
     return "\n".join(md) + "\n"
 
 
@@ -159,7 +161,8 @@ def plot_score_cost(points: list[dict], column: str, png: Path) -> None:
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
-    for ax, key, name in ((axes[0], "latency_s", "latency per sample (s), batch 1"), (axes[1], "peak_gib", "peak memory (GiB)")):
+    for ax, key, name in ((axes[0], "latency_s", "latency per sample (s), batch 1"),
+                          (axes[1], "peak_gib", "peak memory (GiB)")):
         ax.scatter([p[key] for p in points], [p["score"] for p in points])
         for p in points:
             ax.annotate(p["label"], (p[key], p["score"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
