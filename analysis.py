@@ -22,12 +22,14 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from checkpoint import resolve_model
 from cli import SEED
+from flags import flag
 from processor import Tokenizer
 from scoring import BENCHMARKS, GROUPS, DataError, as_list, read_jsonl, read_tsv
 
@@ -119,17 +121,19 @@ def descriptors(tsvs: list, encode, best: dict | None = None, responses: dict | 
                       "question_tokens": float(np.mean([len(encode(r["question"] or "")) for r in rows])),
                       "reference_tokens": float(np.mean([len(encode(r["answer"] or "")) for r in rows])),
                       "best": (best or {}).get(bench),
-                      "response_tokens": float(np.mean(list(responses[bench].values()))) if bench in (responses or {}) else None}
+                      "response_tokens": (float(np.mean(list(responses[bench].values())))
+                                          if bench in (responses or {}) else None)}
     return out
 
 
 def descriptors_markdown(table: dict) -> str:
-    md = ["| Benchmark | rows | source pixels | question tokens | reference tokens | best Pv:Pl | its response tokens |",
+    md = ["| Benchmark | rows | source pixels | question tokens | reference tokens | best Pv:Pl "
+          "| its response tokens |",
           "|" + " --- |" * 7]
     for b, d in table.items():
         response = "-" if d["response_tokens"] is None else f"{d['response_tokens']:.1f}"
-        md.append(f"| {b} | {d['rows']} | {d['pixels']:,.0f} | {d['question_tokens']:.1f} | {d['reference_tokens']:.1f} | "
-                  f"{d['best'] or '-'} | {response} |")
+        md.append(f"| {b} | {d['rows']} | {d['pixels']:,.0f} | {d['question_tokens']:.1f} | "
+                  f"{d['reference_tokens']:.1f} | {d['best'] or '-'} | {response} |")
     return "\n".join(md) + "\n"
 
 
@@ -159,7 +163,8 @@ def plot_score_cost(points: list[dict], column: str, png: Path) -> None:
 
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
-    for ax, key, name in ((axes[0], "latency_s", "latency per sample (s), batch 1"), (axes[1], "peak_gib", "peak memory (GiB)")):
+    for ax, key, name in ((axes[0], "latency_s", "latency per sample (s), batch 1"),
+                          (axes[1], "peak_gib", "peak memory (GiB)")):
         ax.scatter([p[key] for p in points], [p["score"] for p in points])
         for p in points:
             ax.annotate(p["label"], (p[key], p["score"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
@@ -169,54 +174,91 @@ def plot_score_cost(points: list[dict], column: str, png: Path) -> None:
     plt.close(fig)
 
 
-# -- the commands (evaluate.py lengths, evaluate.py descriptors) -------------------------------------
+# -- the commands (evaluate.py lengths, descriptors, cost) and their flags ---------------------------
 
 
-def lengths_cmd(args) -> int:
-    encode = Tokenizer.from_pretrained(resolve_model(args.model)).encode
-    a, b = lengths(args.a, encode, args.near_cap), lengths(args.b, encode, args.near_cap)
-    result = compare(a, b, args.near_cap, args.resamples, args.seed)
-    print(markdown(result, tuple(args.names)), end="")
-    if args.out:
-        Path(args.out).write_text(json.dumps(result | {"names": args.names}) + "\n")
+@dataclass
+class LengthsConfig:
+    """`evaluate.py lengths`'s flags."""
+    model: str = flag(None, "checkpoint whose tokenizer re-tokenises the answers", required=True)
+    a: list[str] = flag(None, "configuration A's predictions (evaluate.py run), one file per benchmark", nargs="+",
+                        required=True, metavar="JSONL")
+    b: list[str] = flag(None, "configuration B's predictions (evaluate.py run), one file per benchmark", nargs="+",
+                        required=True, metavar="JSONL")
+    names: list[str] = flag(help="the two configurations' names in the table", nargs=2, factory=lambda: ["A", "B"])
+    near_cap: int = flag(NEAR_CAP, "answers of this many tokens or more are left out", unit="tokens", range="[1, inf)",
+                         shown=f"{NEAR_CAP} of the 4096 budget, the paper's")
+    resamples: int = flag(10_000, "bootstrap resamples", range="[1, inf)")
+    seed: int = flag(SEED, "bootstrap seed", shown=f"{SEED}, the paper's")
+    out: str | None = flag(None, "also write the JSON here")
+
+
+@dataclass
+class DescriptorsConfig:
+    """`evaluate.py descriptors`'s flags."""
+    data: list[str] = flag(None, "VLMEvalKit TSVs, named <benchmark>.tsv", positional=True, nargs="+")
+    model: str = flag(None, "checkpoint whose tokenizer counts the tokens", required=True)
+    report: str | None = flag(None, "report.json of evaluate.py report: its best configuration per benchmark")
+    predictions: list[str] | None = flag(None, "the best configuration's predictions (one file per benchmark): their "
+                                               "mean response tokens", nargs="+", metavar="JSONL")
+    out: str | None = flag(None, "also write the JSON here")
+
+
+@dataclass
+class CostConfig:
+    """`evaluate.py cost`'s flags."""
+    report: str = flag(None, "report.json of evaluate.py report", required=True)
+    latency: list[str] = flag(None, "outputs of profiling.py latency --json (their batch-1 rows)", nargs="+",
+                              required=True)
+    column: str = flag("All", "the score column")
+    out: str | None = flag(None, "folder for score_cost.json and, with matplotlib, score_cost.png")
+
+
+def lengths_cmd(cfg: LengthsConfig) -> int:
+    encode = Tokenizer.from_pretrained(resolve_model(cfg.model)).encode
+    a, b = lengths(cfg.a, encode, cfg.near_cap), lengths(cfg.b, encode, cfg.near_cap)
+    result = compare(a, b, cfg.near_cap, cfg.resamples, cfg.seed)
+    print(markdown(result, tuple(cfg.names)), end="")
+    if cfg.out:
+        Path(cfg.out).write_text(json.dumps(result | {"names": cfg.names}) + "\n")
     return 0
 
 
-def descriptors_cmd(args) -> int:
+def descriptors_cmd(cfg: DescriptorsConfig) -> int:
     best = None
-    if args.report:
+    if cfg.report:
         try:
-            best = json.loads(Path(args.report).read_text())["best"]
+            best = json.loads(Path(cfg.report).read_text())["best"]
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{args.report}: not a report.json of evaluate.py report ({type(e).__name__})") from None
-    encode = Tokenizer.from_pretrained(resolve_model(args.model)).encode
-    table = descriptors(args.data, encode, best, lengths(args.predictions, encode) if args.predictions else None)
+            raise DataError(f"{cfg.report}: not a report.json of evaluate.py report ({type(e).__name__})") from None
+    encode = Tokenizer.from_pretrained(resolve_model(cfg.model)).encode
+    table = descriptors(cfg.data, encode, best, lengths(cfg.predictions, encode) if cfg.predictions else None)
     print(descriptors_markdown(table), end="")
-    if args.out:
-        Path(args.out).write_text(json.dumps(table) + "\n")
+    if cfg.out:
+        Path(cfg.out).write_text(json.dumps(table) + "\n")
     return 0
 
 
-def cost_cmd(args) -> int:
+def cost_cmd(cfg: CostConfig) -> int:
     def last_json(path, what):
         try:
             return json.loads(Path(path).read_text().strip().splitlines()[-1])
         except (OSError, IndexError, ValueError) as e:
             raise DataError(f"{path}: not {what} ({type(e).__name__})") from None
 
-    report = last_json(args.report, "a report.json")
-    profiles = [last_json(f, "profiling.py latency --json output") for f in args.latency]  # one run per Pv:Pl, say
+    report = last_json(cfg.report, "a report.json")
+    profiles = [last_json(f, "profiling.py latency --json output") for f in cfg.latency]  # one run per Pv:Pl, say
     if "configs" not in report or not all("rows" in p for p in profiles):
-        raise DataError(f"{args.report} / {' '.join(args.latency)}: need report.json's configs and the profiles' rows")
-    points = score_cost(report, {"rows": [r for p in profiles for r in p["rows"]]}, args.column)
-    print(f"| configuration | {args.column} | latency per sample (s) | peak memory (GiB) |\n| --- | --- | --- | --- |")
+        raise DataError(f"{cfg.report} / {' '.join(cfg.latency)}: need report.json's configs and the profiles' rows")
+    points = score_cost(report, {"rows": [r for p in profiles for r in p["rows"]]}, cfg.column)
+    print(f"| configuration | {cfg.column} | latency per sample (s) | peak memory (GiB) |\n| --- | --- | --- | --- |")
     for p in points:
         print(f"| {p['label']} | {p['score']:.1f} | {p['latency_s']:.4f} | {p['peak_gib']:.3f} |")
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "score_cost.json").write_text(json.dumps(points) + "\n")
+    if cfg.out:
+        Path(cfg.out).mkdir(parents=True, exist_ok=True)
+        (Path(cfg.out) / "score_cost.json").write_text(json.dumps(points) + "\n")
         try:
-            plot_score_cost(points, args.column, Path(args.out) / "score_cost.png")
+            plot_score_cost(points, cfg.column, Path(cfg.out) / "score_cost.png")
         except ValueError as e:  # matplotlib is optional: the table and JSON are written
             print(f"note: {e}; the figure is skipped", file=sys.stderr)
     return 0

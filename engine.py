@@ -30,7 +30,6 @@ import torch
 
 from aggregate import Choice, Rows
 from cli import sync
-from config import check_branch_choice  # for engine_from_flags alone (transitional)
 from cpu_decode import cpu_backend
 from llm import causal_mask, prompt_positions
 
@@ -249,14 +248,6 @@ class Engine:
             cut = next((j for j, t in enumerate(row) if t in stop_ids), len(row)) if not cfg.ignore_eos else len(row)
             result.tokens.append(row[:cut])
         return result
-
-
-def engine_from_flags(model, args, router=None) -> Engine:
-    """Transitional (issue 28), for evaluate.py run until it builds its Engine as generate.py does:
-    config.check_branch_choice, then Engine(model, compile=..., ...). Remove with that change."""
-    check_branch_choice(model.cfg.par, args.vision_branch, args.language_branch)
-    return Engine(model, compile=args.compile, shared_kv=args.shared_kv, vision_branch=args.vision_branch,
-                  language_branch=args.language_branch, router=router)
 
 
 def context_check(prompt_len: int, max_new_tokens: int, limit: int) -> None:

@@ -1,4 +1,4 @@
-"""ParScale's parallel scaling law and its fit (ParScale, Eq. 5 and its fitting procedure; the
+"""ParScale's parallel scaling law and its fit (ParScale's equation (5) and its fitting procedure; the
 official code is QwenLM/ParScale parametric_fit.py), used by `evaluate.py fit-law`.
 
     from scaling_law import fit_law
@@ -26,7 +26,8 @@ A_UNIT = 1e9  # parametric_fit.py optimises A in units of 1e9 parameters; report
 
 
 def law(x: torch.Tensor, N: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
-    """ParScale Eq. 5: L = E + (A / (N (k ln P + 1)))^alpha; x [S,4] = (E, A / 1e9, alpha, k) -> [S,R]."""
+    """ParScale's law (its equation (5)): L = E + (A / (N (k ln P + 1)))^alpha; x [S,4] = (E, A / 1e9, alpha, k)
+    -> [S,R]."""
     E, A, alpha, k = (t[:, None] for t in x.unbind(-1))
     return E + (A * A_UNIT / (N * (k * P.log() + 1))) ** alpha
 
@@ -35,7 +36,8 @@ def huber(err: torch.Tensor, delta: float = 1e-3) -> torch.Tensor:
     return torch.where(err.abs() <= delta, err * err / 2, delta * (err.abs() - delta / 2))
 
 
-def lbfgs(f, x: torch.Tensor, iters: int = 2000, memory: int = 10, lower: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+def lbfgs(f, x: torch.Tensor, iters: int = 2000, memory: int = 10,
+          lower: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
     """Minimise f: [S,n] -> [S] for every row of x at once: L-BFGS two-loop directions, Armijo
     backtracking, x kept >= lower by projection (parametric_fit.py runs scipy's L-BFGS-B with bounds
     (1e-8, None) once per start; here all starts of the grid run as one batch). A row whose line

@@ -8,7 +8,7 @@ iteration, so load changes on a shared machine hit all of them alike; the best i
 - time per sample of routed generation (Engine(router=): vision gate, one ViT branch, language gate,
   one LLM branch per sample) vs dense 4:4 generation vs a 1:1 model with the same backbone weights
   (no prefixes, no aggregators). Goal: routed <= 1.15 x 1:1 and <= 0.35 x dense.
-- label throughput (router.label_batch: each vision branch once, the Pl language branches folded,
+- label throughput (router_labels.label_batch: each vision branch once, the Pl language branches folded,
   lm_head on answer tokens only) vs Pv x Pl plain single-pair forwards of the same batches with
   loss.token_nll. Goal: <= 0.5 x.
 The model and router are random (timing does not depend on the values); the router's weights are
@@ -36,7 +36,7 @@ from config import ParConfig  # noqa: E402
 from parvl import ParVL  # noqa: E402
 from flops import MID  # noqa: E402
 from gates import Router, RouterConfig  # noqa: E402
-from router import label_batch  # noqa: E402
+from router_labels import label_batch  # noqa: E402
 
 IM_START = 31999  # a text id standing in for <|im_start|> in the random prompts
 
@@ -109,7 +109,7 @@ def main() -> int:
                 times[name].append(dt / args.batch)
     gen = {k: min(v) for k, v in times.items()}
 
-    # labels: the same batch as router.label_batch vs Pv x Pl single-pair forwards
+    # labels: the same batch as router_labels.label_batch vs Pv x Pl single-pair forwards
     T = len(ids[0]) + args.answer_tokens
     g = torch.Generator().manual_seed(1)
     input_ids = torch.tensor([x + torch.randint(0, 30000, (args.answer_tokens,), generator=g).tolist() for x in ids])

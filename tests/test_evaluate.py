@@ -701,7 +701,7 @@ def test_fit_law_reproduces_parscale(name, tmp_path, capsys):
 @pytest.mark.parametrize("options", [dict(vision_branch=1, language_branch=0), dict(shared_kv=True)])
 def test_run_branch_options_pass_through(checkpoint, tmp_path, capsys, monkeypatch, options):
     """A 2:2 ParVL checkpoint: a fixed pair (Table S9) and shared KV reach the engine and give its answers."""
-    import engine as engine_module  # engine_from_flags builds the Engine there
+    import engine as engine_module  # evaluate.run imports the Engine from there when it runs
     seen = []
     monkeypatch.setattr(engine_module, "Engine", lambda model, **kw: seen.append(kw) or Engine(model, **kw))
     torch.manual_seed(0)
@@ -767,17 +767,17 @@ def test_run_with_a_router_gives_the_routed_engines_answers(checkpoint, tmp_path
     """--router: each row runs the pair the router picks; predictions and pairs equal Engine(router=...);
     --random-pair: each row its own seeded pair; report puts both beside the dense run (Table 3), out
     of the allocation grids."""
-    import router as router_mod
+    import gates
 
     torch.manual_seed(0)
     model = ParVL.from_pretrained(checkpoint("qwen3", "original"), pv=2, pl=2)
     model.init_branches(std=2.0)
     model.save(tmp_path / "parvl")
     model, tok = ParVL.from_pretrained(tmp_path / "parvl"), Tokenizer.from_pretrained(tmp_path / "parvl")
-    cfg = router_mod.RouterConfig(pv=2, pl=2, vision_width=model.cfg.vit.hidden_size, text_width=model.cfg.llm.hidden_size,
-                                  hidden=16, im_start_id=tok.token_to_id("<|im_start|>"), fingerprint=router_mod.fingerprint(model))
+    cfg = gates.RouterConfig(pv=2, pl=2, vision_width=model.cfg.vit.hidden_size, text_width=model.cfg.llm.hidden_size,
+                             hidden=16, im_start_id=tok.token_to_id("<|im_start|>"), fingerprint=gates.fingerprint(model))
     torch.manual_seed(1)
-    router_mod.save_router(router_mod.Router(cfg), tmp_path / "R", {})
+    gates.save_router(gates.Router(cfg), tmp_path / "R", {})
     rows = [{"index": str(k), "question": q, "answer": "['x']", "image": png_b64(16 + 8 * k, 16, k)}
             for k, q in enumerate(["Read it.", "What colour?", "Count them."])]
     tsv = write_tsv(tmp_path / "t.tsv", rows)
@@ -785,7 +785,7 @@ def test_run_with_a_router_gives_the_routed_engines_answers(checkpoint, tmp_path
                         "--out", tmp_path / "p.jsonl", "--max-new-tokens", NEW, "--router", tmp_path / "R", "--batch-size", 1)
     assert rc == 0
     preds = {p["index"]: p for p in read_preds(tmp_path / "p.jsonl")}
-    engine = Engine(model, router=router_mod.load_router(tmp_path / "R", model))
+    engine = Engine(model, router=gates.load_router(tmp_path / "R", model))
     for r in rows:
         pil = Image.open(io.BytesIO(base64.b64decode(r["image"]))).convert("RGB")
         tiles = load_image(pil, max_tiles=6)

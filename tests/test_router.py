@@ -21,6 +21,7 @@ import gates
 from conftest import two_nodes
 import generate
 import router
+import router_labels
 from data import SFTData
 from loss import token_nll
 from engine import Engine, GenerateConfig
@@ -125,7 +126,7 @@ def labelled(model23, tmp_path_factory):
 
 def test_labels_equal_single_pair_forwards(model23, labelled):
     meta, out = labelled
-    info, t = router.load_labels(out)
+    info, t = router_labels.load_labels(out)
     assert info["samples"] == 4 and info["bad_rows"]["missing_image"] == 1 and info["rows"] == 5
     assert info["pairs"] == [[v, l] for v in range(2) for l in range(3)] and t["nll"].shape == (4, 2, 3)
     model = ParVL.from_pretrained(model23)
@@ -167,7 +168,7 @@ def test_labels_do_not_depend_on_world_size_and_resume(model23, labelled, tmp_pa
     assert codes == [0, 0], err[-3000:]
     assert "label: chunk" in err  # progress on stderr
     # interrupted during the second chunk (Ctrl-C), then resumed
-    label_batch, calls = router.label_batch, []
+    label_batch, calls = router_labels.label_batch, []
 
     def label_then_interrupt(*args):
         calls.append(1)
@@ -175,9 +176,8 @@ def test_labels_do_not_depend_on_world_size_and_resume(model23, labelled, tmp_pa
             raise KeyboardInterrupt
         return label_batch(*args)
 
-    monkeypatch.setattr(router, "label_batch", label_then_interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        run_router("label", "--model", model23, "--data", meta, "--out", tmp_path / "cut", *LABEL)
+    monkeypatch.setattr(router_labels, "label_batch", label_then_interrupt)
+    assert run_router("label", "--model", model23, "--data", meta, "--out", tmp_path / "cut", *LABEL) == 130
     monkeypatch.undo()
     assert not (tmp_path / "cut" / "labels.json").exists() and len(list((tmp_path / "cut" / "parts").glob("chunk_*"))) == 1
     assert run_router("label", "--model", model23, "--data", meta, "--out", tmp_path / "cut", *LABEL) == 0
@@ -476,8 +476,8 @@ def test_label_interrupted_keeps_its_chunks_and_resumes(model23, labelled, tmp_p
             os.kill(os.getpid(), sig)  # the real signal, through the handler router.py installs
         return real(*args)
 
-    real = router.label_batch
-    monkeypatch.setattr(router, "label_batch", label_batch)
+    real = router_labels.label_batch
+    monkeypatch.setattr(router_labels, "label_batch", label_batch)
     args = ["label", "--model", model23, "--data", meta, "--out", out, *LABEL]
     assert run_router(*args) == 128 + sig
     err = capsys.readouterr().err
@@ -485,7 +485,7 @@ def test_label_interrupted_keeps_its_chunks_and_resumes(model23, labelled, tmp_p
         f"interrupted by {sig.name}: the chunks labelled so far stay; the same command resumes"), err
     assert sorted(p.name for p in (out / "parts").iterdir()) == ["chunk_000000.safetensors", "job.json"]  # no .tmp left
     assert not (out / "labels.json").exists()
-    monkeypatch.setattr(router, "label_batch", real)
+    monkeypatch.setattr(router_labels, "label_batch", real)
     assert run_router(*args) == 0 and "resumes with 1 of its 3 chunks done" in capsys.readouterr().err
     a, b = load_file(str(out / "labels.safetensors")), load_file(str(one / "labels.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -493,7 +493,7 @@ def test_label_interrupted_keeps_its_chunks_and_resumes(model23, labelled, tmp_p
 
 MEMORY_PROBE = """
 import resource, sys, torch
-import router
+import router_labels
 from batches import collate
 from data import SFTData
 from config import open_checkpoint
@@ -505,10 +505,10 @@ from pathlib import Path
 _, tok = open_checkpoint(Path(folder))
 data = SFTData(meta, tok, max_tiles=1, image_token_id=model.cfg.image_token_id)
 samples = [data[i] for i in range(len(data))]
-label = lambda b: router.label_batch(model, b, tok.token_to_id("<|im_start|>"))
-router.by_length(samples[1:], max_tokens, 4, label)  # warm-up: the short rows alone
+label = lambda b: router_labels.label_batch(model, b, tok.token_to_id("<|im_start|>"))
+router_labels.by_length(samples[1:], max_tokens, 4, label)  # warm-up: the short rows alone
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-got = router.by_length(samples, max_tokens, 4, label) if max_tokens else label(collate(samples, pad_id=0))
+got = router_labels.by_length(samples, max_tokens, 4, label) if max_tokens else label(collate(samples, pad_id=0))
 grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
 print(max(len(s.input_ids) for s in samples), grown, *got["nll"].flatten().tolist())
 """
@@ -518,7 +518,7 @@ def test_a_long_row_is_labelled_alone_within_a_memory_bound(model23_shallow, tmp
     """One 2,552-token row among three short ones (router.py label's default chunk of 4). Padded to the
     longest, the 2:3 model's attention mask alone would be [3 x 4 rows, 1, T, 48 + T] booleans (80 MB),
     and that batch grew the peak by 593 MB (measured: MEMORY_PROBE with max_tokens 0). Split by length
-    (router.length_groups), the long row runs alone and unpadded, with no padding mask: its own
+    (router_labels.length_groups), the long row runs alone and unpadded, with no padding mask: its own
     attention grew the peak by 45 MB. Bound: at most the padded batch's mask, measured as ru_maxrss
     over a short-row warm-up in a fresh process."""
     root = tmp_path / "data"
@@ -540,14 +540,14 @@ def test_label_out_of_memory_is_one_line(model23, tmp_path, capsys, monkeypatch)
     """An allocation failure while labelling: one line naming --batch-size, the longest row and
     --max-tokens, exit 1, the chunks labelled before it kept (a rerun resumes)."""
     meta = write_dataset(tmp_path / "data", rows=4)
-    real = router.label_batch
+    real = router_labels.label_batch
 
     def label_batch(*args):
         if set(args[1].rows) & {2, 3}:  # the second chunk
             raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 37591663152 bytes.")
         return real(*args)
 
-    monkeypatch.setattr(router, "label_batch", label_batch)
+    monkeypatch.setattr(router_labels, "label_batch", label_batch)
     assert run_router("label", "--model", model23, "--data", meta, "--out", tmp_path / "l", *LABEL) == 1
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.startswith("error:")]
@@ -583,7 +583,7 @@ def test_train_into_a_router_folder_needs_overwrite(model23, labelled, tmp_path,
 def test_length_groups_bucket_by_length_within_the_token_budget():
     """Longest first; a sample joins a group while it is at least half the group's longest and the
     padded size stays within max_tokens; a longer sample goes alone."""
-    assert router.length_groups([10, 27000, 12, 11, 30], 16384) == [[1], [4], [2, 3, 0]]
-    assert router.length_groups([100] * 5, 250) == [[0, 1], [2, 3], [4]]  # ties keep their order
-    assert router.length_groups([60, 40, 31, 29], 10**6) == [[0, 1, 2], [3]]  # 29 < 60 / 2
-    assert router.length_groups([], 8) == []
+    assert router_labels.length_groups([10, 27000, 12, 11, 30], 16384) == [[1], [4], [2, 3, 0]]
+    assert router_labels.length_groups([100] * 5, 250) == [[0, 1], [2, 3], [4]]  # ties keep their order
+    assert router_labels.length_groups([60, 40, 31, 29], 10**6) == [[0, 1, 2], [3]]  # 29 < 60 / 2
+    assert router_labels.length_groups([], 8) == []

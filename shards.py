@@ -1,0 +1,117 @@
+"""One long job that the ranks share and a rerun resumes, written once for the two commands that are
+such a job: `evaluate.py run` (a benchmark's predictions, row by row) and `router.py label` (the
+router's teacher labels, chunk by chunk). Under torchrun every rank runs the same steps:
+
+    folder  every rank writes its parts into one folder, so on more than one machine it must sit on
+            a file system every node shares (cli.check_shared, called by the command before any work);
+    resume  every rank reads what earlier runs finished, whatever their world size, and waits for the
+            others before any rank writes (resumed);
+    share   rank r of W takes the units r, r + W, r + 2W, ... of a list every rank holds alike (share);
+    keep    each result is written the moment it is complete, and whole: a batch of JSON lines appended
+            to the rank's own part file in one write call (LineParts; signals run between calls, so an
+            interrupt leaves whole lines), or one file per unit written beside its name and renamed
+            into place (FileParts);
+    merge   once every part is written, rank 0 merges the parts in the command's canonical order (the
+            TSV's rows, the chunks' numbers), so the result depends neither on the world size nor on
+            the interrupts on the way, writes it, and only then removes the parts (merged).
+
+An interrupted run (Ctrl-C, SIGTERM, a lost node, an allocation failure) leaves its parts; the same
+command, on any number of ranks, resumes from them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Sequence, TypeVar
+
+from cli import barrier, rank, world_size
+
+T = TypeVar("T")
+
+
+def share(units: Sequence[T]) -> Sequence[T]:
+    """This rank's units: r, r + W, r + 2W, ... of W ranks (all of them in a single process)."""
+    return units[rank()::world_size()]
+
+
+def resumed(read: Callable[[], T]) -> T:
+    """What read() finds of earlier runs, read by every rank before any rank writes (a barrier)."""
+    found = read()
+    barrier()
+    return found
+
+
+def merged(merge: Callable[[], T]) -> T | None:
+    """merge() on rank 0 once every rank is done with the parts (a barrier), the others waiting until
+    it has written the result and removed the parts (a second barrier). Rank 0 gets merge's value."""
+    barrier()
+    result = merge() if rank() == 0 else None
+    barrier()
+    return result
+
+
+class LineParts:
+    """Results as JSON lines, one record a line, beside an output file OUT (evaluate.py run's
+    predictions): rank r appends to OUT.part{r}; OUT itself, when there, holds what an earlier run
+    merged. read(path) reads one such file (a last line cut short is dropped: its unit is redone);
+    key(record) names the unit a record is the result of."""
+
+    def __init__(self, out: Path, read: Callable[[Path], list[dict]], key: Callable[[dict], str]):
+        self.out, self.read, self.key = out, read, key
+
+    def files(self) -> list[Path]:
+        """The merged file first, then the part files of every rank of every earlier run."""
+        return [self.out] + sorted(self.out.parent.glob(self.out.name + ".part*"))
+
+    def done(self) -> set[str]:
+        """The units some earlier run finished."""
+        return {self.key(p) for f in self.files() for p in self.read(f)}
+
+    @contextmanager
+    def appending(self) -> Iterator[Callable[[list[dict]], None]]:
+        """keep(records): this rank's records appended to its part file, one write call and a flush."""
+        with open(self.out.with_name(f"{self.out.name}.part{rank()}"), "a", encoding="utf-8") as f:
+            def keep(records: list[dict]) -> None:
+                f.write("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in records))
+                f.flush()
+            yield keep
+
+    def merge(self, order: dict[str, int]) -> int:
+        """Rank 0: every record of the merged file and the parts in one file, ordered by order[key]
+        (a unit it lacks goes last), written beside OUT and renamed onto it; then the parts go.
+        Returns the number of records."""
+        files = self.files()
+        records = {self.key(p): p for f in files for p in self.read(f)}
+        ordered = sorted(records.values(), key=lambda p: order.get(self.key(p), len(order)))
+        tmp = self.out.with_name(self.out.name + ".tmp")
+        tmp.write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in ordered), encoding="utf-8")
+        os.replace(tmp, self.out)
+        for f in files[1:]:
+            f.unlink()
+        return len(records)
+
+
+class FileParts:
+    """Results as one file per unit k in a folder (router.py label: OUT/parts/chunk_000003.safetensors),
+    name.format(k) naming it; a unit is done when its file is there."""
+
+    def __init__(self, folder: Path, name: str):
+        self.folder, self.name = folder, name
+
+    def path(self, k: int) -> Path:
+        return self.folder / self.name.format(k)
+
+    def done(self, k: int) -> bool:
+        return self.path(k).exists()
+
+    def keep(self, k: int, write: Callable[[str], None]) -> None:
+        """write(path) writes unit k's file beside its name; the rename makes it appear whole."""
+        write(str(self.path(k)) + ".tmp")
+        os.replace(str(self.path(k)) + ".tmp", self.path(k))
+
+    def remove(self) -> None:
+        """The folder and every part in it (rank 0, once merged)."""
+        shutil.rmtree(self.folder)
