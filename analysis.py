@@ -31,7 +31,8 @@ from checkpoint import resolve_model
 from cli import SEED
 from flags import flag
 from processor import Tokenizer
-from scoring import BENCHMARKS, GROUPS, DataError, as_list, read_jsonl, read_tsv
+from scoring import BENCHMARKS, GROUPS
+from tsv import DataError, as_list, read_jsonl, read_tsv
 
 NEAR_CAP = 4090  # the paper's threshold for its 4096-token budget
 

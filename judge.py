@@ -11,7 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from scoring import DataError, options, read_jsonl
+from tsv import DataError, options, read_jsonl
 
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 

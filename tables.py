@@ -20,7 +20,8 @@ from pathlib import Path
 
 from cli import log, pyplot
 from flags import flag
-from scoring import BENCHMARKS, DataError, aggregates
+from scoring import BENCHMARKS, aggregates
+from tsv import DataError
 
 COLUMNS = list(BENCHMARKS) + ["General", "Math", "OCR", "All"]
 

@@ -25,6 +25,7 @@ import analysis
 import evaluate
 from conftest import two_nodes
 import scoring as S
+import tsv as T
 from engine import Engine, GenerateConfig
 from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
@@ -310,21 +311,21 @@ def test_read_tsv_quoting_strings_missing_and_image_references(tmp_path):
         {"index": "0", "question": 'say "hi"\tplease\nnow', "answer": "05", "A": "None", "B": "x", "image": img},
         {"index": "1", "question": "q", "answer": "1.0", "A": "", "B": "y", "image": "0"},
         {"index": "2", "question": "q", "answer": "a", "A": "z", "B": "", "image": ""}])
-    rows = S.read_tsv(tmp_path / "a.tsv")
+    rows = T.read_tsv(tmp_path / "a.tsv")
     assert [r["index"] for r in rows] == ["0", "1"]  # the row without an image is dropped
     assert rows[0]["question"] == 'say "hi"\tplease\nnow'
     assert rows[0]["answer"] == "05" and rows[1]["answer"] == "1.0"  # numeric-looking answers stay strings
-    assert rows[0]["A"] is None and S.options(rows[0]) == {"B": "x"}  # pandas reads "None" as missing
+    assert rows[0]["A"] is None and T.options(rows[0]) == {"B": "x"}  # pandas reads "None" as missing
     assert rows[1]["image"] == img  # a short cell is another row's index
-    with pytest.raises(S.DataError, match="missing required column"):
-        S.read_tsv(tmp_path / "a.tsv", ("index", "category"))
+    with pytest.raises(T.DataError, match="missing required column"):
+        T.read_tsv(tmp_path / "a.tsv", ("index", "category"))
     # an image cell of 64 characters or fewer names a row; 65 or more is image data itself
     key = "k" * 64
     write_tsv(tmp_path / "b.tsv", [
         {"index": key, "question": "q", "answer": "a", "image": img},
         {"index": "1", "question": "q", "answer": "a", "image": key},  # 64: a reference
         {"index": "2", "question": "q", "answer": "a", "image": "x" * 65}])  # 65: kept as it is
-    rows = S.read_tsv(tmp_path / "b.tsv")
+    rows = T.read_tsv(tmp_path / "b.tsv")
     assert [r["image"] for r in rows] == [img, img, "x" * 65]
 
 
@@ -373,7 +374,7 @@ def expected_answers(folder: Path, rows: list[dict]) -> dict[str, str]:
     by_index = {r["index"]: r for r in rows}
     for index, text in texts.items():
         cell = by_index[index]["image"] if index != "12" else by_index["10"]["image"]
-        b64s = S.as_list(cell)
+        b64s = T.as_list(cell)
         pils = [Image.open(io.BytesIO(base64.b64decode(b))).convert("RGB") for b in b64s]
         pils[0] = pils[0].resize((pils[0].width * 2, pils[0].height * 2), Image.BILINEAR)  # MMMU's first image
         tiles = [load_image(p, max_tiles=12) for p in pils]  # MMMU: 12 tiles (min(12, 64 // images))
@@ -976,7 +977,7 @@ def test_lengths_bootstrap_has_the_known_answer():
     assert t["All"]["delta"] == 2.0 and got["interval_95"] == [2.0, 2.0]  # equal benchmark weight: (3 + 1) / 2
     spread = L.compare({"OCRBench": {"1": 5, "2": 5}}, {"OCRBench": {"1": 5, "2": 7}})
     assert spread["table"]["All"]["delta"] == 1.0 and spread["interval_95"] == [0.0, 2.0] and spread["resamples"] == 10_000
-    with pytest.raises(S.DataError, match="other benchmarks"):
+    with pytest.raises(T.DataError, match="other benchmarks"):
         L.compare(a, {"WeMath": b["WeMath"]})
 
 

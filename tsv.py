@@ -1,0 +1,95 @@
+"""VLMEvalKit's files, as its own code reads them: the benchmark TSVs (tab-separated, read with pandas'
+rules), their cells (list literals, option columns), and JSON-lines prediction files.
+
+TSV format: tab-separated with CSV quoting (what pandas writes and reads); every cell is kept as a
+string (an answer "05" stays "05"); the cells pandas reads as missing (empty, "nan", "None", ...)
+are None. `image` holds base64, a list literal of base64 strings (several images), or the index of
+another row whose image it shares (64 characters or fewer).
+"""
+from __future__ import annotations
+
+import ast
+import csv
+import json
+import string
+import sys
+from pathlib import Path
+
+
+class DataError(ValueError):
+    """A TSV or prediction file that cannot be used; the message names the file and the problem."""
+
+
+# -- reading VLMEvalKit TSVs --------------------------------------------------------------------
+
+# pandas.read_csv's default missing-value strings: VLMEvalKit tests options and hints with pd.isna
+PANDAS_NA = {"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN",
+             "<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"}
+
+
+def read_tsv(path, required: tuple[str, ...] = ("index", "question", "answer")) -> list[dict]:
+    """Rows of a VLMEvalKit TSV as {column: str or None}, image references resolved, rows without an
+    image dropped (image_base.py ImageBaseDataset.__init__, skip_noimg)."""
+    csv.field_size_limit(sys.maxsize)  # base64 images are far longer than csv's default limit
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not a column name
+            reader = csv.reader(f, delimiter="\t")
+            header = next(reader, None)
+            if header is None:
+                raise DataError(f"{path}: empty file")
+            rows = [{k: (None if v in PANDAS_NA else v) for k, v in zip(header, line)} for line in reader if line]
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise DataError(f"{path}: cannot read TSV: {e}") from None
+    missing = [c for c in required if c not in header]
+    if missing:
+        raise DataError(f"{path}: missing required column(s) {', '.join(missing)} (has {', '.join(header)})")
+    seen: set = set()
+    for r in rows:  # VLMEvalKit keys every row by its index: two rows of one index would lose one
+        if r.get("index") in seen:
+            raise DataError(f"{path}: index {r['index']!r} appears twice")
+        seen.add(r.get("index"))
+    if "image" in header:
+        by_index = {r["index"]: r["image"] for r in rows}
+        rows = [r for r in rows if r["image"] is not None]
+        for r in rows:  # a short cell names the row whose image it shares
+            if len(r["image"]) <= 64:
+                ref = by_index.get(r["image"])
+                if ref is None or len(ref) <= 64:
+                    raise DataError(f"{path}: row {r['index']}: image refers to {r['image']!r}, which holds no image")
+                r["image"] = ref
+    return rows
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """JSON lines; a last line cut short by an interrupted run is dropped (its row is redone)."""
+    if not path.exists():
+        return []
+    lines = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+    out = []
+    for k, line in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            if k < len(lines) - 1:
+                raise DataError(f"{path}: line {k + 1} is not JSON") from None
+    return out
+
+
+def as_list(cell: str | None) -> list[str]:
+    """A cell holding a Python list literal as that list of strings, any other cell as [cell]
+    (smp/misc.py istype / toliststr, with literal_eval instead of eval)."""
+    if cell is None:
+        return ["nan"]  # what str(NaN) gives upstream
+    if cell.startswith("[") and cell.endswith("]"):
+        try:
+            value = ast.literal_eval(cell)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            return [cell]
+        if isinstance(value, list):
+            return [str(v) for v in value]
+    return [cell]
+
+
+def options(row: dict) -> dict[str, str]:
+    """The option columns A, B, ... that are present (multiple_choice.py build_choices)."""
+    return {c: row[c] for c in string.ascii_uppercase if row.get(c) is not None}
