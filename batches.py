@@ -117,12 +117,14 @@ def collate_packed(rows: list[list[Sample]], pad_id: int, image_size: int = IMAG
                  len(samples), {}, [s.row for s in samples], segments)
 
 
-def pack_step(items: list, max_seq_len: int, rows_per_batch: int, pad_id: int, image_size: int = IMAGE_SIZE) -> list[Batch]:
+def pack_step(items: list, max_seq_len: int, rows_per_batch: int, pad_id: int,
+              image_size: int = IMAGE_SIZE) -> list[Batch]:
     """One rank's samples of one optimizer step -> its packed micro-batches (pack_rows, then
     rows_per_batch rows each). Bad rows take no room; they are counted in the first micro-batch."""
     good = [s for s in items if isinstance(s, Sample)]
     rows = [[good[i] for i in row] for row in pack_rows([len(s.input_ids) for s in good], max_seq_len)]
-    batches = [collate_packed(rows[i:i + rows_per_batch], pad_id, image_size) for i in range(0, len(rows), rows_per_batch)]
+    batches = [collate_packed(rows[i:i + rows_per_batch], pad_id, image_size)
+               for i in range(0, len(rows), rows_per_batch)]
     bad = [s for s in items if isinstance(s, BadRow)]
     if bad:
         if not batches:

@@ -54,8 +54,8 @@ class GenerateFlags:
     seed: int = flag(0, "random seed for sampling")
     dtype: str | None = flag(None, "weights and activations", choices=["bf16", "fp16", "fp32"],
                              shown="bf16 on CUDA, fp32 on CPU")
-    device: str = flag(help="torch device: cpu, cuda or cuda:N",
-                       factory=lambda: "cuda" if torch.cuda.is_available() else "cpu", shown="cuda if available, else cpu")
+    device: str = flag(help="torch device: cpu, cuda or cuda:N", factory=lambda: "cuda" if torch.cuda.is_available()
+                       else "cpu", shown="cuda if available, else cpu")
     max_tiles: int = flag(0, "448 px tiles per image, thumbnail excluded; 0 = the checkpoint's max_dynamic_patch, 12 "
                           "for InternVL3.5", range="[0, inf)")
     system: str | None = flag(None, "system message text", shown="InternVL's own")
@@ -83,7 +83,8 @@ class GenerateFlags:
                 raise ValueError(f"--router picks the branches per prompt; it cannot be combined with {flag_}")
         if self.batch is not None:
             if self.inputs or self.chat or self.json:
-                raise ValueError("--batch reads images and questions from its file: no inputs, --chat or --json with it")
+                raise ValueError("--batch reads images and questions from its file: no inputs, --chat or --json "
+                                 "with it")
             return
         if self.out is not None:
             raise ValueError("--out goes with --batch")

@@ -287,7 +287,8 @@ class LatencyConfig(Timed):
     command: ClassVar[str] = "latency"
     pv: int = branch_flag("pv", own_default=True)
     pl: int = branch_flag("pl", own_default=True)
-    batch: list[int] = flag(help="batch sizes, samples per generate call", range="[1, inf)", factory=lambda: [1, 2, 4, 8])
+    batch: list[int] = flag(help="batch sizes, samples per generate call", range="[1, inf)",
+                            factory=lambda: [1, 2, 4, 8])
     new_tokens: int = flag(128, "generated tokens per sample, forced", range="[1, inf)")
     iters: int = flag(10, "timed generate calls per batch size", range="[1, inf)")
     shared_kv: bool = flag(False, "one mean-reduced token KV cache per sample (C.2)")
@@ -326,7 +327,8 @@ def plot_latency(rows: list[dict], png: Path) -> None:
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
     configs = dict.fromkeys((r["pv"], r["pl"], r["shared_kv"]) for r in rows)  # in run order
     for pv, pl, shared in configs:
-        mine = sorted((r for r in rows if (r["pv"], r["pl"], r["shared_kv"]) == (pv, pl, shared)), key=lambda r: r["batch"])
+        mine = sorted((r for r in rows if (r["pv"], r["pl"], r["shared_kv"]) == (pv, pl, shared)),
+                      key=lambda r: r["batch"])
         label = f"{pv}:{pl}" + (" shared KV" if shared else "")
         batches = [r["batch"] for r in mine]
         ax_t.plot(batches, [1e3 * r["latency_s"] for r in mine], marker="o", label=label)

@@ -24,6 +24,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -235,7 +236,7 @@ def label_chunks(cfg: LabelConfig, model: ParVL, data: SFTData, job: dict, parts
                                lambda b: label_batch(model, b, job["im_start_id"]))
         else:  # a chunk of bad rows only
             result = empty_chunk(job)
-        parts.keep(k, lambda path: save_file(result, path, metadata={"bad": json.dumps(bad)}))
+        parts.keep(k, partial(save_file, result, metadata={"bad": json.dumps(bad)}))  # save_file(result, path)
         samples += len(good)
         dt = time.perf_counter() - t0
         if i + 1 == len(todo) or (i + 1) % cfg.log_every == 0:

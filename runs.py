@@ -214,8 +214,9 @@ def check_resumed_flags(meta: dict, config: dict, folder: Path) -> None:
     saved = meta.get("config", {})
     for name in RESUME_FIXED:
         if name in saved and saved[name] != config[name]:
-            raise ValueError(f"--resume: {folder} was trained with --{name.replace('_', '-')} {saved[name]}, this run "
-                             f"asks for {config[name]}; resume with the same value, or start a new run in another --out")
+            raise ValueError(f"--resume: {folder} was trained with --{name.replace('_', '-')} {saved[name]}, this "
+                             f"run asks for {config[name]}; resume with the same value, or start a new run in another "
+                             f"--out")
 
 
 def resume(model, optim, sched, out: Path, config: dict) -> tuple[int, dict]:
@@ -254,7 +255,8 @@ def resume(model, optim, sched, out: Path, config: dict) -> tuple[int, dict]:
         now = config["max_steps"]
         was = meta.get("config", {}).get("max_steps", now)
         schedule = f"; --max-steps {was} -> {now}: the new schedule from step {step}" if was != now else ""
-        log(f"resuming from {chosen} at step {step}{schedule}{f' (skipped {what}; renamed .broken)' if skipped else ''}")
+        skips = f" (skipped {what}; renamed .broken)" if skipped else ""
+        log(f"resuming from {chosen} at step {step}{schedule}{skips}")
     return step, meta
 
 

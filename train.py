@@ -197,7 +197,8 @@ def build_model(cfg: TrainConfig, device, mesh) -> ParVL:
     reader = CheckpointReader(folder, parscale_branches=int(raw.get("parscale_n", 0)))
     with torch.device("meta"):
         given = {k: v for k, v in cfg.branches().items() if v is not None}  # into the export's config.json
-        par = replace(config_from_json(raw, folder).par, **given) if given else None  # config_for refuses to change a ParVL's
+        # config_for refuses to change a ParVL checkpoint's branches
+        par = replace(config_from_json(raw, folder).par, **given) if given else None
         model = ParVL(ParVL.config_for(folder, raw, reader.keys(), cfg.pv, cfg.pl, par)).train()
     new = model.check_checkpoint(reader, folder)
     torch.manual_seed(cfg.seed)  # every rank draws the same new branch tensors, as ParVL.from_pretrained does
@@ -262,8 +263,9 @@ def train_flops_per_token(model: ParVL) -> tuple[float, float]:
     branches; attention scores left out, as MFU conventions do). Activation recomputation is not
     counted: MFU measures useful work."""
     par = model.cfg.par
-    vit = sum(p.numel() for n, p in model.named_parameters() if n.startswith("vision_model.encoder") and p.ndim == 2)
-    llm = sum(p.numel() for n, p in model.named_parameters() if n.startswith("language_model.model.layers") and p.ndim == 2)
+    matmuls = [(n, p.numel()) for n, p in model.named_parameters() if p.ndim == 2]
+    vit = sum(k for n, k in matmuls if n.startswith("vision_model.encoder"))
+    llm = sum(k for n, k in matmuls if n.startswith("language_model.model.layers"))
     head = model.language_model.lm_head.weight.numel()
     return 6.0 * vit * par.pv, 6.0 * (llm * par.pl + head)
 
@@ -314,7 +316,8 @@ def micro_loss(model: ParVL, batch, weight_sum: float | torch.Tensor, world: int
         pixels = torch.zeros(1, 3, size, size, device=device)  # text only: a dummy tile, see ParVL.embed
     # no padding (e.g. one sample per micro-batch): no mask, so attention keeps the causal fast path
     mask = None if segments is not None or bool(batch.attention_mask.all()) else to_device(batch.attention_mask, device)
-    h, w_vision, w_language = model.hidden_from_ids(ids, pixels if pixels.shape[0] else None, mask, segment_ids=segments)
+    h, w_vision, w_language = model.hidden_from_ids(ids, pixels if pixels.shape[0] else None, mask,
+                                                    segment_ids=segments)
     loss = chunked_sft_loss(h, model.language_model.lm_head.weight, labels, weight_sum, segments) * world
     nan = torch.full((), float("nan"), device=device)  # a fill, not a host-to-device copy
     w_vision = w_vision if tiles else None  # a dummy tile's weights say nothing
@@ -472,7 +475,8 @@ class Meter:
         line = {"step": step, "loss": r["loss"], "grad_norm": r["grad_norm"], "lr": r["lr"],
                 "tokens_per_s": (r["text_tokens"] + vit_tokens) / dt, "samples_per_s": r["good"] / dt,
                 "mfu": mfu, "step_flops": flops, "pad_frac": 1 - r["text_tokens"] / r["slots"],
-                "peak_gib": peak_memory_gib(self.device), "eta_s": elapsed / (step - self.first_step) * (self.total - step),
+                "peak_gib": peak_memory_gib(self.device),
+                "eta_s": elapsed / (step - self.first_step) * (self.total - step),
                 "entropy_vision": ent_v, "entropy_language": ent_l, "bad_rows": bad_total}
         line = finite(line)  # NaN (no MFU on CPU, no branch weights) as null: JSON has no NaN
         log(json.dumps(line), sys.stdout)
