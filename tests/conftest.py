@@ -430,6 +430,14 @@ def random_pixels(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn((n, 3, IMAGE_SIZE, IMAGE_SIZE), generator=torch.Generator().manual_seed(seed))
 
 
+# Under pytest-xdist every worker is one process on a machine of few cores (CI: 2 workers on 2): one
+# intra-op thread each, and for the processes they start (torchrun workers, commands), so that no
+# OpenMP team waits on a core another worker holds.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+
+
 # Compiled graphs are shared across the tests of a session: a model of the same config and shapes
 # reuses the decode step compiled for an earlier one (its weights are graph inputs), which is most
 # of what the compiled tests cost. The recompile limit per code object is raised to cover the
@@ -457,8 +465,3 @@ def two_nodes(args: list, node_args: tuple[list, list] = ([], []), timeout: int 
                               stderr=subprocess.PIPE, text=True) for k in (0, 1)]
     outs = [p.communicate(timeout=timeout) for p in procs]
     return [p.returncode for p in procs], "".join(err for _, err in outs)
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (bench/h200.sh runs these); skipped without one")
-    config.addinivalue_line("markers", "slow: long (compiles, multi-process training); -m 'not slow' leaves them out")
