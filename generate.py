@@ -106,7 +106,9 @@ def main(argv=None) -> int:
     """Exit codes and lines: cli.shell. In --chat, Ctrl-C stops the answer (the session goes on) and at the
     prompt the session; in --batch the answers written so far stay, and a rerun with the same --out resumes."""
     args = parse_args(argv)
-    return shell(lambda: run(args))
+    resumable = args.batch is not None and args.out is not None
+    return shell(lambda: run(args), interrupted=lambda: "the answers written so far stay; the same command resumes"
+                 if resumable else "")
 
 
 def run(args: GenerateFlags) -> int:

@@ -259,6 +259,32 @@ def test_batch_equals_one_by_one_and_resumes(tiny, questions, tmp_path, capsys, 
     assert capsys.readouterr().out == full
 
 
+def test_batch_interrupted_keeps_its_answers_and_says_how_to_resume(tiny, questions, tmp_path, capsys, monkeypatch):
+    """Ctrl-C during the second batch: the first batch's answers stay, one line says so (130), and the
+    same command answers the rest, giving the file an uninterrupted run gives."""
+    folder, (path, _) = tiny[0], questions
+    flags = ["--batch", str(path), "--batch-size", "2", "--model", str(folder), *FLAGS]
+    assert generate.main([*flags, "--out", str(tmp_path / "full.jsonl")]) == 0
+    real_generate, calls = Engine.generate, []
+
+    def second_is_interrupted(self, *a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real_generate(self, *a, **k)
+
+    monkeypatch.setattr(Engine, "generate", second_is_interrupted)
+    out = tmp_path / "answers.jsonl"
+    capsys.readouterr()
+    assert generate.main([*flags, "--out", str(out)]) == 130
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last == "interrupted by SIGINT: the answers written so far stay; the same command resumes", last
+    assert len(out.read_text().splitlines()) == 2  # the first batch, whole
+    monkeypatch.setattr(Engine, "generate", real_generate)
+    assert generate.main([*flags, "--out", str(out)]) == 0
+    assert out.read_text() == (tmp_path / "full.jsonl").read_text()
+
+
 def test_batch_bad_input_is_one_line(tiny, questions, tmp_path, capsys):
     folder = tiny[0]
     path, _ = questions
