@@ -279,7 +279,8 @@ def interruptible():
 CAUSES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
           errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
           errno.EPERM: "operation not permitted", errno.ENOENT: "no such file or folder",
-          errno.ENOTDIR: "a parent is a file, not a folder", errno.EIO: "input/output error"}
+          errno.ENOTDIR: "a parent is a file, not a folder", errno.EISDIR: "a folder, not a file",
+          errno.EIO: "input/output error"}
 
 
 def os_cause(e: BaseException, folder: Path | None = None) -> str:
