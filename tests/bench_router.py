@@ -103,7 +103,7 @@ def main() -> int:
         for name in names[it % 3:] + names[: it % 3]:  # rotate the order: no engine always runs first
             engine = engines[name]
             res = []
-            dt = timed(lambda: res.append(engine.generate(ids, pix, cfg, [])))
+            dt = timed(lambda engine=engine, res=res: res.append(engine.generate(ids, pix, cfg, [])))
             pairs = res[0].pairs if res[0].pairs is not None else pairs
             if it:
                 times[name].append(dt / args.batch)
@@ -130,8 +130,8 @@ def main() -> int:
     lab, base = [], []
     for it in range(args.iters + 1):
         got = {}
-        t_lab = timed(lambda: got.update(label_batch(big, batch, IM_START)))
-        t_base = timed(lambda: got.update(ref=single_pairs()))
+        t_lab = timed(lambda got=got: got.update(label_batch(big, batch, IM_START)))
+        t_base = timed(lambda got=got: got.update(ref=single_pairs()))
         if it:
             lab.append(t_lab)
             base.append(t_base)

@@ -444,7 +444,8 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 # suite's distinct configs, and reaching it is an error rather than a silent fall back to eager
 # (which would make every compiled-equals-eager test vacuous).
 for name, value in (("recompile_limit", 256), ("accumulated_recompile_limit", 4096),
-                    ("automatic_dynamic_shapes", False),  # a new shape compiles a static graph, as a fresh process would
+                    ("automatic_dynamic_shapes",
+                     False),  # a new shape compiles a static graph, as a fresh process would
                     ("fail_on_recompile_limit_hit", True)):
     if hasattr(torch._dynamo.config, name):  # the names of torch 2.11 and newer
         setattr(torch._dynamo.config, name, value)

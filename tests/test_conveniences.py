@@ -109,13 +109,15 @@ def test_default_model_from_the_hub_cache_offline(tiny, tmp_path, capsys):
 
 def test_no_network_is_one_error_line(tmp_path):
     env = {k: v for k, v in hub_env(tmp_path / "empty").items() if k != "HF_HUB_OFFLINE"}
-    env |= {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "2"}  # a port nothing listens on: refused at once
+    env |= {"HF_ENDPOINT": "http://127.0.0.1:9",
+            "HF_HUB_ETAG_TIMEOUT": "2"}  # a port nothing listens on: refused at once
     res = subprocess.run([sys.executable, str(ROOT / "generate.py"), "Hello?"], env=env, capture_output=True, text=True,
                          timeout=120)
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 1 and "Traceback" not in res.stderr and len(lines) == 2, res.stderr
     assert lines[0].startswith("downloading OpenGVLab/InternVL3_5-1B into")  # the attempt, announced
-    assert lines[1] == ("error: OpenGVLab/InternVL3_5-1B: not in the hub cache and the hub cannot be reached; download it "
+    assert lines[1] == ("error: OpenGVLab/InternVL3_5-1B: not in the hub cache and the hub cannot be reached; download "
+                        "it "
                         "where the hub is reachable (hf download OpenGVLab/InternVL3_5-1B --local-dir InternVL3_5-1B) "
                         "and pass --model InternVL3_5-1B")
 
@@ -136,7 +138,8 @@ def test_without_huggingface_hub_one_line_says_how(tmp_path):
 
 
 def engine_answer(model, tok, prompts: list[str], pixels, n: int = 6) -> list[str]:
-    out = Engine(model).generate([tok.encode(p) for p in prompts], pixels, GenerateConfig(max_new_tokens=n), tok.eos_ids)
+    out = Engine(model).generate([tok.encode(p) for p in prompts], pixels, GenerateConfig(max_new_tokens=n),
+                                 tok.eos_ids)
     return [tok.decode(t, skip_special_tokens=True).strip() for t in out.tokens]
 
 
@@ -159,7 +162,9 @@ def test_chat_equals_the_engine_and_keeps_the_official_history(tiny, monkeypatch
     assert model.engine is engine  # one engine per model
     multi = "Image-1: <image>\nImage-2: <image>\nWhat differs?"
     pv3 = random_pixels(3, seed=6)
-    assert [model.chat(tok, pv3, multi, CFG, num_patches_list=[2, 1])] == engine_answer(model, tok, [build_prompt(multi, [2, 1])], pv3)
+    assert [model.chat(tok, pv3, multi, CFG, num_patches_list=[2, 1])] == engine_answer(model, tok,
+                                                                                        [build_prompt(multi, [2, 1])],
+                                                                                        pv3)
     assert [model.chat(tok, None, "Hi", CFG)] == engine_answer(model, tok, [build_prompt("Hi", [])], None)
     with pytest.raises(ValueError, match="sums to 2"):
         model.chat(tok, pv3, "q", CFG, num_patches_list=[1, 1])
@@ -212,7 +217,8 @@ def questions(tmp_path_factory):
             {"image": "img/b.png", "question": "Colour?"},
             {"image": "img/b.png", "question": "Shape?"}]
     path = root / "questions.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]) + "\n" + "".join(json.dumps(r) + "\n" for r in rows[2:]))
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]) + "\n"
+                    + "".join(json.dumps(r) + "\n" for r in rows[2:]))
     return path, rows
 
 
@@ -227,7 +233,8 @@ def test_batch_equals_one_by_one_and_resumes(tiny, questions, tmp_path, capsys, 
     real_generate = Engine.generate
     monkeypatch.setattr(Engine, "generate", lambda self, prompts, pv, *a, **k: calls.append((prompts, pv))
                         or real_generate(self, prompts, pv, *a, **k))
-    assert generate.main(["--batch", str(path), "--out", str(out), "--batch-size", "2", "--model", str(folder), *FLAGS]) == 0
+    assert generate.main(["--batch", str(path), "--out", str(out), "--batch-size", "2", "--model", str(folder),
+                          *FLAGS]) == 0
     batched, calls[:] = list(calls), []
     assert [len(p) for p, _ in batched] == [2, 2, 1]  # --batch-size rows per engine call
     err = capsys.readouterr().err
@@ -236,7 +243,8 @@ def test_batch_equals_one_by_one_and_resumes(tiny, questions, tmp_path, capsys, 
     assert [g["line"] for g in got] == [1, 2, 4, 5, 6]  # input order; the blank line 3 is skipped
     for g, row in zip(got, rows):  # every answer is the command's answer to that one question
         images = [row["image"]] if isinstance(row.get("image"), str) else row.get("image", [])
-        assert generate.main([*(str(path.parent / i) for i in images), row["question"], "--json", "--model", str(folder),
+        assert generate.main([*(str(path.parent / i) for i in images), row["question"], "--json", "--model",
+                              str(folder),
                               *FLAGS]) == 0
         assert g["answer"] == json.loads(capsys.readouterr().out)["answer"], g
         assert g["question"] == row["question"] and g.get("image") == row.get("image")
@@ -248,11 +256,13 @@ def test_batch_equals_one_by_one_and_resumes(tiny, questions, tmp_path, capsys, 
     # killed during the third answer: two whole lines and a torn one; the rerun answers the rest
     lines = full.splitlines(keepends=True)
     out.write_text(lines[0] + lines[1] + lines[2][:15])
-    assert generate.main(["--batch", str(path), "--out", str(out), "--batch-size", "2", "--model", str(folder), *FLAGS]) == 0
+    assert generate.main(["--batch", str(path), "--out", str(out), "--batch-size", "2", "--model", str(folder),
+                          *FLAGS]) == 0
     assert "2 of 5 questions already answered; 3 to go" in capsys.readouterr().err
     assert out.read_text() == full
     out.write_text(lines[3] + lines[0])  # not a prefix: the result is still in input order
-    assert generate.main(["--batch", str(path), "--out", str(out), "--batch-size", "4", "--model", str(folder), *FLAGS]) == 0
+    assert generate.main(["--batch", str(path), "--out", str(out), "--batch-size", "4", "--model", str(folder),
+                          *FLAGS]) == 0
     assert out.read_text() == full
     # default: stdout, the same rows
     assert generate.main(["--batch", str(path), "--batch-size", "3", "--model", str(folder), *FLAGS]) == 0
@@ -293,7 +303,8 @@ def test_batch_bad_input_is_one_line(tiny, questions, tmp_path, capsys):
     other.write_text(json.dumps({"line": 1, "question": "Something else", "answer": "x"}) + "\n")
     cases = {
         f"{bad} line 2: not JSON": ('{"question": "ok"}\n{"question": \n', "--batch", bad),
-        f"{bad} line 1: no image file {tmp_path / 'gone.png'}": ('{"image": "gone.png", "question": "q"}\n', "--batch", bad),
+        f"{bad} line 1: no image file {tmp_path / 'gone.png'}": ('{"image": "gone.png", "question": "q"}\n',
+                                                                 "--batch", bad),
         f'{bad} line 1: needs a "question" string': ('{"image": "gone.png"}\n', "--batch", bad),
         f"{other}: answers another file": (None, "--batch", path, "--out", other),
     }
@@ -310,7 +321,8 @@ def test_batch_bad_input_is_one_line(tiny, questions, tmp_path, capsys):
     out = tmp_path / "answers.jsonl"
     assert generate.main(["--batch", str(bad), "--out", str(out), "--model", str(folder), *FLAGS]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[1].startswith(f"{bad} line 1: cannot read image {tmp_path / 'broken.png'}: ") and err[1].endswith("; skipped")
+    assert (err[1].startswith(f"{bad} line 1: cannot read image {tmp_path / 'broken.png'}: ")
+            and err[1].endswith("; skipped"))
     assert err[-1] == f"error: 1 of 2 rows not answered, their images unreadable: {bad} line 1", err
     assert [json.loads(x)["line"] for x in out.read_text().splitlines()] == [2]
     with pytest.raises(SystemExit) as e:
@@ -394,7 +406,8 @@ def test_plots_without_matplotlib_are_one_line(run_dir, tmp_path, capsys, monkey
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     out, _ = run_dir
     assert train.main(["plot", str(out), "--out", str(tmp_path / "m.png")]) == 1
-    assert one_line(capsys.readouterr().err) == "error: matplotlib is not installed (it draws the plot): pip install matplotlib"
+    assert one_line(capsys.readouterr().err) == ("error: matplotlib is not installed (it draws the plot): "
+                                                 "pip install matplotlib")
     assert profiling.main(["latency", "--arch", "tiny", "--plot", str(tmp_path / "l.png")]) == 1  # before measuring
     assert "pip install matplotlib" in one_line(capsys.readouterr().err)
     assert not (tmp_path / "m.png").exists() and not (tmp_path / "l.png").exists()
@@ -414,8 +427,10 @@ def test_every_flag_has_help(monkeypatch, capsys):
         return real(self, *names, **kw)
 
     monkeypatch.setattr("argparse.ArgumentParser.add_argument", record)
-    for command[0], parse, argv in (("generate", generate.parse_args, ["--help"]), ("train", train.parse_args, ["--help"]),
-                                    ("profiling", profiling.parse_args, ["--help"]), ("plot", train.main, ["plot", "--help"])):
+    for command[0], parse, argv in (("generate", generate.parse_args, ["--help"]),
+                                    ("train", train.parse_args, ["--help"]),
+                                    ("profiling", profiling.parse_args, ["--help"]),
+                                    ("plot", train.main, ["plot", "--help"])):
         with pytest.raises(SystemExit):
             parse(argv)
     capsys.readouterr()

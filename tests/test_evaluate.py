@@ -352,12 +352,15 @@ def bench(checkpoint, tmp_path_factory):
     d = tmp_path_factory.mktemp("bench")
     imgs = [png_b64(24, 24, 1), png_b64(20, 20, 2), png_b64(64, 32, 3)]
     rows = [
-        {"index": "10", "question": "What is shown?", "A": "cat", "B": "dog", "answer": "A", "split": "validation", "image": imgs[0]},
+        {"index": "10", "question": "What is shown?", "A": "cat", "B": "dog", "answer": "A", "split": "validation",
+         "image": imgs[0]},
         {"index": "11", "question": "Compare <image 1> and <image 2>.", "A": "same", "B": "different", "answer": "B",
          "split": "validation", "image": str([imgs[1], imgs[0]])},
         {"index": "12", "question": "How many?", "hint": "Count them.", "answer": "3", "split": "dev", "image": "10"},
-        {"index": "13", "question": "Broken", "A": "x", "B": "y", "answer": "A", "split": "dev", "image": "!!notbase64" * 10},
-        {"index": "14", "question": "Wide picture?", "A": "yes", "B": "no", "answer": "A", "split": "validation", "image": imgs[2]},
+        {"index": "13", "question": "Broken", "A": "x", "B": "y", "answer": "A", "split": "dev",
+         "image": "!!notbase64" * 10},
+        {"index": "14", "question": "Wide picture?", "A": "yes", "B": "no", "answer": "A", "split": "validation",
+         "image": imgs[2]},
     ]
     return folder, write_tsv(d / "MMMU_DEV_VAL.tsv", rows), rows, imgs
 
@@ -366,11 +369,13 @@ def expected_answers(folder: Path, rows: list[dict]) -> dict[str, str]:
     """What VLMEvalKit's InternVL path would generate, built here by hand, one prompt at a time."""
     model, tok = ParVL.from_pretrained(folder), Tokenizer.from_pretrained(folder)
     engine, out = Engine(model), {}
-    texts = {"10": "<image>\nWhat is shown?\nA. cat\nB. dog\nAnswer with the option's letter from the given choices directly.",
+    texts = {"10": "<image>\nWhat is shown?\nA. cat\nB. dog\nAnswer with the option's letter from the given choices "
+             "directly.",
              "11": "Image-1: <image>\nImage-2: <image>\nCompare <image 1> and <image 2>.\nA. same\nB. different\n"
                    "Answer with the option's letter from the given choices directly.",
              "12": "<image>\nCount them.\nHow many?\nAnswer the question directly.",
-             "14": "<image>\nWide picture?\nA. yes\nB. no\nAnswer with the option's letter from the given choices directly."}
+             "14": "<image>\nWide picture?\nA. yes\nB. no\nAnswer with the option's letter from the given choices "
+             "directly."}
     by_index = {r["index"]: r for r in rows}
     for index, text in texts.items():
         cell = by_index[index]["image"] if index != "12" else by_index["10"]["image"]
@@ -424,7 +429,8 @@ def test_run_two_nodes_equal_one(bench, full_run, tmp_path):
     merged predictions are the one process's, byte for byte."""
     folder, tsv, _, _ = bench
     out = tmp_path / "pred.jsonl"
-    codes, err = two_nodes([ROOT / "evaluate.py", "run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder,
+    codes, err = two_nodes([ROOT / "evaluate.py", "run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model",
+                            folder,
                             "--out", out, "--batch-size", 2, "--max-new-tokens", NEW])
     assert codes == [0, 0], err[-3000:]
     assert out.read_text() == full_run.read_text()
@@ -453,8 +459,10 @@ def test_score_command_and_bad_input(bench, full_run, tmp_path, capsys):
     cases = [
         (["score", "--benchmark", "NoSuchBench", "--data", tsv, "--predictions", full_run], "unknown benchmark"),
         (["run", "--benchmark", "NoSuchBench", "--data", tsv, "--out", tmp_path / "x.jsonl"], "unknown benchmark"),
-        (["score", "--benchmark", "MMMU_DEV_VAL", "--data", no_answer, "--predictions", full_run], "missing required column(s) answer"),
-        (["score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", bad_pred], "prediction index '999' is not in"),
+        (["score", "--benchmark", "MMMU_DEV_VAL", "--data", no_answer, "--predictions", full_run],
+         "missing required column(s) answer"),
+        (["score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", bad_pred],
+         "prediction index '999' is not in"),
         (["fit-law", tmp_path / "empty.csv"], "empty CSV"),
         (["fit-law", write_losses(tmp_path / "four.csv", [1e8, 2e8, 4e8, 8e8], [1, 2, 4, 8], [3.0, 2.9, 2.8, 2.7])],
          "4 points; the law has 4 parameters (E, A, alpha, k), so fitting it needs at least 5"),
@@ -575,7 +583,8 @@ def test_judge_extracts_only_unresolved_rows_and_caches(tmp_path, capsys):
         server.shutdown()
         server.server_close()
     assert rc == 0 and json.loads(out.splitlines()[-1])["score"] == 100.0
-    assert StubJudge.requests[-1]["messages"][0]["content"] == "MATH-EXTRACT EX1\nEX2\nQ?\nModel respone: It is fourteenExtracted answer:"
+    assert StubJudge.requests[-1]["messages"][0]["content"] == ("MATH-EXTRACT EX1\nEX2\nQ?\nModel respone: It is "
+                                                                "fourteenExtracted answer:")
     assert StubJudge.requests[-1]["max_tokens"] == 128 and StubJudge.requests[-1]["temperature"] == 0.0
 
 
@@ -599,7 +608,8 @@ def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
             f.write_text(json.dumps({"benchmark": bench, "score": v, "n": 10, "pv": pv, "pl": pl}) + "\n")
             files.append(f)
     pair = tmp_path / "pair.json"  # a fixed-pair diagnostic (Table S9) with a high score: never "best"
-    pair.write_text(json.dumps({"benchmark": "MMMU_DEV_VAL", "score": 99.0, "pv": 2, "pl": 2, "vision_branch": 0, "language_branch": 1}))
+    pair.write_text(json.dumps({"benchmark": "MMMU_DEV_VAL", "score": 99.0, "pv": 2, "pl": 2, "vision_branch": 0,
+                                "language_branch": 1}))
     pairs = []  # Table S9: all four pairs of a 2:2 checkpoint on OCRBench
     for (vb, lb), v in {(0, 0): 70.0, (0, 1): 74.0, (1, 0): 72.0, (1, 1): 76.0}.items():
         pairs.append(tmp_path / f"pair{vb}{lb}.json")
@@ -615,7 +625,8 @@ def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
     # matplotlib is optional: without it one line says so, with it every grid gets a heatmap
     assert "matplotlib is not installed" in err or (tmp_path / "rep" / "heatmap_All.png").exists()
     data = json.loads((tmp_path / "rep" / "report.json").read_text())
-    by = {(c["pv"], c["pl"], c["vision_branch"]): c for c in data["configs"] if not c["shared_kv"] and not c["branches"]}
+    by = {(c["pv"], c["pl"],
+           c["vision_branch"]): c for c in data["configs"] if not c["shared_kv"] and not c["branches"]}
     variant = next(c for c in data["configs"] if c["branches"])
     assert variant["label"] == "2:2 lora_rank=8 vision_branches=lora" and variant["scores"]["MMMU_DEV_VAL"] == 98.0
     assert variant["gflops"] == flops_of("1b", 2, 2, vision_branches="lora", lora_rank=8)["total_gflops"]
@@ -709,7 +720,8 @@ def test_run_branch_options_pass_through(checkpoint, tmp_path, capsys, monkeypat
     model = ParVL.from_pretrained(checkpoint("qwen3", "original"), pv=2, pl=2)
     model.init_branches(std=2.0)  # large prefixes: a single pair answers differently from all four
     model.save(tmp_path / "parvl")
-    tsv = write_tsv(tmp_path / "t.tsv", [{"index": "0", "question": "Read it.", "answer": "['x']", "image": png_b64(16, 16, 5)}])
+    tsv = write_tsv(tmp_path / "t.tsv",
+                    [{"index": "0", "question": "Read it.", "answer": "['x']", "image": png_b64(16, 16, 5)}])
     flags = [f"--{k.replace('_', '-')}" + ("" if v is True else f"={v}") for k, v in options.items()]
     rc, _, _ = main_out(capsys, "run", "--benchmark", "TextVQA_VAL", "--data", tsv, "--model", tmp_path / "parvl",
                         "--out", tmp_path / "p.jsonl", "--max-new-tokens", NEW, *flags)
@@ -717,7 +729,8 @@ def test_run_branch_options_pass_through(checkpoint, tmp_path, capsys, monkeypat
     model, tok = ParVL.from_pretrained(tmp_path / "parvl"), Tokenizer.from_pretrained(tmp_path / "parvl")
     pil = Image.open(io.BytesIO(base64.b64decode(png_b64(16, 16, 5)))).convert("RGB")
     tiles = load_image(pil, max_tiles=6)  # TextVQA_VAL: 6 tiles
-    ids = tok.encode(build_prompt("<image>\nRead it.\nAnswer the question using a single word or phrase.", [tiles.shape[0]]))
+    ids = tok.encode(build_prompt("<image>\nRead it.\nAnswer the question using a single word or phrase.",
+                                  [tiles.shape[0]]))
     want = Engine(model, **options).generate([ids], tiles, GenerateConfig(max_new_tokens=NEW), tok.eos_ids).tokens[0]
     dense = Engine(model).generate([ids], tiles, GenerateConfig(max_new_tokens=NEW), tok.eos_ids).tokens[0]
     assert rc == 0 and pred["prediction"] == tok.decode(want, skip_special_tokens=True).strip()
@@ -734,11 +747,15 @@ def test_judge_wemath_mathvision_logicvista(tmp_path, capsys):
         (kit / name).write_text(text)
     img = png_b64(8, 8, 0)
     cases = {  # benchmark -> (rows, predictions, expected score)
-        "WeMath": ([{"index": "1", "question": "Angle? FORMAT-RULE", "A": "30", "B": "60", "answer": "B", "key": "2steps_1", "ID": "g"},
-                    {"index": "2", "question": "Side?", "A": "1", "B": "2", "answer": "A", "key": "2steps_2", "ID": "g"},
-                    {"index": "3", "question": "Area?", "A": "3", "B": "4", "answer": "A", "key": "2steps_multi", "ID": "g"}],
+        "WeMath": ([{"index": "1", "question": "Angle? FORMAT-RULE", "A": "30", "B": "60", "answer": "B",
+                     "key": "2steps_1", "ID": "g"},
+                    {"index": "2", "question": "Side?", "A": "1", "B": "2", "answer": "A", "key": "2steps_2",
+                     "ID": "g"},
+                    {"index": "3", "question": "Area?", "A": "3", "B": "4", "answer": "A", "key": "2steps_multi",
+                     "ID": "g"}],
                    {"1": "sixty degrees", "2": "A", "3": "A"}, 100.0),  # all three right with the extractor: CM
-        "MathVision_MINI": ([{"index": "1", "question": "Ratio?", "choices": "[]", "answer": "3/5"}], {"1": "about three fifths"}, 100.0),
+        "MathVision_MINI": ([{"index": "1", "question": "Ratio?", "choices": "[]", "answer": "3/5"}],
+                            {"1": "about three fifths"}, 100.0),
         "LogicVista": ([{"index": "1", "question": "Which?", "answer": "A, C"}], {"1": "I pick A and C"}, 100.0),
     }
     server = HTTPServer(("127.0.0.1", 0), StubJudge)
@@ -776,21 +793,24 @@ def test_run_with_a_router_gives_the_routed_engines_answers(checkpoint, tmp_path
     model.save(tmp_path / "parvl")
     model, tok = ParVL.from_pretrained(tmp_path / "parvl"), Tokenizer.from_pretrained(tmp_path / "parvl")
     cfg = gates.RouterConfig(pv=2, pl=2, vision_width=model.cfg.vit.hidden_size, text_width=model.cfg.llm.hidden_size,
-                             hidden=16, im_start_id=tok.token_to_id("<|im_start|>"), fingerprint=gates.fingerprint(model))
+                             hidden=16, im_start_id=tok.token_to_id("<|im_start|>"),
+                             fingerprint=gates.fingerprint(model))
     torch.manual_seed(1)
     gates.save_router(gates.Router(cfg), tmp_path / "R", {})
     rows = [{"index": str(k), "question": q, "answer": "['x']", "image": png_b64(16 + 8 * k, 16, k)}
             for k, q in enumerate(["Read it.", "What colour?", "Count them."])]
     tsv = write_tsv(tmp_path / "t.tsv", rows)
     rc, _, _ = main_out(capsys, "run", "--benchmark", "TextVQA_VAL", "--data", tsv, "--model", tmp_path / "parvl",
-                        "--out", tmp_path / "p.jsonl", "--max-new-tokens", NEW, "--router", tmp_path / "R", "--batch-size", 1)
+                        "--out", tmp_path / "p.jsonl", "--max-new-tokens", NEW, "--router", tmp_path / "R",
+                        "--batch-size", 1)
     assert rc == 0
     preds = {p["index"]: p for p in read_preds(tmp_path / "p.jsonl")}
     engine = Engine(model, router=gates.load_router(tmp_path / "R", model))
     for r in rows:
         pil = Image.open(io.BytesIO(base64.b64decode(r["image"]))).convert("RGB")
         tiles = load_image(pil, max_tiles=6)
-        ids = tok.encode(build_prompt(f"<image>\n{r['question']}\nAnswer the question using a single word or phrase.", [tiles.shape[0]]))
+        ids = tok.encode(build_prompt(f"<image>\n{r['question']}\nAnswer the question using a single word or phrase.",
+                                      [tiles.shape[0]]))
         res = engine.generate([ids], tiles, GenerateConfig(max_new_tokens=NEW), tok.eos_ids)
         assert preds[r["index"]]["prediction"] == tok.decode(res.tokens[0], skip_special_tokens=True).strip()
         assert preds[r["index"]]["pair"] == list(res.pairs[0]) and preds[r["index"]]["router"] == str(tmp_path / "R")
@@ -799,7 +819,8 @@ def test_run_with_a_router_gives_the_routed_engines_answers(checkpoint, tmp_path
                     "--out", score)[0] == 0
     # Table 3's random pair: each row its own seeded pair, whatever the batch, equal to that pair alone
     run = ["run", "--benchmark", "TextVQA_VAL", "--data", tsv, "--model", tmp_path / "parvl", "--max-new-tokens", NEW]
-    assert main_out(capsys, *run, "--out", tmp_path / "r.jsonl", "--random-pair", "--seed", 3, "--batch-size", 3)[0] == 0
+    assert main_out(capsys, *run, "--out", tmp_path / "r.jsonl", "--random-pair", "--seed", 3, "--batch-size",
+                    3)[0] == 0
     drawn = {r["index"]: evaluate.random_pair(3, r["index"], 2, 2) for r in rows}
     assert len(set(drawn.values())) > 1  # the rows of one batch run different pairs
     plain = Engine(model)
@@ -807,20 +828,24 @@ def test_run_with_a_router_gives_the_routed_engines_answers(checkpoint, tmp_path
         r = rows[int(p["index"])]
         pil = Image.open(io.BytesIO(base64.b64decode(r["image"]))).convert("RGB")
         tiles = load_image(pil, max_tiles=6)
-        ids = tok.encode(build_prompt(f"<image>\n{r['question']}\nAnswer the question using a single word or phrase.", [tiles.shape[0]]))
+        ids = tok.encode(build_prompt(f"<image>\n{r['question']}\nAnswer the question using a single word or phrase.",
+                                      [tiles.shape[0]]))
         v, l = drawn[p["index"]]
-        res = plain.generate([ids], tiles, GenerateConfig(max_new_tokens=NEW), tok.eos_ids, vision_branch=v, language_branch=l)
+        res = plain.generate([ids], tiles, GenerateConfig(max_new_tokens=NEW), tok.eos_ids, vision_branch=v,
+                             language_branch=l)
         assert p["pair"] == [v, l] and p["random_pair"] == 3 and p["prediction"] == tok.answer(res.tokens[0])
     rc, _, err = main_out(capsys, *run, "--out", tmp_path / "r.jsonl", "--random-pair", "--seed", 4)
     assert rc == 1 and "random_pair 3 there, 4 now" in err  # another seed is another run
     assert main_out(capsys, *run, "--out", tmp_path / "d.jsonl")[0] == 0
     for name in ("r", "d"):
-        assert main_out(capsys, "score", "--benchmark", "TextVQA_VAL", "--data", tsv, "--predictions", tmp_path / f"{name}.jsonl",
+        assert main_out(capsys, "score", "--benchmark", "TextVQA_VAL", "--data", tsv, "--predictions",
+                        tmp_path / f"{name}.jsonl",
                         "--out", tmp_path / f"{name}.json")[0] == 0
     rc, _, _ = main_out(capsys, "report", score, tmp_path / "r.json", tmp_path / "d.json", "--out", tmp_path / "rep")
     data = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rc == 0 and [c["label"] for c in data["configs"]] == ["2:2"]  # the allocation tables: the dense run only
-    assert [t["label"] for t in data["table3"]] == ["2:2 dense", "2:2 random pair (seed 3)", f"2:2 router {tmp_path / 'R'}"]
+    assert [t["label"] for t in data["table3"]] == ["2:2 dense", "2:2 random pair (seed 3)",
+                                                    f"2:2 router {tmp_path / 'R'}"]
     assert [t["scores"]["TextVQA_VAL"] for t in data["table3"]] == [
         json.loads((tmp_path / f).read_text())["score"] for f in ("d.json", "r.json", "score.json")]
 
@@ -896,7 +921,8 @@ def test_an_out_that_cannot_be_written_is_one_line(bench, full_run, tmp_path, ca
     folder, tsv, _, _ = bench
     a_file = tmp_path / "a_file"
     a_file.write_text("kept")
-    for args, want in [(["run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder, "--out", a_file / "p.jsonl"],
+    for args, want in [(["run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder, "--out",
+                         a_file / "p.jsonl"],
                         f"error: --out {a_file}: {a_file} is a file, not a folder"),  # before the model loads
                        (["score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", full_run, "--out",
                          a_file / "s.json"], f"error: {a_file / 's.json'}: a parent is a file, not a folder")]:
@@ -914,10 +940,12 @@ def test_run_resumes_only_its_own_run(bench, full_run, checkpoint, tmp_path, cap
     out.write_text(full_run.read_text())
     record = read_preds(out)[0]
     assert {k: record[k] for k in ("benchmark", "max_new_tokens", "dtype")} == {"benchmark": "MMMU_DEV_VAL",
-                                                                               "max_new_tokens": NEW, "dtype": "float32"}
+                                                                               "max_new_tokens": NEW,
+                                                                               "dtype": "float32"}
     for model, flag, what in [(folder, NEW + 1, f"max_new_tokens {NEW!r} there, {NEW + 1!r} now"),
                               (checkpoint("qwen3", "original", seed=1), NEW, "model_fingerprint")]:
-        rc, _, err = main_out(capsys, "run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", model, "--out", out,
+        rc, _, err = main_out(capsys, "run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", model, "--out",
+                              out,
                               "--max-new-tokens", flag)
         lines = [x for x in err.splitlines() if x.startswith("error:")]
         assert rc == 1 and len(lines) == 1 and lines[0].startswith(f"error: {out}: holds predictions of another run (")
@@ -976,7 +1004,8 @@ def test_lengths_bootstrap_has_the_known_answer():
     assert t["Math"] == {"a": 6.0, "b": 7.0, "delta": 1.0} and t["General"]["delta"] == 3.0
     assert t["All"]["delta"] == 2.0 and got["interval_95"] == [2.0, 2.0]  # equal benchmark weight: (3 + 1) / 2
     spread = L.compare({"OCRBench": {"1": 5, "2": 5}}, {"OCRBench": {"1": 5, "2": 7}})
-    assert spread["table"]["All"]["delta"] == 1.0 and spread["interval_95"] == [0.0, 2.0] and spread["resamples"] == 10_000
+    assert (spread["table"]["All"]["delta"] == 1.0 and spread["interval_95"] == [0.0, 2.0]
+            and spread["resamples"] == 10_000)
     with pytest.raises(T.DataError, match="other benchmarks"):
         L.compare(a, {"WeMath": b["WeMath"]})
 
@@ -985,7 +1014,8 @@ def test_lengths_command_retokenises_the_answers(bench, full_run, tmp_path, caps
     folder = bench[0]
     tok = Tokenizer.from_pretrained(folder)
     longer = tmp_path / "longer.jsonl"  # the same rows, each answer one word longer
-    longer.write_text("".join(json.dumps(p | {"prediction": p["prediction"] + " yes"}) + "\n" for p in read_preds(full_run)))
+    longer.write_text("".join(json.dumps(p | {"prediction": p["prediction"] + " yes"}) + "\n"
+                              for p in read_preds(full_run)))
     rc, out, _ = main_out(capsys, "lengths", "--model", folder, "--a", full_run, "--b", longer, "--names", "1:1", "4:4",
                           "--out", tmp_path / "s5.json")
     result = json.loads((tmp_path / "s5.json").read_text())
@@ -1008,11 +1038,13 @@ def test_descriptors_count_pixels_and_tokens_per_benchmark(bench, full_run, tmp_
     tok = Tokenizer.from_pretrained(folder)
     report = tmp_path / "report.json"
     report.write_text(json.dumps({"best": {"MMMU_DEV_VAL": "2:4", "All": "2:2"}}))
-    rc, out, err = main_out(capsys, "descriptors", tsv, "--model", folder, "--report", report, "--out", tmp_path / "s2.json")
+    rc, out, err = main_out(capsys, "descriptors", tsv, "--model", folder, "--report", report, "--out",
+                            tmp_path / "s2.json")
     assert rc == 1 and "unreadable image" in err and "row 13" in err  # the bench TSV's corrupt row is named
     good = [r for r in rows if r["index"] != "13"]
     clean = write_tsv(tmp_path / "MMMU_DEV_VAL.tsv", good)
-    rc, out, _ = main_out(capsys, "descriptors", clean, "--model", folder, "--report", report, "--out", tmp_path / "s2.json",
+    rc, out, _ = main_out(capsys, "descriptors", clean, "--model", folder, "--report", report, "--out",
+                          tmp_path / "s2.json",
                           "--predictions", full_run)
     got = json.loads((tmp_path / "s2.json").read_text())["MMMU_DEV_VAL"]
     area = {imgs[0]: 24 * 24, imgs[1]: 20 * 20, imgs[2]: 64 * 32}  # row 12 shares row 10's image
@@ -1033,19 +1065,22 @@ def test_cost_puts_each_configuration_at_its_latency_and_memory(tmp_path, capsys
         "label": f"{pv}:{pl}" + (" sharedKV" if shared else ""), "pv": pv, "pl": pl, "vision_branch": vb,
         "language_branch": None, "shared_kv": shared, "scores": {"All": score}}
     report = tmp_path / "report.json"
-    report.write_text(json.dumps({"configs": [config(1, 1, False, 40.0), config(4, 4, False, 42.5), config(4, 4, True, 41.0),
+    report.write_text(json.dumps({"configs": [config(1, 1, False, 40.0), config(4, 4, False, 42.5),
+                                              config(4, 4, True, 41.0),
                                               config(4, 4, False, 39.0, vb=1)]}))
     row = lambda pv, shared, batch, lat, mem: {"pv": pv, "pl": pv, "shared_kv": shared, "batch": batch,  # noqa: E731
                                                "latency_s": lat, "peak_gib": mem}
     latency = tmp_path / "latency.json"
     latency.write_text("table for people\n" + json.dumps({"command": "latency", "rows": [
-        row(1, False, 1, 1.0, 2.0), row(1, False, 8, 0.2, 5.0), row(4, False, 1, 1.9, 2.6), row(4, True, 1, 1.5, 2.2)]}) + "\n")
+        row(1, False, 1, 1.0, 2.0), row(1, False, 8, 0.2, 5.0), row(4, False, 1, 1.9, 2.6),
+        row(4, True, 1, 1.5, 2.2)]}) + "\n")
     rc, out, _ = main_out(capsys, "cost", "--report", report, "--latency", latency, "--out", tmp_path / "fig4")
     points = json.loads((tmp_path / "fig4" / "score_cost.json").read_text())
     assert rc == 0 and points == [{"label": "1:1", "score": 40.0, "latency_s": 1.0, "peak_gib": 2.0},
                                   {"label": "4:4", "score": 42.5, "latency_s": 1.9, "peak_gib": 2.6},
                                   {"label": "4:4 sharedKV", "score": 41.0, "latency_s": 1.5, "peak_gib": 2.2}]
-    assert "| 4:4 sharedKV | 41.0 | 1.5000 | 2.200 |" in out and (tmp_path / "fig4" / "score_cost.png").stat().st_size > 0
+    assert ("| 4:4 sharedKV | 41.0 | 1.5000 | 2.200 |" in out
+            and (tmp_path / "fig4" / "score_cost.png").stat().st_size > 0)
     latency.write_text(json.dumps({"rows": [row(1, False, 1, 1.0, 2.0)]}) + "\n")
     rc, _, err = main_out(capsys, "cost", "--report", report, "--latency", latency)
     assert rc == 1 and "no batch-1 row for 4:4 (profiling.py latency --pv 4 --pl 4 --batch 1)" in err

@@ -23,7 +23,7 @@ def setup(pv: int, pl: int):
     g = torch.Generator().manual_seed(pv + pl)
     per = cfg.tokens_per_tile
     prompts, tiles = [], []
-    for k, (n_tiles, text) in enumerate([(1, 9), (0, 21), (2, 5)]):
+    for n_tiles, text in [(1, 9), (0, 21), (2, 5)]:
         ids = torch.randint(0, cfg.image_token_id, (text,), generator=g)
         if n_tiles:
             ids = torch.cat([ids[:2], torch.full((per * n_tiles,), cfg.image_token_id), ids[2:]])

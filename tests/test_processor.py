@@ -320,7 +320,7 @@ def test_tokenizer_errors(tmp_path):
     tok = Tokenizer.from_pretrained(plain)
     assert tok.eos_ids == [eot] and tok.vocab_size == eot + 1
     with pytest.raises(ValueError, match="<IMG_CONTEXT>"):
-        tok.img_context_id
+        tok.img_context_id  # noqa: B018  (reading the property is what must raise)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -290,7 +290,8 @@ def test_forward_cli_tiny(tmp_path):
         assert r["gflops"] == pytest.approx(gflops[r["pv"], r["pl"]], rel=1e-12), r
     assert rows[1]["gflops_x"] == pytest.approx(540259906 / 314926336, rel=1e-12)
     # --pair: each config with branches also runs one pair per sample, counted at the 1:1 workload
-    rows = run_cli("forward", "--arch", "tiny", "--configs", "1:1", "2:2", "--repeats", "1", "--warmup", "0", "--pair")["rows"]
+    rows = run_cli("forward", "--arch", "tiny", "--configs", "1:1", "2:2", "--repeats", "1", "--warmup", "0",
+                   "--pair")["rows"]
     assert [(r["pv"], r["pl"], r["pair"]) for r in rows] == [(1, 1, None), (2, 2, None), (2, 2, "0,0")]
     assert rows[2]["gflops"] == pytest.approx(0.314926336, rel=1e-12) and rows[2]["gflops_x"] == 1.0
 
@@ -306,7 +307,9 @@ def test_lora_vision_branches_count_their_updates():
     assert lora["vit_params"] == pre["vit_params"] - 4 * L * 2 * Lp * C + 4 * L * per_layer
     assert lora["llm_params"] == pre["llm_params"] and lora["vision_branches"] == "lora"
     tokens = 3 * (1 + v.grid ** 2)  # the workload's 3 tiles
-    assert lora["vit_gflops"] * 1e9 == pytest.approx(pre["vit_gflops"] * 1e9 + 4 * L * 2 * tokens * per_layer, rel=1e-12)
-    out = subprocess.run([sys.executable, "profiling.py", "params", "--pv", "4", "--pl", "1", "--vision-branches", "lora",
+    assert lora["vit_gflops"] * 1e9 == pytest.approx(pre["vit_gflops"] * 1e9 + 4 * L * 2 * tokens * per_layer,
+                                                     rel=1e-12)
+    out = subprocess.run([sys.executable, "profiling.py", "params", "--pv", "4", "--pl", "1", "--vision-branches",
+                          "lora",
                           "--json"], cwd=REPO, capture_output=True, text=True, check=True).stdout
     assert json.loads(out) == lora

@@ -57,7 +57,8 @@ def worker_lines(stderr: str) -> list[str]:
     """What the workers printed under torchrun: the launcher appends its own failure report (an
     "E... failed (exitcode: 1)" log line and a ChildFailedError traceback) that no worker controls."""
     lines = notes(stderr)
-    cut = next((i for i, x in enumerate(lines) if "torch/distributed/elastic" in x or x.startswith("Traceback")), len(lines))
+    cut = next((i for i, x in enumerate(lines) if "torch/distributed/elastic" in x or x.startswith("Traceback")),
+               len(lines))
     return lines[:cut]
 
 
@@ -121,16 +122,19 @@ def test_an_error_under_torchrun_reaches_the_user_every_time(model_dir, tmp_path
     line was out). Every run names the error in torchrun's report as the root cause (the worker's
     error file, cli.error), and rank 0 prints it once. (A flag error takes the same path: OneLineParser.)"""
     missing = tmp_path / "missing.json"
-    cases = [(["train.py", "--model", model_dir, "--data", missing, "--out", tmp_path / "t"], f"error: --data '{missing}': no such meta JSON file"),
+    cases = [(["train.py", "--model", model_dir, "--data", missing, "--out", tmp_path / "t"],
+              f"error: --data '{missing}': no such meta JSON file"),
              (["router.py", "label", "--model", model_dir, "--data", missing, "--out", tmp_path / "r"],
               f"error: --data {missing}: no such meta JSON file"),
-             (["evaluate.py", "run", "--benchmark", "ChartQA_TEST", "--data", missing, "--model", model_dir, "--out", tmp_path / "e"],
+             (["evaluate.py", "run", "--benchmark", "ChartQA_TEST", "--data", missing, "--model", model_dir, "--out",
+               tmp_path / "e"],
               f"error: {missing}: cannot read TSV: [Errno 2] No such file or directory")]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               *map(str, args)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               *map(str, args)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
              for args, _ in cases]
-    for p, (args, want) in zip(procs, cases):
+    for p, (_, want) in zip(procs, cases):
         _, err = p.communicate(timeout=300)
         assert p.returncode == 1, err[-3000:]  # torchrun's own code for a failed worker
         got = root_cause(err)
@@ -140,7 +144,8 @@ def test_an_error_under_torchrun_reaches_the_user_every_time(model_dir, tmp_path
 
 def test_max_steps_past_the_epoch_is_refused(model_dir, meta, tmp_path):
     """16 rows in global batches of 4 make 4 steps: --max-steps 5 is one line, not a silent 4."""
-    res = train_here("--model", model_dir, "--data", meta, "--out", tmp_path / "run", "--max-steps", 5, *TRAIN, check=False)
+    res = train_here("--model", model_dir, "--data", meta, "--out", tmp_path / "run", "--max-steps", 5, *TRAIN,
+                     check=False)
     code, err = res.returncode, res.stderr
     assert code == 1 and one_line(err) == (f"error: --max-steps 5: {meta} gives 4 steps of 4 samples in its one epoch "
                                            "(train.py trains one epoch, as the paper does); pass at most 4, or raise "
@@ -151,7 +156,8 @@ def test_max_steps_past_the_epoch_is_refused(model_dir, meta, tmp_path):
 def test_overwrite_discards_the_old_run_explicitly(model_dir, meta, base_run, tmp_path):
     out = copy_run(base_run, tmp_path)
     old_export = tree(out / "export")
-    res = train_here("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 1, "--overwrite", "--lr-pretrained",
+    res = train_here("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 1, "--overwrite",
+                     "--lr-pretrained",
                      "1e-2", *TRAIN)
     assert res.returncode == 0 and notes(res.stderr) == [], res.stderr
     assert [m["step"] for m in metrics(out)] == [1]  # not 1, 2, 3, 1
@@ -219,7 +225,8 @@ def test_resume_with_no_checkpoint_says_it_starts_fresh_and_names_bad_rows(model
                                                          "starting from step 0"), res.stderr
     # bad rows are named: dataset, line in the file, the file, the cause and the reason
     bad = sorted(lines[1:])
-    assert len(bad) == 2 and all(x.startswith("warning: skipped bad row tiny line ") and f"of {meta.parent / 'train.jsonl'}"
+    assert len(bad) == 2 and all(x.startswith("warning: skipped bad row tiny line ") and f"of "
+                                 f"{meta.parent / 'train.jsonl'}"
                                  in x and "missing.png [missing_image]" in x for x in bad), bad
     assert {x.split(" line ")[1].split()[0] for x in bad} == {"2", "5"}  # write_dataset puts them there
 
@@ -240,7 +247,8 @@ def test_failed_save_is_one_line_and_keeps_complete_checkpoints(model_dir, meta,
         f"removed the partial save, kept {out / 'checkpoints' / 'step_3'}"), lines
     after = tree(out)
     assert {k: v for k, v in after.items() if k != "metrics.jsonl" and k != "config.json"} == \
-        {k: v for k, v in before.items() if k != "metrics.jsonl" and k != "config.json"}  # no step_4(.tmp), all else intact
+        {k: v for k,
+         v in before.items() if k != "metrics.jsonl" and k != "config.json"}  # no step_4(.tmp), all else intact
 
 
 def test_out_of_memory_on_one_rank_is_one_line_and_keeps_the_checkpoints(model_dir, meta, tmp_path):
@@ -255,13 +263,15 @@ def test_out_of_memory_on_one_rank_is_one_line_and_keeps_the_checkpoints(model_d
     assert res.returncode == 1 and want.fullmatch(root_cause(res.stderr)), res.stderr[-3000:]
     errors = [x for x in worker_lines(res.stderr) if x.startswith("error:")]
     assert errors.count(root_cause(res.stderr)) == 1, res.stderr[-3000:]
-    assert all(x.startswith("error: lost contact with another rank") for x in errors if x != root_cause(res.stderr)), errors
+    assert all(x.startswith("error: lost contact with another rank")
+               for x in errors if x != root_cause(res.stderr)), errors
     assert "Traceback" not in "\n".join(worker_lines(res.stderr))
     assert runs.verify_checkpoint(out / "checkpoints" / "step_1") is None
 
 
 def test_os_cause_names_the_cause(monkeypatch, tmp_path):
-    for code, words in [(errno.ENOSPC, "no space left"), (errno.EROFS, "read-only"), (errno.EACCES, "permission denied")]:
+    for code, words in [(errno.ENOSPC, "no space left"), (errno.EROFS, "read-only"),
+                        (errno.EACCES, "permission denied")]:
         wrapped = CheckpointException("save failed", {1: (OSError(code, os.strerror(code)), None)})  # DCP, rank 1
         assert cli.os_cause(wrapped) == cli.CAUSES[code] and words in cli.CAUSES[code]
         try:
@@ -326,7 +336,8 @@ def test_signal_abandons_the_step_and_keeps_the_checkpoints(model_dir, tmp_path,
     _, err = proc.communicate(timeout=120)
     line = one_line(err)
     assert proc.returncode == 128 + sig, (proc.returncode, err)
-    assert line.startswith(f"interrupted by {sig.name}: the current step was abandoned; last complete checkpoint "), line
+    assert line.startswith(f"interrupted by {sig.name}: the current step was abandoned; "
+                           "last complete checkpoint "), line
     assert tree(out / "checkpoints" / "step_1") == first
     names = [d.name for d in (out / "checkpoints").iterdir()]
     assert not any(n.endswith(".tmp") for n in names), names  # a save cut short leaves nothing behind
@@ -347,7 +358,8 @@ def test_signal_abandons_the_step_and_keeps_the_checkpoints(model_dir, tmp_path,
 def test_flag_errors_are_one_line_and_quiet_on_other_ranks(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         train.parse_args(["--bogus"])
-    assert e.value.code == 2 and one_line(capsys.readouterr().err).endswith(": error: unrecognized arguments: --bogus (see --help)")
+    assert (e.value.code == 2
+            and one_line(capsys.readouterr().err).endswith(": error: unrecognized arguments: --bogus (see --help)"))
     monkeypatch.setenv("RANK", "1")
     waits = []
     monkeypatch.setattr(cli.time, "sleep", waits.append)  # rank 1 waits for torchrun: rank 0 reports
@@ -375,7 +387,8 @@ def test_metrics_are_json_with_null_for_nan(base_run):
 
     rows = [json.loads(line, parse_constant=no_nan) for line in text.splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["mfu"] is None  # CPU: no peak FLOPs, so no MFU
-    assert runs.finite({"a": float("nan"), "b": {"c": float("inf")}, "d": 1.0}) == {"a": None, "b": {"c": None}, "d": 1.0}
+    assert runs.finite({"a": float("nan"), "b": {"c": float("inf")}, "d": 1.0}) == {"a": None, "b": {"c": None},
+                                                                                    "d": 1.0}
 
 
 def test_first_turn_from_gpt_is_kept_as_the_official_preprocessing_does(model_dir, tmp_path):
@@ -421,9 +434,11 @@ def test_validate_data_lists_bad_rows_capped(model_dir, tmp_path, monkeypatch):
                      *TRAIN, check=False)
     code, out, err = res.returncode, res.stdout, res.stderr
     lines = out.strip().splitlines()
-    assert code == 0 and err == "" and json.loads(lines[-1])["missing_image"] == 2 and json.loads(lines[-1])["bad_row"] == 1
+    assert (code == 0 and err == "" and json.loads(lines[-1])["missing_image"] == 2
+            and json.loads(lines[-1])["bad_row"] == 1)
     listed = lines[:-1]
-    assert len(listed) == 3 and all(x.startswith("bad row: tiny line ") and f"of {jsonl}: " in x for x in listed), listed
+    assert (len(listed) == 3
+            and all(x.startswith("bad row: tiny line ") and f"of {jsonl}: " in x for x in listed)), listed
     assert listed[-1].startswith("bad row: tiny line 10 of") and listed[-1].endswith("[bad_row]"), listed  # 9 is blank
     monkeypatch.setattr(D, "MAX_NAMED", 1)
     res = train_here("--validate-data", "--model", model_dir, "--data", meta, "--max-bad-frac", "0.1",

@@ -68,10 +68,12 @@ def test_lfs_pointer_and_run_folder_are_named(model_dir, png, tmp_path, capsys):
     shutil.copytree(model_dir, run / "export")
     (run / "checkpoints" / "step_3").mkdir(parents=True)
     (run / "checkpoints" / "step_3" / "done").write_text("")
-    (run / "config.json").write_text(json.dumps({"model": str(model_dir), "out": str(run)}))  # train.py's, not a model's
+    (run / "config.json").write_text(json.dumps({"model": str(model_dir),
+                                                 "out": str(run)}))  # train.py's, not a model's
     before = tree(run)
     code, _, err = gen_main(capsys, png, "q", "--model", run)
-    assert code == 1 and one_line(err) == f"error: {run}: a training run folder, not a model; its model is {run / 'export'}"
+    assert code == 1 and one_line(err) == (f"error: {run}: a training run folder, not a model; "
+                                           f"its model is {run / 'export'}")
     shutil.rmtree(run / "export")
     with pytest.raises(CheckpointError, match="no export yet"):
         resolve_model(str(run))
@@ -224,11 +226,14 @@ def test_a_checkpoint_this_code_cannot_run_is_refused_by_every_command(spoiled, 
 
     folder, needles = spoiled[case]
     meta = write_dataset(tmp_path / "d", rows=4)
-    tsv = write_tsv(tmp_path / "t.tsv", [{"index": "0", "question": "Read it.", "answer": "['x']", "image": png_b64(16, 16, 5)}])
+    tsv = write_tsv(tmp_path / "t.tsv",
+                    [{"index": "0", "question": "Read it.", "answer": "['x']", "image": png_b64(16, 16, 5)}])
     commands = {
         "generate.py": lambda: generate.main([str(png), "q", "--model", str(folder)]),
-        "train.py": lambda: train.main(["--validate-data", "--model", str(folder), "--data", str(meta), "--num-workers", "0"]),
-        "evaluate.py run": lambda: evaluate.main(["run", "--benchmark", "TextVQA_VAL", "--data", str(tsv), "--model", str(folder),
+        "train.py": lambda: train.main(["--validate-data", "--model", str(folder), "--data", str(meta),
+                                        "--num-workers", "0"]),
+        "evaluate.py run": lambda: evaluate.main(["run", "--benchmark", "TextVQA_VAL", "--data", str(tsv), "--model",
+                                                  str(folder),
                                                   "--out", str(tmp_path / "p.jsonl")]),
         "router.py label": lambda: router.main(["label", "--model", str(folder), "--data", str(meta), "--out",
                                                 str(tmp_path / "labels"), "--num-workers", "0"]),
@@ -253,7 +258,8 @@ def test_answers_skip_special_tokens_as_the_official_chat_does(model_dir, png, c
     monkeypatch.setattr(engine.Engine, "generate", lambda self, *a, **kw: engine.Result(tokens=[ids]))
     code, out, err = gen_main(capsys, png, "q", "--model", model_dir, "--json")
     answer = json.loads(out.splitlines()[-1])["answer"]
-    assert code == 0 and "<img>" not in answer and answer == tok.decode(ids, skip_special_tokens=True).strip(), (answer, err)
+    assert code == 0 and "<img>" not in answer and answer == tok.decode(ids,
+                                                                        skip_special_tokens=True).strip(), (answer, err)
 
 
 def test_a_flag_out_of_range_exits_2_in_every_command(model_dir, png, tmp_path, capsys):
@@ -266,23 +272,32 @@ def test_a_flag_out_of_range_exits_2_in_every_command(model_dir, png, tmp_path, 
     m, d = str(model_dir), str(tmp_path / "meta.json")
     cases = {
         "generate.py": (generate.main, [str(png), "q", "--model", m, "--max-new-tokens", "0"], "--max-new-tokens"),
-        "train.py": (train.main, ["--model", m, "--data", d, "--out", str(tmp_path / "r"), "--warmup-ratio", "1"], "--warmup-ratio"),
-        "train.py frac": (train.main, ["--model", m, "--data", d, "--out", str(tmp_path / "r"), "--max-bad-frac", "1.5"],
+        "train.py": (train.main, ["--model", m, "--data", d, "--out", str(tmp_path / "r"), "--warmup-ratio", "1"],
+                     "--warmup-ratio"),
+        "train.py frac": (train.main,
+                          ["--model", m, "--data", d, "--out", str(tmp_path / "r"), "--max-bad-frac", "1.5"],
                           "--max-bad-frac must be in [0, 1], got 1.5"),
-        "train.py resume": (train.main, ["--model", m, "--data", d, "--out", str(tmp_path / "r"), "--resume", "--overwrite"],
+        "train.py resume": (train.main,
+                            ["--model", m, "--data", d, "--out", str(tmp_path / "r"), "--resume", "--overwrite"],
                             "pass one of them"),
-        "router.py label": (router.main, ["label", "--model", m, "--data", d, "--out", str(tmp_path / "l"), "--batch-size", "0"],
+        "router.py label": (router.main,
+                            ["label", "--model", m, "--data", d, "--out", str(tmp_path / "l"), "--batch-size", "0"],
                             "--batch-size"),
         "router.py label frac": (router.main, ["label", "--model", m, "--data", d, "--out", str(tmp_path / "l"),
                                                "--max-bad-frac", "-0.1"], "--max-bad-frac"),
-        "router.py train": (router.main, ["train", "--model", m, "--labels", m, "--out", str(tmp_path / "t"), "--tau", "0"], "--tau"),
+        "router.py train": (router.main,
+                            ["train", "--model", m, "--labels", m, "--out", str(tmp_path / "t"), "--tau", "0"],
+                            "--tau"),
         "evaluate.py run": (evaluate.main, ["run", "--benchmark", "TextVQA_VAL", "--data", d, "--model", m, "--out",
                                             str(tmp_path / "p.jsonl"), "--batch-size", "0"], "--batch-size"),
         "profiling.py": (profiling.main, ["latency", "--batch", "0"], "--batch"),
         "profiling.py params": (profiling.main, ["params", "--pv", "0"], "--pv"),
-        "evaluate.py lengths": (evaluate.main, ["lengths", "--model", m, "--a", d, "--b", d, "--resamples", "0"], "--resamples"),
-        "evaluate.py run --random-pair": (evaluate.main, ["run", "--benchmark", "TextVQA_VAL", "--data", d, "--model", m, "--out",
-                                                          str(tmp_path / "p.jsonl"), "--random-pair", "--shared-kv"], "--shared-kv"),
+        "evaluate.py lengths": (evaluate.main, ["lengths", "--model", m, "--a", d, "--b", d, "--resamples", "0"],
+                                "--resamples"),
+        "evaluate.py run --random-pair": (evaluate.main,
+                                          ["run", "--benchmark", "TextVQA_VAL", "--data", d, "--model", m, "--out",
+                                                          str(tmp_path / "p.jsonl"), "--random-pair", "--shared-kv"],
+                                                          "--shared-kv"),
     }
     for name, (main, argv, needle) in cases.items():
         with pytest.raises(SystemExit) as e:
@@ -307,7 +322,8 @@ def test_a_tile_budget_past_the_context_is_refused_before_tiling(model_dir, tmp_
     n = int(line.split("prompt of ")[1].split()[0])
     assert code == 1 and line == (f"error: prompt of {n} tokens (image tokens included) + 4 new tokens exceeds the "
                                   f"model context of {mcfg.llm.max_position_embeddings}"), line
-    assert processor.tile_grid(4000, 2, 10000) == (2000, 1) and n > 2001 * mcfg.tokens_per_tile  # 2000 tiles + thumbnail
+    assert processor.tile_grid(4000, 2, 10000) == (2000,
+                                                   1) and n > 2001 * mcfg.tokens_per_tile  # 2000 tiles + thumbnail
 
 
 def test_tile_grid_large_budgets_keep_the_official_candidate_order():
@@ -318,4 +334,5 @@ def test_tile_grid_large_budgets_keep_the_official_candidate_order():
     for max_tiles, min_tiles in ((64, 1), (90, 7), (120, 30)):
         for w, h in ((5, 2), (7, 3), (3, 1), (1, 9), (448 * 5, 448 * 4), (13, 12), (2000, 3), (59, 2)):
             for k in (1, 300):
-                assert processor.tile_grid(w * k, h * k, max_tiles, min_tiles) == ref_grid(w * k, h * k, min_tiles, max_tiles)
+                assert processor.tile_grid(w * k, h * k, max_tiles, min_tiles) == ref_grid(w * k, h * k, min_tiles,
+                                                                                           max_tiles)

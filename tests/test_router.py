@@ -1,6 +1,6 @@
-"""The router (paper Appendix E; gates.py, and router.py its command): Eq. E1/E2 by hand, labels against plain single-pair forwards (and
-world-size / resume invariance), learning a planted preference with the model frozen, routed
-generation against single-pair generation, and bad input refused with one line."""
+"""The router (paper Appendix E; gates.py, and router.py its command): Eq. E1/E2 by hand, labels against
+plain single-pair forwards (and world-size / resume invariance), learning a planted preference with the model
+frozen, routed generation against single-pair generation, and bad input refused with one line."""
 import hashlib
 import json
 import math
@@ -151,7 +151,8 @@ def test_labels_equal_single_pair_forwards(model23, labelled):
                     torch.testing.assert_close(t["connector"][k, v], feats.float().mean((0, 1)), rtol=1e-5, atol=1e-6)
             first = int((s.labels != -100).nonzero()[0])
             ids = s.input_ids[None, :first]
-            span = gates.question_span(ids, torch.ones_like(ids, dtype=torch.bool), info["im_start_id"], model.cfg.image_token_id)
+            span = gates.question_span(ids, torch.ones_like(ids, dtype=torch.bool), info["im_start_id"],
+                                       model.cfg.image_token_id)
             assert tok.decode(ids[span].tolist()).startswith("user\n<img></img>") or pix is None
             torch.testing.assert_close(t["text"][k], gates.text_feature(model, ids, span)[0])
         assert bool(t["has_image"][k]) == (pix is not None)
@@ -164,7 +165,8 @@ def test_labels_equal_single_pair_forwards(model23, labelled):
 def test_labels_do_not_depend_on_world_size_and_resume(model23, labelled, tmp_path, monkeypatch):
     meta, one = labelled
     # two ranks as 2 nodes x 1 process (conftest.two_nodes, the README's multi-node torchrun on 127.0.0.1)
-    codes, err = two_nodes([ROOT / "router.py", "label", "--model", model23, "--data", meta, "--out", tmp_path / "two", *LABEL])
+    codes, err = two_nodes([ROOT / "router.py", "label", "--model", model23, "--data", meta, "--out",
+                            tmp_path / "two", *LABEL])
     assert codes == [0, 0], err[-3000:]
     assert "label: chunk" in err  # progress on stderr
     # interrupted during the second chunk (Ctrl-C), then resumed
@@ -179,7 +181,8 @@ def test_labels_do_not_depend_on_world_size_and_resume(model23, labelled, tmp_pa
     monkeypatch.setattr(router_labels, "label_batch", label_then_interrupt)
     assert run_router("label", "--model", model23, "--data", meta, "--out", tmp_path / "cut", *LABEL) == 130
     monkeypatch.undo()
-    assert not (tmp_path / "cut" / "labels.json").exists() and len(list((tmp_path / "cut" / "parts").glob("chunk_*"))) == 1
+    assert (not (tmp_path / "cut" / "labels.json").exists()
+            and len(list((tmp_path / "cut" / "parts").glob("chunk_*"))) == 1)
     assert run_router("label", "--model", model23, "--data", meta, "--out", tmp_path / "cut", *LABEL) == 0
     ref = load_file(str(one / "labels.safetensors"))
     for other in ("two", "cut"):
@@ -187,7 +190,8 @@ def test_labels_do_not_depend_on_world_size_and_resume(model23, labelled, tmp_pa
         assert torch.equal(got["rows"], ref["rows"]) and torch.equal(got["has_image"], ref["has_image"])
         for k in ("nll", "image", "text", "connector"):  # CPU threads may differ; the chunks do not
             torch.testing.assert_close(got[k], ref[k], rtol=1e-6, atol=1e-6)
-        assert json.loads((tmp_path / other / "labels.json").read_text()) == json.loads((one / "labels.json").read_text())
+        assert (json.loads((tmp_path / other / "labels.json").read_text())
+                == json.loads((one / "labels.json").read_text()))
 
 
 def test_router_training_does_not_depend_on_world_size(model23, labelled, tmp_path):
@@ -195,7 +199,8 @@ def test_router_training_does_not_depend_on_world_size(model23, labelled, tmp_pa
     args = ["train", "--model", str(model23), "--labels", str(labels), "--steps", "12", "--global-batch", "4",
             "--log-every", "4", "--lr", "1e-2", "--check-samples", "1"]
     assert run_router(*args, "--out", tmp_path / "one") == 0
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", str(ROOT / "router.py"),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           str(ROOT / "router.py"),
            *args, "--out", str(tmp_path / "two")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
     assert res.returncode == 0, res.stderr[-3000:]
@@ -204,8 +209,10 @@ def test_router_training_does_not_depend_on_world_size(model23, labelled, tmp_pa
         # turns that rounding into up to ~1e-4 on weights whose gradient is ~0; the updates are ~1e-1
         torch.testing.assert_close(one[k], two[k], rtol=0, atol=1e-3)
         assert (one[k] - two[k]).abs().mean() < 1e-5
-    m1, m2 = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("one", "two"))
-    assert [m["step"] for m in m1] == [4, 8, 12] and [m["loss"] for m in m1] == pytest.approx([m["loss"] for m in m2], rel=1e-5)
+    m1, m2 = ([json.loads(x) for x in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("one",
+                                                                                                           "two"))
+    assert ([m["step"] for m in m1] == [4, 8, 12]
+            and [m["loss"] for m in m1] == pytest.approx([m["loss"] for m in m2], rel=1e-5))
     assert [m["pair_histogram"] for m in m1] == [m["pair_histogram"] for m in m2]
 
 
@@ -273,8 +280,10 @@ def test_router_learns_planted_preference(model23_shallow, tmp_path, capsys):
     plant(tmp_path / "H", held_cls, 1)
     before, state = sha(model23), ParVL.from_pretrained(model23).state_dict()
     capsys.readouterr()
-    assert run_router("train", "--model", model23, "--labels", tmp_path / "L", "--data", train_meta, "--out", tmp_path / "R",
-                      "--steps", "300", "--global-batch", "32", "--lr", "3e-3", "--log-every", "100", "--check-samples", "0") == 0
+    assert run_router("train", "--model", model23, "--labels", tmp_path / "L", "--data", train_meta, "--out",
+                      tmp_path / "R",
+                      "--steps", "300", "--global-batch", "32", "--lr", "3e-3", "--log-every", "100",
+                      "--check-samples", "0") == 0
     err = capsys.readouterr().err
     assert "frozen model unchanged" in err
     logs = [json.loads(x) for x in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
@@ -358,7 +367,8 @@ def test_routed_generation_equals_single_pair_generation():
     assert [c[0] for c in calls] == ["gate", "vit"]
     tiles = [0 if x is None else x.shape[0] for _, x in batch]
     want = [v if v is not None else 0 for v, _ in pairs]
-    assert calls[1][1].per_item == 1 and calls[1][1].branch.tolist() == [v for v, n in zip(want, tiles) for _ in range(n)]
+    assert (calls[1][1].per_item == 1
+            and calls[1][1].branch.tolist() == [v for v, n in zip(want, tiles) for _ in range(n)])
     assert model.language_model.model.layers[0].self_attn.kv_cache.k.shape[0] == len(prompts)  # B rows, not Pl*B
     for (ids, x), (v, l), got in zip(batch, pairs, res.tokens):
         # the pair by hand, sample alone: the gates' argmax on the thumbnail (last tile) patch embedding,
@@ -389,7 +399,9 @@ def test_generate_cli_router_and_bad_routers(model23, tmp_path, capsys):
     out = json.loads(res.stdout)
     pv = load_image(png, max_tiles=2)
     ids = tok.encode(build_prompt("What is this?", [pv.shape[0]]))
-    want = Engine(model, router=gates.load_router(tmp_path / "R", model)).generate([ids], pv, GenerateConfig(max_new_tokens=5), tok.eos_ids)
+    want = Engine(model, router=gates.load_router(tmp_path / "R", model)).generate([ids], pv,
+                                                                                   GenerateConfig(max_new_tokens=5),
+                                                                                   tok.eos_ids)
     assert tuple(out["pair"]) == want.pairs[0] and out["answer"] == tok.answer(want.tokens[0])
 
     # bad routers: another Pv x Pl, another width, tensors that do not match the config: one line, exit 1
@@ -398,7 +410,8 @@ def test_generate_cli_router_and_bad_routers(model23, tmp_path, capsys):
     gates.save_router(Router(replace(cfg, hidden=8)), tmp_path / "Rt", {})
     (tmp_path / "Rt" / "config.json").write_text(json.dumps({"router": vars(cfg) | {"hidden": 16}}))
     for folder, needle in (("R33", "Pv:Pl = 3:3"), ("Rw", "width"), ("Rt", "do not match")):
-        rc = generate.main([str(png), "Hi?", "--model", str(model23), "--router", str(tmp_path / folder), "--max-new-tokens", "2"])
+        rc = generate.main([str(png), "Hi?", "--model", str(model23), "--router", str(tmp_path / folder),
+                            "--max-new-tokens", "2"])
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 1 and err[-1].startswith("error: ") and needle in err[-1], err
     with pytest.raises(RouterError, match="checkpoint"):
@@ -440,16 +453,21 @@ def test_bad_input_refused_with_one_line(model23, labelled, checkpoint, tmp_path
     a_file = tmp_path / "a_file"  # an --out that cannot be a folder: an OSError, named in one line
     a_file.write_text("not a folder")
     cases = [
-        (["train", "--model", model23, "--labels", labels, "--data", other_meta, "--out", tmp_path / "x"], "labelled on data"),
-        (["train", "--model", tmp_path / "other_model", "--labels", labels, "--out", tmp_path / "x"], "labelled with checkpoint"),
+        (["train", "--model", model23, "--labels", labels, "--data", other_meta, "--out", tmp_path / "x"],
+         "labelled on data"),
+        (["train", "--model", tmp_path / "other_model", "--labels", labels, "--out", tmp_path / "x"],
+         "labelled with checkpoint"),
         (["train", "--model", model23, "--labels", bad_labels, "--out", tmp_path / "x"], "nll has shape"),
         (["train", "--model", model23, "--labels", tmp_path, "--out", tmp_path / "x"], "not a complete labels folder"),
         (["train", "--model", model23, "--labels", stale, "--out", tmp_path / "x"], "stale labels"),
         (["label", "--model", model23, "--data", other_meta, "--out", labels, *LABEL], "another checkpoint, data set"),
-        (["label", "--model", checkpoint("qwen3", "original"), "--data", meta, "--out", tmp_path / "y", *LABEL], "Pv:Pl = 1:1"),
+        (["label", "--model", checkpoint("qwen3", "original"), "--data", meta, "--out", tmp_path / "y", *LABEL],
+         "Pv:Pl = 1:1"),
         (["eval", "--model", model23, "--router", tmp_path / "none", "--labels", labels], "--router"),
-        (["train", "--model", model23, "--labels", cut, "--out", tmp_path / "x"], "labels.safetensors: unreadable safetensors"),
-        (["label", "--model", model23, "--data", meta, "--out", a_file, *LABEL], f"{a_file}/parts: a parent is a file, not a folder"),
+        (["train", "--model", model23, "--labels", cut, "--out", tmp_path / "x"],
+         "labels.safetensors: unreadable safetensors"),
+        (["label", "--model", model23, "--data", meta, "--out", a_file, *LABEL],
+         f"{a_file}/parts: a parent is a file, not a folder"),
         (["train", "--model", model23, "--labels", labels, "--out", a_file / "r"], f"{a_file} is a file, not a folder"),
         (["eval", "--model", model23, "--router", labels, "--labels", labels, "--out", a_file / "e.json"],
          f"--out {a_file}: {a_file} is a file, not a folder"),  # before the model and the router (not one here) load
@@ -527,8 +545,10 @@ def test_a_long_row_is_labelled_alone_within_a_memory_bound(model23_shallow, tmp
     rows = [json.loads(x) for x in lines]
     rows[0]["conversations"][0]["value"] += " a" * 2200
     (root / "train.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
-    probe = lambda budget: subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(model23_shallow), str(meta), str(budget)],  # noqa: E731
-                                          cwd=ROOT, env=dict(ENV, PYTHONPATH=str(ROOT)), capture_output=True, text=True, check=True).stdout.split()
+    def probe(budget):
+        return subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(model23_shallow), str(meta), str(budget)],
+                              cwd=ROOT, env=dict(ENV, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
+                              check=True).stdout.split()
     got = probe(16384)
     T, grown = int(got[0]), int(got[1])
     mask = 3 * 4 * T * (48 + T)
@@ -572,7 +592,8 @@ def test_train_into_a_router_folder_needs_overwrite(model23, labelled, tmp_path,
     capsys.readouterr()
     assert run_router(*args, "--seed", 1) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: --out {tmp_path / 'R'} already holds a router (router.safetensors, config.json, metrics.jsonl, "
+    assert err == [f"error: --out {tmp_path / 'R'} already holds a router (router.safetensors, config.json, "
+                   f"metrics.jsonl, "
                    "eval.json): pass --overwrite to replace it, or pick another --out"], err
     assert {p.name: p.read_bytes() for p in (tmp_path / "R").iterdir()} == before
     assert run_router(*args, "--seed", 1, "--overwrite") == 0

@@ -70,7 +70,8 @@ def run_train(*args, nproc: int = 1, check: bool = True, fault: str | None = Non
     """train.py with these flags (under torchrun with nproc > 1); fault: one of tests/faults.py's."""
     script = [str(ROOT / "tests" / "faults.py"), fault] if fault else [str(ROOT / "train.py")]
     cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"] if nproc > 1
-           else [sys.executable]) + [*script, *map(str, args)]  # --standalone: a free port, so runs side by side never clash
+           else [sys.executable]) + [*script,
+                                     *map(str, args)]  # --standalone: a free port, so runs side by side never clash
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if check:
@@ -206,7 +207,8 @@ def test_two_nodes_equal_one_process(model_dir, meta, tmp_path, capsys):
     the export's config and run by generate.py from it."""
     import generate
 
-    args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3", "--vision-branches", "lora",
+    args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3", "--vision-branches",
+            "lora",
             "--lora-rank", "2", *COMMON]
     run_train(*args, "--out", tmp_path / "one")
     codes, err = two_nodes([ROOT / "train.py", *args, "--out", tmp_path / "two", "--activation-checkpointing"])
@@ -215,8 +217,9 @@ def test_two_nodes_equal_one_process(model_dir, meta, tmp_path, capsys):
     # fp32 on CPU; the two runs differ only in the order of reductions (gradients summed over 2 ranks)
     # and in recomputing activations (activation checkpointing on for the 2-rank run)
     for a, b in zip(one, two, strict=True):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
-    a, b = load_file(str(tmp_path / "one" / "export" / "model.safetensors")), load_file(str(tmp_path / "two" / "export" / "model.safetensors"))
+        assert (a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+                and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4))
+    a, b = (load_file(str(tmp_path / run / "export" / "model.safetensors")) for run in ("one", "two"))
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
     ups = [k for k in a if k.endswith(".lora_B")]
     assert ups and not any(k.endswith(".prefix_k") and k.startswith("vision") for k in a)  # LoRA in place of prefixes
@@ -225,7 +228,8 @@ def test_two_nodes_equal_one_process(model_dir, meta, tmp_path, capsys):
     assert (model.cfg.par.vision_branches, model.cfg.par.lora_rank) == ("lora", 2)
     png = tmp_path / "img.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 90, 3), dtype=np.uint8)).save(png)
-    assert generate.main([str(png), "Hi?", "--model", str(tmp_path / "one" / "export"), "--max-new-tokens", "4", "--json"]) == 0
+    assert generate.main([str(png), "Hi?", "--model", str(tmp_path / "one" / "export"), "--max-new-tokens", "4",
+                          "--json"]) == 0
     tok, pv = Tokenizer.from_pretrained(tmp_path / "one" / "export"), load_image(png, max_tiles=12)
     ids = tok.encode(build_prompt("<image>\nHi?", [pv.shape[0]], tokens_per_tile=model.cfg.tokens_per_tile))
     want = Engine(model).generate([ids], pv, GenerateConfig(max_new_tokens=4), tok.eos_ids).tokens[0]
@@ -239,14 +243,16 @@ def test_a_node_that_cannot_see_the_run_folder_is_refused(model_dir, meta, tmp_p
     codes, err = two_nodes([ROOT / "train.py", *args], (["--out", tmp_path / "a"], ["--out", tmp_path / "b"]))
     assert codes == [1, 1], err[-3000:]
     want = (f"error: --out {tmp_path / 'a'}: rank 1 on {socket.gethostname()} cannot see this folder, which rank 0 "
-            f"(on {socket.gethostname()}) writes; on more than one machine it must be on a file system every node shares (README)")
+            f"(on {socket.gethostname()}) writes; on more than one machine it must be on a file system every node "
+            f"shares (README)")
     assert [x for x in err.splitlines() if x.startswith("error:")] == [want], err[-3000:]
     assert not (tmp_path / "a" / "config.json").exists() and not list((tmp_path / "b").iterdir())
 
 
 @pytest.mark.slow
 def test_resume_is_bit_identical_and_ignores_partial_saves(model_dir, meta, tmp_path):
-    args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "1", "--max-steps", "4", "--save-every", "1", *COMMON]
+    args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "1", "--max-steps", "4", "--save-every", "1",
+            *COMMON]
     train_here(*args, "--out", tmp_path / "full")
     run_train(*args, "--out", tmp_path / "cut", fault="stop-after=2")  # a process of its own, stopped after step 2
     ckpts = tmp_path / "cut" / "checkpoints"
@@ -322,7 +328,8 @@ def test_branch_flags_are_saved_and_every_command_runs_them(model_dir, meta, tmp
     from config import ParConfig
 
     out = tmp_path / "run"
-    flags = ["--vit-prefix-len", "3", "--llm-prefix-len", "2", "--aggregation", "mean", "--lambda-v", "0.05", "--lambda-l", "0.2"]
+    flags = ["--vit-prefix-len", "3", "--llm-prefix-len", "2", "--aggregation", "mean", "--lambda-v", "0.05",
+             "--lambda-l", "0.2"]
     train_here("--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--out", out, "--max-steps", "1",
                "--freeze-backbone", *flags, *COMMON)
     model = ParVL.from_pretrained(out / "export")
@@ -340,7 +347,8 @@ def test_branch_flags_are_saved_and_every_command_runs_them(model_dir, meta, tmp
     ids = tok.encode(build_prompt("<image>\nHi?", [pv.shape[0]], tokens_per_tile=model.cfg.tokens_per_tile))
     want = Engine(model).generate([ids], pv, GenerateConfig(max_new_tokens=4), tok.eos_ids).tokens[0]
     assert json.loads(capsys.readouterr().out)["answer"] == tok.answer(want)
-    code = train.main(["--model", str(out / "export"), "--data", str(meta), "--out", str(tmp_path / "again"), "--max-steps", "1",
+    code = train.main(["--model", str(out / "export"), "--data", str(meta), "--out", str(tmp_path / "again"),
+                       "--max-steps", "1",
                        "--vit-prefix-len", "4", *COMMON])
     assert code == 1 and one_line(capsys.readouterr().err).endswith(
         "branches with vit_prefix_len 3, cannot load them as vit_prefix_len 4"), code
@@ -355,15 +363,18 @@ def test_bad_rows_counted_and_threshold(model_dir, tmp_path):
     meets the bad rows (seed 1 puts one in the first step of 2 rows: a count over the rows seen so
     far, 1 of 2, aborted there a set --validate-data passes); at 0.2 training stops, one line."""
     meta = write_dataset(tmp_path / "d", rows=6, bad=2)
-    res = train_here("--validate-data", "--model", model_dir, "--data", meta, "--max-tiles", "2", "--max-bad-frac", "0.25")
+    res = train_here("--validate-data", "--model", model_dir, "--data", meta, "--max-tiles", "2", "--max-bad-frac",
+                     "0.25")
     assert res.returncode == 0 and json.loads(res.stdout.strip().splitlines()[-1])["missing_image"] == 2, res.stderr
-    train_here("--model", model_dir, "--data", meta, "--out", tmp_path / "edge", "--max-steps", "4", "--max-bad-frac", "0.25",
+    train_here("--model", model_dir, "--data", meta, "--out", tmp_path / "edge", "--max-steps", "4", "--max-bad-frac",
+               "0.25",
                *COMMON, "--global-batch", "2", "--seed", "1")
     assert metrics(tmp_path / "edge")[-1]["bad_rows"] == {"missing_image": 2}
     res = train_here("--model", model_dir, "--data", meta, "--out", tmp_path / "under", "--max-steps", "2",
                      "--max-bad-frac", "0.2", *COMMON, check=False)  # 2 > 0.2 x 8: refused at the step that meets them
     assert res.returncode == 1 and one_line(res.stderr).endswith(
-        "error: 2 of the data set's 8 rows are bad (25.00% > --max-bad-frac 20.00%): {'missing_image': 2}"), res.stderr[-2000:]
+        "error: 2 of the data set's 8 rows are bad (25.00% > --max-bad-frac 20.00%): {'missing_image': 2}"), \
+        res.stderr[-2000:]
 
 
 def test_samples_past_the_position_table_are_too_long(model_dir, meta, tmp_path):
@@ -426,7 +437,8 @@ def test_resume_with_more_steps_follows_the_new_schedule(model_dir, tmp_path):
     2-step schedule's final 0.0), the bad-row counts go on from the checkpoint (equal to an unbroken
     4-step run's), and a resume that changes a flag fixing the run (--seed) is refused in one line."""
     data = write_dataset(tmp_path / "d", rows=14, bad=2)  # 16 rows: four global batches of 4
-    args = ["--model", model_dir, "--data", data, "--pv", "1", "--pl", "2", "--save-every", "1", "--max-bad-frac", "0.5",
+    args = ["--model", model_dir, "--data", data, "--pv", "1", "--pl", "2", "--save-every", "1", "--max-bad-frac",
+            "0.5",
             "--warmup-ratio", "0.5", *COMMON]
     train_here(*args, "--out", tmp_path / "full", "--max-steps", "4")
     train_here(*args, "--out", tmp_path / "ext", "--max-steps", "2")
