@@ -91,7 +91,7 @@ def data_fingerprint(data: SFTData) -> str:
 
 @torch.no_grad()
 def label_batch(model: ParVL, batch, im_start_id: int) -> dict[str, torch.Tensor]:
-    """The Pv x Pl answer NLLs and the gate inputs of a collated batch (data.collate, good rows only).
+    """The Pv x Pl answer NLLs and the gate inputs of a collated batch (batches.collate, good rows only).
     Each vision branch's features are computed once; all language branches of it run folded in one pass."""
     dev = model.language_model.lm_head.weight.device
     ids, labels, valid = batch.input_ids.to(dev), batch.labels.to(dev), batch.attention_mask.to(dev)
