@@ -14,7 +14,7 @@ from data import BadRow, Sample, SFTData
 from loss import IGNORE, loss_weights
 from parvl import ParVL
 from processor import Tokenizer
-from test_train import COMMON, meta, metrics, model_dir, run_train  # noqa: F401  (meta, model_dir: fixtures)
+from test_train import COMMON, meta, metrics, model_dir, run_train, train_here  # noqa: F401  (meta, model_dir: fixtures)
 from train import micro_loss
 
 # Rows of packed samples: lengths of the samples in each row, then the row's padding (the last row
@@ -191,8 +191,8 @@ def test_train_packed_equals_unpacked_on_one_and_two_ranks(model_dir, meta, tmp_
     norm every step, to fp32 rounding (the runs sum in other orders; see the in-process test)."""
     args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3", "--max-seq-len", "1000",
             *COMMON]
-    run_train(*args, "--no-packing", "--out", tmp_path / "unpacked")
-    run_train(*args, "--micro-batch", "2", "--out", tmp_path / "packed")
+    train_here(*args, "--no-packing", "--out", tmp_path / "unpacked")  # one process: train.main in this one
+    train_here(*args, "--micro-batch", "2", "--out", tmp_path / "packed")
     run_train(*args, "--out", tmp_path / "two", nproc=2)
     runs = [metrics(tmp_path / name) for name in ("unpacked", "packed", "two")]
     for a, b, c in zip(*runs, strict=True):

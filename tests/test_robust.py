@@ -76,8 +76,8 @@ def meta(tmp_path_factory):
 def base_run(model_dir, meta, tmp_path_factory):
     """A finished 3-step run: checkpoints step_1..3, export, metrics. Tests copy it."""
     out = tmp_path_factory.mktemp("base") / "run"
-    run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 3, "--save-every", 1,
-              "--keep-last", 5, *TRAIN)
+    train_here("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 3, "--save-every", 1,
+               "--keep-last", 5, *TRAIN)
     return out
 
 

@@ -210,7 +210,7 @@ def test_two_nodes_equal_one_process(model_dir, meta, tmp_path, capsys):
     args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3", "--vision-branches",
             "lora",
             "--lora-rank", "2", *COMMON]
-    run_train(*args, "--out", tmp_path / "one")
+    train_here(*args, "--out", tmp_path / "one")
     codes, err = two_nodes([ROOT / "train.py", *args, "--out", tmp_path / "two", "--activation-checkpointing"])
     assert codes == [0, 0], err[-3000:]
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
