@@ -218,7 +218,7 @@ def run(cfg: RunConfig) -> int:
 
     if cfg.benchmark not in BENCHMARKS:
         raise DataError(f"unknown benchmark {cfg.benchmark!r}; choose from {', '.join(BENCHMARKS)}")
-    rows = read_tsv(cfg.data, ("index", "question", "image"))
+    rows = read_tsv(cfg.data, ("index", "question", "image") + SCORE_COLUMNS.get(cfg.benchmark, ()))
     device = start_processes(resolve_device(cfg.device).type == "cuda")  # under torchrun: cuda:LOCAL_RANK
     dtype = resolve_dtype(cfg.dtype, device)
     out = Path(cfg.out)
@@ -341,12 +341,14 @@ def ranks_total(n: int, device: torch.device) -> int:
 def score_cmd(cfg) -> int:
     if cfg.benchmark not in BENCHMARKS:
         raise DataError(f"unknown benchmark {cfg.benchmark!r}; choose from {', '.join(BENCHMARKS)}")
-    required = ("index", "answer") + SCORE_COLUMNS.get(cfg.benchmark, ())
+    required = ("index", "question", "answer") + SCORE_COLUMNS.get(cfg.benchmark, ())
     rows = read_tsv(cfg.data, required)
     preds_path = Path(cfg.predictions)
     if not preds_path.exists():
         raise DataError(f"{preds_path}: no such predictions file")
     preds = read_jsonl(preds_path)
+    if not preds:  # a wrong path or a run that never started, not a score of 0
+        raise DataError(f"{preds_path}: holds no prediction (evaluate.py run's output has one JSON line per row)")
     known = {r["index"] for r in rows}
     for p in preds:
         if "index" not in p or "prediction" not in p:

@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+import types
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -261,8 +262,48 @@ def test_mathvision_latex_answers_through_latex2sympy(monkeypatch, capsys):
     assert not S.mathv_equal("0.5", r"\frac{1}{2}") and time.perf_counter() - t0 < 2
     monkeypatch.setattr(S, "_LATEX", [])
     monkeypatch.setitem(sys.modules, "latex2sympy2", None)  # as if not installed: its import raises ImportError
+    monkeypatch.setitem(sys.modules, "latex2sympy2_extended", None)
     assert not S.mathv_equal("0.5", r"\frac{1}{2}") and not S.mathv_equal("0.5", r"\frac{1}{2}")
-    assert capsys.readouterr().err.count("latex2sympy2 is not installed") == 1  # said once
+    assert capsys.readouterr().err.count("latex2sympy2_extended is not installed") == 1  # said once
+
+
+class Equation:
+    """What latex2sympy2_extended returns for "x=5": an Eq, printed Eq(x, 5), which is not a number."""
+
+    def __str__(self):
+        return "Eq(x, 5)"
+
+    def __sub__(self, other):
+        raise TypeError("an equation has no difference")
+
+    __rsub__ = __sub__
+
+
+def test_mathvision_equation_reply_is_scored_as_vlmevalkit_scores_it(monkeypatch, capsys):
+    """mathv.py imports latex2sympy2_extended (VLMEvalKit's requirement) first and latex2sympy2 only
+    without it. On the reply "x=5" against the answer 5 they differ: latex2sympy2_extended gives
+    Eq(x, 5), whose text upstream's eval cannot read (NameError: is_equal is False, the row wrong);
+    latex2sympy2 gives the right-hand side 5 (right). Both installed: the extended one decides."""
+    extended = types.ModuleType("latex2sympy2_extended")
+    extended.latex2sympy = lambda text: Equation() if "=" in text else int(text)
+    plain = types.ModuleType("latex2sympy2")
+    plain.latex2sympy = lambda text: int(text.split("=")[-1])
+    monkeypatch.setitem(sys.modules, "latex2sympy2", plain)
+    monkeypatch.setitem(sys.modules, "latex2sympy2_extended", extended)
+    monkeypatch.setattr(S, "_LATEX", [])
+    free = {"index": "0", "choices": "[]", "answer": "5"}
+    assert S.mathvision_check(free, "x=5") == (False, "x=5") and S.mathvision_check(free, "5")[0]
+    monkeypatch.setitem(sys.modules, "latex2sympy2_extended", None)  # only latex2sympy2: upstream's fallback
+    monkeypatch.setattr(S, "_LATEX", [])
+    assert S.mathvision_check(free, "x=5") == (True, "x=5")
+    assert "not installed" not in capsys.readouterr().err
+
+
+def test_mathvision_equation_with_the_real_parser(monkeypatch):
+    """The same with latex2sympy2_extended itself (requirements-dev.txt): "x=5" is not 5, 1/2 is 0.5."""
+    pytest.importorskip("latex2sympy2_extended")
+    monkeypatch.setattr(S, "_LATEX", [])
+    assert not S.mathv_equal("x=5", "5") and S.mathv_equal("0.5", r"\frac{1}{2}")
 
 
 def test_logicvista_letter_sets():
@@ -472,6 +513,49 @@ def test_score_command_and_bad_input(bench, full_run, tmp_path, capsys):
     for argv, message in cases:
         rc, out, err = main_out(capsys, *argv)
         assert rc == 1 and err.count("\n") == 1 and message in err and "Traceback" not in err, (argv, err)
+
+
+def test_score_refuses_a_file_without_predictions_and_counts_a_partial_one(bench, full_run, tmp_path, capsys):
+    """No prediction at all is a wrong path or a run that never started: one line, exit 1. A partial
+    file still scores, its missing rows wrong: one of the 3 validation rows answered (row 10), so the
+    score is 0 or 100/3."""
+    _, tsv, _, _ = bench
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    rc, out, err = main_out(capsys, "score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", empty)
+    assert rc == 1 and out == "" and err.count("\n") == 1 and "holds no prediction" in err
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps(read_preds(full_run)[0]) + "\n")
+    rc, out, _ = main_out(capsys, "score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", one)
+    line = json.loads(out.splitlines()[-1])
+    assert rc == 0 and line["n"] == 3 and line["missing"] == 4 and line["score"] in (0.0, round(100 / 3, 4))
+
+
+def test_tsv_cells_as_pandas_reads_them_and_the_benchmark_columns(bench, tmp_path, capsys):
+    """A quoted cell keeps its tab (pandas read_csv(sep="\\t"), csv quoting); a row with more cells
+    than the header is refused (pandas: "Expected 3 fields"), never read with its columns shifted;
+    a short row's last cells are missing. A TSV run or scored under another benchmark's name (MMMU
+    on ChartQA's columns) is refused before anything runs."""
+    quoted = tmp_path / "q.tsv"
+    quoted.write_text('index\tquestion\tanswer\n1\t"Read\tthis"\t5\n2\tshort\n')
+    assert T.read_tsv(quoted) == [{"index": "1", "question": "Read\tthis", "answer": "5"},
+                                  {"index": "2", "question": "short", "answer": None}]
+    shifted = tmp_path / "s.tsv"
+    shifted.write_text("index\tquestion\tanswer\n1\tRead\tthis\t5\n")
+    with pytest.raises(T.DataError, match="line 2 has 4 cells, the header 3"):
+        T.read_tsv(shifted)
+    folder = bench[0]
+    chart = write_tsv(tmp_path / "ChartQA_TEST.tsv", [{"index": "1", "question": "Max?", "answer": "5",
+                                                       "image": png_b64(8, 8, 0)}])
+    preds = tmp_path / "p.jsonl"
+    preds.write_text(json.dumps({"index": "1", "prediction": "5"}) + "\n")
+    for argv in (["run", "--benchmark", "MMMU_DEV_VAL", "--data", chart, "--model", folder, "--out",
+                  tmp_path / "o.jsonl"],
+                 ["score", "--benchmark", "MMMU_DEV_VAL", "--data", chart, "--predictions", preds]):
+        rc, _, err = main_out(capsys, *argv)
+        assert rc == 1 and "missing required column(s) A, B, split" in err and not (tmp_path / "o.jsonl").exists()
+    rc, out, _ = main_out(capsys, "score", "--benchmark", "ChartQA_TEST", "--data", chart, "--predictions", preds)
+    assert rc == 0 and json.loads(out.splitlines()[-1])["score"] == 100.0
 
 
 FAKE_VLMEVALKIT = {
