@@ -65,8 +65,9 @@ FIT_PARAMETERS = 4  # E, A, alpha, k of scaling_law.law
 # model by its fingerprint, not its path: a moved folder is the same model)
 RECORD_FIELDS = ("benchmark", "model_fingerprint", "data_fingerprint", "pv", "pl", "vision_branch", "language_branch",
                  "shared_kv", "router", "random_pair", "branches", "max_new_tokens", "max_tiles", "dtype")
-CONFIG_FIELDS = ("model", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router", "random_pair",
-                 "branches")
+# what a score file copies of the predictions' record: the configuration, and the checkpoint it belongs to
+CONFIG_FIELDS = ("model", "model_fingerprint", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router",
+                 "random_pair", "branches")
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 
 

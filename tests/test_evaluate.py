@@ -1084,14 +1084,44 @@ def test_lengths_bootstrap_has_the_known_answer():
     b = {"MMMU_DEV_VAL": {"1": 13, "2": 23, "3": 30}, "WeMath": {"1": 6, "2": 8}}  # +3 and +1 everywhere
     got = L.compare(a, b, near_cap=4090, resamples=1000)
     t = got["table"]
-    assert t["MMMU_DEV_VAL"] == {"a": 15.0, "b": 22.0, "delta": 3.0, "n_a": 2, "n_b": 3, "n_paired": 2}
+    assert t["MMMU_DEV_VAL"] == {"a": 15.0, "b": 22.0, "delta": 3.0, "n_a": 2, "n_b": 3, "n_paired": 2,
+                                 "only_a": 0, "only_b": 0, "near_cap_a": 1, "near_cap_b": 0}
     assert t["Math"] == {"a": 6.0, "b": 7.0, "delta": 1.0} and t["General"]["delta"] == 3.0
-    assert t["All"]["delta"] == 2.0 and got["interval_95"] == [2.0, 2.0]  # equal benchmark weight: (3 + 1) / 2
+    assert t["All"]["delta"] == 2.0 and got["interval_95"]["All"] == [2.0, 2.0]  # equal weight: (3 + 1) / 2
     spread = L.compare({"OCRBench": {"1": 5, "2": 5}}, {"OCRBench": {"1": 5, "2": 7}})
-    assert (spread["table"]["All"]["delta"] == 1.0 and spread["interval_95"] == [0.0, 2.0]
+    assert (spread["table"]["All"]["delta"] == 1.0 and spread["interval_95"]["All"] == [0.0, 2.0]
             and spread["resamples"] == 10_000)
     with pytest.raises(T.DataError, match="other benchmarks"):
         L.compare(a, {"WeMath": b["WeMath"]})
+
+
+def test_lengths_interval_of_each_domain_by_hand():
+    """Table S5's interval per domain (the paper's [-3.1, 13.3] is the Math domain's). Each benchmark's
+    resampled mean difference of two rows with differences d and d + 2k takes d, d + k, d + 2k with
+    probabilities 1/4, 1/2, 1/4; one row, or equal differences, give a constant. Math = (MathVista
+    {0, 2, 4} + MathVision 18 + LogicVista 5 + WeMath {-2, 0, 2}) / 4: its extremes (0 + 18 + 5 - 2) / 4
+    = 5.25 and (4 + 18 + 5 + 2) / 4 = 7.25 each have probability 1/16 > 2.5 %, so they bound the
+    interval; the point is (2 + 18 + 5 + 0) / 4 = 6.25. General = MMMU {1, 2, 3}: [1, 3]; OCR = ChartQA's
+    constant -1. All = (S + 22) / 6 with S = MMMU + MathVista + WeMath: S = -1 has probability 1/64 <
+    2.5 % and S <= 0 has 3/64 > 2.5 %, so the low end is S = 0, (0 + 22) / 6; symmetrically the high
+    end is S = 8, 30 / 6 = 5."""
+    pair = lambda d0, d1: ({"1": 10, "2": 10}, {"1": 10 + d0, "2": 10 + d1})  # noqa: E731
+    rows = {"MMMU_DEV_VAL": pair(1, 3), "MathVista_MINI": pair(0, 4), "MathVision_MINI": ({"1": 60}, {"1": 78}),
+            "LogicVista": pair(5, 5), "WeMath": pair(-2, 2), "ChartQA_TEST": ({"1": 4}, {"1": 3})}
+    got = analysis.compare({k: v[0] for k, v in rows.items()}, {k: v[1] for k, v in rows.items()})
+    iv = got["interval_95"]
+    assert got["table"]["Math"]["delta"] == 6.25 and iv["Math"] == [5.25, 7.25]
+    assert iv["General"] == [1.0, 3.0] and iv["MMMU_DEV_VAL"] == [1.0, 3.0] and iv["OCR"] == [-1.0, -1.0]
+    assert iv["All"] == pytest.approx([22 / 6, 30 / 6]) and iv["MathVision_MINI"] == [18.0, 18.0]
+    assert got["near_cap_rule"] == "retokenised"
+    md = analysis.markdown(got, ("1:1", "4:4"))
+    assert "| Paired Δ, 95 % interval | [1.0, 3.0] |" in md and "| [5.2, 7.2] |" in md  # Math's column
+    assert "Near cap: re-tokenised length >= 4090 tokens (the paper’s rule)" in md
+    # the paper's near-cap rule: the re-tokenised length, whatever the run recorded; or, asked, new_tokens
+    long = [{"index": "1", "prediction": "w " * 4090, "new_tokens": 10}, {"index": "2", "prediction": "w w",
+                                                                          "new_tokens": 4095}]
+    assert analysis.row_lengths(long, str.split) == {"1": None, "2": 2}
+    assert analysis.row_lengths(long, str.split, rule="generated") == {"1": 4090, "2": None}
 
 
 def test_lengths_command_retokenises_the_answers(bench, full_run, tmp_path, capsys):
@@ -1108,10 +1138,36 @@ def test_lengths_command_retokenises_the_answers(bench, full_run, tmp_path, caps
     assert "| Clean mean (1:1) |" in out and "Clean paired Δ (4:4 − 1:1)" in out and "95 % interval" in out
     rc, _, err = main_out(capsys, "lengths", "--model", folder, "--a", full_run, full_run, "--b", longer)
     assert rc == 1 and "a second predictions file of MMMU_DEV_VAL" in err
-    cut = tmp_path / "cut.jsonl"  # one answer cut at the budget: out by its new_tokens, however short its text
+    cut = tmp_path / "cut.jsonl"  # one answer cut at the budget: out by its new_tokens under --near-cap-rule generated
     cut.write_text("".join(json.dumps(p | {"new_tokens": 4096 if k == 0 else p["new_tokens"]}) + "\n"
                            for k, p in enumerate(read_preds(longer))))
-    assert list(analysis.lengths([cut], tok.encode)["MMMU_DEV_VAL"].values())[0] is None
+    assert list(analysis.lengths([cut], tok.encode, rule="generated")["MMMU_DEV_VAL"].values())[0] is None
+    assert list(analysis.lengths([cut], tok.encode)["MMMU_DEV_VAL"].values())[0] is not None  # the paper's rule
+
+
+def test_lengths_pairs_only_answers_produced_alike(bench, full_run, tmp_path, capsys):
+    """B lacking a row of A: the row is left out of both means and said; predictions of another TSV or
+    another max_new_tokens do not pair (one line). Answers by hand: A's row lengths w(1), w(2), w(3) words;
+    B answers rows 1 and 2 with two more words each."""
+    folder = bench[0]
+    preds = read_preds(full_run)[:3]
+    words = {p["index"]: " ".join(["yes"] * (k + 1)) for k, p in enumerate(preds)}
+    tok = Tokenizer.from_pretrained(folder)
+    n = {i: len(tok.encode(w)) for i, w in words.items()}
+    m = {i: len(tok.encode(w + " yes yes")) for i, w in words.items()}
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps(p | {"prediction": words[p["index"]]}) + "\n" for p in preds))
+    b.write_text("".join(json.dumps(p | {"prediction": words[p["index"]] + " yes yes"}) + "\n" for p in preds[:2]))
+    rc, out, _ = main_out(capsys, "lengths", "--model", folder, "--a", a, "--b", b, "--out", tmp_path / "s5.json")
+    t = json.loads((tmp_path / "s5.json").read_text())["table"]["MMMU_DEV_VAL"]
+    i, j = preds[0]["index"], preds[1]["index"]
+    assert rc == 0 and t["a"] == (n[i] + n[j]) / 2 and t["b"] == (m[i] + m[j]) / 2 and t["only_a"] == 1
+    assert t["delta"] == t["b"] - t["a"] and "Left out: MMMU_DEV_VAL: 1 answered in A only." in out
+    for field, value in (("data_fingerprint", "0123456789abcdef"), ("max_new_tokens", 4096)):
+        other = tmp_path / f"{field}.jsonl"
+        other.write_text("".join(json.dumps(p | {field: value}) + "\n" for p in read_preds(b)))
+        rc, _, err = main_out(capsys, "lengths", "--model", folder, "--a", a, "--b", other)
+        assert rc == 1 and f"produced with another {field}" in err and err.count("\n") == 1
 
 
 def test_descriptors_count_pixels_and_tokens_per_benchmark(bench, full_run, tmp_path, capsys):
