@@ -184,16 +184,6 @@ def row_inputs(benchmark: str, row: dict, max_tiles: int | None, mcfg):
 # -- run: the loop -----------------------------------------------------------------------------
 
 
-def branch_variant(par) -> dict:
-    """The checkpoint's branch parameterisation where it is not the paper's (Figure 3, Table S8): the
-    ParConfig fields other than the counts that differ from their defaults ({} for the paper's)."""
-    from dataclasses import asdict
-
-    from config import ParConfig
-    unused = "lora_rank" if par.vision_branches == "prefix" else "vit_prefix_len"
-    return {k: v for k, v in asdict(par).items() if k not in ("pv", "pl", unused) and v != getattr(ParConfig(), k)}
-
-
 def random_pair(seed: int, index: str, pv: int, pl: int) -> tuple[int, int]:
     """Table 3's random baseline: row `index`'s (vision, language) branch pair, uniform and seeded by
     (seed, index) alone, so it does not depend on the batch, the world size or a resume."""
@@ -265,6 +255,7 @@ def run(cfg: RunConfig) -> int:
 
 def run_record(cfg: RunConfig, folder: Path, model, dtype: torch.dtype) -> dict:
     """What every prediction row records of the run that produced it: RECORD_FIELDS and the model's folder."""
+    from config import branch_variant
     from gates import fingerprint
 
     par = model.cfg.par

@@ -286,7 +286,10 @@ def table_s6(table: dict, configs: list) -> dict:
 
 
 def table_s6_markdown(s6: dict, decimals: int) -> list[str]:
-    fmt = lambda v, sign="": "-" if v is None else f"{v:{sign}.{decimals}f}"  # noqa: E731
+    def fmt(v, sign=""):
+        text = "-" if v is None else f"{v:{sign}.{decimals}f}"
+        return "0." + "0" * decimals if text.lstrip("+-") == "0." + "0" * decimals else text  # Table S6's "0.0"
+
     md = []
     for label, t in s6.items():
         md += ["", f"Table S6, {label}: shared KV against the standard cache", "",

@@ -742,6 +742,73 @@ def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
     assert data["pairs"]["MMMU_DEV_VAL"]["vision_mean"] == [None, None]  # one pair of four run: no marginals
 
 
+def write_scores(folder: Path, name: str, values: list, **record) -> list[Path]:
+    """One score file per benchmark, as `evaluate.py score --out` writes them (its config fields); name
+    is the checkpoint's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = []
+    for bench, v in zip(S.BENCHMARKS, values):
+        files.append(folder / f"{name}{'_kv' if record.get('shared_kv') else ''}_{bench}.json")
+        files[-1].write_text(json.dumps({"benchmark": bench, "score": v, "n": 10, "unresolved": 0, "missing": 0,
+                                         "model": f"runs/{name}/export", "model_fingerprint": f"fp-{name}",
+                                         "pv": 1, "pl": 1, "vision_branch": None, "language_branch": None,
+                                         "shared_kv": False, "router": None, "random_pair": None, "branches": {}}
+                                        | record) + "\n")
+    return files
+
+
+TABLE_S6 = {"Standard": [39.0, 48.0, 22.4, 29.3, 12.3, 72.1, 71.9, 82.7, 77.0],  # the paper's Table S6
+            "Shared": [39.8, 47.1, 19.4, 30.6, 11.8, 72.0, 71.7, 82.8, 77.1]}
+
+
+def test_report_keeps_checkpoints_apart_and_draws_figure_3_and_table_s6(tmp_path, capsys):
+    """Table 1: two checkpoints of one Pv:Pl are never one row: among the study's runs refused, a
+    reference model (--reference) a row of its own, out of the grids and the best choice. Figure 3:
+    the 4:1 runs at vision prefix lengths 72, 96 (the dense run) and 128, and LoRA ranks 8 and 16, as
+    series of domain scores. Table S6: the standard and shared-KV rows of the paper and their Δ, cell
+    by cell Shared - Standard; Math (47.1 + 19.4 + 30.6 + 11.8) / 4 - (48.0 + 22.4 + 29.3 + 12.3) / 4 =
+    -0.775; OCR 303.6 / 4 - 303.7 / 4 = -0.025, printed 0.0 as the paper prints it; All -2.4 / 9 = -0.27
+    from these rounded cells (the paper's -0.2 is of its unrounded scores)."""
+    d = tmp_path / "scores"
+    base = write_scores(d, "11", [40.0] * 9)
+    instruct = write_scores(d, "instruct", [50.0] * 8 + [None], model="OpenGVLab/InternVL3_5-1B-Instruct")
+    instruct = instruct[:8]  # no OCRBench: before, its eight scores and the 1:1 run's would share a row
+    rc, _, err = main_out(capsys, "report", *base, *instruct, "--out", tmp_path / "bad")
+    assert rc == 1 and "one checkpoint per configuration" in err and "fp-instruct" in err and "fp-11" in err
+    study = [*base]
+    study += write_scores(d, "41", [41.0] * 9, pv=4)  # the dense 4:1 run: prefix length 96
+    for length, v in ((72, 42.0), (128, 43.0)):
+        study += write_scores(d, f"41p{length}", [v] * 9, pv=4, branches={"vit_prefix_len": length})
+    for rank, v in ((8, 44.0), (16, 45.0)):
+        lora = {"vision_branches": "lora"} | ({"lora_rank": rank} if rank != 16 else {})
+        study += write_scores(d, f"41r{rank}", [v] * 9, pv=4, branches=lora)
+    study += write_scores(d, "44", TABLE_S6["Standard"], pv=4, pl=4)
+    study += write_scores(d, "44", TABLE_S6["Shared"], pv=4, pl=4, shared_kv=True)
+    rc, out, err = main_out(capsys, "report", *study, "--reference", *instruct, "--out", tmp_path / "rep")
+    assert rc == 0, err
+    data = json.loads((tmp_path / "rep" / "report.json").read_text())
+    ref = [c for c in data["configs"] if c["reference"]]
+    assert [c["label"] for c in ref] == ["1:1 [OpenGVLab/InternVL3_5-1B-Instruct]"]
+    assert ref[0]["scores"]["MMMU_DEV_VAL"] == 50.0 and ref[0]["model"] == "fp-instruct"
+    one = next(c for c in data["configs"] if c["label"] == "1:1")
+    assert one["scores"]["MMMU_DEV_VAL"] == 40.0 and one["model"] == "fp-11"
+    assert data["best"]["MMMU_DEV_VAL"] != "1:1 [OpenGVLab/InternVL3_5-1B-Instruct]" and data["grid_pv"] == [1, 4]
+    fig = data["figure3"]["4:1"]
+    assert [(p["vit_prefix_len"], p["scores"]["All"]) for p in fig["prefix"]] == [(72, 42.0), (96, 41.0), (128, 43.0)]
+    assert [(p["lora_rank"], p["scores"]["Math"]) for p in fig["lora"]] == [(8, 44.0), (16, 45.0)]
+    assert list(data["figure3"]) == ["4:1"]  # the other Pv:Pl have no sweep
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "Figure 3, 4:1: domain scores against the vision prefix length" in md and "| 128 | 43.0 | 43.0 |" in md
+    assert "matplotlib is not installed" in err or (tmp_path / "rep" / "figure3_4x1.png").stat().st_size > 0
+    delta = data["table_s6"]["4:4"]["delta"]
+    want = [0.8, -0.9, -3.0, 1.3, -0.5, -0.1, -0.2, 0.1, 0.1]
+    assert [delta[b] for b in S.BENCHMARKS] == pytest.approx(want, abs=1e-9)
+    assert delta["Math"] == pytest.approx(-0.775) and delta["OCR"] == pytest.approx(-0.025)
+    assert delta["All"] == pytest.approx(-2.4 / 9)
+    assert ("| Δ (Shared − Standard) | +0.8 | -0.9 | -3.0 | +1.3 | -0.5 | -0.1 | -0.2 | +0.1 | +0.1 | +0.8 | -0.8 "
+            "| 0.0 | -0.3 |") in md
+
+
 # -- fit-law -------------------------------------------------------------------------------------------
 
 PARSCALE_N = [[535813376, 693753856, 1088376320, 1571472384, 2774773760, 4353203200],
