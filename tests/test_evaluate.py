@@ -1239,29 +1239,48 @@ def test_lengths_pairs_only_answers_produced_alike(bench, full_run, tmp_path, ca
 
 def test_descriptors_count_pixels_and_tokens_per_benchmark(bench, full_run, tmp_path, capsys):
     """Table S2's descriptors: the mean of each row's summed image pixels (a shared image counted for
-    each row that asks about it), question and reference tokens, report.json's best Pv:Pl and the mean
-    response tokens of that configuration's predictions."""
+    each row that asks about it), question tokens, and reference tokens of MMMU's `explanation` column
+    (Appendix B.1; an empty one counts 0 tokens), report.json's best Pv:Pl and the mean response tokens
+    of the predictions whose record is that best configuration (below the near cap)."""
     folder, tsv, rows, imgs = bench
     tok = Tokenizer.from_pretrained(folder)
     report = tmp_path / "report.json"
-    report.write_text(json.dumps({"best": {"MMMU_DEV_VAL": "2:4", "All": "2:2"}}))
-    rc, out, err = main_out(capsys, "descriptors", tsv, "--model", folder, "--report", report, "--out",
-                            tmp_path / "s2.json")
+    report.write_text(json.dumps({"best": {"MMMU_DEV_VAL": "1:1", "All": "2:2"}}, indent=1))
+    rc, out, err = main_out(capsys, "descriptors", tsv, "--model", folder, "--report", report)
+    assert rc == 1 and "missing required column(s) explanation" in err  # MMMU's reference column
+    good = [r | {"explanation": "Because cats meow." if r["index"] == "10" else ""}
+            for r in rows if r["index"] != "13"]
+    (tmp_path / "bad").mkdir()
+    corrupt = write_tsv(tmp_path / "bad" / "MMMU_DEV_VAL.tsv", [r | {"explanation": ""} for r in rows])
+    rc, out, err = main_out(capsys, "descriptors", corrupt, "--model", folder)
     assert rc == 1 and "unreadable image" in err and "row 13" in err  # the bench TSV's corrupt row is named
-    good = [r for r in rows if r["index"] != "13"]
     clean = write_tsv(tmp_path / "MMMU_DEV_VAL.tsv", good)
     rc, out, _ = main_out(capsys, "descriptors", clean, "--model", folder, "--report", report, "--out",
-                          tmp_path / "s2.json",
-                          "--predictions", full_run)
-    got = json.loads((tmp_path / "s2.json").read_text())["MMMU_DEV_VAL"]
+                          tmp_path / "s2.json", "--predictions", full_run)
+    got = json.loads((tmp_path / "s2.json").read_text())["benchmarks"]["MMMU_DEV_VAL"]
     area = {imgs[0]: 24 * 24, imgs[1]: 20 * 20, imgs[2]: 64 * 32}  # row 12 shares row 10's image
     pixels = [area[imgs[0]], area[imgs[1]] + area[imgs[0]], area[imgs[0]], area[imgs[2]]]
-    assert rc == 0 and got["rows"] == 4 and got["pixels"] == pytest.approx(sum(pixels) / 4) and got["best"] == "2:4"
+    assert rc == 0 and got["rows"] == 4 and got["pixels"] == pytest.approx(sum(pixels) / 4) and got["best"] == "1:1"
     assert got["question_tokens"] == pytest.approx(sum(len(tok.encode(r["question"])) for r in good) / 4)
-    assert got["reference_tokens"] == pytest.approx(sum(len(tok.encode(r["answer"])) for r in good) / 4)
+    # one explanation, three empty ones (0 tokens each): not the answer letters
+    assert got["reference"] == "explanation" and got["empty_references"] == 3
+    assert got["reference_tokens"] == pytest.approx(len(tok.encode("Because cats meow.")) / 4)
     responses = [len(tok.encode(p["prediction"])) for p in read_preds(full_run)]
     assert got["response_tokens"] == pytest.approx(sum(responses) / len(responses))
-    assert "| MMMU_DEV_VAL | 4 |" in out and out.rstrip().endswith(f"| 2:4 | {sum(responses) / len(responses):.1f} |")
+    assert "| MMMU_DEV_VAL | 4 |" in out and out.rstrip().endswith(f"| 1:1 | {sum(responses) / len(responses):.1f} |")
+    # an answer at the near cap (here 2 tokens, --near-cap 2): left out and said, no traceback
+    rc, out, err = main_out(capsys, "descriptors", clean, "--model", folder, "--report", report, "--near-cap",
+                            str(min(responses)), "--predictions", full_run)
+    kept = [n for n in responses if n < min(responses)]
+    assert rc == 0 and "Traceback" not in err
+    assert (f"{sum(kept) / len(kept):.1f} ({len(responses) - len(kept)} near cap left out)" if kept else
+            f"- ({len(responses)} near cap left out)") in out
+    # the predictions are another configuration's than the best: left out and named, never its length
+    report.write_text(json.dumps({"best": {"MMMU_DEV_VAL": "2:4"}}, indent=1))
+    rc, out, _ = main_out(capsys, "descriptors", clean, "--model", folder, "--report", report, "--predictions",
+                          full_run)
+    assert rc == 0 and out.splitlines()[2].endswith("| 2:4 | - |")
+    assert f"Left out: {full_run} (1:1; the best of MMMU_DEV_VAL: 2:4)" in out
 
 
 def test_cost_puts_each_configuration_at_its_latency_and_memory(tmp_path, capsys):
