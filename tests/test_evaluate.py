@@ -1283,30 +1283,51 @@ def test_descriptors_count_pixels_and_tokens_per_benchmark(bench, full_run, tmp_
     assert f"Left out: {full_run} (1:1; the best of MMMU_DEV_VAL: 2:4)" in out
 
 
-def test_cost_puts_each_configuration_at_its_latency_and_memory(tmp_path, capsys):
-    """Figure 4's points: report.json's overall score of each dense (and shared-KV) configuration beside
-    the batch-1 latency and peak memory of its profile row; fixed pairs have no point; a configuration
-    the profile lacks is refused with one line naming the profiling command."""
-    config = lambda pv, pl, shared, score, vb=None: {  # noqa: E731
-        "label": f"{pv}:{pl}" + (" sharedKV" if shared else ""), "pv": pv, "pl": pl, "vision_branch": vb,
-        "language_branch": None, "shared_kv": shared, "scores": {"All": score}}
-    report = tmp_path / "report.json"
-    report.write_text(json.dumps({"configs": [config(1, 1, False, 40.0), config(4, 4, False, 42.5),
-                                              config(4, 4, True, 41.0),
-                                              config(4, 4, False, 39.0, vb=1)]}))
-    row = lambda pv, shared, batch, lat, mem: {"pv": pv, "pl": pv, "shared_kv": shared, "batch": batch,  # noqa: E731
-                                               "latency_s": lat, "peak_gib": mem}
-    latency = tmp_path / "latency.json"
-    latency.write_text("table for people\n" + json.dumps({"command": "latency", "rows": [
-        row(1, False, 1, 1.0, 2.0), row(1, False, 8, 0.2, 5.0), row(4, False, 1, 1.9, 2.6),
-        row(4, True, 1, 1.5, 2.2)]}) + "\n")
-    rc, out, _ = main_out(capsys, "cost", "--report", report, "--latency", latency, "--out", tmp_path / "fig4")
-    points = json.loads((tmp_path / "fig4" / "score_cost.json").read_text())
-    assert rc == 0 and points == [{"label": "1:1", "score": 40.0, "latency_s": 1.0, "peak_gib": 2.0},
-                                  {"label": "4:4", "score": 42.5, "latency_s": 1.9, "peak_gib": 2.6},
-                                  {"label": "4:4 sharedKV", "score": 41.0, "latency_s": 1.5, "peak_gib": 2.2}]
-    assert ("| 4:4 sharedKV | 41.0 | 1.5000 | 2.200 |" in out
-            and (tmp_path / "fig4" / "score_cost.png").stat().st_size > 0)
-    latency.write_text(json.dumps({"rows": [row(1, False, 1, 1.0, 2.0)]}) + "\n")
-    rc, _, err = main_out(capsys, "cost", "--report", report, "--latency", latency)
-    assert rc == 1 and "no batch-1 row for 4:4 (profiling.py latency --pv 4 --pl 4 --batch 1)" in err
+def test_cost_puts_each_configuration_at_its_own_profile(tmp_path, capsys):
+    """Figure 4 from the files the commands write: report.json as `report` writes it (indented), the
+    profile of a Figure 3 variant (4:1 at vision prefix length 72) from `profiling.py latency` itself
+    with --baseline (its 1:1 row too), and a profile of the dense 4:1 run. Each configuration sits at
+    its own profile's batch-1 latency and memory, the variant at the variant's; a configuration without
+    its own profile (the LoRA run) is named with the command that profiles it and left out, never given
+    the dense 4:1's; one configuration profiled on two architectures is refused."""
+    d = tmp_path / "scores"
+    files = write_scores(d, "11", [40.0] * 9) + write_scores(d, "41", [41.0] * 9, pv=4)
+    files += write_scores(d, "41p72", [42.0] * 9, pv=4, branches={"vit_prefix_len": 72})
+    files += write_scores(d, "41lora", [39.0] * 9, pv=4, branches={"vision_branches": "lora"})
+    assert evaluate.main(["report", *map(str, files), "--arch", "tiny", "--out", str(tmp_path / "report")]) == 0
+    capsys.readouterr()
+    run = subprocess_run([sys.executable, ROOT / "profiling.py", "latency", "--arch", "tiny", "--pv", "4", "--pl", "1",
+                          "--vit-prefix-len", "72", "--baseline", "--batch", "1", "--warmup", "0", "--iters", "1",
+                          "--new-tokens", "2", "--tiles", "1", "--text-tokens", "8", "--device", "cpu",
+                          "--threads", "1", "--json"])
+    variant = tmp_path / "lat_41p72.json"
+    variant.write_text(run)
+    rows = json.loads(run.splitlines()[-1])["rows"]
+    assert [(r["pv"], r["pl"], r["branches"], r["arch"]) for r in rows] == [(1, 1, {}, "tiny"),
+                                                                           (4, 1, {"vit_prefix_len": 72}, "tiny")]
+    dense = tmp_path / "lat_41.json"  # the dense 4:1's profile, in the same format, with known numbers
+    dense.write_text(json.dumps({"command": "latency", "rows": [rows[1] | {"branches": {}, "latency_s": 9.0,
+                                                                           "peak_gib": 7.0}]}) + "\n")
+    rc, out, err = main_out(capsys, "cost", "--report", tmp_path / "report" / "report.json", "--latency", variant,
+                            dense, "--out", tmp_path / "fig4")
+    assert rc == 0, err
+    got = json.loads((tmp_path / "fig4" / "score_cost.json").read_text())
+    assert got["points"] == [
+        {"label": "1:1", "score": 40.0, "latency_s": rows[0]["latency_s"], "peak_gib": rows[0]["peak_gib"],
+         "arch": "tiny"},
+        {"label": "4:1", "score": 41.0, "latency_s": 9.0, "peak_gib": 7.0, "arch": "tiny"},
+        {"label": "4:1 vit_prefix_len=72", "score": 42.0, "latency_s": rows[1]["latency_s"],
+         "peak_gib": rows[1]["peak_gib"], "arch": "tiny"}]
+    assert got["left_out"] == ["4:1 vision_branches=lora: no batch-1 profile of its own (profiling.py latency --pv 4 "
+                               "--pl 1 --vision-branches lora --batch 1)"]
+    assert "Left out: 4:1 vision_branches=lora" in out and "| 4:1 | 41.0 | 9.0000 | 7.000 |" in out
+    other = tmp_path / "lat_41_1b.json"  # the dense 4:1 profiled on another architecture as well
+    other.write_text(json.dumps({"rows": [rows[1] | {"branches": {}, "arch": "1b"}]}) + "\n")
+    rc, _, err = main_out(capsys, "cost", "--report", tmp_path / "report" / "report.json", "--latency", dense, other)
+    assert rc == 1 and "two architectures (tiny and 1b)" in err and err.count("\n") == 1
+
+
+def subprocess_run(argv: list) -> str:
+    import subprocess
+
+    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, check=True, cwd=ROOT).stdout
