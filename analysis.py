@@ -4,19 +4,22 @@ two configurations are), Table S2's workload descriptors (what each benchmark as
 report.json and `profiling.py latency --json`).
 
 Table S5. Each answer is re-tokenised with the checkpoint's tokenizer (the text `evaluate.py run` kept, not its
-token count, so every configuration is measured alike). An answer at or above the near-cap threshold
-(the paper: 4090 of the 4096-token budget) is a truncated run-on, not a length, and is left out:
-the clean mean of a configuration is over its answers below the threshold, the paired difference
-over the rows below it in both. Domain and overall columns average their benchmarks with equal
-weight (Eq. A3's grouping). The interval is a benchmark-balanced paired bootstrap: each resample
-draws every benchmark's paired rows with replacement, takes each benchmark's mean difference and
-averages those with equal weight; the 2.5th and 97.5th percentiles of 10,000 resamples (seed 42,
-the paper's) bound the overall difference.
+token count, so every configuration is measured alike). An answer whose re-tokenised length is at or
+above the near-cap threshold (Appendix B.4: 4090 of the 4096-token budget) is a truncated run-on, not
+a length, and is left out: the clean mean of a configuration is over its answers below the
+threshold, the paired difference over the rows below it in both; only rows both configurations
+answered, from the same TSV and budgets, pair. Domain and overall columns average their benchmarks
+with equal weight (Eq. A3's grouping). The intervals come from one benchmark-balanced paired
+bootstrap: each resample draws every benchmark's paired rows with replacement and takes each
+benchmark's mean difference; a domain's (and All's) resample averages its benchmarks' with equal
+weight; the 2.5th and 97.5th percentiles of 10,000 resamples (seed 42, the paper's) bound each
+column's difference (the paper's [-3.1, 13.3] is the Math domain's).
 
-Table S2. Per benchmark TSV: the mean source-image pixels of a row (width x height summed over its
-images, before tiling: read from each image's header), the mean question and reference lengths in
-tokens (the `question` and `answer` cells, before any prompt template), next to the best Pv:Pl of
-`evaluate.py report` when its report.json is given.
+Table S2 (Appendix B.1). Per benchmark TSV: the mean source-image pixels of a row (width x height
+summed over its images, before tiling: read from each image's header), the mean question and
+reference lengths in tokens (the `question` cell and the reference: MMMU's `explanation`,
+LogicVista's `reasoning`, otherwise `answer`, an empty one 0 tokens; before any prompt template),
+next to the best Pv:Pl of `evaluate.py report` when its report.json is given.
 """
 from __future__ import annotations
 

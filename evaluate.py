@@ -19,7 +19,8 @@ toward fewer FLOPs). lengths, descriptors, cost: analysis.py. fit-law: ParScale'
 
 Formats: PRED.jsonl rows {"index", "prediction", "new_tokens", and RECORD_FIELDS: what produced it,
 "pair" for a routed or random-pair row}; score JSON {"benchmark", "score" (0-100), "n",
-"unresolved", "missing", configuration fields}; fit-law CSV params (raw parameter count N), p, loss.
+"unresolved", "missing", CONFIG_FIELDS (the configuration and its checkpoint)}; fit-law CSV params
+(raw parameter count N), p, loss.
 Bad input: one line on stderr, exit 1 (bad input) or 2 (usage).
 """
 from __future__ import annotations
