@@ -1296,10 +1296,12 @@ def test_cost_puts_each_configuration_at_its_own_profile(tmp_path, capsys):
     files += write_scores(d, "41lora", [39.0] * 9, pv=4, branches={"vision_branches": "lora"})
     assert evaluate.main(["report", *map(str, files), "--arch", "tiny", "--out", str(tmp_path / "report")]) == 0
     capsys.readouterr()
-    run = subprocess_run([sys.executable, ROOT / "profiling.py", "latency", "--arch", "tiny", "--pv", "4", "--pl", "1",
-                          "--vit-prefix-len", "72", "--baseline", "--batch", "1", "--warmup", "0", "--iters", "1",
-                          "--new-tokens", "2", "--tiles", "1", "--text-tokens", "8", "--device", "cpu",
-                          "--threads", "1", "--json"])
+    import profiling
+
+    assert profiling.main(["latency", "--arch", "tiny", "--pv", "4", "--pl", "1", "--vit-prefix-len", "72",
+                           "--baseline", "--batch", "1", "--warmup", "0", "--iters", "1", "--new-tokens", "2",
+                           "--tiles", "1", "--text-tokens", "8", "--device", "cpu", "--json"]) == 0
+    run = capsys.readouterr().out
     variant = tmp_path / "lat_41p72.json"
     variant.write_text(run)
     rows = json.loads(run.splitlines()[-1])["rows"]
@@ -1325,9 +1327,3 @@ def test_cost_puts_each_configuration_at_its_own_profile(tmp_path, capsys):
     other.write_text(json.dumps({"rows": [rows[1] | {"branches": {}, "arch": "1b"}]}) + "\n")
     rc, _, err = main_out(capsys, "cost", "--report", tmp_path / "report" / "report.json", "--latency", dense, other)
     assert rc == 1 and "two architectures (tiny and 1b)" in err and err.count("\n") == 1
-
-
-def subprocess_run(argv: list) -> str:
-    import subprocess
-
-    return subprocess.run([str(a) for a in argv], capture_output=True, text=True, check=True, cwd=ROOT).stdout
