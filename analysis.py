@@ -4,19 +4,22 @@ two configurations are), Table S2's workload descriptors (what each benchmark as
 report.json and `profiling.py latency --json`).
 
 Table S5. Each answer is re-tokenised with the checkpoint's tokenizer (the text `evaluate.py run` kept, not its
-token count, so every configuration is measured alike). An answer at or above the near-cap threshold
-(the paper: 4090 of the 4096-token budget) is a truncated run-on, not a length, and is left out:
-the clean mean of a configuration is over its answers below the threshold, the paired difference
-over the rows below it in both. Domain and overall columns average their benchmarks with equal
-weight (Eq. A3's grouping). The interval is a benchmark-balanced paired bootstrap: each resample
-draws every benchmark's paired rows with replacement, takes each benchmark's mean difference and
-averages those with equal weight; the 2.5th and 97.5th percentiles of 10,000 resamples (seed 42,
-the paper's) bound the overall difference.
+token count, so every configuration is measured alike). An answer whose re-tokenised length is at or
+above the near-cap threshold (Appendix B.4: 4090 of the 4096-token budget) is a truncated run-on, not
+a length, and is left out: the clean mean of a configuration is over its answers below the
+threshold, the paired difference over the rows below it in both; only rows both configurations
+answered, from the same TSV and budgets, pair. Domain and overall columns average their benchmarks
+with equal weight (Eq. A3's grouping). The intervals come from one benchmark-balanced paired
+bootstrap: each resample draws every benchmark's paired rows with replacement and takes each
+benchmark's mean difference; a domain's (and All's) resample averages its benchmarks' with equal
+weight; the 2.5th and 97.5th percentiles of 10,000 resamples (seed 42, the paper's) bound each
+column's difference (the paper's [-3.1, 13.3] is the Math domain's).
 
-Table S2. Per benchmark TSV: the mean source-image pixels of a row (width x height summed over its
-images, before tiling: read from each image's header), the mean question and reference lengths in
-tokens (the `question` and `answer` cells, before any prompt template), next to the best Pv:Pl of
-`evaluate.py report` when its report.json is given.
+Table S2 (Appendix B.1). Per benchmark TSV: the mean source-image pixels of a row (width x height
+summed over its images, before tiling: read from each image's header), the mean question and
+reference lengths in tokens (the `question` cell and the reference: MMMU's `explanation`,
+LogicVista's `reasoning`, otherwise `answer`, an empty one 0 tokens; before any prompt template),
+next to the best Pv:Pl of `evaluate.py report` when its report.json is given.
 """
 from __future__ import annotations
 
@@ -35,14 +38,23 @@ from scoring import BENCHMARKS, GROUPS
 from tsv import DataError, as_list, read_jsonl, read_tsv
 
 NEAR_CAP = 4090  # the paper's threshold for its 4096-token budget
+# which count a near-cap answer is judged by: the paper's (B.4) re-tokenised length, or the run's own
+# count of generated tokens (evaluate.py run's new_tokens)
+NEAR_CAP_RULES = {"retokenised": "re-tokenised length", "generated": "generated tokens (new_tokens)"}
+# the fields of a prediction's record that make two runs' answers comparable row by row: the same TSV,
+# the same token budget and tile budget
+PRODUCED_ALIKE = ("data_fingerprint", "max_new_tokens", "max_tiles")
+# the fields that name one configuration (one checkpoint, its branches, how it was run)
+CONFIGURATION = ("model_fingerprint", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router",
+                 "random_pair", "branches")
+# Table S2's reference column (Appendix B.1): MMMU's explanation, LogicVista's reasoning, else the answer
+REFERENCE = {"MMMU_DEV_VAL": "explanation", "LogicVista": "reasoning"}
 
 
-def lengths(files: list, encode, near_cap: int = NEAR_CAP) -> dict[str, dict[str, int | None]]:
-    """{benchmark: {index: tokens}} of prediction files (`evaluate.py run`), each file's benchmark read
-    from its own record; two files of one benchmark are refused. A row whose generation reached
-    near_cap tokens (its recorded new_tokens; without one, its re-tokenised length) is None: cut at
-    the budget, however its text re-tokenises."""
-    out: dict[str, dict[str, int | None]] = {}
+def read_predictions(files: list) -> dict[str, tuple[str, list[dict]]]:
+    """{benchmark: (file, rows)} of prediction files (`evaluate.py run`), each file's benchmark read from
+    its own record; two files of one benchmark, or a file mixing runs, are refused."""
+    out: dict[str, tuple[str, list[dict]]] = {}
     for f in files:
         rows = read_jsonl(Path(f))
         benches = {r.get("benchmark") for r in rows}
@@ -50,60 +62,147 @@ def lengths(files: list, encode, near_cap: int = NEAR_CAP) -> dict[str, dict[str
             raise DataError(f"{f}: not the predictions of one benchmark (evaluate.py run's output)")
         bench = benches.pop()
         if bench in out:
-            raise DataError(f"{f}: a second predictions file of {bench}")
-        out[bench] = {}
-        for r in rows:
-            n = len(encode(str(r["prediction"])))
-            out[bench][str(r["index"])] = None if r.get("new_tokens", n) >= near_cap else n
+            raise DataError(f"{f}: a second predictions file of {bench} (the first: {out[bench][0]})")
+        for field in PRODUCED_ALIKE + CONFIGURATION:
+            if len({json.dumps(r.get(field), sort_keys=True) for r in rows}) > 1:
+                raise DataError(f"{f}: its rows record more than one {field}: not one run's predictions")
+        out[bench] = (str(f), rows)
     return out
 
 
-def compare(a: dict, b: dict, near_cap: int = NEAR_CAP, resamples: int = 10_000, seed: int = SEED) -> dict:
-    """Table S5 of configurations a and b ({benchmark: {index: tokens, None for a row cut at the
-    budget}}, the same benchmarks): per benchmark, domain and overall the clean means of a and b, the
-    paired difference b - a, and the bootstrap 95 % interval of the overall paired difference."""
+def row_lengths(rows: list[dict], encode, near_cap: int = NEAR_CAP, rule: str = "retokenised") -> dict[str, int | None]:
+    """{index: tokens} of one file's answers, each re-tokenised; None for an answer at the near cap by
+    `rule`: its re-tokenised length (the paper's) or its recorded new_tokens reaching near_cap."""
+    out = {}
+    for r in rows:
+        n = len(encode(str(r["prediction"])))
+        if rule == "generated" and "new_tokens" not in r:
+            raise DataError(f"row {r['index']} of {r.get('benchmark')} records no new_tokens for --near-cap-rule "
+                            f"generated")
+        out[str(r["index"])] = None if (r["new_tokens"] if rule == "generated" else n) >= near_cap else n
+    return out
+
+
+def lengths(files: list, encode, near_cap: int = NEAR_CAP, rule: str = "retokenised") -> dict[str, dict]:
+    """{benchmark: {index: tokens, None at the near cap}} of prediction files (read_predictions)."""
+    return {b: row_lengths(rows, encode, near_cap, rule) for b, (_, rows) in read_predictions(files).items()}
+
+
+def check_alike(a: dict, b: dict) -> None:
+    """Configurations A and B ({benchmark: (file, rows)}) pair only where their answers were produced
+    alike: each side one configuration, and per benchmark the same TSV, token budget and tile budget."""
+    for name, side in (("A", a), ("B", b)):
+        ids = {json.dumps({k: rows[0].get(k) for k in CONFIGURATION}, sort_keys=True): f for f, rows in side.values()}
+        if len(ids) > 1:
+            raise DataError(f"the {name} files are of more than one configuration ({', '.join(ids.values())})")
+    for bench in a.keys() & b.keys():
+        (fa, ra), (fb, rb) = a[bench], b[bench]
+        for field in PRODUCED_ALIKE:
+            if ra[0].get(field) != rb[0].get(field):
+                raise DataError(f"{bench}: {fa} and {fb} were produced with another {field} ({ra[0].get(field)!r} "
+                                f"against {rb[0].get(field)!r}): their answers do not pair")
+
+
+def compare(a: dict, b: dict, near_cap: int = NEAR_CAP, resamples: int = 10_000, seed: int = SEED,
+            rule: str = "retokenised") -> dict:
+    """Table S5 of configurations a and b ({benchmark: {index: tokens, None for a row at the near cap}},
+    the same benchmarks), over the rows both answered: per benchmark, domain and overall the clean
+    means of a and b, the paired difference b - a, and the 95 % interval of each column's paired
+    difference from one benchmark-balanced paired bootstrap (a domain's resample: the equal-weight mean
+    of its benchmarks' resampled mean differences). What was left out is counted per benchmark."""
     if a.keys() != b.keys():
         raise DataError(f"the two sets of predictions cover other benchmarks: {sorted(a)} against {sorted(b)}")
     rng = np.random.default_rng(seed)
-    table, draws = {}, []
+    table, draws = {}, {}
     for bench in [x for x in BENCHMARKS if x in a]:
         clean = lambda n: n is not None and n < near_cap  # noqa: E731
-        clean_a = [n for n in a[bench].values() if clean(n)]
-        clean_b = [n for n in b[bench].values() if clean(n)]
-        both = [i for i in a[bench] if i in b[bench] and clean(a[bench][i]) and clean(b[bench][i])]
+        common = [i for i in a[bench] if i in b[bench]]  # rows only one side answered pair with nothing
+        clean_a = [a[bench][i] for i in common if clean(a[bench][i])]
+        clean_b = [b[bench][i] for i in common if clean(b[bench][i])]
+        both = [i for i in common if clean(a[bench][i]) and clean(b[bench][i])]
         if not both:
             raise DataError(f"{bench}: no row is answered below {near_cap} tokens in both configurations")
         diff = np.array([b[bench][i] - a[bench][i] for i in both], dtype=np.float64)
         table[bench] = {"a": float(np.mean(clean_a)), "b": float(np.mean(clean_b)), "delta": float(diff.mean()),
-                        "n_a": len(clean_a), "n_b": len(clean_b), "n_paired": len(both)}
-        draws.append(diff[rng.integers(0, len(diff), size=(resamples, len(diff)))].mean(1))  # [resamples]
-    for group, members in [*GROUPS.items(), ("All", BENCHMARKS)]:
-        present = [table[m] for m in members if m in table]
+                        "n_a": len(clean_a), "n_b": len(clean_b), "n_paired": len(both),
+                        "only_a": len(a[bench]) - len(common), "only_b": len(b[bench]) - len(common),
+                        "near_cap_a": len(common) - len(clean_a), "near_cap_b": len(common) - len(clean_b)}
+        draws[bench] = diff[rng.integers(0, len(diff), size=(resamples, len(diff)))].mean(1)  # [resamples]
+    intervals = {}
+    for group, members in [*((m, (m,)) for m in list(table)), *GROUPS.items(), ("All", BENCHMARKS)]:
+        present = [m for m in members if m in table]
         if present:
-            table[group] = {k: float(np.mean([t[k] for t in present])) for k in ("a", "b", "delta")}
-    low, high = np.percentile(np.mean(draws, axis=0), [2.5, 97.5])
-    return {"table": table, "interval_95": [float(low), float(high)], "near_cap": near_cap, "resamples": resamples,
-            "seed": seed}
+            if group not in table:
+                table[group] = {k: float(np.mean([table[m][k] for m in present])) for k in ("a", "b", "delta")}
+            low, high = np.percentile(np.mean([draws[m] for m in present], axis=0), [2.5, 97.5])
+            intervals[group] = [float(low), float(high)]
+    return {"table": table, "interval_95": intervals, "near_cap": near_cap, "near_cap_rule": rule,
+            "resamples": resamples, "seed": seed}
 
 
 def markdown(result: dict, names: tuple[str, str]) -> str:
-    """The Table S5 layout: benchmarks, then domains and the overall average, as columns."""
+    """The Table S5 layout: benchmarks, then domains and the overall average, as columns; the paired
+    bootstrap's 95 % interval under each; the near-cap rule and what was left out."""
     cols = list(result["table"])
     md = ["| Statistic | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 1)]
     for key, label in (("a", f"Clean mean ({names[0]})"), ("b", f"Clean mean ({names[1]})"),
                        ("delta", f"Clean paired Δ ({names[1]} − {names[0]})")):
         md.append(f"| {label} | " + " | ".join(f"{result['table'][c][key]:+.1f}" if key == "delta" else
                                                 f"{result['table'][c][key]:.1f}" for c in cols) + " |")
-    low, high = result["interval_95"]
-    md += ["", f"Overall paired Δ, benchmark-balanced paired bootstrap ({result['resamples']} resamples, seed "
-               f"{result['seed']}): 95 % interval [{low:.1f}, {high:.1f}] tokens"]
+    md.append("| Paired Δ, 95 % interval | " + " | ".join(
+        "[{:.1f}, {:.1f}]".format(*result["interval_95"][c]) for c in cols) + " |")
+    md += ["", f"Intervals: benchmark-balanced paired bootstrap, {result['resamples']} resamples, seed "
+               f"{result['seed']}. Near cap: {NEAR_CAP_RULES[result['near_cap_rule']]} >= {result['near_cap']} "
+               f"tokens{' (the paper’s rule)' if result['near_cap_rule'] == 'retokenised' else ''}."]
+    left = []
+    for c in cols:
+        t = result["table"][c]
+        parts = [f"{t[k]} {what}" for k, what in (("near_cap_a", f"near cap in {names[0]}"),
+                                                   ("near_cap_b", f"near cap in {names[1]}"),
+                                                   ("only_a", f"answered in {names[0]} only"),
+                                                   ("only_b", f"answered in {names[1]} only")) if t.get(k)]
+        if parts:
+            left.append(f"{c}: {', '.join(parts)}")
+    md.append("Left out: " + ("; ".join(left) if left else "nothing") + ".")
     return "\n".join(md) + "\n"
+
+
+def best_label(record: dict) -> str:
+    """The report's label of the configuration a prediction's record names (tables.config_label)."""
+    from tables import config_label
+
+    return config_label((record.get("pv"), record.get("pl"), record.get("vision_branch"),
+                         record.get("language_branch"), bool(record.get("shared_kv")),
+                         tuple(sorted((record.get("branches") or {}).items()))))
+
+
+def best_responses(files: list, best: dict, encode, near_cap: int = NEAR_CAP,
+                   rule: str = "retokenised") -> tuple[dict, list[str]]:
+    """Table S2's last column: per benchmark the response lengths of the predictions file whose record
+    is that benchmark's best configuration in report.json (`best`: {benchmark: label}); files of other
+    configurations are left out and named. A routed or random-pair file is no configuration of the
+    report's grid; two files of one benchmark's best are refused."""
+    responses, left = {}, []
+    for f in files:
+        (bench, (_, rows)), = read_predictions([f]).items()
+        rec = rows[0]
+        label = None if rec.get("router") or rec.get("random_pair") is not None else best_label(rec)
+        if best.get(bench) is None or label != best[bench]:
+            left.append(f"{f} ({label or 'routed or random-pair'}; the best of {bench}: {best.get(bench) or 'none'})")
+            continue
+        if bench in responses:
+            raise DataError(f"{f}: a second predictions file of {bench}'s best configuration {label}")
+        responses[bench] = row_lengths(rows, encode, near_cap, rule)
+    return responses, left
 
 
 def descriptors(tsvs: list, encode, best: dict | None = None, responses: dict | None = None) -> dict[str, dict]:
     """Table S2's columns per benchmark, from VLMEvalKit TSVs named <benchmark>.tsv (VLMEvalKit's own
-    names); `best`: report.json's {column: "Pv:Pl"}; `responses`: the best configuration's answer
-    lengths ({benchmark: {index: tokens}}, `lengths`), whose mean is a last column."""
+    names): source pixels, question tokens, reference tokens (Appendix B.1: MMMU's `explanation`,
+    LogicVista's `reasoning`, otherwise `answer`; an empty reference counts 0 tokens); `best`:
+    report.json's {column: "Pv:Pl"}; `responses`: the best configuration's answer lengths
+    ({benchmark: {index: tokens, None at the near cap}}, best_responses), whose mean over the answers
+    below the near cap is a last column."""
     from processor import ImageError, open_base64
 
     out = {}
@@ -111,51 +210,85 @@ def descriptors(tsvs: list, encode, best: dict | None = None, responses: dict | 
         bench = path.stem
         if bench not in BENCHMARKS:
             raise DataError(f"{path}: not a benchmark's TSV name ({', '.join(b + '.tsv' for b in BENCHMARKS)})")
-        rows, pixels = read_tsv(path, ("index", "question", "answer", "image")), []
+        ref = REFERENCE.get(bench, "answer")
+        rows, pixels = read_tsv(path, ("index", "question", ref, "image")), []
         for r in rows:
             try:
                 sizes = [open_base64(b, str(k)).size for k, b in enumerate(as_list(r["image"]))]
             except ImageError as e:
                 raise DataError(f"{path}: row {r['index']}: unreadable image ({e})") from None
             pixels.append(sum(w * h for w, h in sizes))
+        mine = (responses or {}).get(bench)
+        clean = [n for n in (mine or {}).values() if n is not None]
         out[bench] = {"rows": len(rows), "pixels": float(np.mean(pixels)),
                       "question_tokens": float(np.mean([len(encode(r["question"] or "")) for r in rows])),
-                      "reference_tokens": float(np.mean([len(encode(r["answer"] or "")) for r in rows])),
+                      "reference": ref,
+                      "reference_tokens": float(np.mean([len(encode(r[ref] or "")) for r in rows])),
+                      "empty_references": sum(r[ref] is None for r in rows),
                       "best": (best or {}).get(bench),
-                      "response_tokens": (float(np.mean(list(responses[bench].values())))
-                                          if bench in (responses or {}) else None)}
+                      "response_tokens": float(np.mean(clean)) if clean else None,
+                      "responses_near_cap": None if mine is None else len(mine) - len(clean)}
     return out
 
 
-def descriptors_markdown(table: dict) -> str:
-    md = ["| Benchmark | rows | source pixels | question tokens | reference tokens | best Pv:Pl "
+def descriptors_markdown(table: dict, left: list[str] = ()) -> str:
+    md = ["| Benchmark | rows | source pixels | question tokens | reference tokens (column) | best Pv:Pl "
           "| its response tokens |",
           "|" + " --- |" * 7]
     for b, d in table.items():
         response = "-" if d["response_tokens"] is None else f"{d['response_tokens']:.1f}"
+        if d["responses_near_cap"]:
+            response += f" ({d['responses_near_cap']} near cap left out)"
         md.append(f"| {b} | {d['rows']} | {d['pixels']:,.0f} | {d['question_tokens']:.1f} | "
-                  f"{d['reference_tokens']:.1f} | {d['best'] or '-'} | {response} |")
+                  f"{d['reference_tokens']:.1f} ({d['reference']}, {d['empty_references']} empty) | {d['best'] or '-'} "
+                  f"| {response} |")
+    md += [f"Left out: {f}" for f in left]
     return "\n".join(md) + "\n"
 
 
-def score_cost(report: dict, latency: dict, column: str = "All") -> list[dict]:
+def profile_key(pv: int, pl: int, shared_kv: bool, branches: dict | None) -> tuple:
+    """What one Figure 4 point is profiled as: Pv:Pl, shared KV and the branch parameterisation."""
+    return pv, pl, bool(shared_kv), tuple(sorted((branches or {}).items()))
+
+
+def profile_command(key: tuple) -> str:
+    flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in key[3])
+    return f"profiling.py latency --pv {key[0]} --pl {key[1]}{flags} --batch 1{' --shared-kv' if key[2] else ''}"
+
+
+def score_cost(report: dict, latency: dict, column: str = "All") -> tuple[list[dict], list[str]]:
     """Figure 4's points: each configuration of report.json with a score in `column`, beside the
-    batch-1 per-sample latency and peak memory `profiling.py latency --json` measured for its Pv:Pl
-    (and shared KV). A configuration the profile lacks is refused (its point would be missing)."""
-    profile = {(r["pv"], r["pl"], bool(r["shared_kv"])): r for r in latency["rows"] if r["batch"] == 1}
-    points = []
+    batch-1 per-sample latency and peak memory `profiling.py latency --json` measured for that very
+    configuration (Pv:Pl, shared KV and branch parameterisation: a Figure 3 or Table S8 variant is its
+    own profile). A configuration without its own profile is named and left out, never given
+    another's; profiles of one configuration on two architectures are refused. Returns (points, the
+    lines naming what was left out)."""
+    profile: dict[tuple, dict] = {}
+    for r in latency["rows"]:
+        if r["batch"] != 1:
+            continue
+        key = profile_key(r["pv"], r["pl"], r["shared_kv"], r.get("branches"))
+        if key in profile and profile[key].get("arch") != r.get("arch"):
+            raise DataError(f"the profiles hold {profile_command(key).split(' --batch')[0]} on two architectures "
+                            f"({profile[key].get('arch')} and {r.get('arch')}): pass the one the report's runs use")
+        profile.setdefault(key, r)
+    points, left = [], []
     for c in report["configs"]:
         if c["vision_branch"] is not None or c["language_branch"] is not None or c["scores"].get(column) is None:
             continue  # fixed-pair diagnostics and partial runs have no point
-        key = (c["pv"], c["pl"], bool(c["shared_kv"]))
+        if c.get("reference"):
+            left.append(f"{c['label']}: a reference model (report --reference), not a configuration of the study")
+            continue
+        key = profile_key(c["pv"], c["pl"], c["shared_kv"], c.get("branches"))
         if key not in profile:
-            raise DataError(f"the latency profile has no batch-1 row for {c['label']} (profiling.py latency --pv "
-                            f"{key[0]} --pl {key[1]} --batch 1{' --compare-shared' if key[2] else ''})")
+            left.append(f"{c['label']}: no batch-1 profile of its own ({profile_command(key)})")
+            continue
         points.append({"label": c["label"], "score": c["scores"][column], "latency_s": profile[key]["latency_s"],
-                       "peak_gib": profile[key]["peak_gib"]})
+                       "peak_gib": profile[key]["peak_gib"], "arch": profile[key].get("arch")})
     if not points:
-        raise DataError(f"no configuration of the report has a {column} score")
-    return points
+        raise DataError(f"no configuration of the report has both a {column} score and its own batch-1 profile"
+                        + (f" ({'; '.join(left)})" if left else ""))
+    return points, left
 
 
 def plot_score_cost(points: list[dict], column: str, png: Path) -> None:
@@ -189,6 +322,9 @@ class LengthsConfig:
     names: list[str] = flag(help="the two configurations' names in the table", nargs=2, factory=lambda: ["A", "B"])
     near_cap: int = flag(NEAR_CAP, "answers of this many tokens or more are left out", unit="tokens", range="[1, inf)",
                          shown=f"{NEAR_CAP} of the 4096 budget, the paper's")
+    near_cap_rule: str = flag("retokenised", "what is counted against --near-cap: the re-tokenised answer (the "
+                                             "paper's) or the generated tokens the run recorded",
+                              choices=list(NEAR_CAP_RULES))
     resamples: int = flag(10_000, "bootstrap resamples", range="[1, inf)")
     seed: int = flag(SEED, "bootstrap seed", shown=f"{SEED}, the paper's")
     out: str | None = flag(None, "also write the JSON here")
@@ -200,8 +336,11 @@ class DescriptorsConfig:
     data: list[str] = flag(None, "VLMEvalKit TSVs, named <benchmark>.tsv", positional=True, nargs="+")
     model: str = flag(None, "checkpoint whose tokenizer counts the tokens", required=True)
     report: str | None = flag(None, "report.json of evaluate.py report: its best configuration per benchmark")
-    predictions: list[str] | None = flag(None, "the best configuration's predictions (one file per benchmark): their "
-                                               "mean response tokens", nargs="+", metavar="JSONL")
+    predictions: list[str] | None = flag(None, "predictions (evaluate.py run; with --report): per benchmark, the "
+                                               "file of its best configuration gives the mean response tokens",
+                                         nargs="+", metavar="JSONL")
+    near_cap: int = flag(NEAR_CAP, "responses of this many tokens or more are left out", unit="tokens",
+                         range="[1, inf)", shown=f"{NEAR_CAP} of the 4096 budget, the paper's")
     out: str | None = flag(None, "also write the JSON here")
 
 
@@ -209,55 +348,73 @@ class DescriptorsConfig:
 class CostConfig:
     """`evaluate.py cost`'s flags."""
     report: str = flag(None, "report.json of evaluate.py report", required=True)
-    latency: list[str] = flag(None, "outputs of profiling.py latency --json (their batch-1 rows)", nargs="+",
-                              required=True)
+    latency: list[str] = flag(None, "outputs of profiling.py latency --json (their batch-1 rows), one per "
+                                    "configuration", nargs="+", required=True)
     column: str = flag("All", "the score column")
     out: str | None = flag(None, "folder for score_cost.json and, with matplotlib, score_cost.png")
 
 
 def lengths_cmd(cfg: LengthsConfig) -> int:
     encode = Tokenizer.from_pretrained(resolve_model(cfg.model)).encode
-    a, b = lengths(cfg.a, encode, cfg.near_cap), lengths(cfg.b, encode, cfg.near_cap)
-    result = compare(a, b, cfg.near_cap, cfg.resamples, cfg.seed)
+    pa, pb = read_predictions(cfg.a), read_predictions(cfg.b)
+    check_alike(pa, pb)
+    a, b = ({k: row_lengths(rows, encode, cfg.near_cap, cfg.near_cap_rule) for k, (_, rows) in p.items()}
+            for p in (pa, pb))
+    result = compare(a, b, cfg.near_cap, cfg.resamples, cfg.seed, cfg.near_cap_rule)
     print(markdown(result, tuple(cfg.names)), end="")
     if cfg.out:
         Path(cfg.out).write_text(json.dumps(result | {"names": cfg.names}) + "\n")
     return 0
 
 
+def read_json(path: str, what: str) -> dict:
+    """A JSON file as a command wrote it: the whole file (report.json, indented), else its last line
+    (profiling.py latency prints its table first, its JSON last)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise DataError(f"{path}: not {what} ({type(e).__name__})") from None
+    for candidate in (text, (text.strip().splitlines() or [""])[-1]):
+        try:
+            value = json.loads(candidate)
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            return value
+    raise DataError(f"{path}: not {what} (no JSON object)")
+
+
 def descriptors_cmd(cfg: DescriptorsConfig) -> int:
     best = None
     if cfg.report:
-        try:
-            best = json.loads(Path(cfg.report).read_text())["best"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{cfg.report}: not a report.json of evaluate.py report ({type(e).__name__})") from None
+        best = read_json(cfg.report, "a report.json of evaluate.py report").get("best")
+        if not isinstance(best, dict):
+            raise DataError(f"{cfg.report}: not a report.json of evaluate.py report (no best configurations)")
+    if cfg.predictions and best is None:
+        raise DataError("--predictions needs --report: each benchmark's response tokens are its best configuration's")
     encode = Tokenizer.from_pretrained(resolve_model(cfg.model)).encode
-    table = descriptors(cfg.data, encode, best, lengths(cfg.predictions, encode) if cfg.predictions else None)
-    print(descriptors_markdown(table), end="")
+    responses, left = best_responses(cfg.predictions, best, encode, cfg.near_cap) if cfg.predictions else (None, [])
+    table = descriptors(cfg.data, encode, best, responses)
+    print(descriptors_markdown(table, left), end="")
     if cfg.out:
-        Path(cfg.out).write_text(json.dumps(table) + "\n")
+        Path(cfg.out).write_text(json.dumps({"benchmarks": table, "left_out": left}) + "\n")
     return 0
 
 
 def cost_cmd(cfg: CostConfig) -> int:
-    def last_json(path, what):
-        try:
-            return json.loads(Path(path).read_text().strip().splitlines()[-1])
-        except (OSError, IndexError, ValueError) as e:
-            raise DataError(f"{path}: not {what} ({type(e).__name__})") from None
-
-    report = last_json(cfg.report, "a report.json")
-    profiles = [last_json(f, "profiling.py latency --json output") for f in cfg.latency]  # one run per Pv:Pl, say
+    report = read_json(cfg.report, "a report.json")
+    profiles = [read_json(f, "profiling.py latency --json output") for f in cfg.latency]
     if "configs" not in report or not all("rows" in p for p in profiles):
         raise DataError(f"{cfg.report} / {' '.join(cfg.latency)}: need report.json's configs and the profiles' rows")
-    points = score_cost(report, {"rows": [r for p in profiles for r in p["rows"]]}, cfg.column)
+    points, left = score_cost(report, {"rows": [r for p in profiles for r in p["rows"]]}, cfg.column)
     print(f"| configuration | {cfg.column} | latency per sample (s) | peak memory (GiB) |\n| --- | --- | --- | --- |")
     for p in points:
         print(f"| {p['label']} | {p['score']:.1f} | {p['latency_s']:.4f} | {p['peak_gib']:.3f} |")
+    for line in left:
+        print(f"Left out: {line}")
     if cfg.out:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.out) / "score_cost.json").write_text(json.dumps(points) + "\n")
+        (Path(cfg.out) / "score_cost.json").write_text(json.dumps({"points": points, "left_out": left}) + "\n")
         try:
             plot_score_cost(points, cfg.column, Path(cfg.out) / "score_cost.png")
         except ValueError as e:  # matplotlib is optional: the table and JSON are written

@@ -73,6 +73,14 @@ def branch_flag(name: str, shown: str = "the checkpoint's", own_default: bool = 
     return field(default=None, metadata={**f.metadata, "shown": shown})
 
 
+def branch_variant(par: ParConfig) -> dict:
+    """A configuration's branch parameterisation where it is not the paper's (Figure 3, Table S8): the
+    ParConfig fields other than the counts that differ from their defaults ({} for the paper's). What
+    evaluate.py run records of a checkpoint and profiling.py latency of the model it profiles."""
+    unused = "lora_rank" if par.vision_branches == "prefix" else "vit_prefix_len"
+    return {k: v for k, v in asdict(par).items() if k not in ("pv", "pl", unused) and v != getattr(ParConfig(), k)}
+
+
 def check_branch_choice(par: ParConfig, vision_branch: int | None, language_branch: int | None) -> None:
     """--vision-branch and --language-branch (generate.py, evaluate.py run) against the checkpoint's
     branch counts: one line naming the flag."""

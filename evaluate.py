@@ -19,7 +19,8 @@ toward fewer FLOPs). lengths, descriptors, cost: analysis.py. fit-law: ParScale'
 
 Formats: PRED.jsonl rows {"index", "prediction", "new_tokens", and RECORD_FIELDS: what produced it,
 "pair" for a routed or random-pair row}; score JSON {"benchmark", "score" (0-100), "n",
-"unresolved", "missing", configuration fields}; fit-law CSV params (raw parameter count N), p, loss.
+"unresolved", "missing", CONFIG_FIELDS (the configuration and its checkpoint)}; fit-law CSV params
+(raw parameter count N), p, loss.
 Bad input: one line on stderr, exit 1 (bad input) or 2 (usage).
 """
 from __future__ import annotations
@@ -65,8 +66,9 @@ FIT_PARAMETERS = 4  # E, A, alpha, k of scaling_law.law
 # model by its fingerprint, not its path: a moved folder is the same model)
 RECORD_FIELDS = ("benchmark", "model_fingerprint", "data_fingerprint", "pv", "pl", "vision_branch", "language_branch",
                  "shared_kv", "router", "random_pair", "branches", "max_new_tokens", "max_tiles", "dtype")
-CONFIG_FIELDS = ("model", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router", "random_pair",
-                 "branches")
+# what a score file copies of the predictions' record: the configuration, and the checkpoint it belongs to
+CONFIG_FIELDS = ("model", "model_fingerprint", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router",
+                 "random_pair", "branches")
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 
 
@@ -183,16 +185,6 @@ def row_inputs(benchmark: str, row: dict, max_tiles: int | None, mcfg):
 # -- run: the loop -----------------------------------------------------------------------------
 
 
-def branch_variant(par) -> dict:
-    """The checkpoint's branch parameterisation where it is not the paper's (Figure 3, Table S8): the
-    ParConfig fields other than the counts that differ from their defaults ({} for the paper's)."""
-    from dataclasses import asdict
-
-    from config import ParConfig
-    unused = "lora_rank" if par.vision_branches == "prefix" else "vit_prefix_len"
-    return {k: v for k, v in asdict(par).items() if k not in ("pv", "pl", unused) and v != getattr(ParConfig(), k)}
-
-
 def random_pair(seed: int, index: str, pv: int, pl: int) -> tuple[int, int]:
     """Table 3's random baseline: row `index`'s (vision, language) branch pair, uniform and seeded by
     (seed, index) alone, so it does not depend on the batch, the world size or a resume."""
@@ -218,7 +210,7 @@ def run(cfg: RunConfig) -> int:
 
     if cfg.benchmark not in BENCHMARKS:
         raise DataError(f"unknown benchmark {cfg.benchmark!r}; choose from {', '.join(BENCHMARKS)}")
-    rows = read_tsv(cfg.data, ("index", "question", "image"))
+    rows = read_tsv(cfg.data, ("index", "question", "image") + SCORE_COLUMNS.get(cfg.benchmark, ()))
     device = start_processes(resolve_device(cfg.device).type == "cuda")  # under torchrun: cuda:LOCAL_RANK
     dtype = resolve_dtype(cfg.dtype, device)
     out = Path(cfg.out)
@@ -264,6 +256,7 @@ def run(cfg: RunConfig) -> int:
 
 def run_record(cfg: RunConfig, folder: Path, model, dtype: torch.dtype) -> dict:
     """What every prediction row records of the run that produced it: RECORD_FIELDS and the model's folder."""
+    from config import branch_variant
     from gates import fingerprint
 
     par = model.cfg.par
@@ -341,12 +334,14 @@ def ranks_total(n: int, device: torch.device) -> int:
 def score_cmd(cfg) -> int:
     if cfg.benchmark not in BENCHMARKS:
         raise DataError(f"unknown benchmark {cfg.benchmark!r}; choose from {', '.join(BENCHMARKS)}")
-    required = ("index", "answer") + SCORE_COLUMNS.get(cfg.benchmark, ())
+    required = ("index", "question", "answer") + SCORE_COLUMNS.get(cfg.benchmark, ())
     rows = read_tsv(cfg.data, required)
     preds_path = Path(cfg.predictions)
     if not preds_path.exists():
         raise DataError(f"{preds_path}: no such predictions file")
     preds = read_jsonl(preds_path)
+    if not preds:  # a wrong path or a run that never started, not a score of 0
+        raise DataError(f"{preds_path}: holds no prediction (evaluate.py run's output has one JSON line per row)")
     known = {r["index"] for r in rows}
     for p in preds:
         if "index" not in p or "prediction" not in p:

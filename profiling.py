@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 
 from cli import DTYPES, command, pyplot, resolve_device, resolve_dtype, shell
-from config import ParVLConfig, branch_flag
+from config import PRESETS, ParConfig, ParVLConfig, branch_flag, branch_variant
 from engine import Engine, GenerateConfig
 from flags import command_parser, flag, parse
 from flops import ARCHS, BRANCHES, Workload, build_config, profile_params
@@ -164,29 +164,59 @@ def profile_latency(engine: Engine, cfg: ParVLConfig, work: Workload, batch: int
     }
 
 
+def latency_config(args) -> tuple[ParVLConfig, str]:
+    """The configuration `latency` profiles and the name of its backbone: --model's config.json (the
+    preset's name when its towers are a preset's, else "checkpoint <hash of the towers>"), or --arch
+    with --pv, --pl and the branch flags (the paper's branches where not given)."""
+    if args.model is None:
+        branches = {f: getattr(args, f) for f in BRANCH_FIELDS if getattr(args, f) is not None}
+        return build_config(args.arch, args.pv or 1, args.pl or 1, **branches), args.arch
+    import hashlib
+
+    from checkpoint import resolve_model
+    from config import open_checkpoint
+
+    cfg, _ = open_checkpoint(resolve_model(args.model))
+    towers = json.dumps([asdict(cfg.vit) if cfg.vit else None, asdict(cfg.llm)], sort_keys=True, default=str)
+    name = next((k for k, p in PRESETS.items() if (p.vit, p.llm) == (cfg.vit, cfg.llm)),
+                f"checkpoint {hashlib.sha256(towers.encode()).hexdigest()[:8]}")
+    return cfg, name
+
+
 def run_latency(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """Standard (and/or shared-KV) Pv:Pl, after standard 1:1 with --baseline; ratios vs the first row per batch."""
+    """Standard (and/or shared-KV) Pv:Pl, after standard 1:1 with --baseline; ratios vs the first row per batch.
+    Each row records its architecture and branch parameterisation (config.branch_variant), so that
+    `evaluate.py cost` puts each configuration at its own profile."""
+    import dataclasses
+
     work = Workload(args.tiles, args.text_tokens, args.new_tokens)
     modes = (False, True) if args.compare_shared else (args.shared_kv,)
-    runs = [((args.pv, args.pl), modes)]
-    if args.baseline and (args.pv, args.pl) != (1, 1):
-        runs.insert(0, ((1, 1), (False,)))
+    main_cfg, arch = latency_config(args)
+    runs = [(main_cfg, modes)]
+    if args.baseline and (main_cfg.par.pv, main_cfg.par.pl) != (1, 1):
+        runs.insert(0, (dataclasses.replace(main_cfg, par=ParConfig()), (False,)))  # 1:1, the paper's branches
     rows = []
-    for (pv, pl), kv_modes in runs:
-        cfg = build_config(args.arch, pv, pl)
+    for cfg, kv_modes in runs:
         model = ParVL.from_config(cfg, dtype, device, seed=args.seed).eval()
         weights = sum(p.nbytes for p in model.parameters())  # a tied tensor is yielded once
         for shared in kv_modes:
             for layer in model.language_model.model.layers:  # the previous variant's cache must not count here
                 layer.self_attn.kv_cache = None
             engine = Engine(model, compile=args.compile, shared_kv=shared)
-            rows += [profile_latency(engine, cfg, work, b, args) | {"weights_gib": weights / 2**30}
+            rows += [profile_latency(engine, cfg, work, b, args) | {"weights_gib": weights / 2**30, "arch": arch,
+                                                                    "branches": branch_variant(cfg.par)}
                      for b in args.batch]
         del model, engine  # one model resident at a time, as when variants are profiled sequentially
+    return add_ratios(rows)
+
+
+def add_ratios(rows: list[dict]) -> list[dict]:
+    """Table 4's ratios: each row's latency, peak memory and KV cache against the first row of its batch
+    size (standard 1:1 with --baseline)."""
     for r in rows:
         base = next(b for b in rows if b["batch"] == r["batch"])
         r |= {"latency_x": r["latency_s"] / base["latency_s"], "peak_x": r["peak_gib"] / base["peak_gib"],
-              "kv_cache_x": r["kv_cache_bytes"] / base["kv_cache_bytes"]}
+              "kv_cache_x": r["kv_cache_bytes"] / base["kv_cache_bytes"] if base.get("kv_cache_bytes") else None}
     return rows
 
 
@@ -282,11 +312,25 @@ class Timed:
     json: bool = flag(False, "print only the final JSON line, not the table")
 
 
+BRANCH_FIELDS = ("vit_prefix_len", "llm_prefix_len", "lambda_v", "lambda_l", "aggregation", "vision_branches",
+                 "lora_rank")
+
+
 @dataclass
 class LatencyConfig(Timed):
     command: ClassVar[str] = "latency"
-    pv: int = branch_flag("pv", own_default=True)
-    pl: int = branch_flag("pl", own_default=True)
+    model: str | None = flag(None, "profile this checkpoint's configuration (its config.json: backbone, Pv:Pl, "
+                                   "branches) on random weights, instead of --arch and the branch flags",
+                             metavar="DIR")
+    pv: int | None = branch_flag("pv", shown="1")
+    pl: int | None = branch_flag("pl", shown="1")
+    vit_prefix_len: int | None = branch_flag("vit_prefix_len", shown="96, the paper's")
+    llm_prefix_len: int | None = branch_flag("llm_prefix_len", shown="48, the paper's")
+    lambda_v: float | None = branch_flag("lambda_v", shown="0, the paper's")
+    lambda_l: float | None = branch_flag("lambda_l", shown="0.1, the paper's")
+    aggregation: str | None = branch_flag("aggregation", shown="mlp, the paper's")
+    vision_branches: str | None = branch_flag("vision_branches", shown="prefix, the paper's")
+    lora_rank: int | None = branch_flag("lora_rank", shown="16, the paper's")
     batch: list[int] = flag(help="batch sizes, samples per generate call", range="[1, inf)",
                             factory=lambda: [1, 2, 4, 8])
     new_tokens: int = flag(128, "generated tokens per sample, forced", range="[1, inf)")
@@ -297,6 +341,12 @@ class LatencyConfig(Timed):
     compile: bool = flag(False, "torch.compile the decode step (CUDA graphs on GPU)")
     plot: str | None = flag(None, "also write latency and peak memory against batch size per configuration (needs "
                             "matplotlib)", metavar="FILE.png")
+
+    def check(self) -> None:
+        given = [f for f in ("pv", "pl") + BRANCH_FIELDS if getattr(self, f) is not None]
+        if self.model and given:
+            flag_name = given[0].replace("_", "-")
+            raise ValueError(f"--model profiles the checkpoint's own configuration; drop --{flag_name}")
 
 
 @dataclass
@@ -318,6 +368,59 @@ def parse_args(argv=None):
         "params": (ParamsConfig, "parameters (meta device) and forward FLOPs per part, Table S3"),
         "latency": (LatencyConfig, "per-sample generation latency and peak memory, Appendix C.1 / Table S7"),
         "forward": (ForwardConfig, "time one full forward pass per Pv:Pl, interleaved, medians and ratios")}), argv)
+
+
+def shared_vs_standard(rows: list[dict]) -> list[dict]:
+    """Per Pv:Pl profiled both ways and per batch size, shared KV against the standard cache (Appendix
+    C.2, the paragraph under Table S7): the change of per-sample latency, of peak memory, and of the
+    incremental peak (peak - resident, the memory the generation itself adds), in % of standard's."""
+    out = []
+    for r in rows:
+        std = next((s for s in rows if not s["shared_kv"] and (s["pv"], s["pl"], s["batch"], s.get("branches")) ==
+                    (r["pv"], r["pl"], r["batch"], r.get("branches"))), None)
+        if r["shared_kv"] and std is not None:
+            change = lambda new, old: 100 * (new / old - 1) if old else None  # noqa: E731
+            out.append({"pv": r["pv"], "pl": r["pl"], "batch": r["batch"],
+                        "latency_pct": change(r["latency_s"], std["latency_s"]),
+                        "peak_pct": change(r["peak_gib"], std["peak_gib"]),
+                        "incremental_peak_pct": change(r["peak_gib"] - r["resident_gib"],
+                                                       std["peak_gib"] - std["resident_gib"])})
+    return out
+
+
+def paper_layout(rows: list[dict], delta: list[dict]) -> str:
+    """Tables S7 and 4 as the paper prints them (a row per configuration and metric, a column per batch
+    size: absolute, then relative to the first configuration), then the Δ rows of shared KV against
+    standard per batch size."""
+    batches = sorted({r["batch"] for r in rows})
+    head = "| Pv:Pl | Shared KV | Metric | " + " | ".join(map(str, batches)) + " |"
+    rule = "|" + " --- |" * (len(batches) + 3)
+    configs = list(dict.fromkeys((r["pv"], r["pl"], r["shared_kv"], json.dumps(r.get("branches") or {}))
+                                 for r in rows))
+    cell = {(r["pv"], r["pl"], r["shared_kv"], json.dumps(r.get("branches") or {}), r["batch"]): r for r in rows}
+    mem = "Memory (GB)" if rows[0]["memory"] == "cuda_allocated" else "Memory (GB, RSS)"
+
+    def line(c, metric, key, fmt, unit=""):
+        name = f"{c[0]}:{c[1]}" + ("" if c[3] == "{}" else f" {c[3]}")
+        vals = [format(cell[c + (b,)][key], fmt) + unit if c + (b,) in cell else "-" for b in batches]
+        return f"| {name} | {'✓' if c[2] else '✗'} | {metric} | " + " | ".join(vals) + " |"
+
+    md = ["Absolute (Table S7's layout):", "", head, rule]
+    for c in configs:  # GB as the paper prints them: 2**30 bytes
+        md += [line(c, "Latency (s)", "latency_s", ".3f"), line(c, mem, "peak_gib", ".3f")]
+    md += ["", "Relative to the first row at each batch size (Table 4's layout):", "", head, rule]
+    for c in configs[1:]:
+        md += [line(c, "Latency", "latency_x", ".2f", "×"), line(c, "Memory", "peak_x", ".2f", "×")]
+    if delta:
+        md += ["", "Δ (Shared − Standard), % of standard:", "",
+               "| Pv:Pl | Metric | " + " | ".join(map(str, batches)) + " |", "|" + " --- |" * (len(batches) + 2)]
+        for pv, pl in dict.fromkeys((d["pv"], d["pl"]) for d in delta):
+            mine = {d["batch"]: d for d in delta if (d["pv"], d["pl"]) == (pv, pl)}
+            for key, metric in (("latency_pct", "Latency"), ("peak_pct", "Peak memory"),
+                                ("incremental_peak_pct", "Peak − resident")):
+                vals = ["-" if b not in mine or mine[b][key] is None else f"{mine[b][key]:+.1f} %" for b in batches]
+                md.append(f"| {pv}:{pl} | {metric} | " + " | ".join(vals) + " |")
+    return "\n".join(md)
 
 
 def plot_latency(rows: list[dict], png: Path) -> None:
@@ -382,10 +485,15 @@ def run(args) -> None:
             plot_latency(rows, Path(args.plot))
     else:
         rows, columns = run_forward(args, device, dtype), FORWARD_COLUMNS
+    extra = {}
+    if args.command == "latency":
+        extra["shared_vs_standard"] = shared_vs_standard(rows)
     if not args.json:
         print_rows(rows, columns)
+        if args.command == "latency":
+            print("\n" + paper_layout(rows, extra["shared_vs_standard"]) + "\n")
     settings = {k: v for k, v in asdict(args).items() if k != "json"}
-    print(json.dumps({"command": args.command, **env, "args": settings, "rows": rows}))
+    print(json.dumps({"command": args.command, **env, "args": settings, "rows": rows, **extra}))
 
 
 if __name__ == "__main__":

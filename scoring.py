@@ -23,7 +23,8 @@ the upstream file and function it follows (paths relative to VLMEvalKit's `vlmev
   MathVista_MINI dataset/utils/mathvista.py post_check (options through can_infer, int / float
                  conversion compared exactly)
   MathVision_MINI dataset/utils/mathv.py post_check, is_equal (string match, then |a - b| < 1e-6,
-                 then LaTeX through latex2sympy2, an optional extra: pip install latex2sympy2)
+                 then LaTeX through latex2sympy2_extended, else latex2sympy2, as mathv.py imports
+                 them; an optional extra: pip install latex2sympy2_extended)
   LogicVista     dataset/utils/logicvista.py LogicVista_auxeval's letter-set comparison, applied to
                  the stripped reply as if the judge had returned it
   WeMath         dataset/utils/wemath.py load_and_process_data ("Answer" split rule),
@@ -34,8 +35,9 @@ A row whose answer cannot be extracted deterministically is wrong and counted in
 
 Deviations (each also noted where it happens): Python `eval` on answers and replies becomes
 `ast.literal_eval` and a small arithmetic evaluator (no code from a reply ever runs), also for the
-text of a latex2sympy expression; without latex2sympy2 installed MathVision's LaTeX step is skipped
-(one line says so) and LaTeX answers count only as text; WeMath divides by the problem groups present
+text of a latex2sympy expression; without latex2sympy2_extended (or latex2sympy2) installed
+MathVision's LaTeX step is skipped (one line says so) and LaTeX answers count only as text; WeMath
+divides by the problem groups present
 (VLMEvalKit hard-codes 525, which equals it on the full set).
 """
 from __future__ import annotations
@@ -57,9 +59,11 @@ BENCHMARKS = ("MMMU_DEV_VAL", "MathVista_MINI", "MathVision_MINI", "LogicVista",
               "ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")
 GROUPS = {"General": ("MMMU_DEV_VAL",), "Math": ("MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath"),
           "OCR": ("ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")}  # the paper's domains (Eq. A3)
-# columns each scorer reads, beyond index / answer / prediction
-SCORE_COLUMNS = {"MathVista_MINI": ("question_type", "answer_type", "choices"), "MathVision_MINI": ("choices",),
-                 "WeMath": ("key", "ID"), "OCRBench": ("category",)}
+# columns each benchmark's prompt (evaluate.question_text) and scorer read beyond index, question, answer, image:
+# what VLMEvalKit's TSV of the benchmark holds, checked before a run or a score, so that a TSV run or scored
+# under another benchmark's name (MMMU on ChartQA's TSV: every row an open question) is refused
+SCORE_COLUMNS = {"MMMU_DEV_VAL": ("A", "B", "split"), "MathVista_MINI": ("question_type", "answer_type", "choices"),
+                 "MathVision_MINI": ("choices",), "WeMath": ("A", "B", "key", "ID"), "OCRBench": ("category",)}
 FAIL_MSG = "Failed to obtain answer via API"  # VLMEvalKit's marker of a failed judge call
 
 
@@ -255,7 +259,7 @@ def mathv_equal(answer, truth) -> bool:
     return latex_equal(t, a)
 
 
-_LATEX: list = []  # latex2sympy2's parser once imported, or None when it is not installed
+_LATEX: list = []  # latex_parser() once imported, or None when neither package is installed
 LATEX_SECONDS = 30  # mathv.py's @timeout_decorator.timeout(30) on is_equal: a reply that takes longer is wrong
 
 
@@ -279,19 +283,32 @@ def time_limit(seconds: float):
         signal.signal(signal.SIGALRM, previous)
 
 
+def latex_parser():
+    """latex2sympy as mathv.py imports it: latex2sympy2_extended's (VLMEvalKit's requirement), else
+    latex2sympy2's; None, said in one line, when neither is installed. The two differ on an equation:
+    latex2sympy2_extended reads "x=5" as Eq(x, 5), whose text is not a value (upstream's eval raises
+    NameError, so the reply is wrong), latex2sympy2 as its right-hand side 5 (the reply is right)."""
+    try:
+        from latex2sympy2_extended import latex2sympy
+        return latex2sympy
+    except ImportError:
+        pass
+    try:
+        from latex2sympy2 import latex2sympy
+        return latex2sympy
+    except ImportError:
+        print("note: latex2sympy2_extended is not installed: MathVision's LaTeX answers are compared as text and "
+              "numbers only, where VLMEvalKit also parses them (pip install latex2sympy2_extended)", file=sys.stderr)
+        return None
+
+
 def latex_equal(truth: str, answer: str) -> bool:
     """is_equal's last step: both parsed by latex2sympy; equal if the values of the two expressions'
     text are within 1e-6 (upstream eval()s that text, here the arithmetic evaluator reads it: a text
     that is not arithmetic, such as sqrt(2), fails there as eval's NameError does, and upstream's
     except then skips the rest), else if the expressions differ by less than 1e-6."""
     if not _LATEX:
-        try:
-            from latex2sympy2 import latex2sympy
-        except ImportError:
-            latex2sympy = None
-            print("note: latex2sympy2 is not installed: MathVision's LaTeX answers are compared as text and "
-                  "numbers only, where VLMEvalKit also parses them (pip install latex2sympy2)", file=sys.stderr)
-        _LATEX.append(latex2sympy)
+        _LATEX.append(latex_parser())
     if _LATEX[0] is None:
         return False
     try:

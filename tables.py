@@ -31,6 +31,9 @@ class ReportConfig:
     """`evaluate.py report`'s flags."""
     runs: list[str] = flag(None, "score JSON files written by `evaluate.py score --out` (or its stdout)",
                            positional=True, nargs="+")
+    reference: list[str] = flag(help="score files of reference models (Table 1's public checkpoints, such as "
+                                     "InternVL3.5-Instruct): rows of their own, outside the grids and the best choice",
+                                nargs="+", factory=list, metavar="JSON")
     out: str = flag("report", "output folder for report.md, report.json and the heatmaps")
     arch: str = flag("1b", "backbone for the FLOPs tie-break (flops.py)")
     tie_decimals: int = flag(1, "scores equal at this many decimals tie", shown="1, the paper's")
@@ -43,22 +46,35 @@ def dense(pv: int, pl: int) -> tuple:
 
 
 def config_label(c: tuple) -> str:
-    if len(c) == 3:  # Table 3's (pv, pl, policy)
-        return f"{c[0]}:{c[1]} {c[2]}"
-    pv, pl, vb, lb, shared, variant = c
+    """"2:4", "4:1 vit_prefix_len=72", "4:4 pair (0,1)", "4:4 sharedKV", "4:4 router R"; a reference
+    model's configuration (a 7th element, the model) ends in " [its folder]"."""
+    model = f" [{c[-1]}]" if len(c) in (4, 7) else ""
+    if len(c) in (3, 4):  # Table 3's (pv, pl, policy)
+        return f"{c[0]}:{c[1]} {c[2]}{model}"
+    pv, pl, vb, lb, shared, variant = c[:6]
     label = f"{pv}:{pl}" + "".join(f" {k}={v}" for k, v in variant)
     if vb is not None or lb is not None:
         label += f" pair ({'*' if vb is None else vb},{'*' if lb is None else lb})"
-    return label + (" sharedKV" if shared else "")
+    return label + (" sharedKV" if shared else "") + model
 
 
-def read_scores(files: list[str]) -> tuple[dict, dict]:
+def model_of(s: dict) -> str | None:
+    """A score file's checkpoint: its model fingerprint (copied from the predictions' record), else its
+    model folder; None for a file of neither."""
+    return s.get("model_fingerprint") or s.get("model")
+
+
+def read_scores(files: list[str], reference: list[str] = ()) -> tuple[dict, dict, dict]:
     """The score files as {configuration: {benchmark: score}} and, apart, Table 3's routed and
     random-pair runs as {(pv, pl, policy): {benchmark: score}}; a second score of one benchmark for
-    one configuration is refused."""
+    one configuration is refused, and so are the scores of two checkpoints for one configuration (a
+    1:1 run and InternVL3.5-Instruct would land in one row). Reference models' files are rows of their
+    own: their configuration carries the model (its folder) as a 7th element. Also returns
+    {configuration: model fingerprint or folder}."""
     runs: dict[tuple, dict[str, float]] = {}
     policies: dict[tuple, dict[str, float]] = {}  # (pv, pl, "random pair (seed S)" or "router R") -> scores
-    for name in files:
+    models: dict[tuple, str | None] = {}
+    for name, is_reference in [*((f, False) for f in files), *((f, True) for f in reference)]:
         try:
             text = Path(name).read_text().strip()
             s = json.loads(text.splitlines()[-1])
@@ -74,10 +90,17 @@ def read_scores(files: list[str]) -> tuple[dict, dict]:
         if s.get("router") or s.get("random_pair") is not None:
             policy = f"router {s['router']}" if s.get("router") else f"random pair (seed {s['random_pair']})"
             key, into = (key[0], key[1], policy), policies
+        if is_reference:
+            key = key + (str(s.get("model") or model_of(s) or name),)  # a reference model: a row of its own
+        if key in models and models[key] != model_of(s):
+            raise DataError(f"{name}: a score of checkpoint {model_of(s)} for configuration {config_label(key)}, "
+                            f"which holds checkpoint {models[key]}'s: one checkpoint per configuration (pass a "
+                            f"reference model with --reference; other model sizes in a report of their own)")
+        models[key] = model_of(s)
         if bench in into.setdefault(key, {}):
             raise DataError(f"{name}: a second {bench} score for configuration {config_label(key)}")
         into[key][bench] = value
-    return runs, policies
+    return runs, policies, models
 
 
 def gflops(configs: list, arch: str) -> dict:
@@ -176,6 +199,107 @@ def markdown(table: dict, configs: list, flops: dict, best: dict, pvs: list, pls
     return md
 
 
+FIGURE3_DOMAINS = ("General", "Math", "OCR", "All")
+
+
+def figure_3(table: dict, configs: list) -> dict:
+    """Figure 3 per Pv:Pl that has a prefix-length or LoRA variant (the paper: 4:1): the domain scores
+    against the vision prefix length (the dense run at the paper's 96 among them) and, beside, against
+    the LoRA rank of LoRA vision branches. {"Pv:Pl": {"prefix": [{"vit_prefix_len", "scores"}], "lora":
+    [{"lora_rank", "scores"}]}}, each series sorted by its x."""
+    from config import ParConfig
+
+    default = ParConfig()
+    out: dict[str, dict] = {}
+    for c in configs:
+        pv, pl, vb, lb, shared, variant = c
+        v = dict(variant)
+        if vb is not None or lb is not None or shared:
+            continue
+        if set(v) <= {"vit_prefix_len"}:
+            series, x = "prefix", ("vit_prefix_len", v.get("vit_prefix_len", default.vit_prefix_len))
+        elif v.get("vision_branches") == "lora" and set(v) <= {"vision_branches", "lora_rank"}:
+            series, x = "lora", ("lora_rank", v.get("lora_rank", default.lora_rank))
+        else:
+            continue
+        scores = {d: table[c].get(d) for d in FIGURE3_DOMAINS}
+        out.setdefault(f"{pv}:{pl}", {"prefix": [], "lora": []})[series].append({x[0]: x[1], "scores": scores})
+    for key in list(out):
+        f = out[key]
+        if len(f["prefix"]) < 2 and not f["lora"]:
+            del out[key]  # a lone dense run is no sweep
+            continue
+        f["prefix"].sort(key=lambda p: p["vit_prefix_len"])
+        f["lora"].sort(key=lambda p: p["lora_rank"])
+    return out
+
+
+def figure_3_markdown(fig3: dict, decimals: int) -> list[str]:
+    fmt = lambda v: "-" if v is None else f"{v:.{decimals}f}"  # noqa: E731
+    md = []
+    for key, f in fig3.items():
+        for series, x, title in (("prefix", "vit_prefix_len", "vision prefix length"), ("lora", "lora_rank",
+                                                                                         "LoRA rank")):
+            if f[series]:
+                md += ["", f"Figure 3, {key}: domain scores against the {title}", "",
+                       f"| {title} | " + " | ".join(FIGURE3_DOMAINS) + " |", "|" + " --- |" * 5]
+                md += [f"| {p[x]} | " + " | ".join(fmt(p["scores"][d]) for d in FIGURE3_DOMAINS) + " |"
+                       for p in f[series]]
+    return md
+
+
+def plot_figure_3(fig3: dict, out: Path) -> None:
+    """figure3_PVxPL.png: the domain scores against the vision prefix length, the LoRA ranks beside
+    (matplotlib is optional, as for the heatmaps)."""
+    try:
+        plt = pyplot()
+    except ValueError:
+        log("matplotlib is not installed: Figure 3 skipped (its table is written)")
+        return
+    for key, f in fig3.items():
+        fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), sharey=True)
+        for ax, series, x, name in ((axes[0], "prefix", "vit_prefix_len", "vision prefix length (tokens)"),
+                                    (axes[1], "lora", "lora_rank", "LoRA rank")):
+            for d in FIGURE3_DOMAINS:
+                pts = [(p[x], p["scores"][d]) for p in f[series] if p["scores"][d] is not None]
+                if pts:
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=d)
+            ax.set_xlabel(name), ax.set_title(f"{key}, {'prefix' if series == 'prefix' else 'LoRA'}")
+        axes[0].set_ylabel("score"), axes[0].legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / f"figure3_{key.replace(':', 'x')}.png", dpi=100)
+        plt.close(fig)
+
+
+def table_s6(table: dict, configs: list) -> dict:
+    """Table S6 per Pv:Pl with both a standard and a shared-KV dense run: the two rows and their
+    difference Δ (shared − standard) in every column."""
+    out = {}
+    for c in configs:
+        std = c[:4] + (False,) + c[5:]
+        if c[4] and c[2] is None and c[3] is None and std in table:
+            label = config_label(std)
+            out[label] = {"standard": table[std], "shared": table[c],
+                          "delta": {k: (None if table[c].get(k) is None or table[std].get(k) is None
+                                        else table[c][k] - table[std][k]) for k in COLUMNS}}
+    return out
+
+
+def table_s6_markdown(s6: dict, decimals: int) -> list[str]:
+    def fmt(v, sign=""):
+        text = "-" if v is None else f"{v:{sign}.{decimals}f}"
+        return "0." + "0" * decimals if text.lstrip("+-") == "0." + "0" * decimals else text  # Table S6's "0.0"
+
+    md = []
+    for label, t in s6.items():
+        md += ["", f"Table S6, {label}: shared KV against the standard cache", "",
+               "| KV cache | " + " | ".join(COLUMNS) + " |", "|" + " --- |" * (len(COLUMNS) + 1),
+               "| Standard | " + " | ".join(fmt(t["standard"].get(k)) for k in COLUMNS) + " |",
+               "| Shared | " + " | ".join(fmt(t["shared"].get(k)) for k in COLUMNS) + " |",
+               "| Δ (Shared − Standard) | " + " | ".join(fmt(t["delta"][k], "+") for k in COLUMNS) + " |"]
+    return md
+
+
 def heatmaps(grids: dict, pvs: list, pls: list, out: Path) -> None:
     """One PNG per grid (the Table S4 heatmaps); matplotlib is optional."""
     try:
@@ -200,27 +324,32 @@ def heatmaps(grids: dict, pvs: list, pls: list, out: Path) -> None:
 
 def report(cfg: ReportConfig) -> int:
     """`evaluate.py report`: the tables of the score files cfg.runs, written into cfg.out and printed."""
-    runs, policies = read_scores(cfg.runs)
-    configs = sorted(runs, key=lambda c: (c[4], c[2] is not None or c[3] is not None, c[5], c[0], c[1], c[2] or 0,
-                                          c[3] or 0))
+    runs, policies, models = read_scores(cfg.runs, cfg.reference)
+    configs = sorted(runs, key=lambda c: (len(c) == 7, c[4], c[2] is not None or c[3] is not None, c[5], c[0], c[1],
+                                          c[2] or 0, c[3] or 0, c[6:]))
+    study = [c for c in configs if len(c) == 6]  # the reference models' rows stay out of every other table
     table = {c: runs[c] | aggregates(runs[c]) for c in configs}
     flops = gflops(configs, cfg.arch)
-    best = best_configs(table, configs, flops, cfg.tie_decimals, cfg.best_with_shared_kv)
-    pvs, pls, grids = allocation_grids(table, configs)
-    pairs = fixed_pairs(table, configs, COLUMNS)
-    table3 = table_3(runs, policies)
+    best = best_configs(table, study, flops, cfg.tie_decimals, cfg.best_with_shared_kv)
+    pvs, pls, grids = allocation_grids(table, study)
+    pairs = fixed_pairs(table, study, COLUMNS)
+    table3 = table_3(runs, {k: v for k, v in policies.items() if len(k) == 3})
+    fig3, s6 = figure_3(table, study), table_s6(table, study)
     md = markdown(table, configs, flops, best, pvs, pls, grids, pairs, table3, cfg.tie_decimals)
+    md += figure_3_markdown(fig3, cfg.tie_decimals) + table_s6_markdown(s6, cfg.tie_decimals)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(md) + "\n")
-    data = {"configs": [{"label": config_label(c), "pv": c[0], "pl": c[1], "vision_branch": c[2],
-                         "language_branch": c[3], "shared_kv": c[4], "branches": dict(c[5]), "gflops": flops[c],
-                         "scores": table[c]}
+    data = {"arch": cfg.arch,
+            "configs": [{"label": config_label(c), "pv": c[0], "pl": c[1], "vision_branch": c[2],
+                         "language_branch": c[3], "shared_kv": c[4], "branches": dict(c[5]), "model": models[c],
+                         "reference": len(c) == 7, "gflops": flops[c], "scores": table[c]}
                         for c in configs],
             "best": {k: config_label(c) for k, c in best.items()}, "grid_pv": pvs, "grid_pl": pls, "grids": grids,
-            "pairs": pairs, "table3": table3}
+            "pairs": pairs, "table3": table3, "figure3": fig3, "table_s6": s6}
     (out / "report.json").write_text(json.dumps(data, indent=1) + "\n")
     print("\n".join(md))
     heatmaps(grids, pvs, pls, out)
+    plot_figure_3(fig3, out)
     print(json.dumps({"report": str(out / "report.md"), "configs": len(configs), "best": data["best"]}))
     return 0

@@ -37,7 +37,15 @@ def read_tsv(path, required: tuple[str, ...] = ("index", "question", "answer")) 
             header = next(reader, None)
             if header is None:
                 raise DataError(f"{path}: empty file")
-            rows = [{k: (None if v in PANDAS_NA else v) for k, v in zip(header, line)} for line in reader if line]
+            rows = []
+            for line in reader:
+                if not line:
+                    continue
+                if len(line) > len(header):  # pandas: "Expected N fields in line L, saw M"; never a shifted row
+                    raise DataError(f"{path}: line {reader.line_num} has {len(line)} cells, the header {len(header)} "
+                                    f"(a tab inside a cell needs the cell quoted, as pandas writes it)")
+                line += [""] * (len(header) - len(line))  # a short row: its last cells missing, as pandas reads it
+                rows.append({k: (None if v in PANDAS_NA else v) for k, v in zip(header, line)})
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise DataError(f"{path}: cannot read TSV: {e}") from None
     missing = [c for c in required if c not in header]

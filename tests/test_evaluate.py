@@ -13,6 +13,7 @@ import signal
 import sys
 import threading
 import time
+import types
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -261,8 +262,48 @@ def test_mathvision_latex_answers_through_latex2sympy(monkeypatch, capsys):
     assert not S.mathv_equal("0.5", r"\frac{1}{2}") and time.perf_counter() - t0 < 2
     monkeypatch.setattr(S, "_LATEX", [])
     monkeypatch.setitem(sys.modules, "latex2sympy2", None)  # as if not installed: its import raises ImportError
+    monkeypatch.setitem(sys.modules, "latex2sympy2_extended", None)
     assert not S.mathv_equal("0.5", r"\frac{1}{2}") and not S.mathv_equal("0.5", r"\frac{1}{2}")
-    assert capsys.readouterr().err.count("latex2sympy2 is not installed") == 1  # said once
+    assert capsys.readouterr().err.count("latex2sympy2_extended is not installed") == 1  # said once
+
+
+class Equation:
+    """What latex2sympy2_extended returns for "x=5": an Eq, printed Eq(x, 5), which is not a number."""
+
+    def __str__(self):
+        return "Eq(x, 5)"
+
+    def __sub__(self, other):
+        raise TypeError("an equation has no difference")
+
+    __rsub__ = __sub__
+
+
+def test_mathvision_equation_reply_is_scored_as_vlmevalkit_scores_it(monkeypatch, capsys):
+    """mathv.py imports latex2sympy2_extended (VLMEvalKit's requirement) first and latex2sympy2 only
+    without it. On the reply "x=5" against the answer 5 they differ: latex2sympy2_extended gives
+    Eq(x, 5), whose text upstream's eval cannot read (NameError: is_equal is False, the row wrong);
+    latex2sympy2 gives the right-hand side 5 (right). Both installed: the extended one decides."""
+    extended = types.ModuleType("latex2sympy2_extended")
+    extended.latex2sympy = lambda text: Equation() if "=" in text else int(text)
+    plain = types.ModuleType("latex2sympy2")
+    plain.latex2sympy = lambda text: int(text.split("=")[-1])
+    monkeypatch.setitem(sys.modules, "latex2sympy2", plain)
+    monkeypatch.setitem(sys.modules, "latex2sympy2_extended", extended)
+    monkeypatch.setattr(S, "_LATEX", [])
+    free = {"index": "0", "choices": "[]", "answer": "5"}
+    assert S.mathvision_check(free, "x=5") == (False, "x=5") and S.mathvision_check(free, "5")[0]
+    monkeypatch.setitem(sys.modules, "latex2sympy2_extended", None)  # only latex2sympy2: upstream's fallback
+    monkeypatch.setattr(S, "_LATEX", [])
+    assert S.mathvision_check(free, "x=5") == (True, "x=5")
+    assert "not installed" not in capsys.readouterr().err
+
+
+def test_mathvision_equation_with_the_real_parser(monkeypatch):
+    """The same with latex2sympy2_extended itself (requirements-dev.txt): "x=5" is not 5, 1/2 is 0.5."""
+    pytest.importorskip("latex2sympy2_extended")
+    monkeypatch.setattr(S, "_LATEX", [])
+    assert not S.mathv_equal("x=5", "5") and S.mathv_equal("0.5", r"\frac{1}{2}")
 
 
 def test_logicvista_letter_sets():
@@ -474,6 +515,49 @@ def test_score_command_and_bad_input(bench, full_run, tmp_path, capsys):
         assert rc == 1 and err.count("\n") == 1 and message in err and "Traceback" not in err, (argv, err)
 
 
+def test_score_refuses_a_file_without_predictions_and_counts_a_partial_one(bench, full_run, tmp_path, capsys):
+    """No prediction at all is a wrong path or a run that never started: one line, exit 1. A partial
+    file still scores, its missing rows wrong: one of the 3 validation rows answered (row 10), so the
+    score is 0 or 100/3."""
+    _, tsv, _, _ = bench
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    rc, out, err = main_out(capsys, "score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", empty)
+    assert rc == 1 and out == "" and err.count("\n") == 1 and "holds no prediction" in err
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps(read_preds(full_run)[0]) + "\n")
+    rc, out, _ = main_out(capsys, "score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", one)
+    line = json.loads(out.splitlines()[-1])
+    assert rc == 0 and line["n"] == 3 and line["missing"] == 4 and line["score"] in (0.0, round(100 / 3, 4))
+
+
+def test_tsv_cells_as_pandas_reads_them_and_the_benchmark_columns(bench, tmp_path, capsys):
+    """A quoted cell keeps its tab (pandas read_csv(sep="\\t"), csv quoting); a row with more cells
+    than the header is refused (pandas: "Expected 3 fields"), never read with its columns shifted;
+    a short row's last cells are missing. A TSV run or scored under another benchmark's name (MMMU
+    on ChartQA's columns) is refused before anything runs."""
+    quoted = tmp_path / "q.tsv"
+    quoted.write_text('index\tquestion\tanswer\n1\t"Read\tthis"\t5\n2\tshort\n')
+    assert T.read_tsv(quoted) == [{"index": "1", "question": "Read\tthis", "answer": "5"},
+                                  {"index": "2", "question": "short", "answer": None}]
+    shifted = tmp_path / "s.tsv"
+    shifted.write_text("index\tquestion\tanswer\n1\tRead\tthis\t5\n")
+    with pytest.raises(T.DataError, match="line 2 has 4 cells, the header 3"):
+        T.read_tsv(shifted)
+    folder = bench[0]
+    chart = write_tsv(tmp_path / "ChartQA_TEST.tsv", [{"index": "1", "question": "Max?", "answer": "5",
+                                                       "image": png_b64(8, 8, 0)}])
+    preds = tmp_path / "p.jsonl"
+    preds.write_text(json.dumps({"index": "1", "prediction": "5"}) + "\n")
+    for argv in (["run", "--benchmark", "MMMU_DEV_VAL", "--data", chart, "--model", folder, "--out",
+                  tmp_path / "o.jsonl"],
+                 ["score", "--benchmark", "MMMU_DEV_VAL", "--data", chart, "--predictions", preds]):
+        rc, _, err = main_out(capsys, *argv)
+        assert rc == 1 and "missing required column(s) A, B, split" in err and not (tmp_path / "o.jsonl").exists()
+    rc, out, _ = main_out(capsys, "score", "--benchmark", "ChartQA_TEST", "--data", chart, "--predictions", preds)
+    assert rc == 0 and json.loads(out.splitlines()[-1])["score"] == 100.0
+
+
 FAKE_VLMEVALKIT = {
     "multiple_choice.py": '''
 def build_prompt(question, options, prediction):
@@ -656,6 +740,73 @@ def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
     assert ocr["grid"] == [[70.0, 74.0], [72.0, 76.0]] and ocr["best"] == [[1, 1]]
     assert ocr["vision_mean"] == [72.0, 74.0] and ocr["language_mean"] == [71.0, 75.0]
     assert data["pairs"]["MMMU_DEV_VAL"]["vision_mean"] == [None, None]  # one pair of four run: no marginals
+
+
+def write_scores(folder: Path, name: str, values: list, **record) -> list[Path]:
+    """One score file per benchmark, as `evaluate.py score --out` writes them (its config fields); name
+    is the checkpoint's."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = []
+    for bench, v in zip(S.BENCHMARKS, values):
+        files.append(folder / f"{name}{'_kv' if record.get('shared_kv') else ''}_{bench}.json")
+        files[-1].write_text(json.dumps({"benchmark": bench, "score": v, "n": 10, "unresolved": 0, "missing": 0,
+                                         "model": f"runs/{name}/export", "model_fingerprint": f"fp-{name}",
+                                         "pv": 1, "pl": 1, "vision_branch": None, "language_branch": None,
+                                         "shared_kv": False, "router": None, "random_pair": None, "branches": {}}
+                                        | record) + "\n")
+    return files
+
+
+TABLE_S6 = {"Standard": [39.0, 48.0, 22.4, 29.3, 12.3, 72.1, 71.9, 82.7, 77.0],  # the paper's Table S6
+            "Shared": [39.8, 47.1, 19.4, 30.6, 11.8, 72.0, 71.7, 82.8, 77.1]}
+
+
+def test_report_keeps_checkpoints_apart_and_draws_figure_3_and_table_s6(tmp_path, capsys):
+    """Table 1: two checkpoints of one Pv:Pl are never one row: among the study's runs refused, a
+    reference model (--reference) a row of its own, out of the grids and the best choice. Figure 3:
+    the 4:1 runs at vision prefix lengths 72, 96 (the dense run) and 128, and LoRA ranks 8 and 16, as
+    series of domain scores. Table S6: the standard and shared-KV rows of the paper and their Δ, cell
+    by cell Shared - Standard; Math (47.1 + 19.4 + 30.6 + 11.8) / 4 - (48.0 + 22.4 + 29.3 + 12.3) / 4 =
+    -0.775; OCR 303.6 / 4 - 303.7 / 4 = -0.025, printed 0.0 as the paper prints it; All -2.4 / 9 = -0.27
+    from these rounded cells (the paper's -0.2 is of its unrounded scores)."""
+    d = tmp_path / "scores"
+    base = write_scores(d, "11", [40.0] * 9)
+    instruct = write_scores(d, "instruct", [50.0] * 8 + [None], model="OpenGVLab/InternVL3_5-1B-Instruct")
+    instruct = instruct[:8]  # no OCRBench: before, its eight scores and the 1:1 run's would share a row
+    rc, _, err = main_out(capsys, "report", *base, *instruct, "--out", tmp_path / "bad")
+    assert rc == 1 and "one checkpoint per configuration" in err and "fp-instruct" in err and "fp-11" in err
+    study = [*base]
+    study += write_scores(d, "41", [41.0] * 9, pv=4)  # the dense 4:1 run: prefix length 96
+    for length, v in ((72, 42.0), (128, 43.0)):
+        study += write_scores(d, f"41p{length}", [v] * 9, pv=4, branches={"vit_prefix_len": length})
+    for rank, v in ((8, 44.0), (16, 45.0)):
+        lora = {"vision_branches": "lora"} | ({"lora_rank": rank} if rank != 16 else {})
+        study += write_scores(d, f"41r{rank}", [v] * 9, pv=4, branches=lora)
+    study += write_scores(d, "44", TABLE_S6["Standard"], pv=4, pl=4)
+    study += write_scores(d, "44", TABLE_S6["Shared"], pv=4, pl=4, shared_kv=True)
+    rc, out, err = main_out(capsys, "report", *study, "--reference", *instruct, "--out", tmp_path / "rep")
+    assert rc == 0, err
+    data = json.loads((tmp_path / "rep" / "report.json").read_text())
+    ref = [c for c in data["configs"] if c["reference"]]
+    assert [c["label"] for c in ref] == ["1:1 [OpenGVLab/InternVL3_5-1B-Instruct]"]
+    assert ref[0]["scores"]["MMMU_DEV_VAL"] == 50.0 and ref[0]["model"] == "fp-instruct"
+    one = next(c for c in data["configs"] if c["label"] == "1:1")
+    assert one["scores"]["MMMU_DEV_VAL"] == 40.0 and one["model"] == "fp-11"
+    assert data["best"]["MMMU_DEV_VAL"] != "1:1 [OpenGVLab/InternVL3_5-1B-Instruct]" and data["grid_pv"] == [1, 4]
+    fig = data["figure3"]["4:1"]
+    assert [(p["vit_prefix_len"], p["scores"]["All"]) for p in fig["prefix"]] == [(72, 42.0), (96, 41.0), (128, 43.0)]
+    assert [(p["lora_rank"], p["scores"]["Math"]) for p in fig["lora"]] == [(8, 44.0), (16, 45.0)]
+    assert list(data["figure3"]) == ["4:1"]  # the other Pv:Pl have no sweep
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "Figure 3, 4:1: domain scores against the vision prefix length" in md and "| 128 | 43.0 | 43.0 |" in md
+    assert "matplotlib is not installed" in err or (tmp_path / "rep" / "figure3_4x1.png").stat().st_size > 0
+    delta = data["table_s6"]["4:4"]["delta"]
+    want = [0.8, -0.9, -3.0, 1.3, -0.5, -0.1, -0.2, 0.1, 0.1]
+    assert [delta[b] for b in S.BENCHMARKS] == pytest.approx(want, abs=1e-9)
+    assert delta["Math"] == pytest.approx(-0.775) and delta["OCR"] == pytest.approx(-0.025)
+    assert delta["All"] == pytest.approx(-2.4 / 9)
+    assert ("| Δ (Shared − Standard) | +0.8 | -0.9 | -3.0 | +1.3 | -0.5 | -0.1 | -0.2 | +0.1 | +0.1 | +0.8 | -0.8 "
+            "| 0.0 | -0.3 |") in md
 
 
 # -- fit-law -------------------------------------------------------------------------------------------
@@ -1000,14 +1151,44 @@ def test_lengths_bootstrap_has_the_known_answer():
     b = {"MMMU_DEV_VAL": {"1": 13, "2": 23, "3": 30}, "WeMath": {"1": 6, "2": 8}}  # +3 and +1 everywhere
     got = L.compare(a, b, near_cap=4090, resamples=1000)
     t = got["table"]
-    assert t["MMMU_DEV_VAL"] == {"a": 15.0, "b": 22.0, "delta": 3.0, "n_a": 2, "n_b": 3, "n_paired": 2}
+    assert t["MMMU_DEV_VAL"] == {"a": 15.0, "b": 22.0, "delta": 3.0, "n_a": 2, "n_b": 3, "n_paired": 2,
+                                 "only_a": 0, "only_b": 0, "near_cap_a": 1, "near_cap_b": 0}
     assert t["Math"] == {"a": 6.0, "b": 7.0, "delta": 1.0} and t["General"]["delta"] == 3.0
-    assert t["All"]["delta"] == 2.0 and got["interval_95"] == [2.0, 2.0]  # equal benchmark weight: (3 + 1) / 2
+    assert t["All"]["delta"] == 2.0 and got["interval_95"]["All"] == [2.0, 2.0]  # equal weight: (3 + 1) / 2
     spread = L.compare({"OCRBench": {"1": 5, "2": 5}}, {"OCRBench": {"1": 5, "2": 7}})
-    assert (spread["table"]["All"]["delta"] == 1.0 and spread["interval_95"] == [0.0, 2.0]
+    assert (spread["table"]["All"]["delta"] == 1.0 and spread["interval_95"]["All"] == [0.0, 2.0]
             and spread["resamples"] == 10_000)
     with pytest.raises(T.DataError, match="other benchmarks"):
         L.compare(a, {"WeMath": b["WeMath"]})
+
+
+def test_lengths_interval_of_each_domain_by_hand():
+    """Table S5's interval per domain (the paper's [-3.1, 13.3] is the Math domain's). Each benchmark's
+    resampled mean difference of two rows with differences d and d + 2k takes d, d + k, d + 2k with
+    probabilities 1/4, 1/2, 1/4; one row, or equal differences, give a constant. Math = (MathVista
+    {0, 2, 4} + MathVision 18 + LogicVista 5 + WeMath {-2, 0, 2}) / 4: its extremes (0 + 18 + 5 - 2) / 4
+    = 5.25 and (4 + 18 + 5 + 2) / 4 = 7.25 each have probability 1/16 > 2.5 %, so they bound the
+    interval; the point is (2 + 18 + 5 + 0) / 4 = 6.25. General = MMMU {1, 2, 3}: [1, 3]; OCR = ChartQA's
+    constant -1. All = (S + 22) / 6 with S = MMMU + MathVista + WeMath: S = -1 has probability 1/64 <
+    2.5 % and S <= 0 has 3/64 > 2.5 %, so the low end is S = 0, (0 + 22) / 6; symmetrically the high
+    end is S = 8, 30 / 6 = 5."""
+    pair = lambda d0, d1: ({"1": 10, "2": 10}, {"1": 10 + d0, "2": 10 + d1})  # noqa: E731
+    rows = {"MMMU_DEV_VAL": pair(1, 3), "MathVista_MINI": pair(0, 4), "MathVision_MINI": ({"1": 60}, {"1": 78}),
+            "LogicVista": pair(5, 5), "WeMath": pair(-2, 2), "ChartQA_TEST": ({"1": 4}, {"1": 3})}
+    got = analysis.compare({k: v[0] for k, v in rows.items()}, {k: v[1] for k, v in rows.items()})
+    iv = got["interval_95"]
+    assert got["table"]["Math"]["delta"] == 6.25 and iv["Math"] == [5.25, 7.25]
+    assert iv["General"] == [1.0, 3.0] and iv["MMMU_DEV_VAL"] == [1.0, 3.0] and iv["OCR"] == [-1.0, -1.0]
+    assert iv["All"] == pytest.approx([22 / 6, 30 / 6]) and iv["MathVision_MINI"] == [18.0, 18.0]
+    assert got["near_cap_rule"] == "retokenised"
+    md = analysis.markdown(got, ("1:1", "4:4"))
+    assert "| Paired Δ, 95 % interval | [1.0, 3.0] |" in md and "| [5.2, 7.2] |" in md  # Math's column
+    assert "Near cap: re-tokenised length >= 4090 tokens (the paper’s rule)" in md
+    # the paper's near-cap rule: the re-tokenised length, whatever the run recorded; or, asked, new_tokens
+    long = [{"index": "1", "prediction": "w " * 4090, "new_tokens": 10}, {"index": "2", "prediction": "w w",
+                                                                          "new_tokens": 4095}]
+    assert analysis.row_lengths(long, str.split) == {"1": None, "2": 2}
+    assert analysis.row_lengths(long, str.split, rule="generated") == {"1": 4090, "2": None}
 
 
 def test_lengths_command_retokenises_the_answers(bench, full_run, tmp_path, capsys):
@@ -1024,63 +1205,125 @@ def test_lengths_command_retokenises_the_answers(bench, full_run, tmp_path, caps
     assert "| Clean mean (1:1) |" in out and "Clean paired Δ (4:4 − 1:1)" in out and "95 % interval" in out
     rc, _, err = main_out(capsys, "lengths", "--model", folder, "--a", full_run, full_run, "--b", longer)
     assert rc == 1 and "a second predictions file of MMMU_DEV_VAL" in err
-    cut = tmp_path / "cut.jsonl"  # one answer cut at the budget: out by its new_tokens, however short its text
+    cut = tmp_path / "cut.jsonl"  # one answer cut at the budget: out by its new_tokens under --near-cap-rule generated
     cut.write_text("".join(json.dumps(p | {"new_tokens": 4096 if k == 0 else p["new_tokens"]}) + "\n"
                            for k, p in enumerate(read_preds(longer))))
-    assert list(analysis.lengths([cut], tok.encode)["MMMU_DEV_VAL"].values())[0] is None
+    assert list(analysis.lengths([cut], tok.encode, rule="generated")["MMMU_DEV_VAL"].values())[0] is None
+    assert list(analysis.lengths([cut], tok.encode)["MMMU_DEV_VAL"].values())[0] is not None  # the paper's rule
+
+
+def test_lengths_pairs_only_answers_produced_alike(bench, full_run, tmp_path, capsys):
+    """B lacking a row of A: the row is left out of both means and said; predictions of another TSV or
+    another max_new_tokens do not pair (one line). Answers by hand: A's row lengths w(1), w(2), w(3) words;
+    B answers rows 1 and 2 with two more words each."""
+    folder = bench[0]
+    preds = read_preds(full_run)[:3]
+    words = {p["index"]: " ".join(["yes"] * (k + 1)) for k, p in enumerate(preds)}
+    tok = Tokenizer.from_pretrained(folder)
+    n = {i: len(tok.encode(w)) for i, w in words.items()}
+    m = {i: len(tok.encode(w + " yes yes")) for i, w in words.items()}
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps(p | {"prediction": words[p["index"]]}) + "\n" for p in preds))
+    b.write_text("".join(json.dumps(p | {"prediction": words[p["index"]] + " yes yes"}) + "\n" for p in preds[:2]))
+    rc, out, _ = main_out(capsys, "lengths", "--model", folder, "--a", a, "--b", b, "--out", tmp_path / "s5.json")
+    t = json.loads((tmp_path / "s5.json").read_text())["table"]["MMMU_DEV_VAL"]
+    i, j = preds[0]["index"], preds[1]["index"]
+    assert rc == 0 and t["a"] == (n[i] + n[j]) / 2 and t["b"] == (m[i] + m[j]) / 2 and t["only_a"] == 1
+    assert t["delta"] == t["b"] - t["a"] and "Left out: MMMU_DEV_VAL: 1 answered in A only." in out
+    for field, value in (("data_fingerprint", "0123456789abcdef"), ("max_new_tokens", 4096)):
+        other = tmp_path / f"{field}.jsonl"
+        other.write_text("".join(json.dumps(p | {field: value}) + "\n" for p in read_preds(b)))
+        rc, _, err = main_out(capsys, "lengths", "--model", folder, "--a", a, "--b", other)
+        assert rc == 1 and f"produced with another {field}" in err and err.count("\n") == 1
 
 
 def test_descriptors_count_pixels_and_tokens_per_benchmark(bench, full_run, tmp_path, capsys):
     """Table S2's descriptors: the mean of each row's summed image pixels (a shared image counted for
-    each row that asks about it), question and reference tokens, report.json's best Pv:Pl and the mean
-    response tokens of that configuration's predictions."""
+    each row that asks about it), question tokens, and reference tokens of MMMU's `explanation` column
+    (Appendix B.1; an empty one counts 0 tokens), report.json's best Pv:Pl and the mean response tokens
+    of the predictions whose record is that best configuration (below the near cap)."""
     folder, tsv, rows, imgs = bench
     tok = Tokenizer.from_pretrained(folder)
     report = tmp_path / "report.json"
-    report.write_text(json.dumps({"best": {"MMMU_DEV_VAL": "2:4", "All": "2:2"}}))
-    rc, out, err = main_out(capsys, "descriptors", tsv, "--model", folder, "--report", report, "--out",
-                            tmp_path / "s2.json")
+    report.write_text(json.dumps({"best": {"MMMU_DEV_VAL": "1:1", "All": "2:2"}}, indent=1))
+    rc, out, err = main_out(capsys, "descriptors", tsv, "--model", folder, "--report", report)
+    assert rc == 1 and "missing required column(s) explanation" in err  # MMMU's reference column
+    good = [r | {"explanation": "Because cats meow." if r["index"] == "10" else ""}
+            for r in rows if r["index"] != "13"]
+    (tmp_path / "bad").mkdir()
+    corrupt = write_tsv(tmp_path / "bad" / "MMMU_DEV_VAL.tsv", [r | {"explanation": ""} for r in rows])
+    rc, out, err = main_out(capsys, "descriptors", corrupt, "--model", folder)
     assert rc == 1 and "unreadable image" in err and "row 13" in err  # the bench TSV's corrupt row is named
-    good = [r for r in rows if r["index"] != "13"]
     clean = write_tsv(tmp_path / "MMMU_DEV_VAL.tsv", good)
     rc, out, _ = main_out(capsys, "descriptors", clean, "--model", folder, "--report", report, "--out",
-                          tmp_path / "s2.json",
-                          "--predictions", full_run)
-    got = json.loads((tmp_path / "s2.json").read_text())["MMMU_DEV_VAL"]
+                          tmp_path / "s2.json", "--predictions", full_run)
+    got = json.loads((tmp_path / "s2.json").read_text())["benchmarks"]["MMMU_DEV_VAL"]
     area = {imgs[0]: 24 * 24, imgs[1]: 20 * 20, imgs[2]: 64 * 32}  # row 12 shares row 10's image
     pixels = [area[imgs[0]], area[imgs[1]] + area[imgs[0]], area[imgs[0]], area[imgs[2]]]
-    assert rc == 0 and got["rows"] == 4 and got["pixels"] == pytest.approx(sum(pixels) / 4) and got["best"] == "2:4"
+    assert rc == 0 and got["rows"] == 4 and got["pixels"] == pytest.approx(sum(pixels) / 4) and got["best"] == "1:1"
     assert got["question_tokens"] == pytest.approx(sum(len(tok.encode(r["question"])) for r in good) / 4)
-    assert got["reference_tokens"] == pytest.approx(sum(len(tok.encode(r["answer"])) for r in good) / 4)
+    # one explanation, three empty ones (0 tokens each): not the answer letters
+    assert got["reference"] == "explanation" and got["empty_references"] == 3
+    assert got["reference_tokens"] == pytest.approx(len(tok.encode("Because cats meow.")) / 4)
     responses = [len(tok.encode(p["prediction"])) for p in read_preds(full_run)]
     assert got["response_tokens"] == pytest.approx(sum(responses) / len(responses))
-    assert "| MMMU_DEV_VAL | 4 |" in out and out.rstrip().endswith(f"| 2:4 | {sum(responses) / len(responses):.1f} |")
+    assert "| MMMU_DEV_VAL | 4 |" in out and out.rstrip().endswith(f"| 1:1 | {sum(responses) / len(responses):.1f} |")
+    # an answer at the near cap (here 2 tokens, --near-cap 2): left out and said, no traceback
+    rc, out, err = main_out(capsys, "descriptors", clean, "--model", folder, "--report", report, "--near-cap",
+                            str(min(responses)), "--predictions", full_run)
+    kept = [n for n in responses if n < min(responses)]
+    assert rc == 0 and "Traceback" not in err
+    assert (f"{sum(kept) / len(kept):.1f} ({len(responses) - len(kept)} near cap left out)" if kept else
+            f"- ({len(responses)} near cap left out)") in out
+    # the predictions are another configuration's than the best: left out and named, never its length
+    report.write_text(json.dumps({"best": {"MMMU_DEV_VAL": "2:4"}}, indent=1))
+    rc, out, _ = main_out(capsys, "descriptors", clean, "--model", folder, "--report", report, "--predictions",
+                          full_run)
+    assert rc == 0 and out.splitlines()[2].endswith("| 2:4 | - |")
+    assert f"Left out: {full_run} (1:1; the best of MMMU_DEV_VAL: 2:4)" in out
 
 
-def test_cost_puts_each_configuration_at_its_latency_and_memory(tmp_path, capsys):
-    """Figure 4's points: report.json's overall score of each dense (and shared-KV) configuration beside
-    the batch-1 latency and peak memory of its profile row; fixed pairs have no point; a configuration
-    the profile lacks is refused with one line naming the profiling command."""
-    config = lambda pv, pl, shared, score, vb=None: {  # noqa: E731
-        "label": f"{pv}:{pl}" + (" sharedKV" if shared else ""), "pv": pv, "pl": pl, "vision_branch": vb,
-        "language_branch": None, "shared_kv": shared, "scores": {"All": score}}
-    report = tmp_path / "report.json"
-    report.write_text(json.dumps({"configs": [config(1, 1, False, 40.0), config(4, 4, False, 42.5),
-                                              config(4, 4, True, 41.0),
-                                              config(4, 4, False, 39.0, vb=1)]}))
-    row = lambda pv, shared, batch, lat, mem: {"pv": pv, "pl": pv, "shared_kv": shared, "batch": batch,  # noqa: E731
-                                               "latency_s": lat, "peak_gib": mem}
-    latency = tmp_path / "latency.json"
-    latency.write_text("table for people\n" + json.dumps({"command": "latency", "rows": [
-        row(1, False, 1, 1.0, 2.0), row(1, False, 8, 0.2, 5.0), row(4, False, 1, 1.9, 2.6),
-        row(4, True, 1, 1.5, 2.2)]}) + "\n")
-    rc, out, _ = main_out(capsys, "cost", "--report", report, "--latency", latency, "--out", tmp_path / "fig4")
-    points = json.loads((tmp_path / "fig4" / "score_cost.json").read_text())
-    assert rc == 0 and points == [{"label": "1:1", "score": 40.0, "latency_s": 1.0, "peak_gib": 2.0},
-                                  {"label": "4:4", "score": 42.5, "latency_s": 1.9, "peak_gib": 2.6},
-                                  {"label": "4:4 sharedKV", "score": 41.0, "latency_s": 1.5, "peak_gib": 2.2}]
-    assert ("| 4:4 sharedKV | 41.0 | 1.5000 | 2.200 |" in out
-            and (tmp_path / "fig4" / "score_cost.png").stat().st_size > 0)
-    latency.write_text(json.dumps({"rows": [row(1, False, 1, 1.0, 2.0)]}) + "\n")
-    rc, _, err = main_out(capsys, "cost", "--report", report, "--latency", latency)
-    assert rc == 1 and "no batch-1 row for 4:4 (profiling.py latency --pv 4 --pl 4 --batch 1)" in err
+def test_cost_puts_each_configuration_at_its_own_profile(tmp_path, capsys):
+    """Figure 4 from the files the commands write: report.json as `report` writes it (indented), the
+    profile of a Figure 3 variant (4:1 at vision prefix length 72) from `profiling.py latency` itself
+    with --baseline (its 1:1 row too), and a profile of the dense 4:1 run. Each configuration sits at
+    its own profile's batch-1 latency and memory, the variant at the variant's; a configuration without
+    its own profile (the LoRA run) is named with the command that profiles it and left out, never given
+    the dense 4:1's; one configuration profiled on two architectures is refused."""
+    d = tmp_path / "scores"
+    files = write_scores(d, "11", [40.0] * 9) + write_scores(d, "41", [41.0] * 9, pv=4)
+    files += write_scores(d, "41p72", [42.0] * 9, pv=4, branches={"vit_prefix_len": 72})
+    files += write_scores(d, "41lora", [39.0] * 9, pv=4, branches={"vision_branches": "lora"})
+    assert evaluate.main(["report", *map(str, files), "--arch", "tiny", "--out", str(tmp_path / "report")]) == 0
+    capsys.readouterr()
+    import profiling
+
+    assert profiling.main(["latency", "--arch", "tiny", "--pv", "4", "--pl", "1", "--vit-prefix-len", "72",
+                           "--baseline", "--batch", "1", "--warmup", "0", "--iters", "1", "--new-tokens", "2",
+                           "--tiles", "1", "--text-tokens", "8", "--device", "cpu", "--json"]) == 0
+    run = capsys.readouterr().out
+    variant = tmp_path / "lat_41p72.json"
+    variant.write_text(run)
+    rows = json.loads(run.splitlines()[-1])["rows"]
+    assert [(r["pv"], r["pl"], r["branches"], r["arch"]) for r in rows] == [(1, 1, {}, "tiny"),
+                                                                           (4, 1, {"vit_prefix_len": 72}, "tiny")]
+    dense = tmp_path / "lat_41.json"  # the dense 4:1's profile, in the same format, with known numbers
+    dense.write_text(json.dumps({"command": "latency", "rows": [rows[1] | {"branches": {}, "latency_s": 9.0,
+                                                                           "peak_gib": 7.0}]}) + "\n")
+    rc, out, err = main_out(capsys, "cost", "--report", tmp_path / "report" / "report.json", "--latency", variant,
+                            dense, "--out", tmp_path / "fig4")
+    assert rc == 0, err
+    got = json.loads((tmp_path / "fig4" / "score_cost.json").read_text())
+    assert got["points"] == [
+        {"label": "1:1", "score": 40.0, "latency_s": rows[0]["latency_s"], "peak_gib": rows[0]["peak_gib"],
+         "arch": "tiny"},
+        {"label": "4:1", "score": 41.0, "latency_s": 9.0, "peak_gib": 7.0, "arch": "tiny"},
+        {"label": "4:1 vit_prefix_len=72", "score": 42.0, "latency_s": rows[1]["latency_s"],
+         "peak_gib": rows[1]["peak_gib"], "arch": "tiny"}]
+    assert got["left_out"] == ["4:1 vision_branches=lora: no batch-1 profile of its own (profiling.py latency --pv 4 "
+                               "--pl 1 --vision-branches lora --batch 1)"]
+    assert "Left out: 4:1 vision_branches=lora" in out and "| 4:1 | 41.0 | 9.0000 | 7.000 |" in out
+    other = tmp_path / "lat_41_1b.json"  # the dense 4:1 profiled on another architecture as well
+    other.write_text(json.dumps({"rows": [rows[1] | {"branches": {}, "arch": "1b"}]}) + "\n")
+    rc, _, err = main_out(capsys, "cost", "--report", tmp_path / "report" / "report.json", "--latency", dense, other)
+    assert rc == 1 and "two architectures (tiny and 1b)" in err and err.count("\n") == 1
