@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 8 train.py --pv 2 --pl 2 --model InternVL3_5-1B --data meta.json --out runs/22
     python train.py --validate-data --model InternVL3_5-1B --data meta.json   # count bad rows, no training
     python train.py plot runs/22                                                # runs/22/metrics.png (matplotlib)
+    python train.py export runs/22 --step 7000                      # runs/22/export_step_7000, a kept checkpoint
 
 Full-parameter SFT for one epoch from an InternVL3.5 (or ParVL) checkpoint on data in the official
 InternVL format (data.py). The loss is Eq. 6: every supervised token of sample b weighs 1/sqrt(n_b),
@@ -51,8 +52,8 @@ from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, re
 from flags import command_parser, flag, parse
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL
-from runs import (check_out, checkpoints, discard_run, export, finite, plot_run, resume, save_checkpoint,
-                  trim_metrics)
+from runs import (check_out, checkpoints, discard_run, export, finite, load_model_state, plot_run, resume,
+                  save_checkpoint, trim_metrics, verify_checkpoint)
 from schedule import lr_lambda
 
 
@@ -141,9 +142,18 @@ class PlotConfig:
     out: str | None = flag(None, "PNG file to write", shown="RUN/metrics.png")
 
 
+@dataclass
+class ExportConfig:
+    run: str = flag(help="run folder (train.py --out)", positional=True)
+    step: int = flag(None, "the step to export: a checkpoint RUN/checkpoints/step_N the run still keeps (--keep-last)",
+                     range="[1, inf)", required=True)
+    out: str | None = flag(None, "folder to write the ParVL checkpoint into", shown="RUN/export_step_N")
+
+
 def parse_args(argv=None) -> TrainConfig:
     return parse(command_parser(__doc__.split("\n\n")[0], TrainConfig, epilog="train.py plot RUN [--out FILE.png]: "
-                                "one PNG of a run's metrics.jsonl (train.py plot --help)"), argv)
+                                "one PNG of a run's metrics.jsonl (train.py plot --help); train.py export RUN --step "
+                                "N: a kept checkpoint as a ParVL checkpoint (train.py export --help)"), argv)
 
 
 def parse_plot_args(argv=None) -> PlotConfig:
@@ -151,13 +161,22 @@ def parse_plot_args(argv=None) -> PlotConfig:
                                 "as one PNG; needs matplotlib.", PlotConfig, prog="train.py plot"), argv)
 
 
+def parse_export_args(argv=None) -> ExportConfig:
+    return parse(command_parser("Write the ParVL checkpoint of a kept training step, in the layout of the run's "
+                                "final export (RUN/export), for generate.py, evaluate.py and router.py.",
+                                ExportConfig, prog="train.py export"), argv)
+
+
 def main(argv=None) -> int:
-    """`train.py plot RUN` plots a run; anything else trains (or, --validate-data, counts the bad rows).
-    Exit codes and lines: cli.shell."""
+    """`train.py plot RUN` plots a run, `train.py export RUN --step N` exports a kept step; anything else
+    trains (or, --validate-data, counts the bad rows). Exit codes and lines: cli.shell."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plot"]:  # before the training parser: its flags stay as they are
         p = parse_plot_args(argv[1:])
         return shell(lambda: print(plot_run(Path(p.run), Path(p.out) if p.out else None)))
+    if argv[:1] == ["export"]:
+        e = parse_export_args(argv[1:])
+        return shell(lambda: export_step(e), interrupted=lambda: "the export was abandoned; run it again")
     cfg = parse_args(argv)
     return shell(lambda: run(cfg), interrupted=lambda: stopped_words(Path(cfg.out)))
 
@@ -183,6 +202,37 @@ def stopped_words(out: Path) -> str:
     kept = checkpoints(out) if out.is_dir() else []
     return "the current step was abandoned; " + (f"last complete checkpoint {kept[-1]} (continue with --resume)"
                                                  if kept else "no checkpoint was saved")
+
+
+def export_step(e: ExportConfig) -> int:
+    """`train.py export RUN --step N`: the model of checkpoint step_N, built as the run built it (its flags
+    from the checkpoint's train.json, the weights of --model, then the checkpoint's), written by the
+    function that writes the end-of-run export. A step the run no longer keeps, or one that does not
+    verify, is refused before anything loads."""
+    run = Path(e.run)
+    folder = run / "checkpoints" / f"step_{e.step}"
+    if not (run / "checkpoints").is_dir():
+        raise ValueError(f"{run}: not a train.py run folder (no checkpoints/)")
+    if not folder.is_dir():
+        kept = ", ".join(d.name for d in checkpoints(run)) or "none"
+        raise ValueError(f"{folder}: no such checkpoint (kept: {kept}); a run keeps its newest --keep-last saves, "
+                         f"see docs/training.md to keep a step")
+    if why := verify_checkpoint(folder):
+        raise ValueError(f"{folder}: does not verify ({why})")
+    saved = json.loads((folder / "train.json").read_text()).get("config", {})
+    known = {f.name for f in fields(TrainConfig)}
+    cfg = replace(TrainConfig(**{k: v for k, v in saved.items() if k in known}), compile=False,
+                  activation_checkpointing=False)  # how the weights were computed does not change them
+    if not Path(cfg.model).is_dir():
+        raise ValueError(f"{folder}: trained from --model {cfg.model!r}, which is not a folder any more (the export "
+                         f"takes its config and tokenizer)")
+    device = start_processes(torch.cuda.is_available(), always=True)
+    model = build_model(cfg, device, init_device_mesh(device.type, (dist.get_world_size(),)))
+    load_model_state(model, folder)
+    out = Path(e.out) if e.out else run / f"export_step_{e.step}"
+    export(model, out, Path(cfg.model))
+    log(f"exported step {e.step} of {run} to {out}", sys.stdout)
+    return 0
 
 
 # -- model -------------------------------------------------------------------------------------
@@ -409,7 +459,7 @@ def train(cfg: TrainConfig, data: SFTData) -> int:
                             cfg.keep_last)
         if step >= total:
             break
-    export(model, out, Path(cfg.model))
+    export(model, out / "export", Path(cfg.model))
     log(f"exported {out / 'export'}", sys.stdout)
     return 0
 
