@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from cli import log, one_line, os_cause, pyplot, rank
 from parvl import ParVL
+from trackers import TRACKER_FILES
 
 def all_sum(*values: float, device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
@@ -63,9 +64,9 @@ def check_out(out: Path, resume: bool, overwrite: bool) -> None:
 
 
 def discard_run(out: Path) -> None:
-    """--overwrite: remove the previous run's files, its step exports too (rank 0, before anything new is
-    written)."""
-    for path in [*(out / name for name in (*RUN_FILES, "config.json")), *out.glob("export_step_*")]:
+    """--overwrite: remove the previous run's files, its step exports and tracker files too (rank 0, before
+    anything new is written)."""
+    for path in [*(out / name for name in (*RUN_FILES, "config.json", *TRACKER_FILES)), *out.glob("export_step_*")]:
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():

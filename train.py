@@ -55,6 +55,7 @@ from parvl import ParVL
 from runs import (check_out, checkpoints, discard_run, export, finite, load_model_state, plot_run, resume,
                   save_checkpoint, trim_metrics, verify_checkpoint)
 from schedule import lr_lambda
+from trackers import TRACKERS, Tracker
 
 
 def default_workers() -> int:
@@ -102,6 +103,9 @@ class TrainConfig:
     resume: bool = flag(False, "continue from the newest checkpoint in --out that verifies (none: start fresh)")
     overwrite: bool = flag(False, "discard the run --out holds (checkpoints, export, metrics) and start a new one")
     log_every: int = flag(1, "steps between log lines", range="[1, inf)")
+    tracker: str | None = flag(None, "also log every metrics.jsonl line to TensorBoard (OUT/tensorboard) or W&B "
+                               "(OUT/wandb; WANDB_MODE=offline needs no network), from rank 0; optional packages "
+                               "(trackers.py)", choices=list(TRACKERS), shown="none")
     num_workers: int = flag(help="data loading processes per rank", range="[0, inf)", factory=default_workers,
                             shown="4, or the CPUs per local rank if fewer")
     max_bad_frac: float = flag(0.01, "abort once more than this fraction of the data set's rows are bad "
@@ -183,6 +187,7 @@ def main(argv=None) -> int:
 
 def run(cfg: TrainConfig) -> int:
     cfg.check_files()
+    tracker = Tracker(cfg.tracker, Path(cfg.out))  # a missing package is one line before any work
     if not cfg.validate_data:
         check_out(Path(cfg.out), cfg.resume, cfg.overwrite)
     mcfg, tok = open_checkpoint(Path(cfg.model))  # tiles as the model sees them, and its own tokenizer
@@ -194,7 +199,8 @@ def run(cfg: TrainConfig) -> int:
     if cfg.validate_data:
         report_bad_rows(data, cfg.max_bad_frac)
         return 0
-    return train(cfg, data)
+    with tracker:
+        return train(cfg, data, tracker)
 
 
 def stopped_words(out: Path) -> str:
@@ -413,7 +419,7 @@ def start_run(cfg: TrainConfig, data: SFTData) -> tuple[TrainConfig, torch.devic
     return cfg, device, cfg.max_steps or steps_per_epoch
 
 
-def train(cfg: TrainConfig, data: SFTData) -> int:
+def train(cfg: TrainConfig, data: SFTData, tracker: Tracker) -> int:
     cfg, device, total = start_run(cfg, data)
     world, out = dist.get_world_size(), Path(cfg.out)
     model = build_model(cfg, device, init_device_mesh(device.type, (world,)))
@@ -428,8 +434,9 @@ def train(cfg: TrainConfig, data: SFTData) -> int:
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
         if cfg.resume:
             trim_metrics(out, step)  # metrics.jsonl then continues with step + 1
+    tracker.start(step, asdict(cfg))  # rank 0; a resumed run's curves go on from its step
 
-    meter = Meter(model, cfg, device, total, step)
+    meter = Meter(model, cfg, device, total, step, tracker)
     loader = make_loader(data, data.epoch_order(cfg.seed), rank(), world, cfg.global_batch, cfg.micro_batch, step,
                          cfg.num_workers, pad_id=0, pin_memory=device.type == "cuda",  # pinned: no host wait
                          packing=cfg.packing)
@@ -504,11 +511,11 @@ def train_step(model: ParVL, optim, sched, batches: list, cfg: TrainConfig, devi
 
 
 class Meter:
-    """A log step's figures: the metrics line (stdout and OUT/metrics.jsonl, rank 0) and the human line
-    (stderr), with throughput, MFU against the device's bf16 peak, ETA and the branch-weight entropies."""
+    """A log step's figures: the metrics line (stdout, OUT/metrics.jsonl and the --tracker, rank 0) and the
+    human line (stderr), with throughput, MFU against the device's bf16 peak, ETA and the branch-weight entropies."""
 
-    def __init__(self, model: ParVL, cfg: TrainConfig, device, total: int, first_step: int):
-        self.model, self.device, self.total, self.first_step = model, device, total, first_step
+    def __init__(self, model: ParVL, cfg: TrainConfig, device, total: int, first_step: int, tracker: Tracker):
+        self.model, self.device, self.total, self.first_step, self.tracker = model, device, total, first_step, tracker
         self.out = Path(cfg.out)
         self.vit_flops, self.llm_flops = train_flops_per_token(model)
         hopper = device.type == "cuda" and any(h in torch.cuda.get_device_name(device) for h in ("H100", "H200"))
@@ -534,6 +541,7 @@ class Meter:
         if rank() == 0:
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
+            self.tracker.log(line)  # the same line, at the same step (--tracker)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """The study at cluster scale: a kept step's export (`train.py export`), experiment trackers
 (`--tracker`), the Slurm launch (slurm/) and the study recipe as one script (study.py)."""
 import json
+import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -35,49 +37,140 @@ def answer(capsys, model: Path, png: Path) -> str:
     return json.loads(capsys.readouterr().out)["answer"]
 
 
-def test_export_of_a_kept_step(model_dir, meta, tmp_path, monkeypatch, capsys):
-    """`train.py export RUN --step N` of a 2:2 run of 3 steps keeping the last 2 checkpoints: step 2 gives
-    the weights the run's model held in memory after step 2 (exported by the run itself, through a
-    patched save), step 3 the run's own end-of-run export; generate.py answers alike from each pair. Step 1
-    (no longer kept) and a step whose shard lost its tail are refused in one line."""
-    out, at_two = tmp_path / "run", tmp_path / "in_memory_step_2"
+@pytest.fixture(scope="module")
+def run3(model_dir, meta, tmp_path_factory):
+    """A 2:2 run of 3 steps saving every step and keeping the last 2, logged to TensorBoard; the model it
+    held in memory after step 2 is exported by the run itself (the end-of-run export's function, through a
+    patched save) into a folder beside it."""
+    root = tmp_path_factory.mktemp("run3")
+    out, at_two = root / "run", root / "in_memory_step_2"
     save = train.save_checkpoint
 
     def save_and_export(model, optim, sched, step, *args):
         save(model, optim, sched, step, *args)
-        if step == 2:  # the model as the run holds it at step 2, written by the end-of-run export's function
+        if step == 2:
             runs.export(model, at_two, Path(model_dir))
 
-    monkeypatch.setattr(train, "save_checkpoint", save_and_export)
-    train_here("--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3", "--save-every", "1",
-               "--keep-last", "2", "--out", out, *COMMON)
-    monkeypatch.undo()
-    assert train.main(["export", str(out), "--step", "2"]) == 0
-    assert train.main(["export", str(out), "--step", "3", "--out", str(tmp_path / "three")]) == 0
-    for got, want in ((out / "export_step_2", at_two), (tmp_path / "three", out / "export")):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train, "save_checkpoint", save_and_export)
+        train_here("--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3", "--save-every",
+                   "1", "--keep-last", "2", "--tracker", "tensorboard", "--out", out, *COMMON)
+    return out, at_two
+
+
+def test_export_of_a_kept_step(run3, model_dir, tmp_path, capsys):
+    """`train.py export RUN --step N`: step 2 gives the weights the run held in memory after step 2, step 3
+    the run's own end-of-run export, in the same layout; generate.py answers alike from each pair. Step 1
+    (no longer kept) and a step whose shard lost its tail are refused in one line, nothing written."""
+    out, at_two = run3
+    assert train.main(["export", str(out), "--step", "2", "--out", str(tmp_path / "two")]) == 0
+    assert train.main(["export", str(out), "--step", "3"]) == 0
+    for got, want in ((tmp_path / "two", at_two), (out / "export_step_3", out / "export")):
         assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in want.iterdir())
         a, b = load_file(str(got / "model.safetensors")), load_file(str(want / "model.safetensors"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         assert json.loads((got / "config.json").read_text()) == json.loads((want / "config.json").read_text())
     first = load_file(str(model_dir / "model.safetensors"))
-    two = load_file(str(out / "export_step_2" / "model.safetensors"))
+    two = load_file(str(tmp_path / "two" / "model.safetensors"))
     three = load_file(str(out / "export" / "model.safetensors"))
     trained = [k for k in first if k in two and not torch.equal(first[k], two[k])]
     assert trained and all(not torch.equal(two[k], three[k]) for k in trained)  # step 2 is its own model
     png = tmp_path / "img.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 90, 3), dtype=np.uint8)).save(png)
-    assert answer(capsys, out / "export_step_2", png) == answer(capsys, at_two, png)
-    assert answer(capsys, tmp_path / "three", png) == answer(capsys, out / "export", png)
+    assert answer(capsys, tmp_path / "two", png) == answer(capsys, at_two, png)
+    assert answer(capsys, out / "export_step_3", png) == answer(capsys, out / "export", png)
 
-    ckpts = out / "checkpoints"
-    assert train.main(["export", str(out), "--step", "1"]) == 1
+    shutil.copytree(out / "checkpoints", tmp_path / "run" / "checkpoints")  # a copy to break
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert train.main(["export", str(tmp_path / "run"), "--step", "1"]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: {ckpts / 'step_1'}: no such checkpoint (kept: step_2, step_3); a run keeps its newest --keep-last "
         f"saves, see docs/training.md to keep a step"]
     shard = next(p for p in (ckpts / "step_2").iterdir() if p.suffix == ".distcp")
     shard.write_bytes(shard.read_bytes()[:-8])
     size = shard.stat().st_size
-    assert train.main(["export", str(out), "--step", "2", "--out", str(tmp_path / "bad")]) == 1
+    assert train.main(["export", str(tmp_path / "run"), "--step", "2"]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: {ckpts / 'step_2'}: does not verify ({shard.name} is {size} bytes, the save wrote {size + 8})"]
-    assert not (tmp_path / "bad").exists()
+    assert not (tmp_path / "run" / "export_step_2").exists()
+
+
+# -- trackers ---------------------------------------------------------------------------------------
+
+
+def expected_scalars(lines: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """metrics.jsonl as TensorBoard should hold it: each number at its line's step, a nested one under
+    outer/inner, nulls absent; float32, as event files store scalars."""
+    want = {}
+    for line in lines:
+        for key, value in line.items():
+            items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list)
+                     else [(None, value)])
+            for sub, x in items:
+                if key != "step" and x is not None:
+                    want.setdefault(key if sub is None else f"{key}/{sub}", []).append(
+                        (line["step"], float(np.float32(x))))
+    return want
+
+
+def event_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of a TensorBoard run folder (or one event file), read by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})  # 0: keep every event, no sampling
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_curves_equal_metrics_and_continue_on_resume(run3, model_dir, meta, tmp_path):
+    """--tracker tensorboard: the events read back by TensorBoard equal metrics.jsonl, every number at
+    its step. The run is then cut back to its step-2 checkpoint (step 3's events were logged already)
+    and resumed into the same folder: the curves hold steps 1, 2, 3 once each, step 3 being the resumed
+    run's (its timing differs), in the same OUT/tensorboard."""
+    pytest.importorskip("tensorboard")
+    out = run3[0]
+    logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [1, 2, 3]
+    want = expected_scalars(logged)
+    assert {"loss", "grad_norm", "lr/branches", "lr/pretrained", "tokens_per_s", "eta_s"} <= want.keys()
+    assert event_scalars(out / "tensorboard") == want
+
+    cut = tmp_path / "cut"
+    shutil.copytree(out, cut, ignore=shutil.ignore_patterns("step_3", "export*"))
+    train_here("--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3", "--save-every",
+               "1", "--keep-last", "2", "--tracker", "tensorboard", "--out", cut, "--resume", *COMMON)
+    resumed = [json.loads(x) for x in (cut / "metrics.jsonl").read_text().splitlines()]
+    assert resumed[:2] == logged[:2] and resumed[2]["loss"] == logged[2]["loss"]
+    assert resumed[2]["tokens_per_s"] != logged[2]["tokens_per_s"]  # the resumed step is told apart
+    files = sorted((cut / "tensorboard").iterdir())
+    assert len(files) == 2 and event_scalars(files[0])["loss"] == want["loss"]  # the first run's step 3 is there
+    assert event_scalars(cut / "tensorboard") == expected_scalars(resumed)
+
+
+def test_a_missing_tracker_package_is_one_line(model_dir, meta, tmp_path, monkeypatch, capsys):
+    """--tracker with its package absent: one line naming the package and how to get it, exit 1, before
+    anything is written into --out."""
+    for name in ("tensorboard", "torch.utils.tensorboard", "wandb"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import` of it raises ImportError
+    for kind in ("tensorboard", "wandb"):
+        res = train_here("--model", model_dir, "--data", meta, "--max-steps", "1", "--tracker", kind, "--out",
+                         tmp_path / kind, *COMMON, check=False)
+        assert (res.returncode, res.stderr.strip().splitlines()) == (
+            1, [f"error: --tracker {kind}: the {kind} package is not installed (pip install {kind})"])
+        assert not (tmp_path / kind).exists()
+
+
+def test_wandb_offline_run_holds_the_metrics(model_dir, meta, tmp_path, monkeypatch):
+    """--tracker wandb under WANDB_MODE=offline (no network): the offline run is OUT/wandb's, under the id
+    kept in OUT/wandb_id, and its summary holds the last metrics line. Runs only where wandb is installed."""
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    train_here("--model", model_dir, "--data", meta, "--max-steps", "2", "--tracker", "wandb", "--out", out, *COMMON)
+    run_id = (out / "wandb_id").read_text()
+    [run] = (out / "wandb").glob(f"offline-run-*-{run_id}")
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    summary = json.loads((run / "files" / "wandb-summary.json").read_text())
+    assert summary["_step"] == last["step"] == 2 and summary["loss"] == pytest.approx(last["loss"])
+    assert summary["lr/branches"] == pytest.approx(last["lr"]["branches"])
