@@ -2,7 +2,10 @@
 (`--tracker`), the Slurm launch (slurm/) and the study recipe as one script (study.py)."""
 import json
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +17,7 @@ from safetensors.torch import load_file
 import generate
 import runs
 import train
+from conftest import fake_slurm, sbatch, slurm_log
 from test_train import COMMON, train_here
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,3 +178,49 @@ def test_wandb_offline_run_holds_the_metrics(model_dir, meta, tmp_path, monkeypa
     summary = json.loads((run / "files" / "wandb-summary.json").read_text())
     assert summary["_step"] == last["step"] == 2 and summary["loss"] == pytest.approx(last["loss"])
     assert summary["lr/branches"] == pytest.approx(last["lr"]["branches"])
+
+
+# -- Slurm ------------------------------------------------------------------------------------------
+
+
+def torchrun_line(env: dict, args: list) -> list[str]:
+    """What srun must be given on a 2-node allocation: one task per node, each the torchrun of the
+    README's multi-node form with the rendezvous of Slurm's environment (first node, job id)."""
+    return ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", sys.executable, "-m",
+            "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{env['RDZV_PORT']}", "--rdzv-id", "4242", *map(str, args)]
+
+
+def test_sbatch_expands_to_one_torchrun_per_node(tmp_path):
+    """slurm/parvl.sbatch under a faked 2-node Slurm job (srun only writes down what it is given): the
+    rendezvous host is the first node scontrol lists, the id the job's. A requeued job's restart
+    (SLURM_RESTART_COUNT 1) resumes train.py (--overwrite, which would discard the run, dropped) and
+    reruns `evaluate.py run` / `router.py label` as they are: they keep their finished parts."""
+    train_args = ["train.py", "--model", "m", "--data", "meta.json", "--out", "/shared/runs/22", "--overwrite"]
+    evaluate = ["evaluate.py", "run", "--benchmark", "MMStar", "--data", "MMStar.tsv", "--model", "m", "--out", "p"]
+    label = ["router.py", "label", "--model", "m", "--data", "meta.json", "--out", "/shared/labels"]
+    cases = [(train_args, 0, train_args), (train_args, 1, [*train_args[:-1], "--resume"]), (evaluate, 1, evaluate),
+             (label, 0, label), (label, 2, label)]
+    for args, restarts, want in cases:
+        env = fake_slurm(tmp_path / f"{args[0]}{restarts}", SLURM_RESTART_COUNT=restarts, FAKE_SRUN_SLEEP=0)
+        res = sbatch(args, env, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert slurm_log(env) == [["scontrol", "show", "hostnames", "127.0.0.1,127.0.0.1"], torchrun_line(env, want)]
+    res = sbatch([], fake_slurm(tmp_path / "none"), timeout=60)
+    assert (res.returncode, res.stderr) == (2, "usage: sbatch [--nodes N] slurm/parvl.sbatch SCRIPT.py [FLAGS...]\n")
+
+
+def test_sbatch_requeues_near_the_time_limit(tmp_path):
+    """Slurm's warning signal (#SBATCH --signal=B:USR1@300) makes the script requeue its own job, and it
+    then waits for srun to end (Slurm stops the steps) and exits with srun's code."""
+    env = fake_slurm(tmp_path, FAKE_SRUN_SLEEP=3)
+    proc = subprocess.Popen(["bash", str(ROOT / "slurm" / "parvl.sbatch"), "train.py", "--out", "r"], env=env,
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(slurm_log(env)) < 2 and time.monotonic() < deadline:  # srun has started: the trap is set
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert slurm_log(env)[2:] == [["scontrol", "requeue", "4242"]]
+    assert "parvl.sbatch: time limit near, requeueing job 4242" in err.splitlines()
