@@ -1,5 +1,8 @@
 """The study at cluster scale: a kept step's export (`train.py export`), experiment trackers
 (`--tracker`), the Slurm launch (slurm/) and the study recipe as one script (study.py)."""
+import contextlib
+import importlib
+import io
 import json
 import shutil
 import signal
@@ -16,6 +19,7 @@ from safetensors.torch import load_file
 
 import generate
 import runs
+import study
 import train
 from conftest import fake_slurm, sbatch, slurm_log
 from test_train import COMMON, train_here
@@ -224,3 +228,73 @@ def test_sbatch_requeues_near_the_time_limit(tmp_path):
     assert proc.returncode == 0, err
     assert slurm_log(env)[2:] == [["scontrol", "requeue", "4242"]]
     assert "parvl.sbatch: time limit near, requeueing job 4242" in err.splitlines()
+
+
+# -- the study as one script ------------------------------------------------------------------------
+
+
+def in_process(cmd: list[str], stdout: Path | None) -> int:
+    """study.execute for the test: the command's main in this process (a new interpreter per piece would
+    cost 3.6 s of imports each), one thread, its stdout into `stdout` when it succeeds."""
+    assert cmd[0] == sys.executable, cmd  # --nproc-per-node 1, local: plain python, SCRIPT.py, flags
+    module = importlib.import_module(Path(cmd[1]).stem)
+    out, threads = io.StringIO(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out):
+            try:
+                code = module.main(cmd[2:])
+            except SystemExit as e:
+                code = e.code
+    finally:
+        torch.set_num_threads(threads)
+    if stdout is not None and code == 0:
+        stdout.parent.mkdir(parents=True, exist_ok=True)
+        stdout.write_text(out.getvalue())
+    return code
+
+
+def benchmark_tsvs(folder: Path) -> Path:
+    """Two benchmarks of three rows: MMMU (options) and ChartQA (open answers)."""
+    from test_evaluate import png_b64, write_tsv
+
+    folder.mkdir(parents=True)
+    imgs = [png_b64(24, 24, k) for k in range(3)]
+    write_tsv(folder / "MMMU_DEV_VAL.tsv", [
+        {"index": str(k), "question": q, "A": "cat", "B": "dog", "answer": "AB"[k % 2], "split": "validation",
+         "image": imgs[k]} for k, q in enumerate(("What is shown?", "Which animal?", "Pick one."))])
+    write_tsv(folder / "ChartQA_TEST.tsv", [
+        {"index": str(10 + k), "question": q, "answer": a, "image": imgs[k]}
+        for k, (q, a) in enumerate((("How many bars?", "3"), ("Highest value?", "12"), ("Title?", "Sales")))])
+    return folder
+
+
+@pytest.mark.slow
+def test_study_end_to_end_on_the_tiny_checkpoint(model_dir, meta, tmp_path, monkeypatch, capsys):
+    """study.py with two allocations (1:1, 2:2), one ablation (2:2 with mean aggregation), two benchmarks
+    and a short router on step 1 of the 2:2 run: every table and figure it promises is there and made
+    from these runs (the report's scores are the score files', Table S2's best and Figure 4's points the
+    report's and the profiles'); a second call finds every piece done, and a lost score file brings back
+    that piece and the tables after it, nothing else."""
+    from test_train import write_dataset
+
+    monkeypatch.setattr(study, "execute", in_process)
+    tsv, out = benchmark_tsvs(tmp_path / "tsv"), tmp_path / "study"
+    router_meta = write_dataset(tmp_path / "router_data", rows=4)
+    argv = ["--model", str(model_dir), "--data", str(meta), "--tsv", str(tsv), "--out", str(out),
+            "--allocations", "1:1", "2:2", "--benchmarks", "MMMU_DEV_VAL", "ChartQA_TEST", "--ablations", "mean",
+            "--ablation-base", "2:2", "--router-allocation", "2:2", "--router-step", "1", "--router-data",
+            str(router_meta), "--router-eval-data", str(router_meta), "--lengths", "1:1", "2:2", "--arch", "tiny",
+            "--nproc-per-node", "1",
+            "--train-flags", " ".join([*COMMON, "--max-steps", "2", "--save-every", "1", "--keep-last", "2"]),
+            "--eval-flags", "--max-new-tokens 4 --batch-size 4",
+            "--label-flags", "--num-workers 0 --max-tiles 2 --batch-size 2",
+            "--router-flags", "--steps 3 --global-batch 2 --log-every 1 --check-samples 0",
+            "--profile-flags", "--iters 1 --warmup 0 --new-tokens 2 --tiles 1 --text-tokens 8"]
+    t0 = time.perf_counter()
+    assert study.main(argv) == 0, capsys.readouterr().err[-3000:]
+    print(f"study.py end to end: {time.perf_counter() - t0:.1f} s", file=sys.__stderr__)
+    capsys.readouterr()
+
+    report = json.loads((out / "report" / "report.json").read_text())
+    print(json.dumps(report)[:3000], file=sys.__stderr__)
