@@ -60,7 +60,8 @@ class StudyConfig:
     router_data: str = flag("", "meta JSON the router is labelled and trained on", shown="--data")
     router_eval_data: str = flag("", "held-out meta JSON for `router.py eval` (Table 3 / S9 layout)", shown="none")
     lengths: list[str] = flag(help="the two allocations of Table S5", nargs=2, factory=lambda: ["1:1", "4:4"])
-    arch: str = flag("1b", "backbone preset of Tables 4 / S7.s profile and of the report.s FLOPs")
+    cost_column: str = flag("All", "Figure 4's score column (a benchmark, or an aggregate all of whose benchmarks ran)")
+    arch: str = flag("1b", "backbone preset of Tables 4 / S7's profile and of the report's FLOPs")
     launcher: str = flag("local", "local: torchrun on this machine; slurm: sbatch --wait slurm/parvl.sbatch (srun "
                          "for one-GPU pieces)", choices=["local", "slurm"])
     nproc_per_node: int = flag(8, "processes (GPUs) per node; 1 = plain python", range="[1, inf)")
@@ -189,7 +190,8 @@ def pieces(c: StudyConfig) -> list[Piece]:
                                            "--predictions", *found("pred/*/*.jsonl"), "--out", str(tables / "S2.json")],
                       tables / "S2.json", stdout=tables / "S2.md", derived=True))
     todo.append(Piece("Figure 4", lambda: ["evaluate.py", "cost", "--report", str(report / "report.json"), "--latency",
-                                           *found("profile/*.json"), "--out", str(tables / "figure4")],
+                                           *found("profile/*.json"), "--column", c.cost_column, "--out",
+                                           str(tables / "figure4")],
                       tables / "figure4" / "score_cost.json", stdout=tables / "figure4.md", derived=True))
     return todo
 
