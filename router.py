@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from llm import prompt_positions
 from loss import answer_nll
 from parvl import ParVL
 from schedule import lr_lambda
+from trackers import TRACKER_FILES, TRACKERS, Tracker
 
 ROUTER_FILES = ("router.safetensors", "config.json", "metrics.jsonl", "eval.json")  # what train and eval write in --out
 
@@ -58,6 +60,9 @@ class TrainRouterConfig:
     seed: int = flag(SEED, "seed of the sample order and the gates' initialisation")
     log_every: int = flag(50, "steps between log lines", range="[1, inf)")
     check_samples: int = flag(2, "labelled samples recomputed with the model before training")
+    tracker: str | None = flag(None, "also log every metrics.jsonl line to TensorBoard (OUT/tensorboard) or W&B "
+                               "(OUT/wandb; WANDB_MODE=offline needs no network); optional packages (trackers.py)",
+                               choices=list(TRACKERS), shown="none")
     overwrite: bool = flag(False, "replace the router already in --out (its stale eval.json goes too)")
 
 
@@ -89,6 +94,7 @@ def train(cfg: TrainRouterConfig) -> int:
     if held and not cfg.overwrite:  # one folder, one run (as train.py's run folders)
         raise RouterError(f"--out {out} already holds a router ({', '.join(held)}): pass --overwrite to replace it, "
                           f"or pick another --out")
+    tracker = Tracker(cfg.tracker, out)  # a missing package is one line before the model loads
     device = start_processes(torch.cuda.is_available())
     world = world_size()
     meta, _ = load_labels(cfg.labels)
@@ -109,14 +115,27 @@ def train(cfg: TrainRouterConfig) -> int:
     optim = torch.optim.AdamW(router.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(cfg.steps, cfg.warmup_ratio))
     t = {k: v.to(device) for k, v in t.items()}
-    S, G, local = len(t["rows"]), cfg.global_batch, cfg.global_batch // world
+    S, G = len(t["rows"]), cfg.global_batch
     stream = torch.cat([torch.randperm(S, generator=torch.Generator().manual_seed(cfg.seed + e))
                         for e in range(math.ceil(cfg.steps * G / S))])
     if rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
         for name in held:  # --overwrite: the old router's files go, its eval.json too (it would be stale)
             (out / name).unlink()
+        for old in (out / name for name in TRACKER_FILES):  # a new router: new curves
+            shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
         (out / "metrics.jsonl").write_text("")
+    tracker.start(0, asdict(cfg))
+    with tracker:
+        fit(router, optim, sched, t, stream, cfg, rcfg, tracker)
+    return save(router, model, frozen, meta, cfg)
+
+
+def fit(router: Router, optim, sched, t: dict, stream: torch.Tensor, cfg: TrainRouterConfig, rcfg: RouterConfig,
+        tracker: Tracker) -> None:
+    """The steps of `train`: each rank's slice of global step s's samples, gradients summed over ranks."""
+    world, out, G = world_size(), Path(cfg.out), cfg.global_batch
+    local, device = G // world, t["nll"].device
     for step in range(cfg.steps):
         idx = stream[step * G + rank() * local: step * G + (rank() + 1) * local].to(device)
         logits_v, logits_l, v = router(t["image"][idx], t["text"][idx], t["connector"][idx], t["has_image"][idx])
@@ -139,6 +158,12 @@ def train(cfg: TrainRouterConfig) -> int:
             if rank() == 0:
                 with open(out / "metrics.jsonl", "a") as f:
                     f.write(json.dumps(line) + "\n")
+                tracker.log(line)  # the same line, at the same step (--tracker)
+
+
+def save(router: Router, model: ParVL, frozen: str, meta: dict, cfg: TrainRouterConfig) -> int:
+    """The end of `train`: the frozen model checked unchanged, the router saved (rank 0)."""
+    out = Path(cfg.out)
     if state_hash(model) != frozen:
         raise AssertionError("the frozen model changed during router training")
     log(f"frozen model unchanged (sha256 {frozen[:16]}): only the gates trained")

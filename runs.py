@@ -7,6 +7,7 @@ run's metrics (plot_run). train.py drives it; this module holds no training.
                               counts, every file's size), done   (step_N.tmp while being written;
                               step_N.broken once set aside by a fallback)
     OUT/metrics.jsonl         one JSON line per log step      OUT/export/  the final ParVL checkpoint
+    OUT/export_step_N/        a kept step's ParVL checkpoint (`train.py export OUT --step N`)
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from cli import log, one_line, os_cause, pyplot, rank
 from parvl import ParVL
+from trackers import TRACKER_FILES
 
 def all_sum(*values: float, device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
@@ -62,9 +64,9 @@ def check_out(out: Path, resume: bool, overwrite: bool) -> None:
 
 
 def discard_run(out: Path) -> None:
-    """--overwrite: remove the previous run's files (rank 0, before anything new is written)."""
-    for name in (*RUN_FILES, "config.json"):
-        path = out / name
+    """--overwrite: remove the previous run's files, its step exports and tracker files too (rank 0, before
+    anything new is written)."""
+    for path in [*(out / name for name in (*RUN_FILES, "config.json", *TRACKER_FILES)), *out.glob("export_step_*")]:
         if path.is_dir():
             shutil.rmtree(path)
         elif path.exists():
@@ -260,8 +262,16 @@ def resume(model, optim, sched, out: Path, config: dict) -> tuple[int, dict]:
     return step, meta
 
 
-def export(model: ParVL, out: Path, tokenizer_from: Path) -> None:
-    """The final model as a ParVL safetensors checkpoint (InternVL layout + branch tensors)."""
+def load_model_state(model, folder: Path) -> None:
+    """The model's part of a DCP checkpoint, alone (`train.py export`: no optimizer is built)."""
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_model_state_dict(model, state["model"])
+
+
+def export(model: ParVL, folder: Path, tokenizer_from: Path) -> None:
+    """The model as a ParVL safetensors checkpoint (InternVL layout + branch tensors) in `folder`: OUT/export
+    at the end of a run, OUT/export_step_N for `train.py export OUT --step N`."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     failure = None
     if rank() == 0:
@@ -270,10 +280,10 @@ def export(model: ParVL, out: Path, tokenizer_from: Path) -> None:
         plain.load_state_dict(full, assign=True)
         plain.language_model.model.init_rope("cpu")
         try:
-            plain.save(out / "export", tokenizer_from=tokenizer_from)
+            plain.save(folder, tokenizer_from=tokenizer_from)
         except OSError as e:  # the checkpoints stay; a half-written weights file does not
-            (out / "export" / "model.safetensors.tmp").unlink(missing_ok=True)
-            failure = f"cannot write the export {out / 'export'}: {os_cause(e, out)}"
+            (folder / "model.safetensors.tmp").unlink(missing_ok=True)
+            failure = f"cannot write the export {folder}: {os_cause(e, folder.parent)}"
     if all_sum(float(failure is not None), device=next(model.parameters()).device)[0]:
         raise ValueError(failure or "the export failed on rank 0")
 

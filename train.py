@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 8 train.py --pv 2 --pl 2 --model InternVL3_5-1B --data meta.json --out runs/22
     python train.py --validate-data --model InternVL3_5-1B --data meta.json   # count bad rows, no training
     python train.py plot runs/22                                                # runs/22/metrics.png (matplotlib)
+    python train.py export runs/22 --step 7000                      # runs/22/export_step_7000, a kept checkpoint
 
 Full-parameter SFT for one epoch from an InternVL3.5 (or ParVL) checkpoint on data in the official
 InternVL format (data.py). The loss is Eq. 6: every supervised token of sample b weighs 1/sqrt(n_b),
@@ -51,9 +52,10 @@ from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, re
 from flags import command_parser, flag, parse
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL
-from runs import (check_out, checkpoints, discard_run, export, finite, plot_run, resume, save_checkpoint,
-                  trim_metrics)
+from runs import (check_out, checkpoints, discard_run, export, finite, load_model_state, plot_run, resume,
+                  save_checkpoint, trim_metrics, verify_checkpoint)
 from schedule import lr_lambda
+from trackers import TRACKERS, Tracker
 
 
 def default_workers() -> int:
@@ -101,6 +103,9 @@ class TrainConfig:
     resume: bool = flag(False, "continue from the newest checkpoint in --out that verifies (none: start fresh)")
     overwrite: bool = flag(False, "discard the run --out holds (checkpoints, export, metrics) and start a new one")
     log_every: int = flag(1, "steps between log lines", range="[1, inf)")
+    tracker: str | None = flag(None, "also log every metrics.jsonl line to TensorBoard (OUT/tensorboard) or W&B "
+                               "(OUT/wandb; WANDB_MODE=offline needs no network), from rank 0; optional packages "
+                               "(trackers.py)", choices=list(TRACKERS), shown="none")
     num_workers: int = flag(help="data loading processes per rank", range="[0, inf)", factory=default_workers,
                             shown="4, or the CPUs per local rank if fewer")
     max_bad_frac: float = flag(0.01, "abort once more than this fraction of the data set's rows are bad "
@@ -141,9 +146,18 @@ class PlotConfig:
     out: str | None = flag(None, "PNG file to write", shown="RUN/metrics.png")
 
 
+@dataclass
+class ExportConfig:
+    run: str = flag(help="run folder (train.py --out)", positional=True)
+    step: int = flag(None, "the step to export: a checkpoint RUN/checkpoints/step_N the run still keeps (--keep-last)",
+                     range="[1, inf)", required=True)
+    out: str | None = flag(None, "folder to write the ParVL checkpoint into", shown="RUN/export_step_N")
+
+
 def parse_args(argv=None) -> TrainConfig:
     return parse(command_parser(__doc__.split("\n\n")[0], TrainConfig, epilog="train.py plot RUN [--out FILE.png]: "
-                                "one PNG of a run's metrics.jsonl (train.py plot --help)"), argv)
+                                "one PNG of a run's metrics.jsonl (train.py plot --help); train.py export RUN --step "
+                                "N: a kept checkpoint as a ParVL checkpoint (train.py export --help)"), argv)
 
 
 def parse_plot_args(argv=None) -> PlotConfig:
@@ -151,19 +165,29 @@ def parse_plot_args(argv=None) -> PlotConfig:
                                 "as one PNG; needs matplotlib.", PlotConfig, prog="train.py plot"), argv)
 
 
+def parse_export_args(argv=None) -> ExportConfig:
+    return parse(command_parser("Write the ParVL checkpoint of a kept training step, in the layout of the run's "
+                                "final export (RUN/export), for generate.py, evaluate.py and router.py.",
+                                ExportConfig, prog="train.py export"), argv)
+
+
 def main(argv=None) -> int:
-    """`train.py plot RUN` plots a run; anything else trains (or, --validate-data, counts the bad rows).
-    Exit codes and lines: cli.shell."""
+    """`train.py plot RUN` plots a run, `train.py export RUN --step N` exports a kept step; anything else
+    trains (or, --validate-data, counts the bad rows). Exit codes and lines: cli.shell."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["plot"]:  # before the training parser: its flags stay as they are
         p = parse_plot_args(argv[1:])
         return shell(lambda: print(plot_run(Path(p.run), Path(p.out) if p.out else None)))
+    if argv[:1] == ["export"]:
+        e = parse_export_args(argv[1:])
+        return shell(lambda: export_step(e), interrupted=lambda: "the export was abandoned; run it again")
     cfg = parse_args(argv)
     return shell(lambda: run(cfg), interrupted=lambda: stopped_words(Path(cfg.out)))
 
 
 def run(cfg: TrainConfig) -> int:
     cfg.check_files()
+    tracker = Tracker(cfg.tracker, Path(cfg.out))  # a missing package is one line before any work
     if not cfg.validate_data:
         check_out(Path(cfg.out), cfg.resume, cfg.overwrite)
     mcfg, tok = open_checkpoint(Path(cfg.model))  # tiles as the model sees them, and its own tokenizer
@@ -175,7 +199,8 @@ def run(cfg: TrainConfig) -> int:
     if cfg.validate_data:
         report_bad_rows(data, cfg.max_bad_frac)
         return 0
-    return train(cfg, data)
+    with tracker:
+        return train(cfg, data, tracker)
 
 
 def stopped_words(out: Path) -> str:
@@ -183,6 +208,37 @@ def stopped_words(out: Path) -> str:
     kept = checkpoints(out) if out.is_dir() else []
     return "the current step was abandoned; " + (f"last complete checkpoint {kept[-1]} (continue with --resume)"
                                                  if kept else "no checkpoint was saved")
+
+
+def export_step(e: ExportConfig) -> int:
+    """`train.py export RUN --step N`: the model of checkpoint step_N, built as the run built it (its flags
+    from the checkpoint's train.json, the weights of --model, then the checkpoint's), written by the
+    function that writes the end-of-run export. A step the run no longer keeps, or one that does not
+    verify, is refused before anything loads."""
+    run = Path(e.run)
+    folder = run / "checkpoints" / f"step_{e.step}"
+    if not (run / "checkpoints").is_dir():
+        raise ValueError(f"{run}: not a train.py run folder (no checkpoints/)")
+    if not folder.is_dir():
+        kept = ", ".join(d.name for d in checkpoints(run)) or "none"
+        raise ValueError(f"{folder}: no such checkpoint (kept: {kept}); a run keeps its newest --keep-last saves, "
+                         f"see docs/training.md to keep a step")
+    if why := verify_checkpoint(folder):
+        raise ValueError(f"{folder}: does not verify ({why})")
+    saved = json.loads((folder / "train.json").read_text()).get("config", {})
+    known = {f.name for f in fields(TrainConfig)}
+    cfg = replace(TrainConfig(**{k: v for k, v in saved.items() if k in known}), compile=False,
+                  activation_checkpointing=False)  # how the weights were computed does not change them
+    if not Path(cfg.model).is_dir():
+        raise ValueError(f"{folder}: trained from --model {cfg.model!r}, which is not a folder any more (the export "
+                         f"takes its config and tokenizer)")
+    device = start_processes(torch.cuda.is_available(), always=True)
+    model = build_model(cfg, device, init_device_mesh(device.type, (dist.get_world_size(),)))
+    load_model_state(model, folder)
+    out = Path(e.out) if e.out else run / f"export_step_{e.step}"
+    export(model, out, Path(cfg.model))
+    log(f"exported step {e.step} of {run} to {out}", sys.stdout)
+    return 0
 
 
 # -- model -------------------------------------------------------------------------------------
@@ -363,7 +419,7 @@ def start_run(cfg: TrainConfig, data: SFTData) -> tuple[TrainConfig, torch.devic
     return cfg, device, cfg.max_steps or steps_per_epoch
 
 
-def train(cfg: TrainConfig, data: SFTData) -> int:
+def train(cfg: TrainConfig, data: SFTData, tracker: Tracker) -> int:
     cfg, device, total = start_run(cfg, data)
     world, out = dist.get_world_size(), Path(cfg.out)
     model = build_model(cfg, device, init_device_mesh(device.type, (world,)))
@@ -378,8 +434,9 @@ def train(cfg: TrainConfig, data: SFTData) -> int:
         (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
         if cfg.resume:
             trim_metrics(out, step)  # metrics.jsonl then continues with step + 1
+    tracker.start(step, asdict(cfg))  # rank 0; a resumed run's curves go on from its step
 
-    meter = Meter(model, cfg, device, total, step)
+    meter = Meter(model, cfg, device, total, step, tracker)
     loader = make_loader(data, data.epoch_order(cfg.seed), rank(), world, cfg.global_batch, cfg.micro_batch, step,
                          cfg.num_workers, pad_id=0, pin_memory=device.type == "cuda",  # pinned: no host wait
                          packing=cfg.packing)
@@ -409,7 +466,7 @@ def train(cfg: TrainConfig, data: SFTData) -> int:
                             cfg.keep_last)
         if step >= total:
             break
-    export(model, out, Path(cfg.model))
+    export(model, out / "export", Path(cfg.model))
     log(f"exported {out / 'export'}", sys.stdout)
     return 0
 
@@ -454,11 +511,11 @@ def train_step(model: ParVL, optim, sched, batches: list, cfg: TrainConfig, devi
 
 
 class Meter:
-    """A log step's figures: the metrics line (stdout and OUT/metrics.jsonl, rank 0) and the human line
-    (stderr), with throughput, MFU against the device's bf16 peak, ETA and the branch-weight entropies."""
+    """A log step's figures: the metrics line (stdout, OUT/metrics.jsonl and the --tracker, rank 0) and the
+    human line (stderr), with throughput, MFU against the device's bf16 peak, ETA and the branch-weight entropies."""
 
-    def __init__(self, model: ParVL, cfg: TrainConfig, device, total: int, first_step: int):
-        self.model, self.device, self.total, self.first_step = model, device, total, first_step
+    def __init__(self, model: ParVL, cfg: TrainConfig, device, total: int, first_step: int, tracker: Tracker):
+        self.model, self.device, self.total, self.first_step, self.tracker = model, device, total, first_step, tracker
         self.out = Path(cfg.out)
         self.vit_flops, self.llm_flops = train_flops_per_token(model)
         hopper = device.type == "cuda" and any(h in torch.cuda.get_device_name(device) for h in ("H100", "H200"))
@@ -484,6 +541,7 @@ class Meter:
         if rank() == 0:
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
+            self.tracker.log(line)  # the same line, at the same step (--tracker)
 
 
 if __name__ == "__main__":

@@ -466,3 +466,57 @@ def two_nodes(args: list, node_args: tuple[list, list] = ([], []), timeout: int 
                               stderr=subprocess.PIPE, text=True) for k in (0, 1)]
     outs = [p.communicate(timeout=timeout) for p in procs]
     return [p.returncode for p in procs], "".join(err for _, err in outs)
+
+
+# A faked Slurm for slurm/parvl.sbatch: `scontrol show hostnames` lists the comma-separated nodes of
+# SLURM_JOB_NODELIST, `scontrol requeue` is written down; `srun --nodes=N ...` writes down its arguments
+# and starts its command once per node with that node's SLURM_NODEID (as N machines would), or with
+# FAKE_SRUN_SLEEP only sleeps that long. Both append one JSON line per call to FAKE_SLURM_LOG.
+FAKE_SRUN = '''import json, os, subprocess, sys, time
+args = sys.argv[1:]
+opts = [a for a in args[:next(i for i, a in enumerate(args) if not a.startswith("--"))]]
+cmd = args[len(opts):]
+nodes = int(next(a for a in opts if a.startswith("--nodes=")).split("=")[1])
+with open(os.environ["FAKE_SLURM_LOG"], "a") as f:
+    f.write(json.dumps(["srun", *args]) + "\\n")
+if "FAKE_SRUN_SLEEP" in os.environ:
+    time.sleep(float(os.environ["FAKE_SRUN_SLEEP"]))
+    sys.exit(0)
+procs = [subprocess.Popen(cmd, env=dict(os.environ, SLURM_NODEID=str(k), SLURM_PROCID=str(k))) for k in range(nodes)]
+sys.exit(max(p.wait() for p in procs))
+'''
+FAKE_SCONTROL = '''import json, os, sys
+with open(os.environ["FAKE_SLURM_LOG"], "a") as f:
+    f.write(json.dumps(["scontrol", *sys.argv[1:]]) + "\\n")
+if sys.argv[1:3] == ["show", "hostnames"]:
+    print("\\n".join(sys.argv[3].split(",")))
+'''
+
+
+def fake_slurm(folder: Path, nodes: int = 2, job_id: int = 4242, **env) -> dict:
+    """The environment of a Slurm batch job of `nodes` nodes on 127.0.0.1 (one process each), with fake
+    srun and scontrol first on PATH; `env` adds or overrides variables. Its log: folder / "slurm.log"."""
+    bin_ = folder / "bin"
+    bin_.mkdir(parents=True, exist_ok=True)
+    for name, code in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_ / name).write_text(f"#!{sys.executable}\n{code}")
+        (bin_ / name).chmod(0o755)
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1",
+                FAKE_SLURM_LOG=str(folder / "slurm.log"), SLURM_JOB_ID=str(job_id), SLURM_JOB_NUM_NODES=str(nodes),
+                SLURM_JOB_NODELIST=",".join(["127.0.0.1"] * nodes), NPROC_PER_NODE="1", RDZV_PORT=str(port),
+                PYTHON=sys.executable, **{k: str(v) for k, v in env.items()})
+
+
+def slurm_log(env: dict) -> list[list[str]]:
+    path = Path(env["FAKE_SLURM_LOG"])
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def sbatch(args: list, env: dict, timeout: int = 300, **popen) -> subprocess.CompletedProcess:
+    """slurm/parvl.sbatch with these arguments, as Slurm runs a batch script (bash, in the submit folder)."""
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(["bash", str(root / "slurm" / "parvl.sbatch"), *map(str, args)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=timeout, **popen)

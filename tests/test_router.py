@@ -601,6 +601,24 @@ def test_train_into_a_router_folder_needs_overwrite(model23, labelled, tmp_path,
     assert (tmp_path / "R" / "router.safetensors").read_bytes() != before["router.safetensors"]
 
 
+def test_router_tensorboard_curves_equal_metrics(model23, labelled, tmp_path):
+    """`router.py train --tracker tensorboard`: the events TensorBoard reads back equal metrics.jsonl, every
+    number at its step (the pair histogram as pair_histogram/k); a router trained anew with --overwrite
+    replaces the old router's curves rather than adding to them."""
+    pytest.importorskip("tensorboard")
+    from test_cluster import event_scalars, expected_scalars
+
+    _, labels = labelled
+    args = ["train", "--model", model23, "--labels", labels, "--steps", 3, "--log-every", 1, "--global-batch", 4,
+            "--check-samples", 0, "--tracker", "tensorboard", "--out", tmp_path / "R"]
+    assert run_router(*args) == 0
+    assert run_router(*args, "--seed", 1, "--overwrite") == 0
+    lines = [json.loads(x) for x in (tmp_path / "R" / "metrics.jsonl").read_text().splitlines()]
+    want = expected_scalars(lines)
+    assert [s for s, _ in want["loss"]] == [1, 2, 3] and {"lr", "pair_acc", "pair_histogram/5"} <= want.keys()
+    assert event_scalars(tmp_path / "R" / "tensorboard") == want
+
+
 def test_length_groups_bucket_by_length_within_the_token_budget():
     """Longest first; a sample joins a group while it is at least half the group's longest and the
     padded size stays within max_tokens; a longer sample goes alone."""

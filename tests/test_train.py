@@ -19,7 +19,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from cli import one_line
-from conftest import two_nodes
+from conftest import fake_slurm, sbatch, slurm_log, two_nodes
 from batches import collate
 from data import SFTData
 from loss import chunked_sft_loss, loss_weights, sft_loss
@@ -201,8 +201,9 @@ def test_lr_schedule_and_parameter_groups(model_dir):
 
 @pytest.mark.slow
 def test_two_nodes_equal_one_process(model_dir, meta, tmp_path, capsys):
-    """2 nodes x 1 process (conftest.two_nodes: the README's multi-node torchrun, on 127.0.0.1) against
-    one process: the same losses, and exports equal to fp32 reduction-order noise. The vision branches
+    """2 nodes x 1 process, started as a Slurm job (slurm/parvl.sbatch under conftest.fake_slurm: srun starts
+    one torchrun per node on 127.0.0.1, the rendezvous at the first node under the job id) against one
+    process: the same losses, and exports equal to fp32 reduction-order noise. The vision branches
     are LoRA ones (Figure 3): sharded by FSDP2 like every tensor, trained (B leaves zero), saved in
     the export's config and run by generate.py from it."""
     import generate
@@ -211,8 +212,12 @@ def test_two_nodes_equal_one_process(model_dir, meta, tmp_path, capsys):
             "lora",
             "--lora-rank", "2", *COMMON]
     train_here(*args, "--out", tmp_path / "one")
-    codes, err = two_nodes([ROOT / "train.py", *args, "--out", tmp_path / "two", "--activation-checkpointing"])
-    assert codes == [0, 0], err[-3000:]
+    command = [ROOT / "train.py", *args, "--out", tmp_path / "two", "--activation-checkpointing"]
+    env = fake_slurm(tmp_path / "slurm")
+    job = sbatch(command, env)
+    assert job.returncode == 0, job.stderr[-3000:]
+    srun = slurm_log(env)[1]  # srun's one call: torchrun on each node, the command whole
+    assert srun[:2] == ["srun", "--nodes=2"] and srun[-len(command):] == list(map(str, command))
     one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
     # fp32 on CPU; the two runs differ only in the order of reductions (gradients summed over 2 ranks)
     # and in recomputing activations (activation checkpointing on for the 2-rank run)
