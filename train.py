@@ -69,7 +69,7 @@ class TrainConfig:
     model: str = flag("", "InternVL3.5 or ParVL checkpoint folder")
     data: str = flag("", "meta JSON in the official InternVL SFT format")
     out: str = flag("runs/parvl", "run folder: config, metrics.jsonl, checkpoints, export")
-    pv: int | None = branch_flag("pv")  # the branch flags are ParConfig's (help, range), None = the checkpoint's
+    pv: int | None = branch_flag("pv")  # ParConfig's flags (help, range); None: the run's on --resume, else --model's
     pl: int | None = branch_flag("pl")
     lr_new: float = flag(8e-5, "peak learning rate of prefixes and aggregators", range="(0, inf)")
     lr_pretrained: float = flag(8e-6, "peak learning rate of the pretrained weights", range="(0, inf)")
