@@ -30,6 +30,11 @@ import torch.distributed as dist
 SEED = 42  # the paper's seed for every SFT and router-training job (Appendix A.1), and ours for every draw
 
 
+class UsageError(ValueError):
+    """Flags that turn out bad only once a file is read (a branch flag against the checkpoint it applies
+    to): one line and exit 2, as a flag error found while parsing."""
+
+
 def one_line(e: BaseException) -> str:
     """An error message folded onto one line (paths and causes can carry newlines)."""
     return " ".join(str(e).split())
@@ -117,7 +122,7 @@ def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None =
 
         0          the job returned (or the code it returned);
         1          bad input, any ValueError (data, a checkpoint, an image, a value found bad late):
-                   "error: LINE" from rank 0 (every rank meets it alike);
+                   "error: LINE" from rank 0 (every rank meets it alike); 2 for a UsageError;
                    a failed read or write: the file and its cause (os_error), from the rank that met it;
                    DCP's failed save: its cause (os_cause);
                    an allocation failure: the sizes and the flags that lower them (OutOfMemory), from
@@ -154,7 +159,7 @@ def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None =
                     code, alone = 1, many
                     error(f"error: {who}{e}", every_rank=True)
                 elif isinstance(e, (ValueError, CheckpointException)):  # alike on every rank
-                    code = 1
+                    code = 2 if isinstance(e, UsageError) else 1
                     line = one_line(e) if isinstance(e, ValueError) else os_cause(e)
                     waits = not dist.is_initialized()  # the other ranks wait for torchrun; else the last barrier
                     error(f"error: {line}", wait=False)

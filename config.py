@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from checkpoint import CheckpointError, read_json
+from cli import UsageError
 from flags import flag, out_of_range
 from llm import LLMConfig
 from processor import IM_END, IM_START, IMG_CONTEXT, IMG_END, IMG_START, Tokenizer
@@ -54,6 +55,10 @@ class ParConfig:
         >= 1, got 0" (flags.out_of_range's line, with the field's name for the flag's)."""
         for f in fields(self):
             value, meta = getattr(self, f.name), f.metadata
+            kind = type(f.default)  # int, float or str: what a flag's value (or a config.json's) must be
+            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
+                raise ValueError(f"{f.name} must be {'a string' if kind is str else 'a number'}"
+                                 f"{' (an integer)' if kind is int else ''}, got {value!r}")
             if "range" in meta and (why := out_of_range(self, {f.name: meta["range"]})):
                 raise ValueError(f"{f.name} {why.partition(' ')[2]}")
             if "choices" in meta and value not in meta["choices"]:
@@ -79,6 +84,58 @@ def branch_variant(par: ParConfig) -> dict:
     evaluate.py run records of a checkpoint and profiling.py latency of the model it profiles."""
     unused = "lora_rank" if par.vision_branches == "prefix" else "vit_prefix_len"
     return {k: v for k, v in asdict(par).items() if k not in ("pv", "pl", unused) and v != getattr(ParConfig(), k)}
+
+
+def branch_conflict(values: dict, vit_width: int | None = None, origin: dict | None = None) -> str | None:
+    """Branch flags that cannot mean anything together, as one line naming them, or None. values: ParConfig
+    field names -> values, None (or missing) where not known yet (train.py's flags before the checkpoint
+    is read); vit_width: the ViT width C, where known; origin: a note for a value the user did not give
+    ("the checkpoint's"). What makes two branches of a tower differ is its own prefixes (Eq. 1), or for
+    vision branches, with --vision-branches lora, their own low-rank updates instead; the aggregator
+    only weighs the branch states, so branches that start and stay identical fuse to one."""
+    v, origin = {k: x for k, x in values.items() if x is not None}, origin or {}
+
+    def say(name: str) -> str:
+        return f"--{name.replace('_', '-')} {v[name]}" + (f" ({origin[name]})" if name in origin else "")
+
+    lora = v.get("vision_branches") == "lora"
+    if lora and v.get("pv") == 1:
+        return (f"{say('vision_branches')} needs --pv 2 or more: LoRA vision branches are one low-rank update of the "
+                f"ViT per branch, and at {say('pv')} there is no branch to create one for")
+    if v.get("pv", 1) > 1 and v.get("vision_branches") == "prefix" and v.get("vit_prefix_len") == 0:
+        return (f"{say('vit_prefix_len')} at {say('pv')}: with no prefix tokens every vision branch computes the same "
+                f"states; give --vit-prefix-len 1 or more, or --vision-branches lora")
+    if v.get("pl", 1) > 1 and v.get("llm_prefix_len") == 0:
+        return (f"{say('llm_prefix_len')} at {say('pl')}: with no prefix tokens every language branch computes the "
+                f"same states; give --llm-prefix-len 1 or more")
+    if lora and vit_width is not None and v.get("lora_rank", 0) > vit_width:
+        return (f"{say('lora_rank')} is more than the ViT's width {vit_width}: a low-rank update of a {vit_width}-wide "
+                f"linear has rank at most {vit_width}")
+    return None
+
+
+def resolve_branch_flags(given: dict, par: ParConfig, vit_width: int, model: str, run: dict | None = None,
+                         run_name: str = "") -> dict:
+    """A command's branch flags (ParConfig field names -> the value given, None for branch_flag's "the
+    checkpoint's") resolved: as given, else the run's own where a run is continued (`run`, the config it
+    recorded, named `run_name`; None there means it took the checkpoint's), else the checkpoint's `par`
+    (of --model `model`). The branch parameterisation fixes a run as Pv:Pl does: a given value other
+    than the run's is refused in one line. Values that cannot mean anything together (branch_conflict)
+    are a UsageError (exit 2), naming where each value not given came from."""
+    values, origin = {}, {}
+    for name, value in given.items():
+        was = getattr(par, name) if run is None or run.get(name) is None else run[name]
+        if run is not None and value is not None and value != was:
+            raise ValueError(f"{run_name} was trained with --{name.replace('_', '-')} {was}, this run asks for "
+                             f"{value}; resume without the flag (or with the run's value), or start a new run in "
+                             f"another --out")
+        values[name] = was if value is None or run is not None else value
+        if value is None:
+            origin[name] = "the run's" if run is not None else f"{model}'s"
+    if why := branch_conflict(values, vit_width, origin):
+        raise UsageError(why)
+    ParConfig(**values)  # the ranges, as the flags' own
+    return values
 
 
 def check_branch_choice(par: ParConfig, vision_branch: int | None, language_branch: int | None) -> None:
@@ -196,6 +253,21 @@ def llm_config_from_json(t: dict, family: str, tied: bool | None, default_theta:
     )
 
 
+def par_from_json(block, folder: Path | None) -> ParConfig:
+    """The "parvl": {"par": ...} block this project writes into config.json: a bad value is one line naming
+    the file and the field, as a flag's would be."""
+    where = f"{folder / 'config.json' if folder is not None else 'config.json'}: parvl.par"
+    names = [f.name for f in fields(ParConfig)]
+    if not isinstance(block, dict):
+        raise CheckpointError(f"{where} must be an object of branch fields, got {block!r:.40}")
+    if unknown := sorted(set(block) - set(names)):
+        raise CheckpointError(f"{where} has no field {unknown[0]!r} (its fields: {', '.join(names)})")
+    try:
+        return ParConfig(**block)
+    except ValueError as e:
+        raise CheckpointError(f"{where}.{e}") from None
+
+
 def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = None) -> ParVLConfig:
     """config.json in any supported spelling -> ParVLConfig: original InternVLChatConfig (with this
     project's "parvl" block when saved here), -HF InternVLConfig, or ParScale's Qwen2 config."""
@@ -223,7 +295,7 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
     if arch is not None and DECODERS[arch] != family:
         raise CheckpointError(f"config.json: {field}.model_type {family!r} does not match architectures {arch!r}")
     llm = llm_config_from_json(t, family, tied)
-    par = ParConfig(**extra["par"]) if "par" in extra else ParConfig()
+    par = par_from_json(extra.get("par", {}), folder)
     if language_only:
         return ParVLConfig(vit=None, llm=llm, par=par, image_token_id=-1)
     size, patch = v.get("image_size", 448), v.get("patch_size", 14)

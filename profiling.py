@@ -33,7 +33,7 @@ from typing import ClassVar
 import torch
 
 from cli import DTYPES, command, pyplot, resolve_device, resolve_dtype, shell
-from config import PRESETS, ParConfig, ParVLConfig, branch_flag, branch_variant
+from config import PRESETS, ParConfig, ParVLConfig, branch_conflict, branch_flag, branch_variant
 from engine import Engine, GenerateConfig
 from flags import command_parser, flag, parse
 from flops import ARCHS, BRANCHES, Workload, build_config, profile_params
@@ -293,6 +293,13 @@ class ParamsConfig:
     tiles: int = flag(3, "448 px image tiles, 256 tokens each", range="[0, inf)")
     text_tokens: int = flag(256, "prompt text tokens", range="[0, inf)")
     response_tokens: int = flag(128, "response tokens, scored in the same forward pass", range="[0, inf)")
+
+    def check(self) -> None:
+        """Branch flags that cannot mean anything (exit 2); --all has every Pv:Pl, 1:1 as its baseline."""
+        values = {"vision_branches": self.vision_branches, "lora_rank": self.lora_rank} | (
+            {} if self.all else {"pv": self.pv, "pl": self.pl})
+        if why := branch_conflict(values, ARCHS[self.arch].vit.hidden_size):
+            raise ValueError(why)
 
 
 @dataclass

@@ -3,6 +3,11 @@
 export, one line for a failed save (its cause from cli.os_cause), and `train.py plot`'s picture of a
 run's metrics (plot_run). train.py drives it; this module holds no training.
 
+A run folder may come from someone else, so a checkpoint is read without running anything it holds:
+DCP's .metadata (a pickle) through an unpickler that admits only the classes DCP's metadata is made
+of (read_dcp_metadata), and DCP's non-tensor entries (the optimizer's param groups) with torch.load's
+weights_only (PlainBytesPlanner); tensors DCP reads with weights_only itself.
+
     OUT/checkpoints/step_N/   DCP shards + .metadata, train.json (step, scheduler, config, bad-row
                               counts, every file's size), done   (step_N.tmp while being written;
                               step_N.broken once set aside by a fallback)
@@ -11,8 +16,12 @@ run's metrics (plot_run). train.py drives it; this module holds no training.
 """
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
+import pathlib
+import pickle
 import re
 import shutil
 import tempfile
@@ -21,7 +30,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
@@ -29,15 +41,97 @@ from cli import log, one_line, os_cause, pyplot, rank
 from parvl import ParVL
 from trackers import TRACKER_FILES
 
+
 def all_sum(*values: float, device) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.tolist()
 
 
+# -- reading a checkpoint without running it ------------------------------------------------------
+
+
+class Unsafe(ValueError):
+    """A checkpoint file that would run code (or reach outside its folder) if loaded: refused, never
+    set aside as broken."""
+
+
+# What the .metadata of torch 2.11-2.13's FileSystemWriter pickles: the dataclasses of
+# torch.distributed.checkpoint.metadata, filesystem._StorageInfo, torch.Size, dtypes (as torch.float32
+# and so on), layouts (torch.serialization._get_layout, a lookup by name), and the checkpoint_id path.
+DCP_CLASSES = {("torch.distributed.checkpoint.metadata", n): getattr(dcp_metadata, n)
+               for n in (*dcp_metadata.__all__, "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo, ("torch", "Size"): torch.Size,
+    ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+    **{("pathlib", n): getattr(pathlib, n) for n in ("Path", "PosixPath", "WindowsPath", "PurePosixPath",
+                                                     "PureWindowsPath")}}
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if (module, name) in DCP_CLASSES:
+            return DCP_CLASSES[module, name]
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise Unsafe(f"{module}.{name}")
+
+
+def read_dcp_metadata(folder: Path) -> dcp_metadata.Metadata:
+    """folder/.metadata through MetadataUnpickler. Unsafe (one line naming the file) for a pickle that
+    names anything else or a storage entry outside the folder; ValueError for one that is not DCP
+    metadata (a broken checkpoint); OSError as it comes."""
+    path = folder / ".metadata"
+    with open(path, "rb") as f:
+        try:
+            metadata = MetadataUnpickler(f).load()
+        except Unsafe as e:
+            raise Unsafe(f"{path}: refused to load: its pickle names {e}, which DCP's checkpoint metadata never "
+                         f"holds (loading it could run code); nothing was loaded") from None
+        except Exception as e:  # noqa: BLE001 -- anything a damaged pickle raises: the file is broken
+            raise ValueError(f"not DCP metadata ({type(e).__name__}: {one_line(e)[:80]})") from None
+    if not isinstance(metadata, dcp_metadata.Metadata) or not isinstance(metadata.storage_data, dict):
+        raise ValueError(f"not DCP metadata (a pickled {type(metadata).__name__})")
+    for info in metadata.storage_data.values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or name != Path(name).name or name in ("", ".", ".."):
+            raise Unsafe(f"{path}: refused to load: it points at {name!r}, not a file of {folder}")
+    return metadata
+
+
+class VerifiedReader(FileSystemReader):
+    """DCP's file reader with its metadata already read by read_dcp_metadata: DCP never unpickles it."""
+
+    def __init__(self, folder: Path, metadata: dcp_metadata.Metadata):
+        super().__init__(str(folder))
+        self.metadata = metadata
+
+    def read_metadata(self) -> dcp_metadata.Metadata:
+        if self.metadata.storage_meta is None:
+            self.metadata.storage_meta = dcp_metadata.StorageMeta()
+        self.metadata.storage_meta.load_id = self.load_id
+        return self.metadata
+
+
+class PlainBytesPlanner(DefaultLoadPlanner):
+    """DCP's planner, but a non-tensor entry (the optimizer's param groups: numbers, strings, tuples) is
+    first read with torch.load(weights_only=True), which refuses anything that could run code; only
+    then does DCP load it as it always does."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            torch.load(io.BytesIO(value.getvalue()), weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise Unsafe(f"refused to load {read_item.dest_index.fqn}: not plain data ({one_line(e)[:160]})") from None
+        value.seek(0)
+        super().load_bytes(read_item, value)
+
+
+def unsafe_failure(e: CheckpointException) -> Unsafe | None:
+    """The Unsafe refusal inside a failed dcp.load, if that is what failed."""
+    return next((f[0] for f in e.failures.values() if isinstance(f, tuple) and isinstance(f[0], Unsafe)), None)
+
+
 # -- the run folder and its checkpoints ---------------------------------------------------------
-
-
 
 
 RUN_FILES = ("checkpoints", "export", "metrics.jsonl")  # what makes a folder someone's run
@@ -50,6 +144,12 @@ def check_out(out: Path, resume: bool, overwrite: bool) -> None:
     written. Reads and one temporary file only; --overwrite discards later, on rank 0."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out}: is a file, not a folder")
+    if out.is_symlink() and not out.exists():
+        raise ValueError(f"--out {out}: a symbolic link to {os.readlink(out)}, which does not exist")
+    for name, folder in (("checkpoints", True), ("export", True), ("metrics.jsonl", False), ("config.json", False)):
+        if (out / name).exists() and (out / name).is_dir() != folder:
+            raise ValueError(f"--out {out}: {out / name} is a {'file' if folder else 'folder'}, where the run keeps "
+                             f"its {name} {'folder' if folder else 'file'}")
     held = [name for name in RUN_FILES if (out / name).exists() and (
         not (out / name).is_dir() or any((out / name).iterdir()))]
     if held and not resume and not overwrite:
@@ -115,10 +215,10 @@ def checkpoints(out: Path) -> list[Path]:
 
 
 def verify_checkpoint(folder: Path) -> str | None:
-    """Why `folder` cannot be resumed from, or None. Checks the done marker, train.json, and that
-    every file the save wrote (train.json lists them with their sizes) is there with that size; a
-    checkpoint from before that list needs at least DCP's .metadata. JSON and file sizes only: DCP's
-    .metadata is a pickle, so it is read by dcp.load alone."""
+    """Why `folder` cannot be resumed from, or None. Checks the done marker, train.json, that every
+    file the save wrote (train.json lists them with their sizes) is there with that size (a
+    checkpoint from before that list needs at least DCP's .metadata), and that .metadata reads as DCP
+    metadata (read_dcp_metadata: a pickle naming anything else raises Unsafe, a refusal, not a "why")."""
     if not (folder / "done").is_file():
         return "no done marker (an interrupted save)"
     try:
@@ -138,7 +238,18 @@ def verify_checkpoint(folder: Path) -> str | None:
             return f"{name} is missing"
         if size is not None and path.stat().st_size != size:
             return f"{name} is {path.stat().st_size} bytes, the save wrote {size}"
+    try:
+        read_dcp_metadata(folder)
+    except Unsafe:
+        raise
+    except (OSError, ValueError) as e:
+        return f".metadata is unreadable ({os_cause(e)})"
     return None
+
+
+def recorded_run(out: Path) -> Path | None:
+    """The newest checkpoint of the run in `out` that verifies (the one --resume tries first), or None."""
+    return next((d for d in reversed(checkpoint_dirs(out)) if verify_checkpoint(d) is None), None)
 
 
 def save_checkpoint(model, optim, sched, step: int, out: Path, config: dict, counts: dict, keep_last: int) -> None:
@@ -187,13 +298,35 @@ def save_checkpoint(model, optim, sched, step: int, out: Path, config: dict, cou
     dist.barrier()
 
 
-def load_checkpoint(model, optim, sched, folder: Path) -> dict:
-    """Model, optimizer and scheduler state from `folder`; returns its train.json. The scheduler goes on
-    from the saved step on *this* run's schedule (lr_lambda of this run's total): each group's rate is
-    set to base_lr * lambda(step) now, so a run whose --max-steps changed does not take its first
-    step at the old schedule's last rate. With the same flags this is the value the scheduler had."""
+def check_shapes(metadata: dcp_metadata.Metadata, model_state: dict, folder: Path) -> None:
+    """The checkpoint holds exactly this model's tensors, at its shapes: otherwise the run was trained
+    as another model (another --model or branch parameterisation), which is refused in one line; the
+    checkpoint is not broken and stays as it is."""
+    saved = {k.removeprefix("model."): tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+             if k.startswith("model.") and isinstance(v, dcp_metadata.TensorStorageMetadata)}
+    want = {k: tuple(v.shape) for k, v in model_state.items()}
+    differ = sorted(saved.keys() ^ want.keys()) or [k for k in sorted(want) if want[k] != saved[k]]
+    if differ:
+        key = differ[0]
+        what = (f"holds {key} as {list(saved[key])}, this run's model has {list(want[key])}" if key in saved and key
+                in want else f"holds {key}, which this run's model lacks" if key in saved else f"lacks {key}")
+        raise ValueError(f"--resume: {folder} {what}: the run was trained as another model (--model or branch "
+                         f"flags); resume with the run's, or start a new run in another --out")
+
+
+def load_checkpoint(model, optim, sched, folder: Path, metadata: dcp_metadata.Metadata) -> dict:
+    """Model, optimizer and scheduler state from `folder` (its .metadata read by read_dcp_metadata);
+    returns its train.json. The scheduler goes on from the saved step on *this* run's schedule
+    (lr_lambda of this run's total): each group's rate is set to base_lr * lambda(step) now, so a run
+    whose --max-steps changed does not take its first step at the old schedule's last rate. With the
+    same flags this is the value the scheduler had."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
-    dcp.load(state, checkpoint_id=str(folder))
+    try:
+        dcp.load(state, storage_reader=VerifiedReader(folder, metadata), planner=PlainBytesPlanner())
+    except CheckpointException as e:
+        if (refused := unsafe_failure(e)) is not None:
+            raise Unsafe(f"{folder}: {refused}") from None
+        raise
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optim, state["optim"])
     meta = json.loads((folder / "train.json").read_text())
@@ -207,15 +340,25 @@ def load_checkpoint(model, optim, sched, folder: Path) -> dict:
 # Flags a resumed run must share with the run it continues: they fix the data order, the loss and the
 # update rule, so a change would silently make a different run. --max-steps may change (the schedule
 # is rebuilt for the new total); the others (logging, saving, workers, compile) do not change the maths.
-RESUME_FIXED = ("data", "seed", "global_batch", "max_seq_len", "max_tiles", "pv", "pl", "lr_new", "lr_pretrained",
-                "weight_decay", "warmup_ratio", "clip", "dtype", "freeze_vit", "freeze_connector", "freeze_llm",
-                "freeze_backbone")
+# The branch parameterisation (Pv:Pl, prefix lengths, ...) fixes the run too: train.resolve_branches.
+RESUME_FIXED = ("data", "seed", "global_batch", "max_seq_len", "max_tiles", "lr_new", "lr_pretrained", "weight_decay",
+                "warmup_ratio", "clip", "dtype", "freeze_vit", "freeze_connector", "freeze_llm", "freeze_backbone")
+
+
+def same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def check_resumed_flags(meta: dict, config: dict, folder: Path) -> None:
+    """The RESUME_FIXED flags of the checkpoint's run and of this one agree; --data by the file it names
+    (the run records its absolute path; the same file by another path, from another folder, agrees)."""
     saved = meta.get("config", {})
     for name in RESUME_FIXED:
-        if name in saved and saved[name] != config[name]:
+        if name in saved and saved[name] != config[name] and not (name == "data" and same_file(saved[name],
+                                                                                              config[name])):
             raise ValueError(f"--resume: {folder} was trained with --{name.replace('_', '-')} {saved[name]}, this "
                              f"run asks for {config[name]}; resume with the same value, or start a new run in another "
                              f"--out")
@@ -225,17 +368,23 @@ def resume(model, optim, sched, out: Path, config: dict) -> tuple[int, dict]:
     """--resume: load the newest checkpoint that verifies and loads, falling back past broken ones,
     and say in one line which one and what was skipped and why. Broken ones newer than the one
     loaded are renamed step_N.broken (kept for a look, out of --keep-last's way). No usable
-    checkpoint: start at step 0 and say so. Every rank decides alike from the same files. A checkpoint
-    of a run with other RESUME_FIXED flags is refused with one line. Returns the step and train.json."""
+    checkpoint: start at step 0 and say so. Every rank decides alike from the same files. Refused in
+    one line, with nothing in the folder changed: a checkpoint of a run with other RESUME_FIXED flags,
+    one whose tensors are not this model's (check_shapes: not broken, another model), one that would
+    run code (Unsafe). Returns the step and train.json."""
     skipped, step, chosen, meta = [], 0, None, {}
     for folder in reversed(checkpoint_dirs(out)):
         why = verify_checkpoint(folder)
         if why is None:
             check_resumed_flags(json.loads((folder / "train.json").read_text()), config, folder)
+            metadata = read_dcp_metadata(folder)
+            check_shapes(metadata, get_model_state_dict(model), folder)  # another model: refused, not broken
             try:
-                meta, chosen = load_checkpoint(model, optim, sched, folder), folder
+                meta, chosen = load_checkpoint(model, optim, sched, folder, metadata), folder
                 step = meta["step"]
                 break
+            except Unsafe:
+                raise
             except (OSError, RuntimeError, ValueError, KeyError, CheckpointException) as e:
                 why = f"cannot be loaded ({os_cause(e)})"
         skipped.append((folder, why))
@@ -300,14 +449,16 @@ def plot_run(run: Path, png: Path | None = None) -> Path:
     metrics = run / "metrics.jsonl"
     if not metrics.is_file():
         raise ValueError(f"{metrics}: no such file (RUN is a train.py --out folder)")
-    rows = []
-    for raw in metrics.read_text().splitlines():
+    rows, lines = [], [x for x in metrics.read_text(errors="replace").splitlines() if x.strip()]
+    for raw in lines:
         try:
             rows.append(json.loads(raw))
         except json.JSONDecodeError:  # the last line of a run that is writing it
             continue
     if not rows:
-        raise ValueError(f"{metrics}: no log steps yet")
+        torn = len(lines) == 1 and lines[0].startswith('{"step"')  # the first line, being written
+        raise ValueError(f"{metrics}: no log steps yet" if not lines or torn else
+                         f"{metrics}: none of its {len(lines)} lines is JSON; train.py writes one JSON line a log step")
     plt = pyplot()  # matplotlib is optional: imported only here, one line when missing
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)

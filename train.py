@@ -47,13 +47,13 @@ from aggregate import entropy
 from batches import filler_batch, make_loader
 from checkpoint import CheckpointReader, check_not_run_folder, is_branch_tensor, read_json
 from cli import SEED, allocation, check_shared, command, hms, log, peak_memory_gib, rank, shell, start_processes
-from config import ParConfig, branch_flag, config_from_json, open_checkpoint
+from config import ParConfig, branch_conflict, branch_flag, config_from_json, open_checkpoint, resolve_branch_flags
 from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, report_bad_rows
 from flags import command_parser, flag, parse
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL
-from runs import (check_out, checkpoints, discard_run, export, finite, load_model_state, plot_run, resume,
-                  save_checkpoint, trim_metrics, verify_checkpoint)
+from runs import (check_out, checkpoints, discard_run, export, finite, load_model_state, plot_run, recorded_run,
+                  resume, save_checkpoint, trim_metrics, verify_checkpoint)
 from schedule import lr_lambda
 from trackers import TRACKERS, Tracker
 
@@ -71,7 +71,7 @@ class TrainConfig:
     model: str = flag("", "InternVL3.5 or ParVL checkpoint folder")
     data: str = flag("", "meta JSON in the official InternVL SFT format")
     out: str = flag("runs/parvl", "run folder: config, metrics.jsonl, checkpoints, export")
-    pv: int | None = branch_flag("pv")  # the branch flags are ParConfig's (help, range), None = the checkpoint's
+    pv: int | None = branch_flag("pv")  # ParConfig's flags (help, range); None: the run's on --resume, else --model's
     pl: int | None = branch_flag("pl")
     lr_new: float = flag(8e-5, "peak learning rate of prefixes and aggregators", range="(0, inf)")
     lr_pretrained: float = flag(8e-6, "peak learning rate of the pretrained weights", range="(0, inf)")
@@ -123,9 +123,11 @@ class TrainConfig:
     validate_data: bool = flag(False, "count and name bad rows, then exit without training")
 
     def check(self) -> None:
-        """Flags that exclude each other (exit 2)."""
+        """Flags that exclude each other (exit 2); branch flags against the checkpoint: resolve_branches."""
         if self.resume and self.overwrite:
             raise ValueError("--resume continues the run in --out, --overwrite discards it: pass one of them")
+        if why := branch_conflict({f.name: getattr(self, f.name) for f in fields(ParConfig)}):
+            raise ValueError(why)
 
     def branches(self) -> dict:
         """The branch flags as given (None: the checkpoint's), by ParConfig's field names."""
@@ -188,11 +190,16 @@ def main(argv=None) -> int:
 def run(cfg: TrainConfig) -> int:
     cfg.check_files()
     tracker = Tracker(cfg.tracker, Path(cfg.out))  # a missing package is one line before any work
-    if not cfg.validate_data:
-        check_out(Path(cfg.out), cfg.resume, cfg.overwrite)
     mcfg, tok = open_checkpoint(Path(cfg.model))  # tiles as the model sees them, and its own tokenizer
     if mcfg.vit is None:
         raise ValueError(f"--model {cfg.model}: a language-only checkpoint; train.py trains vision-language models")
+    if not cfg.validate_data:  # what the run records: its data file by absolute path, every branch flag resolved
+        newest = recorded_run(Path(cfg.out)) if cfg.resume else None  # a resume keeps the run's branch flags
+        was = json.loads((newest / "train.json").read_text()).get("config", {}) if newest else None
+        branches = resolve_branch_flags({f.name: getattr(cfg, f.name) for f in fields(ParConfig)}, mcfg.par,
+                                        mcfg.vit.hidden_size, cfg.model, was, f"--resume: {newest}")
+        cfg = replace(cfg, data=str(Path(cfg.data).resolve()), **branches)
+        check_out(Path(cfg.out), cfg.resume, cfg.overwrite)
     data = SFTData(cfg.data, tok, max_tiles=cfg.max_tiles or mcfg.max_dynamic_patch, max_seq_len=cfg.max_seq_len,
                    image_token_id=mcfg.image_token_id, num_image_token=mcfg.tokens_per_tile,
                    image_size=mcfg.vit.image_size, seed=cfg.seed, max_positions=mcfg.llm.max_position_embeddings)

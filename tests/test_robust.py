@@ -6,6 +6,7 @@ input or failure, 2 usage, 130 / 143 interrupted. Runs that must train are subpr
 torchrun with 2 ranks); errors raised before training are checked in-process, much cheaper."""
 import errno
 import hashlib
+import io
 import json
 import os
 import re
@@ -18,13 +19,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 import cli
 import data as D
 import runs
 import train
+from config import ParConfig
 from data import SFTData
+from parvl import ParVL
 from processor import Tokenizer
 from test_train import COMMON, ROOT, metrics, run_train, train_here, write_dataset
 
@@ -177,6 +181,34 @@ def test_unusable_out_is_one_line(model_dir, meta, tmp_path, case):
     assert meta.read_bytes() == before and not (tmp_path / "new").exists()
 
 
+def test_an_out_that_cannot_hold_a_run_is_one_line_before_training(model_dir, meta, tmp_path, capsys):
+    """Issue 29, item 10: --out a symbolic link to nothing (main: "cannot write there (File exists)"),
+    a run folder whose checkpoints is a file or whose metrics.jsonl is a folder (main trained a step,
+    then failed to save it); and `train.py plot` on a metrics.jsonl of garbage (main: "no log steps yet")."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "nowhere")
+    res = train_here("--model", model_dir, "--data", meta, "--out", link, *TRAIN, check=False)
+    assert res.returncode == 1 and one_line(res.stderr) == (f"error: --out {link}: a symbolic link to "
+                                                            f"{tmp_path / 'nowhere'}, which does not exist")
+    for name, kind, says in [("checkpoints", "file", "checkpoints folder"), ("metrics.jsonl", "folder",
+                                                                             "metrics.jsonl file")]:
+        out = tmp_path / name.split(".")[0]
+        out.mkdir()
+        if kind == "folder":
+            (out / name).mkdir()
+        else:
+            (out / name).write_text("")
+        before = tree(out)
+        res = train_here("--model", model_dir, "--data", meta, "--out", out, "--resume", *TRAIN, check=False)
+        assert res.returncode == 1 and one_line(res.stderr) == (f"error: --out {out}: {out / name} is a {kind}, where "
+                                                                f"the run keeps its {says}")
+        assert tree(out) == before and sorted(p.name for p in out.iterdir()) == [name]
+    (tmp_path / "metrics.jsonl").write_text("not a metrics line\n\x00\x01\n")
+    assert train.main(["plot", str(tmp_path)]) == 1
+    assert capsys.readouterr().err.strip() == (f"error: {tmp_path / 'metrics.jsonl'}: none of its 2 lines is JSON; "
+                                               f"train.py writes one JSON line a log step")
+
+
 # -- 2. --resume falls back past broken checkpoints -------------------------------------------------
 
 
@@ -213,6 +245,83 @@ def test_resume_falls_back_past_a_truncated_shard_under_torchrun(model_dir, meta
     assert {k: tree(ck / f"step_{k}") for k in (1, 2)} == good
     assert [m["step"] for m in metrics(out)] == [1, 2, 3]
     assert runs.verify_checkpoint(ck / "step_3") is None and (out / "export" / "model.safetensors").is_file()
+
+
+def test_a_resume_that_changes_the_branches_is_refused_and_leaves_the_run_as_it_was(model_dir, meta, tmp_path):
+    """Issue 29, items 1, 10 and 11. A 2:2 run with prefix lengths 3 and 2, started from the data's folder
+    with a relative --data. A resume that changes a branch flag is refused in one line naming the flag,
+    the run's value and the given one, and the folder stays byte for byte (main called every checkpoint
+    broken, renamed it .broken, retrained from step 0 and exited 0). A checkpoint whose tensors are not
+    the model's is refused too, not set aside as broken. A resume with no branch flag takes the run's
+    values (not --model's 96 and 48) and goes on, from another folder with the data by another path
+    (main: "trained with --data meta.json"). And FSDP2's view-tensor warning no longer shows."""
+    out = tmp_path / "run"
+    ck = out / "checkpoints" / "step_1"
+    args = ["--model", model_dir, "--out", out, "--save-every", 1, *TRAIN]
+    first = subprocess.run([sys.executable, ROOT / "train.py", *map(str, args), "--data", "meta.json", "--pv", "2",
+                            "--pl", "2", "--vit-prefix-len", "3", "--llm-prefix-len", "2", "--max-steps", "1"],
+                           cwd=meta.parent, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert first.returncode == 0 and "returned a view tensor" not in first.stderr, first.stderr[-3000:]
+    before = tree(out)
+    refusal = (f"error: --resume: {ck} was trained with --{{}} {{}}, this run asks for {{}}; resume without the flag "
+               f"(or with the run's value), or start a new run in another --out")
+    resumed = [*map(str, args), "--data", str(meta), "--resume", "--max-steps", "2"]
+    res = subprocess.run([sys.executable, ROOT / "train.py", *resumed, "--vision-branches", "lora"],
+                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 1 and one_line(res.stderr) == refusal.format("vision-branches", "prefix", "lora")
+    assert tree(out) == before
+    for flag, was, given in [("lambda-l", 0.1, 0.5), ("vit-prefix-len", 3, 72), ("aggregation", "mlp", "mean")]:
+        res = train_here(*resumed, f"--{flag}", given, check=False)
+        assert res.returncode == 1 and one_line(res.stderr) == refusal.format(flag, was, given)
+        assert tree(out) == before
+    # a run that recorded no prefix length (None: --model's) but trained 3: its tensors say so
+    record = (ck / "train.json").read_bytes()
+    meta_json = json.loads(record)
+    meta_json["config"]["vit_prefix_len"] = None
+    (ck / "train.json").write_text(json.dumps(meta_json))
+    res = train_here(*resumed, check=False)
+    vit = json.loads((model_dir / "config.json").read_text())["vision_config"]
+    heads, dim = vit["num_attention_heads"], vit["hidden_size"] // vit["num_attention_heads"]
+    assert res.returncode == 1 and one_line(res.stderr) == (
+        f"error: --resume: {ck} holds vision_model.encoder.layers.0.attn.prefix_k as [2, {heads}, 3, {dim}], this "
+        f"run's model has [2, {heads}, 96, {dim}]: the run was trained as another model (--model or branch flags); "
+        f"resume with the run's, or start a new run in another --out")
+    (ck / "train.json").write_bytes(record)
+    assert tree(out) == before
+    res = train_here(*resumed)
+    assert f"resuming from {ck} at step 1" in res.stderr and [m["step"] for m in metrics(out)] == [1, 2], res.stderr
+    assert ParVL.from_pretrained(out / "export").cfg.par == ParConfig(pv=2, pl=2, vit_prefix_len=3, llm_prefix_len=2)
+
+
+def test_resume_refuses_a_checkpoint_whose_pickle_would_run_code(model_dir, meta, base_run, tmp_path):
+    """Issue 29, item 2: DCP's .metadata is a pickle. One that would run code (os.system, padded to the
+    size train.json records) is refused in one line naming the file, the code never runs and nothing in
+    the folder changes; main ran it, then fell back past the checkpoint as broken. A non-tensor entry
+    of a shard (torch.load's pickle) is held to weights_only the same way."""
+    out = copy_run(base_run, tmp_path)
+    marker = tmp_path / "ran"
+    payload = f"cos\nsystem\n(S'touch {marker}'\ntR.".encode()
+    metadata = out / "checkpoints" / "step_3" / ".metadata"
+    metadata.write_bytes(payload.ljust(metadata.stat().st_size, b" "))  # pickle stops at "."
+    before = tree(out)
+    res = subprocess.run([sys.executable, ROOT / "train.py", "--model", model_dir, "--data", meta, "--out", out,
+                          "--max-steps", "4", "--resume", *TRAIN], capture_output=True, text=True,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert res.returncode == 1 and one_line(res.stderr) == (
+        f"error: {metadata}: refused to load: its pickle names os.system, which DCP's checkpoint metadata never holds "
+        f"(loading it could run code); nothing was loaded")
+    assert not marker.exists() and tree(out) == before
+
+    class Payload:
+        def __reduce__(self):
+            return os.system, (f"touch {marker}",)
+
+    buffer = io.BytesIO()
+    torch.save({"lr": 0.1, "x": Payload()}, buffer)
+    item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optim.param_groups.0.lr"))
+    with pytest.raises(runs.Unsafe, match="refused to load optim.param_groups.0.lr: not plain data"):
+        runs.PlainBytesPlanner().load_bytes(item, io.BytesIO(buffer.getvalue()))
+    assert not marker.exists()
 
 
 def test_resume_with_no_checkpoint_says_it_starts_fresh_and_names_bad_rows(model_dir, tmp_path):

@@ -307,6 +307,63 @@ def test_a_flag_out_of_range_exits_2_in_every_command(model_dir, png, tmp_path, 
     assert not any((tmp_path / n).exists() for n in ("r", "l", "t", "p.jsonl"))
 
 
+def test_branch_flags_that_cannot_mean_anything_exit_2(model_dir, tmp_path, capsys):
+    """Issue 29, item 4: LoRA vision branches at Pv 1 (there is no branch to adapt), no prefix tokens at
+    Pv or Pl > 1 with prefix branches (every branch computes the same states: the aggregator only weighs
+    them), a LoRA rank above the ViT's width (a low-rank update of a C-wide linear has rank <= C). One
+    line, exit 2, at parse time where the flags alone say it, else once the checkpoint's values are read
+    (named as its own), before anything is written. main accepted each of them."""
+    import train
+
+    width = json.loads((model_dir / "config.json").read_text())["vision_config"]["hidden_size"]
+    args = ["--model", str(model_dir), "--data", str(tmp_path / "meta.json"), "--out", str(tmp_path / "r")]
+    (tmp_path / "meta.json").write_text("{}")
+    lora1 = "needs --pv 2 or more: LoRA vision branches are one low-rank update of the ViT per branch, and at --pv 1"
+    cases = [(["--vision-branches", "lora", "--pv", "1"], f"error: --vision-branches lora {lora1} there is "
+              "no branch to create one for (see --help)"),
+             (["--vision-branches", "lora"], f"error: --vision-branches lora {lora1} ({model_dir}'s) there is no "
+              "branch to create one for"),
+             (["--vit-prefix-len", "0", "--pv", "2"], "error: --vit-prefix-len 0 at --pv 2: with no prefix tokens "
+              "every vision branch computes the same states; give --vit-prefix-len 1 or more, or --vision-branches "
+              "lora"),
+             (["--llm-prefix-len", "0", "--pl", "3"], "error: --llm-prefix-len 0 at --pl 3: with no prefix "
+              "tokens every language branch computes the same states; give --llm-prefix-len 1 or more (see --help)"),
+             (["--pv", "2", "--vision-branches", "lora", "--lora-rank", str(width + 1)],
+              f"error: --lora-rank {width + 1} is more than the ViT's width {width}: a low-rank update of a "
+              f"{width}-wide linear has rank at most {width}")]
+    for flags, line in cases:
+        try:
+            code = train.main(args + flags)
+        except SystemExit as e:
+            code = e.code
+        got = capsys.readouterr().err.strip()  # a flag error found while parsing starts with the program's name
+        assert code == 2 and (got == line or got.endswith(f": {line}") and line.endswith("(see --help)")), got
+    with pytest.raises(SystemExit) as e:
+        profiling.main(["params", "--vision-branches", "lora"])
+    assert e.value.code == 2 and f"--vision-branches lora {lora1} there is no" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    # what does differentiate branches passes: LoRA branches need no prefix, and a rank of the width is whole
+    assert train.parse_args(args + ["--pv", "2", "--vision-branches", "lora", "--vit-prefix-len", "0"]).pv == 2
+    assert profiling.main(["params", "--pv", "2", "--vision-branches", "lora", "--lora-rank", "1024", "--json"]) == 0
+
+
+def test_a_bad_branch_value_in_an_export_config_names_the_file_and_the_field(model_dir, png, tmp_path, capsys):
+    """Issue 29, item 10: the "parvl" block an export's config.json carries, with a value out of range, of
+    the wrong type or a field that does not exist: exit 1, one line naming config.json and the field
+    (main: "lora_rank must be >= 1, got 0" naming no file, or a TypeError traceback)."""
+    folder = tmp_path / "export"
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    path = folder / "config.json"
+    for par, line in [({"lora_rank": 0}, f"error: {path}: parvl.par.lora_rank must be >= 1, got 0"),
+                      ({"pv": "2"}, f"error: {path}: parvl.par.pv must be a number (an integer), got '2'"),
+                      ({"pv": 2, "prefix": 3}, f"error: {path}: parvl.par has no field 'prefix' (its fields: pv, pl, "
+                       "vit_prefix_len, llm_prefix_len, lambda_v, lambda_l, aggregation, vision_branches, lora_rank)")]:
+        path.write_text(json.dumps(config | {"parvl": {"par": par}}))
+        code, _, err = gen_main(capsys, png, "q", "--model", folder)
+        assert (code, err.strip()) == (1, line)
+
+
 def test_a_tile_budget_past_the_context_is_refused_before_tiling(model_dir, tmp_path, capsys, monkeypatch):
     """--max-tiles 10000 on a 2000:1 image (a 2000 x 1 grid): the grid is chosen in
     O(max_tiles log max_tiles) and the prompt's length, known from it, is refused against the context
