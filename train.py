@@ -39,17 +39,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
 from aggregate import entropy
 from batches import filler_batch, make_loader
-from checkpoint import CheckpointReader, check_not_run_folder, is_branch_tensor, read_json
+from checkpoint import check_not_run_folder, is_branch_tensor
 from cli import SEED, allocation, check_shared, command, hms, log, peak_memory_gib, rank, shell, start_processes
-from config import ParConfig, branch_conflict, branch_flag, config_from_json, open_checkpoint, resolve_branch_flags
+from config import ParConfig, branch_conflict, branch_flag, open_checkpoint, resolve_branch_flags
 from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, report_bad_rows
 from flags import command_parser, flag, parse
+from fsdp import build_model
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL
 from runs import (check_out, checkpoints, discard_run, export, finite, load_model_state, plot_run, recorded_run,
@@ -251,67 +250,6 @@ def export_step(e: ExportConfig) -> int:
 # -- model -------------------------------------------------------------------------------------
 
 
-def build_model(cfg: TrainConfig, device, mesh) -> ParVL:
-    """Build on the meta device, freeze, wrap blocks with activation checkpointing and compile,
-    fully_shard blocks and root, then let every rank materialise its own rows only (load_shards):
-    no rank ever holds the whole model, in any dtype."""
-    folder = Path(cfg.model)
-    raw = read_json(folder / "config.json")
-    reader = CheckpointReader(folder, parscale_branches=int(raw.get("parscale_n", 0)))
-    with torch.device("meta"):
-        given = {k: v for k, v in cfg.branches().items() if v is not None}  # into the export's config.json
-        # config_for refuses to change a ParVL checkpoint's branches
-        par = replace(config_from_json(raw, folder).par, **given) if given else None
-        model = ParVL(ParVL.config_for(folder, raw, reader.keys(), cfg.pv, cfg.pl, par)).train()
-    new = model.check_checkpoint(reader, folder)
-    torch.manual_seed(cfg.seed)  # every rank draws the same new branch tensors, as ParVL.from_pretrained does
-    fresh = {k: v for k, v in model.branch_init().items() if k in new}
-    for name, p in model.named_parameters():
-        frozen = (cfg.freeze_backbone and not is_branch_tensor(name)) or (
-            not is_branch_tensor(name) and (
-                (cfg.freeze_vit and name.startswith("vision_model."))
-                or (cfg.freeze_connector and name.startswith("mlp1."))
-                or (cfg.freeze_llm and name.startswith("language_model."))))
-        p.requires_grad_(not frozen)
-    blocks = [model.language_model.model.layers]
-    if model.cfg.vit is not None:
-        blocks.append(model.vision_model.encoder.layers)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.dtype == "bf16" else None, reduce_dtype=torch.float32)
-    for layers in blocks:
-        for i, block in enumerate(layers):
-            if cfg.activation_checkpointing:
-                block = checkpoint_wrapper(block, preserve_rng_state=False)
-            if cfg.compile:
-                block.compile(fullgraph=True)
-            layers[i] = block
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
-    register_fsdp_forward_method(model, "hidden_from_ids")  # the root all-gathers for this entry point too; as the
-    # root it is not resharded after forward, so lm_head's weight is still whole for the chunked loss after it
-    model.to_empty(device=device)
-    load_shards(model, reader, fresh)
-    model.language_model.model.init_rope(device)
-    return model
-
-
-@torch.no_grad()
-def load_shards(model: ParVL, reader: CheckpointReader, fresh: dict[str, torch.Tensor]) -> None:
-    """Fill each rank's shard of every parameter: FSDP2 splits dim 0 as torch.chunk does (ceil(n /
-    world) rows each), so this rank reads rows [r*c, (r+1)*c) of each tensor from the safetensors
-    files, cast to fp32 one slice at a time; new branch tensors come from `fresh` (drawn alike on
-    every rank). The host holds this rank's shards and one slice in flight, never the checkpoint."""
-    world, r = dist.get_world_size(), rank()
-    for key, t in model.state_dict().items():  # tied lm_head: the same tensor as embed_tokens, filled once
-        if key not in reader.keys() and key not in fresh:
-            continue
-        local = t.to_local() if hasattr(t, "to_local") else t
-        n = t.shape[0]
-        c = -(-n // world)
-        a, b = min(r * c, n), min((r + 1) * c, n)
-        assert local.shape[0] == b - a, (key, tuple(local.shape), a, b)  # FSDP2's even-chunk layout
-        if b > a:
-            src = reader.rows(key, a, b) if key in reader.keys() else fresh[key][a:b]
-            local.copy_(src.to(local.dtype))
 def param_groups(model: ParVL, cfg: TrainConfig) -> list[dict]:
     """New branch tensors at lr_new, pretrained weights at lr_pretrained; weight decay on everything,
     as the official DeepSpeed recipe applies it (one group, biases and norms included)."""

@@ -1,4 +1,4 @@
-"""Run under torchrun by test_train.py: train.build_model on a checkpoint, then report this rank's
+"""Run under torchrun by test_train.py: fsdp.build_model on a checkpoint, then report this rank's
 peak host memory during the load and (rank 0) the full state dict, for comparison with
 ParVL.from_pretrained. Not a test module (pytest does not collect it)."""
 import json
@@ -13,6 +13,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fsdp  # noqa: E402
 import train  # noqa: E402
 from cli import start_processes  # noqa: E402
 
@@ -22,7 +23,7 @@ cfg = train.TrainConfig(model=str(folder), data="", out=str(out), pv=2, pl=2, dt
 device = start_processes(torch.cuda.is_available(), always=True)
 mesh = init_device_mesh(device.type, (dist.get_world_size(),))
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-model = train.build_model(cfg, device, mesh)
+model = fsdp.build_model(cfg, device, mesh)
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 if dist.get_rank() == 0:
