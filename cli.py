@@ -194,6 +194,47 @@ def make_folder(folder: Path, flag: str) -> None:
     folder.mkdir(parents=True, exist_ok=True)
 
 
+@contextmanager
+def one_writer(out: Path, flag: str = "--out"):
+    """One output, one writer: an OS advisory lock (flock) on OUT.lock beside the output (a file or a
+    folder) for as long as the command writes it. A second command at the same output is refused in one
+    line before it reads or writes anything there; the kernel releases the lock of a process that dies
+    however it dies (kill -9 too), so a crash never leaves a stale lock, only an empty OUT.lock that the
+    next run takes over. Under torchrun one process holds it for the job: RANK 0, before the process
+    group starts (the other ranks take none, so they cannot block one another)."""
+    if rank() != 0:
+        yield
+        return
+    import fcntl  # POSIX: here, so that cli imports everywhere
+
+    out = Path(os.path.abspath(out))
+    lock = out.with_name(out.name + ".lock")
+    make_folder(out.parent, flag)
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(f"{flag} {out}: another process is writing it (it holds {lock}); wait for it to "
+                             f"finish or stop it, or pick another {flag}") from None
+        try:  # the lock file may have been removed by its last holder between our open and our lock
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:  # removed while still held: a process waiting on the old file retries on a new one (above)
+        try:
+            os.unlink(lock)
+        except OSError:
+            pass
+        os.close(fd)
+
+
 def check_shared(folder: Path, flag: str) -> None:
     """More than one machine: every rank must see the folder that rank 0 creates and all ranks write
     into (a run's checkpoints, label chunks, prediction parts), so it must sit on a file system every

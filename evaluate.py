@@ -41,8 +41,8 @@ import torch.distributed as dist
 import analysis
 import tables
 from checkpoint import resolve_model
-from cli import (SEED, allocation, check_shared, command, log, make_folder, one_line, rank, resolve_device,
-                 resolve_dtype, shell, start_processes, world_size)
+from cli import (SEED, allocation, check_shared, command, log, make_folder, one_line, one_writer, rank,
+                 resolve_device, resolve_dtype, shell, start_processes, world_size)
 from flags import command_parser, flag, parse
 from judge import Judge
 from scaling_law import fit_law
@@ -210,7 +210,13 @@ def file_fingerprint(path) -> str:
 def run(cfg: RunConfig) -> int:
     """`run`: the greedy answer to every row of a benchmark TSV, one resumable job the ranks share
     (shards.py): rank r answers rows r, r + W, ... of the rows no earlier run finished, appends them
-    to OUT.part{r} batch by batch, and rank 0 merges every part into OUT in TSV order."""
+    to OUT.part{r} batch by batch, and rank 0 merges every part into OUT in TSV order. One --out, one
+    writer (cli.one_writer): a second run at the same --out is refused before it reads anything there."""
+    with one_writer(Path(cfg.out)):
+        return predict_all(cfg)
+
+
+def predict_all(cfg: RunConfig) -> int:
     from config import check_branch_choice, open_checkpoint
     from engine import Engine
     from gates import router_flag

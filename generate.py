@@ -112,6 +112,14 @@ def main(argv=None) -> int:
 
 
 def run(args: GenerateFlags) -> int:
+    """The job; a --batch --out file has one writer (cli.one_writer), taken before the file is read."""
+    if args.batch is not None and args.out is not None:
+        with cli.one_writer(Path(args.out)):
+            return respond(args)
+    return respond(args)
+
+
+def respond(args: GenerateFlags) -> int:
     images, question = (args.inputs, None) if args.chat or args.batch else (args.inputs[:-1], args.inputs[-1])
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)

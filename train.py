@@ -45,7 +45,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_f
 from aggregate import entropy
 from batches import filler_batch, make_loader
 from checkpoint import CheckpointReader, check_not_run_folder, is_branch_tensor, read_json
-from cli import SEED, allocation, check_shared, command, hms, log, peak_memory_gib, rank, shell, start_processes
+from cli import (SEED, allocation, check_shared, command, hms, log, one_writer, peak_memory_gib, rank, shell,
+                 start_processes)
 from config import ParConfig, branch_flag, config_from_json, open_checkpoint
 from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, report_bad_rows
 from flags import command_parser, flag, parse
@@ -163,6 +164,13 @@ def main(argv=None) -> int:
 
 
 def run(cfg: TrainConfig) -> int:
+    if cfg.validate_data:
+        return prepare(cfg)
+    with one_writer(Path(cfg.out)):  # one run folder, one writer: rank 0 holds OUT.lock (cli.one_writer)
+        return prepare(cfg)
+
+
+def prepare(cfg: TrainConfig) -> int:
     cfg.check_files()
     if not cfg.validate_data:
         check_out(Path(cfg.out), cfg.resume, cfg.overwrite)
