@@ -65,9 +65,12 @@ def read_json(path: Path) -> dict:
         raise CheckpointError(f"{path}: not found (is {path.parent} a checkpoint folder?)")
     check_not_lfs_pointer(path)
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):  # every JSON file of a checkpoint, router or labels folder is one object
+        raise CheckpointError(f"{path}: a JSON {type(value).__name__}, not the object of names and values it must be")
+    return value
 
 
 # -- the model folder: local, or the huggingface_hub cache ---------------------------------------

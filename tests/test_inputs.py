@@ -103,3 +103,56 @@ def test_a_killed_writer_leaves_no_lock(model_dir, tmp_path, capsys):
     assert code == 0, err
     assert [json.loads(x)["line"] for x in out.read_text().splitlines()] == [1, 2]
     assert not Path(str(out) + ".lock").exists()
+
+
+# -- 5. config.json against the checkpoint's tensors, before any module is built -----------------------
+
+
+SPOILED_CONFIGS = {  # what is changed in the tiny checkpoint's config.json -> the line that names it
+    "layers 10**6": (lambda c: c["llm_config"].update(num_hidden_layers=10**6),
+                     "config.json: the language model's num_hidden_layers is 1000000, but the tensors in {d} hold 2 "
+                     "language model layers"),
+    "vision layers": (lambda c: c["vision_config"].update(num_hidden_layers=3),
+                      "config.json: the vision model's num_hidden_layers is 3, but the tensors in {d} hold 2 vision "
+                      "model layers"),
+    "width": (lambda c: c["llm_config"].update(hidden_size=128),
+              "config.json: the language model's hidden_size is 128, but in {d} language_model.model.embed_tokens."
+              "weight has shape [640, 64]"),
+    "mlp": (lambda c: c["vision_config"].update(intermediate_size=256),
+            "config.json: the vision model's intermediate_size is 256, but in {d} vision_model.encoder.layers.0.mlp."
+            "fc1.weight has shape [128, 64]"),
+    "negative heads": (lambda c: c["llm_config"].update(num_attention_heads=-4),
+                       "config.json: llm_config.num_attention_heads must be a positive integer, got -4"),
+    "zero heads": (lambda c: c["vision_config"].update(num_attention_heads=0),
+                   "config.json: vision_config.num_attention_heads must be a positive integer, got 0"),
+    "string size": (lambda c: c["llm_config"].update(hidden_size="64"),
+                    "config.json: llm_config.hidden_size must be a positive integer, got '64'"),
+    "kv heads": (lambda c: c["llm_config"].update(num_key_value_heads=3),
+                 "config.json: llm_config.num_attention_heads 4 is not a multiple of llm_config.num_key_value_heads 3"),
+    "ratio": (lambda c: c.update(downsample_ratio=0.3),
+              "config.json: downsample_ratio must be 1/k for a k that divides the 32-patch grid, got 0.3"),
+    "a list": (lambda c: [c], "{d}/config.json: a JSON list, not the object of names and values it must be"),
+    "block a list": (lambda c: c.update(llm_config=[1]), "config.json: llm_config must be a JSON object, got list"),
+}
+
+
+@pytest.mark.parametrize("case", list(SPOILED_CONFIGS))
+def test_a_config_that_disagrees_with_its_tensors_is_refused_before_building(model_dir, tmp_path, capsys,
+                                                                            monkeypatch, case):
+    """A config.json whose sizes or counts are not the tensors' (read from the safetensors headers), or
+    whose values cannot size a model, is one line naming config.json and the field, before any module
+    is built (a million layers used to be built for minutes)."""
+    import shutil
+
+    import parvl
+
+    spoil, line = SPOILED_CONFIGS[case]
+    d = tmp_path / "ckpt"
+    shutil.copytree(model_dir, d)
+    config = json.loads((d / "config.json").read_text())
+    config = spoil(config) or config
+    (d / "config.json").write_text(json.dumps(config))
+    if case in ("layers 10**6", "vision layers"):  # counts: refused before the model's constructor runs
+        monkeypatch.setattr(parvl.ParVL, "__init__", lambda *a, **k: pytest.fail("a module was built"))
+    code, err = run_main(capsys, generate.main, ["Hi", "--model", d, "--max-new-tokens", 1])
+    assert code == 1 and err[-1] == "error: " + line.format(d=d), err
