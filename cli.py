@@ -179,18 +179,30 @@ def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None =
     return code
 
 
-def check_folder(folder: Path, flag: str) -> None:
-    """A folder a command will write into may be missing, but no file may stand in its way: one line
-    naming that file, before any work."""
-    above = next(p for p in (folder, *folder.parents) if p.exists())
+def check_folder(folder: Path, flag: str, given: Path | None = None) -> None:
+    """A folder a command will write into may be missing, but no file (nor a link to nothing) may stand in
+    its way: one line naming the flag's value (`given`, by default the folder) and that file, before any
+    work."""
+    above = next(p for p in (folder, *folder.parents) if p.exists() or p.is_symlink())
+    if above.is_symlink() and not above.exists():
+        raise ValueError(f"{flag} {given or folder}: {above} is a link to {os.readlink(above)}, which does not "
+                         f"exist")
     if not above.is_dir():
-        raise ValueError(f"{flag} {folder}: {above} is a file, not a folder")
+        raise ValueError(f"{flag} {given or folder}: {above} is a file, not a folder")
 
 
-def make_folder(folder: Path, flag: str) -> None:
+def check_file_out(path: Path, flag: str) -> None:
+    """A file a command will write (a plot): not a folder (matplotlib would write FOLDER.png beside it), and
+    no file in the way of its folder; one line, before any work."""
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: a folder; give the file to write, such as {path / 'plot.png'}")
+    check_folder(path.parent, flag, given=path)
+
+
+def make_folder(folder: Path, flag: str, given: Path | None = None) -> None:
     """check_folder, then the folder made with its parents (a read-only file system is the OSError's
     own line)."""
-    check_folder(folder, flag)
+    check_folder(folder, flag, given)
     folder.mkdir(parents=True, exist_ok=True)
 
 
@@ -209,7 +221,7 @@ def one_writer(out: Path, flag: str = "--out"):
 
     out = Path(os.path.abspath(out))
     lock = out.with_name(out.name + ".lock")
-    make_folder(out.parent, flag)
+    make_folder(out.parent, flag, given=out)
     while True:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -321,7 +333,7 @@ CAUSES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota
           errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
           errno.EPERM: "operation not permitted", errno.ENOENT: "no such file or folder",
           errno.ENOTDIR: "a parent is a file, not a folder", errno.EISDIR: "a folder, not a file",
-          errno.EIO: "input/output error"}
+          errno.EIO: "input/output error", errno.EEXIST: "a file is already there"}
 
 
 def os_cause(e: BaseException, folder: Path | None = None) -> str:

@@ -293,17 +293,22 @@ def check_same_run(parts: LineParts, meta: dict) -> None:
 
 def prompts(cfg: RunConfig, rows: list[dict], mcfg, tok) -> tuple[list, int]:
     """This rank's rows with their prompts' token ids, longest first (similar lengths share a batch: less
-    padding), and how many rows were skipped for a corrupt image (each reported). Only the ids are kept:
+    padding), and how many rows were skipped, each reported: a corrupt image, a question that cannot be a
+    prompt (processor.check_text), a prompt whose answer would pass the model's context. Only the ids are kept:
     the tiles are rebuilt batch by batch, so memory holds one batch of pixels, not the benchmark's."""
+    from engine import context_check
+
     items, skipped = [], 0
     for r in rows:
-        try:
+        try:  # a row that cannot be asked (a corrupt image, a prompt past the context) is named and skipped
             prompt, _ = row_inputs(cfg.benchmark, r, cfg.max_tiles, mcfg)
+            ids = tok.encode(prompt)
+            context_check(len(ids), cfg.max_new_tokens, mcfg.llm.max_position_embeddings)
         except ValueError as e:
-            log(f"row {r['index']}: {e}; skipped", every_rank=True)
+            log(f"row {r['index']}: {one_line(e)[:300]}; skipped", every_rank=True)
             skipped += 1
             continue
-        items.append((r, tok.encode(prompt)))
+        items.append((r, ids))
     items.sort(key=lambda x: -len(x[1]))
     return items, skipped
 
