@@ -49,6 +49,9 @@ def lengths(files: list, encode, near_cap: int = NEAR_CAP) -> dict[str, dict[str
         if len(benches) != 1 or None in benches or not rows:
             raise DataError(f"{f}: not the predictions of one benchmark (evaluate.py run's output)")
         bench = benches.pop()
+        if not all("index" in r and "prediction" in r for r in rows):  # a score JSON has a benchmark too
+            raise DataError(f"{f}: rows without index and prediction: not the predictions of evaluate.py run "
+                            f"(a score file?)")
         if bench in out:
             raise DataError(f"{f}: a second predictions file of {bench}")
         out[bench] = {}
@@ -76,7 +79,10 @@ def compare(a: dict, b: dict, near_cap: int = NEAR_CAP, resamples: int = 10_000,
         diff = np.array([b[bench][i] - a[bench][i] for i in both], dtype=np.float64)
         table[bench] = {"a": float(np.mean(clean_a)), "b": float(np.mean(clean_b)), "delta": float(diff.mean()),
                         "n_a": len(clean_a), "n_b": len(clean_b), "n_paired": len(both)}
-        draws.append(diff[rng.integers(0, len(diff), size=(resamples, len(diff)))].mean(1))  # [resamples]
+        # [resamples], drawn in blocks of at most 2**22 indices: the same draws as one [resamples, n] block
+        block = max(1, 2**22 // len(diff))
+        draws.append(np.concatenate([diff[rng.integers(0, len(diff), size=(min(block, resamples - k), len(diff)))]
+                                     .mean(1) for k in range(0, resamples, block)]))
     for group, members in [*GROUPS.items(), ("All", BENCHMARKS)]:
         present = [table[m] for m in members if m in table]
         if present:
@@ -189,7 +195,7 @@ class LengthsConfig:
     names: list[str] = flag(help="the two configurations' names in the table", nargs=2, factory=lambda: ["A", "B"])
     near_cap: int = flag(NEAR_CAP, "answers of this many tokens or more are left out", unit="tokens", range="[1, inf)",
                          shown=f"{NEAR_CAP} of the 4096 budget, the paper's")
-    resamples: int = flag(10_000, "bootstrap resamples", range="[1, inf)")
+    resamples: int = flag(10_000, "bootstrap resamples", range="[1, 1000000]")
     seed: int = flag(SEED, "bootstrap seed", shown=f"{SEED}, the paper's")
     out: str | None = flag(None, "also write the JSON here")
 

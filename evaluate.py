@@ -45,7 +45,7 @@ from cli import (SEED, allocation, check_shared, command, log, make_folder, one_
                  resolve_device, resolve_dtype, shell, start_processes, world_size)
 from flags import command_parser, flag, parse
 from judge import Judge
-from scaling_law import fit_law
+from scaling_law import GRID, fit_law
 from scoring import BENCHMARKS, SCORE_COLUMNS, score
 from tsv import DataError, as_list, options, read_jsonl, read_tsv
 from shards import LineParts, merged, resumed, share
@@ -61,6 +61,7 @@ PROTOCOL = {
 MAX_NEW_TOKENS = 4096
 TOTAL_MAX_TILES = 64  # set_max_num's total_max_num: a row's images share 64 tiles
 FIT_PARAMETERS = 4  # E, A, alpha, k of scaling_law.law
+MAX_FIT_ROWS = 1000  # fit-law's rows: about half a minute on 2 CPU cores at this size (300 starts x rows per step)
 # what a prediction row records of the run that produced it; a resume must match every one (the
 # model by its fingerprint, not its path: a moved folder is the same model)
 RECORD_FIELDS = ("benchmark", "model_fingerprint", "data_fingerprint", "pv", "pl", "vision_branch", "language_branch",
@@ -410,7 +411,7 @@ def score_cmd(cfg) -> int:
 
 def fit_law_cmd(cfg) -> int:
     try:
-        with open(cfg.csv, newline="") as f:
+        with open(cfg.csv, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not a column name
             reader = csv.DictReader(f)
             missing = [c for c in ("params", "p", "loss") if c not in (reader.fieldnames or ("params", "p", "loss"))]
             if missing:  # before the rows: a TSV's base64 image cells would pass csv's field limit
@@ -428,11 +429,19 @@ def fit_law_cmd(cfg) -> int:
         raise DataError(f"{cfg.csv}: a params, p or loss cell is not finite (nan or inf)")
     if min(N) <= 0 or min(P) < 1 or min(L) <= 0:
         raise DataError(f"{cfg.csv}: need params > 0, p >= 1 and loss > 0")
-    if len(rows) < FIT_PARAMETERS + 1:  # as many points as parameters fit them exactly: R^2 = 1 says nothing
-        raise DataError(f"{cfg.csv}: {len(rows)} points; the law has {FIT_PARAMETERS} parameters (E, A, alpha, k), "
-                        f"so fitting it needs at least {FIT_PARAMETERS + 1}")
+    points = set(zip(N, P))  # rows at one (params, p) are one point of the law, whatever their losses
+    if len(points) < FIT_PARAMETERS + 1 or len(set(N)) < 2 or len(set(P)) < 2:
+        # as many points as parameters fit them exactly (R^2 = 1 says nothing); A and alpha need two sizes, k two p
+        rows_note = f" in {len(rows)} rows" if len(rows) != len(points) else ""
+        raise DataError(f"{cfg.csv}: {len(points)} point{'s' * (len(points) > 1)}{rows_note}; the law has "
+                        f"{FIT_PARAMETERS} parameters (E, A, alpha, k), so fitting it needs at least "
+                        f"{FIT_PARAMETERS + 1} distinct (params, p) points with two params and two p values at least "
+                        f"(here {len(set(N))} and {len(set(P))})")
+    if len(rows) > MAX_FIT_ROWS:  # every start's L-BFGS runs over every row: minutes past this, hours at 10**5
+        raise DataError(f"{cfg.csv}: {len(rows)} rows; the fit runs {len(GRID)} L-BFGS starts over every row, which "
+                        f"takes too long past {MAX_FIT_ROWS:,} rows: average each (params, p)'s losses into one row")
     fit = fit_law(N, P, L)
-    if not all(math.isfinite(v) for k, v in fit.items() if k != "pred"):
+    if not all(math.isfinite(v) for k, v in fit.items() if k not in ("pred", "r2")):
         raise DataError(f"{cfg.csv}: the fit did not converge to finite parameters ({fit['E']}, {fit['A']}, "
                         f"{fit['alpha']}, {fit['k']})")
     print(f"{'params':>14} {'p':>4} {'loss':>8} {'fitted':>8} {'error':>8}")
