@@ -382,9 +382,10 @@ def build_prompt(question: str, num_tiles: list[int] = (), history: list[tuple[s
     and the question; image i becomes <img> + <IMG_CONTEXT> * tokens_per_tile * num_tiles[i] + </img>.
     """
     num_tiles = list(num_tiles)
-    for text, what in [(question, "the question"), (system or "", "the system message"),
+    for text, what in [(question, "the question"), (system, "the system message"),
                        *((t, "an earlier turn") for q, a in history for t in (q, a))]:
-        check_text(text, what)
+        if text:
+            check_text(text, what)
     # Like chat(): a first-turn question with images but no placeholder gets one in front.
     if not history and num_tiles:
         question = place_images(question, 1)
