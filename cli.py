@@ -221,9 +221,13 @@ def one_writer(out: Path, flag: str = "--out"):
 
     out = Path(os.path.abspath(out))
     lock = out.with_name(out.name + ".lock")
-    make_folder(out.parent, flag, given=out)
+    check_folder(out.parent, flag, given=out)
     while True:
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a read-only or virtual file system (/proc), a folder without write permission
+            raise ValueError(f"{flag} {out}: cannot write there ({os_cause(e)})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
