@@ -61,6 +61,9 @@ def read_predictions(files: list) -> dict[str, tuple[str, list[dict]]]:
         if len(benches) != 1 or None in benches or not rows:
             raise DataError(f"{f}: not the predictions of one benchmark (evaluate.py run's output)")
         bench = benches.pop()
+        if not all("index" in r and "prediction" in r for r in rows):  # a score JSON has a benchmark too
+            raise DataError(f"{f}: rows without index and prediction: not the predictions of evaluate.py run "
+                            f"(a score file?)")
         if bench in out:
             raise DataError(f"{f}: a second predictions file of {bench} (the first: {out[bench][0]})")
         for field in PRODUCED_ALIKE + CONFIGURATION:
@@ -127,7 +130,10 @@ def compare(a: dict, b: dict, near_cap: int = NEAR_CAP, resamples: int = 10_000,
                         "n_a": len(clean_a), "n_b": len(clean_b), "n_paired": len(both),
                         "only_a": len(a[bench]) - len(common), "only_b": len(b[bench]) - len(common),
                         "near_cap_a": len(common) - len(clean_a), "near_cap_b": len(common) - len(clean_b)}
-        draws[bench] = diff[rng.integers(0, len(diff), size=(resamples, len(diff)))].mean(1)  # [resamples]
+        # [resamples], drawn in blocks of at most 2**22 indices: the same draws as one [resamples, n] block
+        block = max(1, 2**22 // len(diff))
+        draws[bench] = np.concatenate([diff[rng.integers(0, len(diff), size=(min(block, resamples - k), len(diff)))]
+                                       .mean(1) for k in range(0, resamples, block)])
     intervals = {}
     for group, members in [*((m, (m,)) for m in list(table)), *GROUPS.items(), ("All", BENCHMARKS)]:
         present = [m for m in members if m in table]
@@ -325,7 +331,7 @@ class LengthsConfig:
     near_cap_rule: str = flag("retokenised", "what is counted against --near-cap: the re-tokenised answer (the "
                                              "paper's) or the generated tokens the run recorded",
                               choices=list(NEAR_CAP_RULES))
-    resamples: int = flag(10_000, "bootstrap resamples", range="[1, inf)")
+    resamples: int = flag(10_000, "bootstrap resamples", range="[1, 1000000]")
     seed: int = flag(SEED, "bootstrap seed", shown=f"{SEED}, the paper's")
     out: str | None = flag(None, "also write the JSON here")
 

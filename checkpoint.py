@@ -65,9 +65,12 @@ def read_json(path: Path) -> dict:
         raise CheckpointError(f"{path}: not found (is {path.parent} a checkpoint folder?)")
     check_not_lfs_pointer(path)
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):  # every JSON file of a checkpoint, router or labels folder is one object
+        raise CheckpointError(f"{path}: a JSON {type(value).__name__}, not the object of names and values it must be")
+    return value
 
 
 # -- the model folder: local, or the huggingface_hub cache ---------------------------------------
@@ -106,6 +109,7 @@ def hub_snapshot(repo: str, revision: str | None) -> Path:
     except ImportError:
         raise CheckpointError(f"{repo}: not a local folder, and huggingface_hub is not installed to fetch it "
                               f"(pip install huggingface_hub); or {elsewhere}") from None
+    check_hub_cache(Path(constants.HF_HUB_CACHE), repo)
     kw = dict(revision=revision, allow_patterns=HUB_FILES)
     try:  # the cache first: no network round trip, and it works offline
         cached = Path(snapshot_download(repo, local_files_only=True, **kw))
@@ -134,6 +138,20 @@ def hub_snapshot(repo: str, revision: str | None) -> Path:
     if not weights_complete(folder):
         raise CheckpointError(f"{folder}: the cached {repo} is incomplete (no config.json or weights); {elsewhere}")
     return folder
+
+
+def check_hub_cache(cache: Path, repo: str) -> None:
+    """The hub cache must be a folder or be makeable as one: a file on its path (HOME or HF_HOME set to a
+    file) is named with the variable it comes from, not reported as a failed download."""
+    above = next(p for p in (cache, *cache.parents) if p.exists())
+    if above.is_dir():
+        return
+    var = next((v for v in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "HOME")
+                if os.environ.get(v) and cache.is_relative_to(os.environ[v])), None)
+    source = f" (from {var}={os.environ[var]})" if var else ""
+    fix = f"point {var} at a folder" if var and var.startswith(("HF_", "HUGGINGFACE")) else "set HF_HOME to a folder"
+    raise CheckpointError(f"{repo}: the hub cache {cache}{source} cannot be a folder: {above} is a file; {fix}, "
+                          f"or pass --model a local checkpoint folder")
 
 
 def weights_complete(folder: Path) -> bool:

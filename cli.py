@@ -184,19 +184,76 @@ def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None =
     return code
 
 
-def check_folder(folder: Path, flag: str) -> None:
-    """A folder a command will write into may be missing, but no file may stand in its way: one line
-    naming that file, before any work."""
-    above = next(p for p in (folder, *folder.parents) if p.exists())
+def check_folder(folder: Path, flag: str, given: Path | None = None) -> None:
+    """A folder a command will write into may be missing, but no file (nor a link to nothing) may stand in
+    its way: one line naming the flag's value (`given`, by default the folder) and that file, before any
+    work."""
+    above = next(p for p in (folder, *folder.parents) if p.exists() or p.is_symlink())
+    if above.is_symlink() and not above.exists():
+        raise ValueError(f"{flag} {given or folder}: {above} is a link to {os.readlink(above)}, which does not "
+                         f"exist")
     if not above.is_dir():
-        raise ValueError(f"{flag} {folder}: {above} is a file, not a folder")
+        raise ValueError(f"{flag} {given or folder}: {above} is a file, not a folder")
 
 
-def make_folder(folder: Path, flag: str) -> None:
+def check_file_out(path: Path, flag: str) -> None:
+    """A file a command will write (a plot): not a folder (matplotlib would write FOLDER.png beside it), and
+    no file in the way of its folder; one line, before any work."""
+    if path.is_dir():
+        raise ValueError(f"{flag} {path}: a folder; give the file to write, such as {path / 'plot.png'}")
+    check_folder(path.parent, flag, given=path)
+
+
+def make_folder(folder: Path, flag: str, given: Path | None = None) -> None:
     """check_folder, then the folder made with its parents (a read-only file system is the OSError's
     own line)."""
-    check_folder(folder, flag)
+    check_folder(folder, flag, given)
     folder.mkdir(parents=True, exist_ok=True)
+
+
+@contextmanager
+def one_writer(out: Path, flag: str = "--out"):
+    """One output, one writer: an OS advisory lock (flock) on OUT.lock beside the output (a file or a
+    folder) for as long as the command writes it. A second command at the same output is refused in one
+    line before it reads or writes anything there; the kernel releases the lock of a process that dies
+    however it dies (kill -9 too), so a crash never leaves a stale lock, only an empty OUT.lock that the
+    next run takes over. Under torchrun one process holds it for the job: RANK 0, before the process
+    group starts (the other ranks take none, so they cannot block one another)."""
+    if rank() != 0:
+        yield
+        return
+    import fcntl  # POSIX: here, so that cli imports everywhere
+
+    out = Path(os.path.abspath(out))
+    lock = out.with_name(out.name + ".lock")
+    check_folder(out.parent, flag, given=out)
+    while True:
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a read-only or virtual file system (/proc), a folder without write permission
+            raise ValueError(f"{flag} {out}: cannot write there ({os_cause(e)})") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(f"{flag} {out}: another process is writing it (it holds {lock}); wait for it to "
+                             f"finish or stop it, or pick another {flag}") from None
+        try:  # the lock file may have been removed by its last holder between our open and our lock
+            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        os.close(fd)
+    try:
+        yield
+    finally:  # removed while still held: a process waiting on the old file retries on a new one (above)
+        try:
+            os.unlink(lock)
+        except OSError:
+            pass
+        os.close(fd)
 
 
 def check_shared(folder: Path, flag: str) -> None:
@@ -285,7 +342,7 @@ CAUSES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota
           errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
           errno.EPERM: "operation not permitted", errno.ENOENT: "no such file or folder",
           errno.ENOTDIR: "a parent is a file, not a folder", errno.EISDIR: "a folder, not a file",
-          errno.EIO: "input/output error"}
+          errno.EIO: "input/output error", errno.EEXIST: "a file is already there"}
 
 
 def os_cause(e: BaseException, folder: Path | None = None) -> str:

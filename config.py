@@ -232,20 +232,67 @@ def check_tokenizer(tok: Tokenizer, cfg: ParVLConfig, folder: Path) -> None:
 # -- config.json: original (InternVLChatConfig) and -HF (InternVLConfig) spellings ---------------
 
 
-def llm_config_from_json(t: dict, family: str, tied: bool | None, default_theta: float = 1e6) -> LLMConfig:
-    """A Qwen3 / Qwen2 config dict (InternVL's llm_config, -HF text_config, or ParScale's) -> LLMConfig."""
+class Fields:
+    """The values of one block of config.json (llm_config, vision_config, or the top level), each checked
+    as it is read: a value missing, of the wrong type or out of range is one line naming config.json and
+    the field ("config.json: llm_config.num_attention_heads must be a positive integer, got -2"), never the
+    TypeError or ZeroDivisionError it would cause once a module is built from it."""
+
+    def __init__(self, block, where: str):
+        if not isinstance(block, dict):
+            raise CheckpointError(f"config.json: {where.rstrip('.') or 'the file'} must be a JSON object, got "
+                                  f"{type(block).__name__}")
+        self.block, self.where = block, where
+
+    def bad(self, key: str, what: str, value) -> CheckpointError:
+        return CheckpointError(f"config.json: {self.where}{key} must be {what}, got {value!r}")
+
+    def int(self, key: str, default=None, low: int = 1) -> int:
+        value = self.block.get(key, default)
+        if isinstance(value, list) and len(value) == 2 and value[0] == value[1]:  # [448, 448]: a square size
+            value = value[0]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise self.bad(key, "a positive integer" if low == 1 else f"an integer >= {low}", value)
+        return value
+
+    def number(self, key: str, default=None) -> float:
+        value = self.block.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise self.bad(key, "a positive number", value)
+        return float(value)
+
+    def divides(self, small: str, large: str) -> None:
+        if self.block.get(large, 0) % self.block.get(small, 1):
+            raise CheckpointError(f"config.json: {self.where}{large} {self.block[large]} is not a multiple of "
+                                  f"{self.where}{small} {self.block[small]}")
+
+
+def llm_config_from_json(t: dict, family: str, tied: bool | None, default_theta: float = 1e6,
+                         where: str = "") -> LLMConfig:
+    """A Qwen3 / Qwen2 config dict (InternVL's llm_config, -HF text_config, or ParScale's) -> LLMConfig;
+    `where` is its place in config.json ("llm_config.") for the line a bad value gets (Fields)."""
+    f = Fields(t, where)
     rope_theta = t.get("rope_theta", (t.get("rope_parameters") or {}).get("rope_theta", default_theta))
+    heads = f.int("num_attention_heads")
+    kv_heads = f.int("num_key_value_heads", heads)
+    f.divides("num_key_value_heads", "num_attention_heads")
+    if t.get("head_dim") is None:  # Qwen2 has none: the width split over the heads
+        f.int("hidden_size")
+        f.divides("num_attention_heads", "hidden_size")
+    head_dim = f.int("head_dim", t.get("head_dim") or t["hidden_size"] // heads)
+    if head_dim % 2:  # rotary embeddings pair the channels
+        raise f.bad("head_dim", "even (rotary embeddings pair its channels)", head_dim)
     return LLMConfig(
-        vocab_size=t["vocab_size"],
-        hidden_size=t["hidden_size"],
-        intermediate_size=t["intermediate_size"],
-        num_layers=t["num_hidden_layers"],
-        num_heads=t["num_attention_heads"],
-        num_kv_heads=t.get("num_key_value_heads", t["num_attention_heads"]),
-        head_dim=t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],  # Qwen2 has none
-        rms_norm_eps=t.get("rms_norm_eps", 1e-6),
-        rope_theta=float(rope_theta),
-        max_position_embeddings=t.get("max_position_embeddings", 32768),
+        vocab_size=f.int("vocab_size"),
+        hidden_size=f.int("hidden_size"),
+        intermediate_size=f.int("intermediate_size"),
+        num_layers=f.int("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+        rope_theta=Fields({"rope_theta": rope_theta}, where).number("rope_theta"),
+        max_position_embeddings=f.int("max_position_embeddings", 32768),
         qkv_bias=family == "qwen2" or bool(t.get("attention_bias", False)),
         qk_norm=family == "qwen3",
         # the checkpoint decides: a stored lm_head is used, a missing one means tied embeddings
@@ -271,9 +318,13 @@ def par_from_json(block, folder: Path | None) -> ParConfig:
 def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = None) -> ParVLConfig:
     """config.json in any supported spelling -> ParVLConfig: original InternVLChatConfig (with this
     project's "parvl" block when saved here), -HF InternVLConfig, or ParScale's Qwen2 config."""
+    top = Fields(raw, "")
     if "parscale_n" in raw:  # ParScale: a language-only model with Pl branches
-        par = ParConfig(pl=int(raw["parscale_n"]), llm_prefix_len=int(raw.get("parscale_n_tokens", 48)),
-                        lambda_l=float(raw.get("parscale_attn_smooth", 0.01)))
+        smooth = raw.get("parscale_attn_smooth", 0.01)
+        if isinstance(smooth, bool) or not isinstance(smooth, (int, float)) or not 0 <= smooth <= 1:
+            raise top.bad("parscale_attn_smooth", "a number in [0, 1]", smooth)
+        par = ParConfig(pl=top.int("parscale_n"), llm_prefix_len=top.int("parscale_n_tokens", 48, low=0),
+                        lambda_l=float(smooth))
         # Qwen2ParScaleConfig's own default rope_theta is 1e4 (the released configs all state it)
         return ParVLConfig(vit=None, llm=llm_config_from_json(raw, "qwen2", tied, 1e4), par=par, image_token_id=-1)
     hf = "text_config" in raw
@@ -284,6 +335,7 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
     if t is None or (v is None and not language_only):
         raise CheckpointError("config.json: needs llm_config (or text_config) and vision_config")
     field = "text_config" if hf else "llm_config"
+    Fields(t, field + ".")  # a block that is not an object is named before anything is read from it
     arch = (t.get("architectures") or [None])[0]
     if arch is not None and arch not in DECODERS:
         raise CheckpointError(f"config.json: {field}.architectures {arch!r} is not a supported decoder "
@@ -294,18 +346,24 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
                               f"(supported: {', '.join(DECODERS.values())})")
     if arch is not None and DECODERS[arch] != family:
         raise CheckpointError(f"config.json: {field}.model_type {family!r} does not match architectures {arch!r}")
-    llm = llm_config_from_json(t, family, tied)
+    llm = llm_config_from_json(t, family, tied, where=field + ".")
     par = par_from_json(extra.get("par", {}), folder)
     if language_only:
         return ParVLConfig(vit=None, llm=llm, par=par, image_token_id=-1)
-    size, patch = v.get("image_size", 448), v.get("patch_size", 14)
+    f = Fields(v, "vision_config.")
+    size, patch = f.int("image_size", 448), f.int("patch_size", 14)
+    if size % patch:
+        raise CheckpointError(f"config.json: vision_config.image_size {size} is not a multiple of "
+                              f"vision_config.patch_size {patch}")
+    hidden, heads, layers = f.int("hidden_size"), f.int("num_attention_heads"), f.int("num_hidden_layers")
+    f.divides("num_attention_heads", "hidden_size")
     vit = ViTConfig(
-        hidden_size=v["hidden_size"],
-        intermediate_size=v["intermediate_size"],
-        num_layers=v["num_hidden_layers"],
-        num_heads=v["num_attention_heads"],
-        patch_size=patch[0] if isinstance(patch, list) else patch,
-        image_size=size[0] if isinstance(size, list) else size,
+        hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size"),
+        num_layers=layers,
+        num_heads=heads,
+        patch_size=patch,
+        image_size=size,
         qkv_bias=v.get("attention_bias" if hf else "qkv_bias", True),
         qk_norm=v.get("use_qk_norm" if hf else "qk_normalization", False),
         norm_type=v.get("norm_type", "layer_norm"),
@@ -318,6 +376,16 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
         image_token_id = tok.token_to_id(IMG_CONTEXT) if tok is not None else None
         if image_token_id is None:
             raise CheckpointError(f"{folder}: no image_token_id in config.json and no {IMG_CONTEXT} in the tokenizer")
+    elif isinstance(image_token_id, bool) or not isinstance(image_token_id, int):
+        raise top.bad("image_token_id", "an integer (a token id)", image_token_id)
+    ratio = raw.get("downsample_ratio", 0.5)  # pixel shuffle merges (1/ratio)^2 patches: 1/ratio divides the grid
+    if (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1
+            or round(1 / ratio) * ratio != 1 or vit.grid % round(1 / ratio)):
+        raise top.bad("downsample_ratio", f"1/k for a k that divides the {vit.grid}-patch grid", ratio)
+    select = raw.get("vision_feature_layer" if hf else "select_layer", -1)
+    if isinstance(select, bool) or not isinstance(select, int) or not -layers - 1 <= select <= layers:
+        raise top.bad("vision_feature_layer" if hf else "select_layer", f"an integer in [{-layers - 1}, {layers}]",
+                      select)
     template = raw.get("template", "internvl2_5")
     if template != "internvl2_5":  # the one chat template processor.py implements (InternVL3 and 3.5 use it)
         raise CheckpointError(f"config.json: chat template {template!r} is not supported (internvl2_5)")
@@ -325,14 +393,57 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
         vit=vit,
         llm=llm,
         par=par,
-        downsample_ratio=raw.get("downsample_ratio", 0.5),
+        downsample_ratio=float(ratio),
         ps_version="v2" if hf else raw.get("ps_version", "v1"),  # -HF always uses v2; original class default v1
-        select_layer=raw.get("vision_feature_layer" if hf else "select_layer", -1),
+        select_layer=select,
         image_token_id=int(image_token_id),
-        max_dynamic_patch=raw.get("max_dynamic_patch", 12),
+        max_dynamic_patch=top.int("max_dynamic_patch", 12),
         use_thumbnail=raw.get("use_thumbnail", True),
         template=template,
     )
+
+
+# -- config.json against the checkpoint's tensors (safetensors headers: names and shapes, nothing loaded) ---
+
+
+def check_layer_counts(cfg: ParVLConfig, keys, folder: Path) -> None:
+    """The layer counts config.json gives against the layers the checkpoint's tensor names hold, before any
+    module is built (a num_hidden_layers of 10**6 would build a million blocks before the keys disagree)."""
+    towers = [("language model", "language_model.model.layers.", cfg.llm.num_layers)]
+    if cfg.vit is not None:
+        towers.append(("vision model", "vision_model.encoder.layers.", cfg.vit.num_layers))
+    for tower, prefix, layers in towers:
+        held = {k[len(prefix):].split(".")[0] for k in keys if k.startswith(prefix)}
+        if len(held) != layers:
+            raise CheckpointError(f"config.json: the {tower}'s num_hidden_layers is {layers}, but the tensors in "
+                                  f"{folder} hold {len(held)} {tower} layers")
+
+
+def check_sizes(cfg: ParVLConfig, shapes: dict[str, tuple[int, ...]], folder: Path) -> None:
+    """The sizes config.json gives against the shapes of the tensors they size, one line naming the field:
+    the embeddings, the first layer's projections and MLP, the patch and position embeddings."""
+    t, L = cfg.llm, "language_model.model."
+    sized = {  # key: ((dimension, the config's size, the fields that give it), ...)
+        L + "embed_tokens.weight": ((0, t.vocab_size, "vocab_size"), (1, t.hidden_size, "hidden_size")),
+        L + "layers.0.self_attn.q_proj.weight": ((0, t.num_heads * t.head_dim, "num_attention_heads x head_dim"),),
+        L + "layers.0.self_attn.k_proj.weight": ((0, t.num_kv_heads * t.head_dim, "num_key_value_heads x head_dim"),),
+        L + "layers.0.mlp.gate_proj.weight": ((0, t.intermediate_size, "intermediate_size"),),
+    }
+    tower = {k: "language model" for k in sized}
+    if cfg.vit is not None:
+        v, V = cfg.vit, "vision_model."
+        vit = {V + "embeddings.patch_embedding.weight": ((0, v.hidden_size, "hidden_size"),
+                                                         (2, v.patch_size, "patch_size")),
+               V + "embeddings.position_embedding": ((1, v.grid**2 + 1, "(image_size / patch_size)^2 + 1"),),
+               V + "encoder.layers.0.mlp.fc1.weight": ((0, v.intermediate_size, "intermediate_size"),)}
+        sized |= vit
+        tower |= {k: "vision model" for k in vit}
+    for key, dims in sized.items():
+        shape = shapes.get(key)
+        for dim, size, names in dims if shape is not None else ():
+            if len(shape) <= dim or shape[dim] != size:
+                raise CheckpointError(f"config.json: the {tower[key]}'s {names} is {size}, but in {folder} {key} "
+                                      f"has shape {list(shape)}")
 
 
 def config_to_json(cfg: ParVLConfig) -> dict:

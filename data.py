@@ -29,7 +29,8 @@ import torch
 from PIL import Image
 
 from processor import (DEFAULT_SYSTEM_MESSAGE, IMAGE_PLACEHOLDER, IMAGE_SIZE, IMG_CONTEXT, IM_START,
-                       NUM_IMAGE_TOKENS, ImageError, expand_images, load_image, tile_image, turn)
+                       NUM_IMAGE_TOKENS, ImageError, expand_images, load_image, not_unicode, tile_image,
+                       turn)
 from processor import open_rgb  # the decoder processor.load_image uses, with its error handling
 from cli import one_line
 from loss import IGNORE
@@ -188,6 +189,9 @@ class SFTData(torch.utils.data.Dataset):
                                   'e.g. {"from": "human", "value": "..."}, {"from": "gpt", "value": "..."}')
         if not all(isinstance(t, dict) and isinstance(t.get("value"), str) for t in conv):
             raise _Bad("bad_row", "every turn needs a string 'value'")
+        for k, t in enumerate(conv):  # the tokenizer takes no lone surrogate ("\udcff" in the JSON)
+            if why := not_unicode(t["value"]):
+                raise _Bad("bad_row", f"turn {k + 1} {why}")
         system = self.system
         if conv[0].get("from") == "system":
             system, conv = conv[0]["value"], conv[1:]

@@ -42,11 +42,11 @@ import torch.distributed as dist
 import analysis
 import tables
 from checkpoint import resolve_model
-from cli import (SEED, allocation, check_shared, command, log, make_folder, one_line, rank, resolve_device,
-                 resolve_dtype, shell, start_processes, world_size)
+from cli import (SEED, allocation, check_shared, command, log, make_folder, one_line, one_writer, rank,
+                 resolve_device, resolve_dtype, shell, start_processes, world_size)
 from flags import command_parser, flag, parse
 from judge import Judge
-from scaling_law import fit_law
+from scaling_law import GRID, fit_law
 from scoring import BENCHMARKS, SCORE_COLUMNS, score
 from tsv import DataError, as_list, options, read_jsonl, read_tsv
 from shards import LineParts, merged, resumed, share
@@ -62,6 +62,7 @@ PROTOCOL = {
 MAX_NEW_TOKENS = 4096
 TOTAL_MAX_TILES = 64  # set_max_num's total_max_num: a row's images share 64 tiles
 FIT_PARAMETERS = 4  # E, A, alpha, k of scaling_law.law
+MAX_FIT_ROWS = 1000  # fit-law's rows: about half a minute on 2 CPU cores at this size (300 starts x rows per step)
 # what a prediction row records of the run that produced it; a resume must match every one (the
 # model by its fingerprint, not its path: a moved folder is the same model)
 RECORD_FIELDS = ("benchmark", "model_fingerprint", "data_fingerprint", "pv", "pl", "vision_branch", "language_branch",
@@ -202,7 +203,13 @@ def file_fingerprint(path) -> str:
 def run(cfg: RunConfig) -> int:
     """`run`: the greedy answer to every row of a benchmark TSV, one resumable job the ranks share
     (shards.py): rank r answers rows r, r + W, ... of the rows no earlier run finished, appends them
-    to OUT.part{r} batch by batch, and rank 0 merges every part into OUT in TSV order."""
+    to OUT.part{r} batch by batch, and rank 0 merges every part into OUT in TSV order. One --out, one
+    writer (cli.one_writer): a second run at the same --out is refused before it reads anything there."""
+    with one_writer(Path(cfg.out)):
+        return predict_all(cfg)
+
+
+def predict_all(cfg: RunConfig) -> int:
     from config import check_branch_choice, open_checkpoint
     from engine import Engine
     from gates import router_flag
@@ -280,17 +287,22 @@ def check_same_run(parts: LineParts, meta: dict) -> None:
 
 def prompts(cfg: RunConfig, rows: list[dict], mcfg, tok) -> tuple[list, int]:
     """This rank's rows with their prompts' token ids, longest first (similar lengths share a batch: less
-    padding), and how many rows were skipped for a corrupt image (each reported). Only the ids are kept:
+    padding), and how many rows were skipped, each reported: a corrupt image, a question that cannot be a
+    prompt (processor.check_text), a prompt whose answer would pass the model's context. Only the ids are kept:
     the tiles are rebuilt batch by batch, so memory holds one batch of pixels, not the benchmark's."""
+    from engine import context_check
+
     items, skipped = [], 0
     for r in rows:
-        try:
+        try:  # a row that cannot be asked (a corrupt image, a prompt past the context) is named and skipped
             prompt, _ = row_inputs(cfg.benchmark, r, cfg.max_tiles, mcfg)
+            ids = tok.encode(prompt)
+            context_check(len(ids), cfg.max_new_tokens, mcfg.llm.max_position_embeddings)
         except ValueError as e:
-            log(f"row {r['index']}: {e}; skipped", every_rank=True)
+            log(f"row {r['index']}: {one_line(e)[:300]}; skipped", every_rank=True)
             skipped += 1
             continue
-        items.append((r, tok.encode(prompt)))
+        items.append((r, ids))
     items.sort(key=lambda x: -len(x[1]))
     return items, skipped
 
@@ -394,7 +406,7 @@ def score_cmd(cfg) -> int:
 
 def fit_law_cmd(cfg) -> int:
     try:
-        with open(cfg.csv, newline="") as f:
+        with open(cfg.csv, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not a column name
             reader = csv.DictReader(f)
             missing = [c for c in ("params", "p", "loss") if c not in (reader.fieldnames or ("params", "p", "loss"))]
             if missing:  # before the rows: a TSV's base64 image cells would pass csv's field limit
@@ -412,11 +424,19 @@ def fit_law_cmd(cfg) -> int:
         raise DataError(f"{cfg.csv}: a params, p or loss cell is not finite (nan or inf)")
     if min(N) <= 0 or min(P) < 1 or min(L) <= 0:
         raise DataError(f"{cfg.csv}: need params > 0, p >= 1 and loss > 0")
-    if len(rows) < FIT_PARAMETERS + 1:  # as many points as parameters fit them exactly: R^2 = 1 says nothing
-        raise DataError(f"{cfg.csv}: {len(rows)} points; the law has {FIT_PARAMETERS} parameters (E, A, alpha, k), "
-                        f"so fitting it needs at least {FIT_PARAMETERS + 1}")
+    points = set(zip(N, P))  # rows at one (params, p) are one point of the law, whatever their losses
+    if len(points) < FIT_PARAMETERS + 1 or len(set(N)) < 2 or len(set(P)) < 2:
+        # as many points as parameters fit them exactly (R^2 = 1 says nothing); A and alpha need two sizes, k two p
+        rows_note = f" in {len(rows)} rows" if len(rows) != len(points) else ""
+        raise DataError(f"{cfg.csv}: {len(points)} point{'s' * (len(points) > 1)}{rows_note}; the law has "
+                        f"{FIT_PARAMETERS} parameters (E, A, alpha, k), so fitting it needs at least "
+                        f"{FIT_PARAMETERS + 1} distinct (params, p) points with two params and two p values at least "
+                        f"(here {len(set(N))} and {len(set(P))})")
+    if len(rows) > MAX_FIT_ROWS:  # every start's L-BFGS runs over every row: minutes past this, hours at 10**5
+        raise DataError(f"{cfg.csv}: {len(rows)} rows; the fit runs {len(GRID)} L-BFGS starts over every row, which "
+                        f"takes too long past {MAX_FIT_ROWS:,} rows: average each (params, p)'s losses into one row")
     fit = fit_law(N, P, L)
-    if not all(math.isfinite(v) for k, v in fit.items() if k != "pred"):
+    if not all(math.isfinite(v) for k, v in fit.items() if k not in ("pred", "r2")):
         raise DataError(f"{cfg.csv}: the fit did not converge to finite parameters ({fit['E']}, {fit['A']}, "
                         f"{fit['alpha']}, {fit['k']})")
     print(f"{'params':>14} {'p':>4} {'loss':>8} {'fitted':>8} {'error':>8}")

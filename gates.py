@@ -227,6 +227,12 @@ def save_router(router: Router, folder: Path, extra: dict) -> None:
 def load_router(path: str | Path, model: ParVL | None = None) -> Router:
     """A router folder (config.json + router.safetensors), checked against `model` when given."""
     folder = Path(path)
+    if not folder.is_dir():
+        raise RouterError(f"{folder}: no such router folder")
+    if not (folder / "config.json").is_file():  # read_json's line would ask whether it is a checkpoint
+        held = ", ".join(sorted(p.name for p in folder.iterdir())[:5]) or "nothing"
+        raise RouterError(f"{folder}: not a router folder (it holds {held}; router.py train writes config.json and "
+                          f"router.safetensors)")
     raw = read_json(folder / "config.json")
     try:
         cfg = RouterConfig(**raw["router"])

@@ -29,7 +29,8 @@ from config import check_branch_choice, open_checkpoint
 from engine import Engine, GenerateConfig, context_check
 from flags import command_parser, flag, parse
 from parvl import ParVL
-from processor import ImageError, Tokenizer, build_prompt, load_image, open_rgb, place_images, tile_count
+from processor import (ImageError, Tokenizer, build_prompt, check_text, load_image, open_rgb, place_images,
+                       tile_count)
 from gates import router_flag
 
 
@@ -112,6 +113,14 @@ def main(argv=None) -> int:
 
 
 def run(args: GenerateFlags) -> int:
+    """The job; a --batch --out file has one writer (cli.one_writer), taken before the file is read."""
+    if args.batch is not None and args.out is not None:
+        with cli.one_writer(Path(args.out)):
+            return respond(args)
+    return respond(args)
+
+
+def respond(args: GenerateFlags) -> int:
     images, question = (args.inputs, None) if args.chat or args.batch else (args.inputs[:-1], args.inputs[-1])
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
@@ -232,6 +241,8 @@ def chat_session(engine, tok, pixel_values, num_tiles, cfg, args) -> int:
     history, as it does in chat interfaces. Ctrl-C at the prompt, or SIGTERM at any time, ends the
     session: the interrupt goes on to the command's end (130, 143)."""
     history: list[tuple[str, str]] = []
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach the turn's check, not input()'s decoder
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             question = input("> " if sys.stdin.isatty() else "").strip()
@@ -278,6 +289,7 @@ def read_questions(path: Path) -> list[dict]:
             raise ValueError(f"{path} line {n}: not JSON ({e.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not row["question"].strip():
             raise ValueError(f'{path} line {n}: needs a "question" string')
+        check_text(row["question"], f"{path} line {n}: the question")  # before any weights load
         image = row.get("image")
         names = [] if image is None else [image] if isinstance(image, str) else image
         if not isinstance(names, list) or not all(isinstance(x, str) for x in names):

@@ -35,7 +35,7 @@ from safetensors.torch import save_file
 import chat as chat_api
 from aggregate import Aggregator, Choice, Rows, segment_positions, unfold
 from checkpoint import TOKENIZER_FILES, CheckpointError, CheckpointReader, check_keys, is_branch_tensor, read_json
-from config import ParConfig, ParVLConfig, config_from_json, config_to_json
+from config import ParConfig, ParVLConfig, check_layer_counts, check_sizes, config_from_json, config_to_json
 from llm import LLM, prompt_positions
 from processor import load_image  # noqa: F401  (public API: `from parvl import ParVL, load_image`)
 from vit import ViT
@@ -309,6 +309,7 @@ class ParVL(nn.Module):
         """The config of a checkpoint folder (its config.json `raw` and tensor names `keys`), with the
         branch counts asked for; a ParVL checkpoint only loads as the Pv:Pl it was saved with."""
         cfg = config_from_json(raw, folder, tied="language_model.lm_head.weight" not in keys)
+        check_layer_counts(cfg, keys, folder)  # before a module is built from it
         saved = cfg.par
         if par is not None or pv is not None or pl is not None:
             par = replace(par or saved, **{k: v for k, v in (("pv", pv), ("pl", pl)) if v is not None})
@@ -324,6 +325,7 @@ class ParVL(nn.Module):
     def check_checkpoint(self, reader: CheckpointReader, folder: Path) -> set[str]:
         """Refuse a checkpoint whose keys or shapes do not fit this model; return the branch tensors it
         lacks, which start from branch_init (a plain InternVL checkpoint under Pv, Pl > 1)."""
+        check_sizes(self.cfg, reader.shapes, folder)  # the sizes' fields named, before any key or shape
         expected = set(self.state_dict().keys())
         if self.cfg.llm.tie_word_embeddings:
             expected.discard("language_model.lm_head.weight")

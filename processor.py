@@ -261,7 +261,10 @@ class Tokenizer:
         return cls(backend, folder)
 
     def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special tokens written in the text are recognised; no BOS."""
+        """Token ids of `text`; special tokens written in the text are recognised; no BOS. Text that is
+        not valid Unicode is a ValueError saying so (the tokenizer's own is a TypeError)."""
+        if why := not_unicode(text):
+            raise ValueError(f"the text {why}")
         return self.backend.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
@@ -304,6 +307,30 @@ class Tokenizer:
 
 # ---------------------------------------------------------------------------------------------
 # Prompts (InternVLChatModel.chat() and conversation.py's internvl2_5 template)
+
+
+def not_unicode(text: str) -> str | None:
+    """Why `text` is not valid Unicode, or None. Python holds the bytes of a command-line argument or a
+    terminal line that are not UTF-8 as lone surrogates (U+DC80 + byte, "surrogateescape"), and JSON's
+    "\\udcff" escape makes one too; no tokenizer takes them, no file is written with them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        byte = f" (the byte 0x{c - 0xDC00:02x} of text that is not UTF-8?)" if 0xDC80 <= c <= 0xDCFF else ""
+        return f"is not valid Unicode: character {e.start + 1} is a lone surrogate U+{c:04X}{byte}"
+    return None
+
+
+def check_text(text: str, what: str) -> None:
+    """A text a user wrote for a prompt (a question, a system message, a turn): valid Unicode, and without
+    the <IMG_CONTEXT> token, which only an image's placeholder may put there (the model fills every such
+    slot with image features, in order, so a typed one would shift them all or find no image)."""
+    if why := not_unicode(text):
+        raise ValueError(f"{what} {why}")
+    if IMG_CONTEXT in text:
+        raise ValueError(f"{what} holds {IMG_CONTEXT}, the token an image's features fill; write "
+                         f"{IMAGE_PLACEHOLDER} where an image goes")
 
 
 def turn(role: str, text: str) -> str:
@@ -355,6 +382,10 @@ def build_prompt(question: str, num_tiles: list[int] = (), history: list[tuple[s
     and the question; image i becomes <img> + <IMG_CONTEXT> * tokens_per_tile * num_tiles[i] + </img>.
     """
     num_tiles = list(num_tiles)
+    for text, what in [(question, "the question"), (system, "the system message"),
+                       *((t, "an earlier turn") for q, a in history for t in (q, a))]:
+        if text:
+            check_text(text, what)
     # Like chat(): a first-turn question with images but no placeholder gets one in front.
     if not history and num_tiles:
         question = place_images(question, 1)

@@ -32,7 +32,7 @@ from typing import ClassVar
 
 import torch
 
-from cli import DTYPES, command, pyplot, resolve_device, resolve_dtype, shell
+from cli import DTYPES, allocation, check_file_out, command, pyplot, resolve_device, resolve_dtype, shell
 from config import PRESETS, ParConfig, ParVLConfig, branch_conflict, branch_flag, branch_variant
 from engine import Engine, GenerateConfig
 from flags import command_parser, flag, parse
@@ -157,7 +157,8 @@ def profile_latency(engine: Engine, cfg: ParVLConfig, work: Workload, batch: int
         "prefill_ms": 1e3 * statistics.mean(res.prefill_s for res, _ in runs),
         "decode_ms_per_step": 1e3 * decode_s / steps if steps else None,
         "decode_tok_s": batch * steps / decode_s if steps else None,
-        "compile_s": first[0] - statistics.mean(times) if first else None,  # first call - steady state
+        # first call - steady state; without --compile nothing compiles (the difference is noise, even negative)
+        "compile_s": first[0] - statistics.mean(times) if first and args.compile else None,
         "memory": "cuda_allocated" if device.type == "cuda" else "cpu_rss",
         "resident_gib": resident / 2**30, "peak_gib": peak / 2**30,
         "kv_cache_bytes": kv, "kv_token_bytes": kv_tokens,
@@ -203,9 +204,12 @@ def run_latency(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
             for layer in model.language_model.model.layers:  # the previous variant's cache must not count here
                 layer.self_attn.kv_cache = None
             engine = Engine(model, compile=args.compile, shared_kv=shared)
-            rows += [profile_latency(engine, cfg, work, b, args) | {"weights_gib": weights / 2**30, "arch": arch,
-                                                                    "branches": branch_variant(cfg.par)}
-                     for b in args.batch]
+            for b in args.batch:  # a batch that does not fit: one line with the flags that lower it
+                with allocation(f"Pv:Pl {cfg.par.pv}:{cfg.par.pl} --batch {b} ({work.tiles} tiles, "
+                                f"{work.text_tokens} text tokens, {work.response_tokens} new tokens per sample)",
+                                "--batch, --tiles, --text-tokens or --new-tokens"):
+                    rows.append(profile_latency(engine, cfg, work, b, args) | {
+                        "weights_gib": weights / 2**30, "arch": arch, "branches": branch_variant(cfg.par)})
         del model, engine  # one model resident at a time, as when variants are profiled sequentially
     return add_ratios(rows)
 
@@ -273,6 +277,8 @@ def branch_pair(text: str) -> tuple[int, int]:
         pv, pl = (int(x) for x in text.split(":"))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected Pv:Pl such as 2:4, got {text!r}") from None
+    if pv < 1 or pl < 1:
+        raise argparse.ArgumentTypeError(f"Pv and Pl must be >= 1, got {text!r}")
     return pv, pl
 
 
@@ -317,6 +323,10 @@ class Timed:
                                range="[1, inf)", shown="torch's")
     trace: str | None = flag(None, "also write a Chrome trace (+ CUDA memory snapshot) per row", metavar="DIR")
     json: bool = flag(False, "print only the final JSON line, not the table")
+
+    def check(self) -> None:
+        if self.tiles == 0 and self.text_tokens == 0:
+            raise ValueError("--tiles 0 --text-tokens 0 leaves an empty prompt: give one of them at least 1")
 
 
 BRANCH_FIELDS = ("vit_prefix_len", "llm_prefix_len", "lambda_v", "lambda_l", "aggregation", "vision_branches",
@@ -452,7 +462,7 @@ def plot_latency(rows: list[dict], png: Path) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"arch {rows[0]['arch']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    fig.savefig(png, dpi=100, format="png")  # the file named, even without a .png suffix
     plt.close(fig)
 
 
@@ -476,7 +486,8 @@ def run(args) -> None:
         return
 
     if getattr(args, "plot", None):
-        pyplot()  # a missing matplotlib is said before the measurement, not after it
+        check_file_out(Path(args.plot), "--plot")  # a folder or a file in the way: said before the measurement
+        pyplot()  # a missing matplotlib too
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     if args.threads:  # OpenMP threads that wait for each other slow down 100x when another process holds a core

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from cli import SEED, barrier, check_folder, command, log, rank, shell, start_processes, world_size
+from cli import SEED, barrier, check_folder, command, log, one_writer, rank, shell, start_processes, world_size
 from data import SFTData
 from flags import command_parser, flag, parse
 from gates import Router, RouterConfig, RouterError, load_router, path_teacher, router_loss, save_router
@@ -298,6 +298,9 @@ def job(cfg) -> int:
             raise RouterError(f"--{name} {getattr(cfg, name)}: not a folder")
     if getattr(cfg, "data", "") and not Path(cfg.data).is_file():
         raise RouterError(f"--data {cfg.data}: no such meta JSON file")
+    if isinstance(cfg, (LabelConfig, TrainRouterConfig)):  # one --out, one writer (cli.one_writer)
+        with one_writer(Path(cfg.out)):
+            return JOBS[type(cfg)](cfg)
     return JOBS[type(cfg)](cfg)
 
 

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageIn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from cli import log, one_line, os_cause, pyplot, rank
+from cli import check_file_out, log, one_line, os_cause, pyplot, rank
 from parvl import ParVL
 from trackers import TRACKER_FILES
 
@@ -449,23 +449,29 @@ def plot_run(run: Path, png: Path | None = None) -> Path:
     metrics = run / "metrics.jsonl"
     if not metrics.is_file():
         raise ValueError(f"{metrics}: no such file (RUN is a train.py --out folder)")
+    if png is not None:
+        check_file_out(png, "--out")  # a folder would get FOLDER.png beside it
     rows, lines = [], [x for x in metrics.read_text(errors="replace").splitlines() if x.strip()]
     for raw in lines:
         try:
             rows.append(json.loads(raw))
         except json.JSONDecodeError:  # the last line of a run that is writing it
             continue
+        if not isinstance(rows[-1], dict) or type(rows[-1].get("step")) is not int:  # not a log step of train.py
+            rows.pop()
     if not rows:
         torn = len(lines) == 1 and lines[0].startswith('{"step"')  # the first line, being written
         raise ValueError(f"{metrics}: no log steps yet" if not lines or torn else
                          f"{metrics}: none of its {len(lines)} lines is JSON; train.py writes one JSON line a log step")
     plt = pyplot()  # matplotlib is optional: imported only here, one line when missing
     steps = [r["step"] for r in rows]
+    number = lambda v: float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else math.nan  # noqa: E731
+    lrs = [r["lr"] if isinstance(r.get("lr"), dict) else {} for r in rows]  # a null is a gap in the line
     fig, axes = plt.subplots(2, 2, figsize=(10, 6.5), sharex=True)
     for ax, (title, keys) in zip(axes.flat, PANELS):
         for key in keys:
-            series = ({f"lr {g}": [r["lr"][g] for r in rows] for g in rows[0]["lr"]} if key == "lr"
-                      else {key.replace("entropy_", ""): [math.nan if r.get(key) is None else r[key] for r in rows]})
+            series = ({f"lr {g}": [number(lr.get(g)) for lr in lrs] for g in dict.fromkeys(g for lr in lrs for g in lr)}
+                      if key == "lr" else {key.replace("entropy_", ""): [number(r.get(key)) for r in rows]})
             for label, ys in series.items():
                 ax.plot(steps, ys, label=label, marker="." if len(steps) < 50 else None)
         if key == "lr":
@@ -479,6 +485,6 @@ def plot_run(run: Path, png: Path | None = None) -> Path:
     fig.suptitle(str(run), fontsize=10)
     fig.tight_layout()
     png = png or run / "metrics.png"
-    fig.savefig(png, dpi=100)
+    fig.savefig(png, dpi=100, format="png")  # the file named, even without a .png suffix
     plt.close(fig)
     return png

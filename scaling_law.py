@@ -2,7 +2,7 @@
 official code is QwenLM/ParScale parametric_fit.py), used by `evaluate.py fit-law`.
 
     from scaling_law import fit_law
-    fit = fit_law(params, p, loss)   # {"E", "A" (raw parameters), "alpha", "k", "r2", "huber", "pred"}
+    fit = fit_law(params, p, loss)   # {"E", "A" (raw), "alpha", "k", "r2" (None: equal losses), "huber", "pred"}
 
 L(N, P) = E + (A / (N (k ln P + 1)))^alpha: N parameters, P parallel streams. As parametric_fit.py
 does, the fit minimises sum_i Huber_delta(log L_i - log L_pred,i) with delta = 1e-3 over
@@ -102,6 +102,7 @@ def fit_law(N: list[float], P: list[float], L: list[float]) -> dict:
         torch.set_num_threads(threads)
     best = int(torch.argmin(fx))
     pred = law(x[best:best + 1], N_, P_)[0]
-    r2 = 1 - float(((L_ - pred) ** 2).sum() / ((L_ - L_.mean()) ** 2).sum())
+    spread = float(((L_ - L_.mean()) ** 2).sum())
+    r2 = 1 - float(((L_ - pred) ** 2).sum()) / spread if spread > 0 else None  # equal losses: R^2 is undefined
     E, A, alpha, k = x[best].tolist()
     return {"E": E, "A": A * A_UNIT, "alpha": alpha, "k": k, "r2": r2, "huber": float(fx[best]), "pred": pred.tolist()}

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from cli import log, pyplot
+from cli import check_folder, log, pyplot
 from flags import flag
 from scoring import BENCHMARKS, aggregates
 from tsv import DataError
@@ -36,7 +36,7 @@ class ReportConfig:
                                 nargs="+", factory=list, metavar="JSON")
     out: str = flag("report", "output folder for report.md, report.json and the heatmaps")
     arch: str = flag("1b", "backbone for the FLOPs tie-break (flops.py)")
-    tie_decimals: int = flag(1, "scores equal at this many decimals tie", shown="1, the paper's")
+    tie_decimals: int = flag(1, "scores equal at this many decimals tie", range="[0, inf)", shown="1, the paper's")
     best_with_shared_kv: bool = flag(False, "let shared-KV runs compete for the best configuration")
 
 
@@ -78,7 +78,10 @@ def read_scores(files: list[str], reference: list[str] = ()) -> tuple[dict, dict
         try:
             text = Path(name).read_text().strip()
             s = json.loads(text.splitlines()[-1])
-            bench, value = s["benchmark"], float(s["score"])
+            bench, value = s["benchmark"], s["score"]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
+                raise ValueError(f"score must be a number in [0, 100], got {value!r}")  # NaN is none
+            value = float(value)
             key = (int(s["pv"]), int(s["pl"]), s.get("vision_branch"), s.get("language_branch"),
                    bool(s.get("shared_kv")), tuple(sorted((s.get("branches") or {}).items())))  # Table S8 apart
         except (OSError, IndexError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
@@ -324,6 +327,7 @@ def heatmaps(grids: dict, pvs: list, pls: list, out: Path) -> None:
 
 def report(cfg: ReportConfig) -> int:
     """`evaluate.py report`: the tables of the score files cfg.runs, written into cfg.out and printed."""
+    check_folder(Path(cfg.out), "--out")  # a file in the way is named before any work
     runs, policies, models = read_scores(cfg.runs, cfg.reference)
     configs = sorted(runs, key=lambda c: (len(c) == 7, c[4], c[2] is not None or c[3] is not None, c[5], c[0], c[1],
                                           c[2] or 0, c[3] or 0, c[6:]))

@@ -44,7 +44,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from aggregate import entropy
 from batches import filler_batch, make_loader
 from checkpoint import check_not_run_folder, is_branch_tensor
-from cli import SEED, allocation, check_shared, command, hms, log, peak_memory_gib, rank, shell, start_processes
+from cli import (SEED, allocation, check_shared, command, hms, log, one_writer, peak_memory_gib, rank, shell,
+                 start_processes)
 from config import ParConfig, branch_conflict, branch_flag, open_checkpoint, resolve_branch_flags
 from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, report_bad_rows
 from flags import command_parser, flag, parse
@@ -187,6 +188,13 @@ def main(argv=None) -> int:
 
 
 def run(cfg: TrainConfig) -> int:
+    if cfg.validate_data:
+        return prepare(cfg)
+    with one_writer(Path(cfg.out)):  # one run folder, one writer: rank 0 holds OUT.lock (cli.one_writer)
+        return prepare(cfg)
+
+
+def prepare(cfg: TrainConfig) -> int:
     cfg.check_files()
     tracker = Tracker(cfg.tracker, Path(cfg.out))  # a missing package is one line before any work
     mcfg, tok = open_checkpoint(Path(cfg.model))  # tiles as the model sees them, and its own tokenizer

@@ -51,6 +51,8 @@ def read_tsv(path, required: tuple[str, ...] = ("index", "question", "answer")) 
     missing = [c for c in required if c not in header]
     if missing:
         raise DataError(f"{path}: missing required column(s) {', '.join(missing)} (has {', '.join(header)})")
+    if not rows:  # nothing to run or score: not a benchmark of no rows
+        raise DataError(f"{path}: a header and no rows")
     seen: set = set()
     for r in rows:  # VLMEvalKit keys every row by its index: two rows of one index would lose one
         if r.get("index") in seen:
@@ -59,6 +61,8 @@ def read_tsv(path, required: tuple[str, ...] = ("index", "question", "answer")) 
     if "image" in header:
         by_index = {r["index"]: r["image"] for r in rows}
         rows = [r for r in rows if r["image"] is not None]
+        if not rows:
+            raise DataError(f"{path}: no row has an image (VLMEvalKit leaves such rows out)")
         for r in rows:  # a short cell names the row whose image it shares
             if len(r["image"]) <= 64:
                 ref = by_index.get(r["image"])
@@ -80,6 +84,12 @@ def read_jsonl(path: Path) -> list[dict]:
         except json.JSONDecodeError:
             if k < len(lines) - 1:
                 raise DataError(f"{path}: line {k + 1} is not JSON") from None
+            continue
+        try:  # a "\udcff" escape decodes to a lone surrogate, which no tokenizer or file takes
+            json.dumps(out[-1], ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"{path}: line {k + 1} is not valid Unicode (a lone surrogate "
+                            f"U+{ord(e.object[e.start]):04X})") from None
     return out
 
 

@@ -1074,7 +1074,7 @@ def test_an_out_that_cannot_be_written_is_one_line(bench, full_run, tmp_path, ca
     a_file.write_text("kept")
     for args, want in [(["run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder, "--out",
                          a_file / "p.jsonl"],
-                        f"error: --out {a_file}: {a_file} is a file, not a folder"),  # before the model loads
+                        f"error: --out {a_file / 'p.jsonl'}: {a_file} is a file, not a folder"),  # before the model
                        (["score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", full_run, "--out",
                          a_file / "s.json"], f"error: {a_file / 's.json'}: a parent is a file, not a folder")]:
         rc, _, err = main_out(capsys, *args)
