@@ -1,7 +1,8 @@
 """The model as training holds it, the torchtitan way (train.py): built on the meta device, frozen where
 the flags say, each ViT and LLM block wrapped (activation checkpointing, torch.compile) and sharded with
 FSDP2's fully_shard, then the root; every rank then reads only its own rows of each tensor from the
-safetensors files (load_shards), so no rank ever holds the whole model, in any dtype."""
+safetensors files (load_shards), so no rank ever holds the whole model, in any dtype. Its optimizer
+groups (two learning rates) and its training FLOPs per token (for MFU) are read off it here too."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -79,3 +80,24 @@ def load_shards(model: ParVL, reader: CheckpointReader, fresh: dict[str, torch.T
         if b > a:
             src = reader.rows(key, a, b) if key in reader.keys() else fresh[key][a:b]
             local.copy_(src.to(local.dtype))
+
+
+def param_groups(model: ParVL, cfg) -> list[dict]:
+    """New branch tensors at lr_new, pretrained weights at lr_pretrained; weight decay on everything,
+    as the official DeepSpeed recipe applies it (one group, biases and norms included)."""
+    new = [p for n, p in model.named_parameters() if p.requires_grad and is_branch_tensor(n)]
+    old = [p for n, p in model.named_parameters() if p.requires_grad and not is_branch_tensor(n)]
+    return [g for g in ({"params": new, "lr": cfg.lr_new, "name": "branches"},
+                        {"params": old, "lr": cfg.lr_pretrained, "name": "pretrained"}) if g["params"]]
+
+
+def train_flops_per_token(model: ParVL) -> tuple[float, float]:
+    """Model FLOPs per ViT token and per LLM token for forward + backward (6 x matmul parameters x
+    branches; attention scores left out, as MFU conventions do). Activation recomputation is not
+    counted: MFU measures useful work."""
+    par = model.cfg.par
+    matmuls = [(n, p.numel()) for n, p in model.named_parameters() if p.ndim == 2]
+    vit = sum(k for n, k in matmuls if n.startswith("vision_model.encoder"))
+    llm = sum(k for n, k in matmuls if n.startswith("language_model.model.layers"))
+    head = model.language_model.lm_head.weight.numel()
+    return 6.0 * vit * par.pv, 6.0 * (llm * par.pl + head)

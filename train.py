@@ -43,13 +43,13 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from aggregate import entropy
 from batches import filler_batch, make_loader
-from checkpoint import check_not_run_folder, is_branch_tensor
+from checkpoint import check_not_run_folder
 from cli import (SEED, allocation, check_shared, command, hms, log, one_writer, peak_memory_gib, rank, shell,
                  start_processes)
 from config import ParConfig, branch_conflict, branch_flag, open_checkpoint, resolve_branch_flags
 from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, report_bad_rows
 from flags import command_parser, flag, parse
-from fsdp import build_model
+from fsdp import build_model, param_groups, train_flops_per_token
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL
 from runs import (check_out, checkpoints, discard_run, export, finite, load_model_state, plot_run, recorded_run,
@@ -256,27 +256,6 @@ def export_step(e: ExportConfig) -> int:
 
 
 # -- model -------------------------------------------------------------------------------------
-
-
-def param_groups(model: ParVL, cfg: TrainConfig) -> list[dict]:
-    """New branch tensors at lr_new, pretrained weights at lr_pretrained; weight decay on everything,
-    as the official DeepSpeed recipe applies it (one group, biases and norms included)."""
-    new = [p for n, p in model.named_parameters() if p.requires_grad and is_branch_tensor(n)]
-    old = [p for n, p in model.named_parameters() if p.requires_grad and not is_branch_tensor(n)]
-    return [g for g in ({"params": new, "lr": cfg.lr_new, "name": "branches"},
-                        {"params": old, "lr": cfg.lr_pretrained, "name": "pretrained"}) if g["params"]]
-
-
-def train_flops_per_token(model: ParVL) -> tuple[float, float]:
-    """Model FLOPs per ViT token and per LLM token for forward + backward (6 x matmul parameters x
-    branches; attention scores left out, as MFU conventions do). Activation recomputation is not
-    counted: MFU measures useful work."""
-    par = model.cfg.par
-    matmuls = [(n, p.numel()) for n, p in model.named_parameters() if p.ndim == 2]
-    vit = sum(k for n, k in matmuls if n.startswith("vision_model.encoder"))
-    llm = sum(k for n, k in matmuls if n.startswith("language_model.model.layers"))
-    head = model.language_model.lm_head.weight.numel()
-    return 6.0 * vit * par.pv, 6.0 * (llm * par.pl + head)
 
 
 def name_bad_rows(data: SFTData, batches, named: int) -> int:

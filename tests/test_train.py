@@ -30,7 +30,8 @@ from processor import Tokenizer, build_prompt, load_image
 from schedule import lr_lambda
 import generate
 import train
-from train import TrainConfig, micro_loss, param_groups
+from fsdp import param_groups
+from train import TrainConfig, micro_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 QA = [("What colour dominates?", "Mostly red with some blue."), ("Describe it.", "A noisy square."),
