@@ -64,7 +64,15 @@ def start_processes(cuda: bool, always: bool = False) -> torch.device:
     world of one over an in-process store."""
     if not dist.is_initialized():
         if "RANK" in os.environ:
-            dist.init_process_group("nccl" if cuda else "gloo")
+            # Rank 0 may leave before the group is up (a second writer refused, cli.one_writer): torchrun then
+            # stops the others with SIGTERM, and a rank blocked in the rendezvous runs no Python handler, so
+            # here SIGTERM keeps its default action (nothing is written yet) rather than wait out torchrun's
+            # 30 s grace and its SIGKILL
+            handler = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            try:
+                dist.init_process_group("nccl" if cuda else "gloo")
+            finally:
+                signal.signal(signal.SIGTERM, handler)
         elif always:
             dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")

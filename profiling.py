@@ -362,6 +362,7 @@ class LatencyConfig(Timed):
                             "matplotlib)", metavar="FILE.png")
 
     def check(self) -> None:
+        super().check()
         given = [f for f in ("pv", "pl") + BRANCH_FIELDS if getattr(self, f) is not None]
         if self.model and given:
             flag_name = given[0].replace("_", "-")

@@ -120,6 +120,28 @@ def root_cause(stderr: str) -> str:
     return next(x for x in section.splitlines() if x.strip().startswith("traceback :")).split(":", 1)[1].strip()
 
 
+def test_a_second_writer_under_torchrun_is_refused_and_every_rank_ends_at_once(model_dir, meta, tmp_path):
+    """train.py as 2 ranks at an --out another process writes (it holds OUT.lock): rank 0 is refused
+    before the process group starts, torchrun's report gives its line as the root cause, and rank 1,
+    waiting in the rendezvous for a rank 0 that never comes, ends on torchrun's SIGTERM (cli.start_processes
+    leaves SIGTERM's default action there), not on the SIGKILL that follows 30 s later."""
+    import fcntl
+
+    out = tmp_path / "run"
+    fd = os.open(f"{out}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 1, *TRAIN, nproc=2,
+                        check=False)
+    finally:
+        os.close(fd)
+    assert res.returncode == 1 and root_cause(res.stderr) == (
+        f"error: --out {out}: another process is writing it (it holds {out}.lock); wait for it to finish or stop "
+        f"it, or pick another --out"), res.stderr[-3000:]
+    assert "SIGKILL" not in res.stderr, res.stderr[-3000:]
+    assert not any(out.rglob("*"))  # nothing written (rank 1's writability check leaves the folder, empty)
+
+
 def test_an_error_under_torchrun_reaches_the_user_every_time(model_dir, tmp_path):
     """A missing file for train.py, router.py label and evaluate.py run, each as 2 ranks, all at once
     (three launchers on two cores: a loaded machine, on which torchrun could stop rank 0 before its
