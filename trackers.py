@@ -18,6 +18,7 @@ already has; resume is bit-identical, so the loss it keeps is the one logged aga
 from __future__ import annotations
 
 import os
+import secrets
 from pathlib import Path
 
 from cli import rank
@@ -66,7 +67,7 @@ class Tracker:
             self.sink = self.module(log_dir=str(self.folder / "tensorboard"), purge_step=first_step + 1)
             return
         id_file = self.folder / "wandb_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else self.module.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)  # W&B: [a-z0-9]
         id_file.write_text(run_id)
         self.sink = self.module.init(project=os.environ.get("WANDB_PROJECT", "parvl"), name=str(self.folder),
                                      id=run_id, resume="allow", dir=str(self.folder), config=config)

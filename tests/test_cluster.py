@@ -107,9 +107,9 @@ def test_export_of_a_kept_step(run3, model_dir, tmp_path, capsys):
 # -- trackers ---------------------------------------------------------------------------------------
 
 
-def expected_scalars(lines: list[dict]) -> dict[str, list[tuple[int, float]]]:
-    """metrics.jsonl as TensorBoard should hold it: each number at its line's step, a nested one under
-    outer/inner, nulls absent; float32, as event files store scalars."""
+def expected_scalars(lines: list[dict], dtype=np.float32) -> dict[str, list[tuple[int, float]]]:
+    """metrics.jsonl as a tracker should hold it: each number at its line's step, a nested one under
+    outer/inner, nulls absent; float32, as TensorBoard's event files store scalars."""
     want = {}
     for line in lines:
         for key, value in line.items():
@@ -118,7 +118,7 @@ def expected_scalars(lines: list[dict]) -> dict[str, list[tuple[int, float]]]:
             for sub, x in items:
                 if key != "step" and x is not None:
                     want.setdefault(key if sub is None else f"{key}/{sub}", []).append(
-                        (line["step"], float(np.float32(x))))
+                        (line["step"], float(dtype(x))))
     return want
 
 
@@ -169,20 +169,53 @@ def test_a_missing_tracker_package_is_one_line(model_dir, meta, tmp_path, monkey
         assert not (tmp_path / kind).exists()
 
 
+def wandb_history(run: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series an offline W&B run logged, read from its run-ID.wandb file: W&B's record log
+    (":W&B", its magic and version in 7 bytes, then LevelDB log records in 32 KiB blocks: crc32, length,
+    type FULL 1 / FIRST 2 / MIDDLE 3 / LAST 4, data), each a wandb_internal Record; the history records
+    hold the logged values as JSON at their step. W&B's own keys (_step, _runtime, ...) are left out."""
+    from wandb.proto import wandb_internal_pb2
+
+    [path] = run.glob("run-*.wandb")
+    data, pos, frag, history = path.read_bytes(), 7, b"", {}
+    assert data[:4] == b":W&B", data[:8]
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        frag, pos = frag + data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):  # a whole record
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(frag)
+            frag = b""
+            if record.WhichOneof("record_type") == "history":
+                for item in record.history.item:
+                    name = item.key or "/".join(item.nested_key)
+                    if not name.startswith("_"):
+                        history.setdefault(name, []).append((record.history.step.num, json.loads(item.value_json)))
+    return history
+
+
 def test_wandb_offline_run_holds_the_metrics(model_dir, meta, tmp_path, monkeypatch):
     """--tracker wandb under WANDB_MODE=offline (no network): the offline run is OUT/wandb's, under the id
-    kept in OUT/wandb_id, and its summary holds the last metrics line. Runs only where wandb is installed."""
+    kept in OUT/wandb_id, and the history it logged, read back from W&B's own file, equals metrics.jsonl,
+    every number at its step; a resume continues the same run id."""
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     out = tmp_path / "run"
-    train_here("--model", model_dir, "--data", meta, "--max-steps", "2", "--tracker", "wandb", "--out", out, *COMMON)
+    args = ["--model", model_dir, "--data", meta, "--tracker", "wandb", "--out", out, "--save-every", "1", *COMMON]
+    train_here(*args, "--max-steps", "2")
     run_id = (out / "wandb_id").read_text()
     [run] = (out / "wandb").glob(f"offline-run-*-{run_id}")
-    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    summary = json.loads((run / "files" / "wandb-summary.json").read_text())
-    assert summary["_step"] == last["step"] == 2 and summary["loss"] == pytest.approx(last["loss"])
-    assert summary["lr/branches"] == pytest.approx(last["lr"]["branches"])
+    logged = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [1, 2]
+    want = expected_scalars(logged, dtype=float)  # W&B keeps the float64 JSON numbers
+    assert {"loss", "grad_norm", "lr/pretrained", "tokens_per_s"} <= want.keys() and wandb_history(run) == want
+    train_here(*args, "--max-steps", "3", "--resume")  # one step more, into the same W&B run id
+    assert (out / "wandb_id").read_text() == run_id
+    assert len(list((out / "wandb").glob(f"offline-run-*-{run_id}"))) == 2
 
 
 # -- Slurm ------------------------------------------------------------------------------------------
