@@ -17,7 +17,8 @@ both -HF layouts with the transformers config.json (`internvl`). Optionally shar
 `model.safetensors.index.json`, optionally stored in bf16. Each folder also gets a tiny tokenizer
 (`tiny_tokenizer.py`); the image token id is that tokenizer's `<IMG_CONTEXT>`.
 
-Fixtures: `checkpoint(...) -> Path` and `reference(family, seed) -> model`, both session-cached.
+Fixtures: `checkpoint(...) -> Path` and `reference(family, seed) -> model`, both session-cached; `model_dir`
+(the tiny qwen3 checkpoint, original layout) and `meta` (16 SFT rows), both per module.
 Plain helpers (import with `from conftest import ...`): `make_checkpoint`, `build_reference`,
 `hf_to_original`, `original_to_hf`, `prompt_ids`, `left_pad`, `random_pixels`, `read_safetensors`.
 The fixtures are checked on their own by the `test_fixture_*` tests in `test_core.py`.
@@ -449,6 +450,20 @@ for name, value in (("recompile_limit", 256), ("accumulated_recompile_limit", 40
                     ("fail_on_recompile_limit_hit", True)):
     if hasattr(torch._dynamo.config, name):  # the names of torch 2.11 and newer
         setattr(torch._dynamo.config, name, value)
+
+
+@pytest.fixture(scope="module")
+def model_dir(checkpoint):
+    """The tiny Qwen3 checkpoint in the original layout: the model of the training, command and
+    robustness tests."""
+    return checkpoint("qwen3", "original")
+
+
+@pytest.fixture(scope="module")
+def meta(tmp_path_factory):
+    """16 SFT rows in the official InternVL format (test_train.write_dataset), made once per module."""
+    from test_train import write_dataset
+    return write_dataset(tmp_path_factory.mktemp("data"), rows=16)
 
 
 def two_nodes(args: list, node_args: tuple[list, list] = ([], []), timeout: int = 300) -> tuple[list[int], str]:

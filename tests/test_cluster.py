@@ -28,17 +28,6 @@ from test_train import COMMON, train_here
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def model_dir(checkpoint):
-    return checkpoint("qwen3", "original")
-
-
-@pytest.fixture(scope="module")
-def meta(tmp_path_factory):
-    from test_train import write_dataset
-    return write_dataset(tmp_path_factory.mktemp("data"), rows=16)
-
-
 def answer(capsys, model: Path, png: Path) -> str:
     """generate.py's greedy answer (its default) from a model folder, as a user runs it."""
     capsys.readouterr()

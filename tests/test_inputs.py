@@ -25,11 +25,6 @@ from test_robust import tree
 from test_train import write_dataset
 
 
-@pytest.fixture(scope="module")
-def model_dir(checkpoint):
-    return checkpoint("qwen3", "original")
-
-
 def run_main(capsys, main, argv) -> tuple[int, list[str]]:
     """A command's main in this process: its exit code (a flag error's too) and its stderr lines."""
     try:

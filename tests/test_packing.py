@@ -14,7 +14,7 @@ from data import BadRow, Sample, SFTData
 from loss import IGNORE, loss_weights
 from parvl import ParVL
 from processor import Tokenizer
-from test_train import COMMON, meta, metrics, model_dir, run_train, train_here  # noqa: F401  (meta, model_dir: fixtures)
+from test_train import COMMON, metrics, run_train, train_here
 from train import micro_loss
 
 # Rows of packed samples: lengths of the samples in each row, then the row's padding (the last row
@@ -148,7 +148,7 @@ def test_first_fit_packing_in_order_and_bad_rows_counted():
 
 
 @pytest.mark.parametrize("pv,pl", [(1, 1), (2, 2)])
-def test_packed_loss_and_gradients_equal_unpacked(model_dir, meta, pv, pl):  # noqa: F811  (fixtures)
+def test_packed_loss_and_gradients_equal_unpacked(model_dir, meta, pv, pl):
     """The same 8 samples (one image, two images, text only) as 8 one-sample micro-batches and packed
     two ways; fp32. Loss and gradients agree to float rounding: the sums run in another order (other
     matmul shapes, masked SDPA over other key sets), a few ulps per op through 2+2 layers, so 1e-5
@@ -184,7 +184,7 @@ def test_packed_loss_and_gradients_equal_unpacked(model_dir, meta, pv, pl):  # n
 
 
 @pytest.mark.slow
-def test_train_packed_equals_unpacked_on_one_and_two_ranks(model_dir, meta, tmp_path):  # noqa: F811  (fixtures)
+def test_train_packed_equals_unpacked_on_one_and_two_ranks(model_dir, meta, tmp_path):
     """train.py 2:2 for 3 steps of 4 samples (627, 849, 352, 89 tokens, ...) with --max-seq-len 1000:
     one padded row per sample; packed, 2 rows per micro-batch; packed on 2 ranks, where step 2 gives
     one rank 2 rows and the other 1 (a filler micro-batch evens them out). Same loss and gradient

@@ -67,16 +67,6 @@ def worker_lines(stderr: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def model_dir(checkpoint):
-    return checkpoint("qwen3", "original")
-
-
-@pytest.fixture(scope="module")
-def meta(tmp_path_factory):
-    return write_dataset(tmp_path_factory.mktemp("data"), rows=16)
-
-
-@pytest.fixture(scope="module")
 def base_run(model_dir, meta, tmp_path_factory):
     """A finished 3-step run: checkpoints step_1..3, export, metrics. Tests copy it."""
     out = tmp_path_factory.mktemp("base") / "run"

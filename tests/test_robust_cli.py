@@ -24,11 +24,6 @@ from test_train import ROOT
 
 
 @pytest.fixture(scope="module")
-def model_dir(checkpoint):
-    return checkpoint("qwen3", "original")
-
-
-@pytest.fixture(scope="module")
 def png(tmp_path_factory):
     path = tmp_path_factory.mktemp("img") / "photo.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 90, 3), dtype=np.uint8)).save(path)

@@ -108,16 +108,6 @@ COMMON = ["--dtype", "fp32", "--global-batch", "4", "--num-workers", "0", "--max
           "--no-activation-checkpointing"]
 
 
-@pytest.fixture(scope="module")
-def model_dir(checkpoint):
-    return checkpoint("qwen3", "original")
-
-
-@pytest.fixture(scope="module")
-def meta(tmp_path_factory):
-    return write_dataset(tmp_path_factory.mktemp("data"), rows=16)
-
-
 # -- the loss ----------------------------------------------------------------------------------
 
 
