@@ -314,6 +314,17 @@ def check_shapes(metadata: dcp_metadata.Metadata, model_state: dict, folder: Pat
                          f"flags); resume with the run's, or start a new run in another --out")
 
 
+def read_state(state: dict, folder: Path, metadata: dcp_metadata.Metadata) -> None:
+    """dcp.load of `state` from `folder`, running nothing it holds: its .metadata as read_dcp_metadata read
+    it (VerifiedReader), non-tensor entries as plain data (PlainBytesPlanner); a refusal is one Unsafe line."""
+    try:
+        dcp.load(state, storage_reader=VerifiedReader(folder, metadata), planner=PlainBytesPlanner())
+    except CheckpointException as e:
+        if (refused := unsafe_failure(e)) is not None:
+            raise Unsafe(f"{folder}: {refused}") from None
+        raise
+
+
 def load_checkpoint(model, optim, sched, folder: Path, metadata: dcp_metadata.Metadata) -> dict:
     """Model, optimizer and scheduler state from `folder` (its .metadata read by read_dcp_metadata);
     returns its train.json. The scheduler goes on from the saved step on *this* run's schedule
@@ -321,12 +332,7 @@ def load_checkpoint(model, optim, sched, folder: Path, metadata: dcp_metadata.Me
     whose --max-steps changed does not take its first step at the old schedule's last rate. With the
     same flags this is the value the scheduler had."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}
-    try:
-        dcp.load(state, storage_reader=VerifiedReader(folder, metadata), planner=PlainBytesPlanner())
-    except CheckpointException as e:
-        if (refused := unsafe_failure(e)) is not None:
-            raise Unsafe(f"{folder}: {refused}") from None
-        raise
+    read_state(state, folder, metadata)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optim, state["optim"])
     meta = json.loads((folder / "train.json").read_text())
@@ -340,7 +346,7 @@ def load_checkpoint(model, optim, sched, folder: Path, metadata: dcp_metadata.Me
 # Flags a resumed run must share with the run it continues: they fix the data order, the loss and the
 # update rule, so a change would silently make a different run. --max-steps may change (the schedule
 # is rebuilt for the new total); the others (logging, saving, workers, compile) do not change the maths.
-# The branch parameterisation (Pv:Pl, prefix lengths, ...) fixes the run too: train.resolve_branches.
+# The branch parameterisation (Pv:Pl, prefix lengths, ...) fixes the run too: config.resolve_branch_flags.
 RESUME_FIXED = ("data", "seed", "global_batch", "max_seq_len", "max_tiles", "lr_new", "lr_pretrained", "weight_decay",
                 "warmup_ratio", "clip", "dtype", "freeze_vit", "freeze_connector", "freeze_llm", "freeze_backbone")
 
@@ -412,9 +418,10 @@ def resume(model, optim, sched, out: Path, config: dict) -> tuple[int, dict]:
 
 
 def load_model_state(model, folder: Path) -> None:
-    """The model's part of a DCP checkpoint, alone (`train.py export`: no optimizer is built)."""
+    """The model's part of a DCP checkpoint, alone (`train.py export`: no optimizer is built), read as
+    --resume reads one (read_state): nothing in it run."""
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(folder))
+    read_state(state, folder, read_dcp_metadata(folder))
     set_model_state_dict(model, state["model"])
 
 
