@@ -82,8 +82,8 @@ def branch_variant(par: ParConfig) -> dict:
     """A configuration's branch parameterisation where it is not the paper's (Figure 3, Table S8): the
     ParConfig fields other than the counts that differ from their defaults ({} for the paper's). What
     evaluate.py run records of a checkpoint and profiling.py latency of the model it profiles."""
-    unused = "lora_rank" if par.vision_branches == "prefix" else "vit_prefix_len"
-    return {k: v for k, v in asdict(par).items() if k not in ("pv", "pl", unused) and v != getattr(ParConfig(), k)}
+    unused, paper = "lora_rank" if par.vision_branches == "prefix" else "vit_prefix_len", ParConfig()
+    return {k: v for k, v in asdict(par).items() if k not in ("pv", "pl", unused) and v != getattr(paper, k)}
 
 
 def branch_conflict(values: dict, vit_width: int | None = None, origin: dict | None = None) -> str | None:
@@ -129,7 +129,7 @@ def resolve_branch_flags(given: dict, par: ParConfig, vit_width: int, model: str
             raise ValueError(f"{run_name} was trained with --{name.replace('_', '-')} {was}, this run asks for "
                              f"{value}; resume without the flag (or with the run's value), or start a new run in "
                              f"another --out")
-        values[name] = was if value is None or run is not None else value
+        values[name] = was if value is None else value
         if value is None:
             origin[name] = "the run's" if run is not None else f"{model}'s"
     if why := branch_conflict(values, vit_width, origin):
@@ -279,7 +279,7 @@ def llm_config_from_json(t: dict, family: str, tied: bool | None, default_theta:
     if t.get("head_dim") is None:  # Qwen2 has none: the width split over the heads
         f.int("hidden_size")
         f.divides("num_attention_heads", "hidden_size")
-    head_dim = f.int("head_dim", t.get("head_dim") or t["hidden_size"] // heads)
+    head_dim = f.int("head_dim") if t.get("head_dim") is not None else t["hidden_size"] // heads
     if head_dim % 2:  # rotary embeddings pair the channels
         raise f.bad("head_dim", "even (rotary embeddings pair its channels)", head_dim)
     return LLMConfig(
