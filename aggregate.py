@@ -336,9 +336,7 @@ class Aggregator(nn.Module):
         z_PBTC = z.view(P, z.shape[0] // P, *z.shape[1:])  # [P,B,T,C]
         w_BTP = self.weights(z_PBTC)
         fused_BTC = torch.einsum("btp,pbtc->btc", w_BTP, z_PBTC.float())  # weighted sum in fp32
-        # einsum's result is a view of its matmul's output; a tensor of its own (one [B,T,C] copy in fp32,
-        # none in bf16) is what the model returns, and what FSDP2 wants of a root's output (no warning)
-        return fused_BTC.to(z.dtype, copy=True), w_BTP
+        return fused_BTC.to(z.dtype), w_BTP
 
     def initial_values(self) -> dict[str, torch.Tensor]:
         """Start from uniform weights: the last layer is zero, so the MLP emits equal logits and the

@@ -209,7 +209,10 @@ class ParVL(nn.Module):
         else:
             positions, mask = prompt_positions(attention_mask.bool(), padded=True)  # every prompt starts at position 0
         h, w_language = self.hidden_from_embeds(x, positions, mask, rows=rows, segments=segment_ids)
-        return h, w_vision, w_language
+        # the Aggregator's fp32 output is a view (einsum's); as train.py's FSDP2 root output it gets a tensor of
+        # its own, which FSDP2 asks of an output it hooks for backward (it warns at a view); the decode step
+        # never comes here
+        return (h.clone() if h._base is not None else h), w_vision, w_language
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, vision_branch: Choice = None,
