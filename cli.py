@@ -212,22 +212,22 @@ def check_file_out(path: Path, flag: str) -> None:
     check_folder(path.parent, flag, given=path)
 
 
-def make_folder(folder: Path, flag: str, given: Path | None = None) -> None:
+def make_folder(folder: Path, flag: str) -> None:
     """check_folder, then the folder made with its parents (a read-only file system is the OSError's
     own line)."""
-    check_folder(folder, flag, given)
+    check_folder(folder, flag)
     folder.mkdir(parents=True, exist_ok=True)
 
 
 @contextmanager
-def one_writer(out: Path, flag: str = "--out"):
+def one_writer(out: Path | None, flag: str = "--out"):
     """One output, one writer: an OS advisory lock (flock) on OUT.lock beside the output (a file or a
     folder) for as long as the command writes it. A second command at the same output is refused in one
     line before it reads or writes anything there; the kernel releases the lock of a process that dies
     however it dies (kill -9 too), so a crash never leaves a stale lock, only an empty OUT.lock that the
     next run takes over. Under torchrun one process holds it for the job: RANK 0, before the process
-    group starts (the other ranks take none, so they cannot block one another)."""
-    if rank() != 0:
+    group starts (the other ranks take none, so they cannot block one another). out None: no output, no lock."""
+    if out is None or rank() != 0:
         yield
         return
     import fcntl  # POSIX: here, so that cli imports everywhere

@@ -114,10 +114,8 @@ def main(argv=None) -> int:
 
 def run(args: GenerateFlags) -> int:
     """The job; a --batch --out file has one writer (cli.one_writer), taken before the file is read."""
-    if args.batch is not None and args.out is not None:
-        with cli.one_writer(Path(args.out)):
-            return respond(args)
-    return respond(args)
+    with cli.one_writer(Path(args.out) if args.batch is not None and args.out is not None else None):
+        return respond(args)
 
 
 def respond(args: GenerateFlags) -> int:

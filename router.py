@@ -298,10 +298,9 @@ def job(cfg) -> int:
             raise RouterError(f"--{name} {getattr(cfg, name)}: not a folder")
     if getattr(cfg, "data", "") and not Path(cfg.data).is_file():
         raise RouterError(f"--data {cfg.data}: no such meta JSON file")
-    if isinstance(cfg, (LabelConfig, TrainRouterConfig)):  # one --out, one writer (cli.one_writer)
-        with one_writer(Path(cfg.out)):
-            return JOBS[type(cfg)](cfg)
-    return JOBS[type(cfg)](cfg)
+    writes = isinstance(cfg, (LabelConfig, TrainRouterConfig))  # one --out, one writer (cli.one_writer)
+    with one_writer(Path(cfg.out) if writes else None):
+        return JOBS[type(cfg)](cfg)
 
 
 def main(argv=None) -> int:

@@ -188,9 +188,7 @@ def main(argv=None) -> int:
 
 
 def run(cfg: TrainConfig) -> int:
-    if cfg.validate_data:
-        return prepare(cfg)
-    with one_writer(Path(cfg.out)):  # one run folder, one writer: rank 0 holds OUT.lock (cli.one_writer)
+    with one_writer(None if cfg.validate_data else Path(cfg.out)):  # one run folder, one writer (cli.one_writer)
         return prepare(cfg)
 
 
