@@ -26,7 +26,7 @@ import gc
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import ClassVar
 
@@ -331,8 +331,7 @@ class Timed:
             raise ValueError("--tiles 0 --text-tokens 0 leaves an empty prompt: give one of them at least 1")
 
 
-BRANCH_FIELDS = ("vit_prefix_len", "llm_prefix_len", "lambda_v", "lambda_l", "aggregation", "vision_branches",
-                 "lora_rank")
+BRANCH_FIELDS = tuple(f.name for f in fields(ParConfig) if f.name not in ("pv", "pl"))
 
 
 @dataclass
@@ -423,16 +422,14 @@ def run(args) -> None:
               f"{args.tiles} tiles + {args.text_tokens} text tokens per sample")
     if args.command == "latency":
         rows, columns = run_latency(args, device, dtype), LATENCY_COLUMNS
+        extra = {"shared_vs_standard": shared_vs_standard(rows)}
         if args.plot:
             plot_latency(rows, Path(args.plot))
     else:
-        rows, columns = run_forward(args, device, dtype), FORWARD_COLUMNS
-    extra = {}
-    if args.command == "latency":
-        extra["shared_vs_standard"] = shared_vs_standard(rows)
+        rows, columns, extra = run_forward(args, device, dtype), FORWARD_COLUMNS, {}
     if not args.json:
         print_rows(rows, columns)
-        if args.command == "latency":
+        if "shared_vs_standard" in extra:
             print("\n" + paper_layout(rows, extra["shared_vs_standard"]) + "\n")
     settings = {k: v for k, v in asdict(args).items() if k != "json"}
     print(json.dumps({"command": args.command, **env, "args": settings, "rows": rows, **extra}))

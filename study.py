@@ -127,12 +127,11 @@ def pieces(c: StudyConfig) -> list[Piece]:
                                                     str(tsv / f"{b}.tsv"), "--predictions", str(pred), "--out",
                                                     str(score)], score))
 
-    for a in c.allocations:  # Table 2 / S4
-        train(run_name(a), a, [])
-    ablations = [a for a in c.ablations if a != "none"]
-    for a in ablations:  # Figure 3, Table S8
-        train(f"{run_name(c.ablation_base)}_{a}", c.ablation_base, ABLATIONS[a])
-    for name in [*map(run_name, c.allocations), *(f"{run_name(c.ablation_base)}_{a}" for a in ablations)]:
+    trained = [(run_name(a), a, []) for a in c.allocations]  # Table 2 / S4, then Figure 3 and Table S8
+    trained += [(f"{run_name(c.ablation_base)}_{a}", c.ablation_base, ABLATIONS[a]) for a in c.ablations if a != "none"]
+    for name, alloc, extra in trained:
+        train(name, alloc, extra)
+    for name, _, _ in trained:
         evaluate(name, out / "runs" / name / "export")
 
     ra = run_name(c.router_allocation)  # Table S9 and Table 3 on the router's model
@@ -163,8 +162,7 @@ def pieces(c: StudyConfig) -> list[Piece]:
                                           "--labels", str(held)], gates / "eval.json", "gpu"))
     evaluate(f"{ra}_router", model, ["--router", str(gates)])
 
-    trained = [*map(run_name, c.allocations), *(f"{run_name(c.ablation_base)}_{a}" for a in ablations)]
-    for name in trained:  # Figure 4: each run's own batch-1 latency and memory (its config, random weights)
+    for name, _, _ in trained:  # Figure 4: each run's own batch-1 latency and memory (its config, random weights)
         profile = out / "profile" / f"{name}.json"
         todo.append(Piece(f"profile {name}", ["profiling.py", "latency", "--model", str(out / "runs" / name / "export"),
                                               "--batch", "1", "--json", *flags["profile_flags"]], profile, "gpu",
@@ -239,18 +237,14 @@ def study(c: StudyConfig) -> int:
         if p.done.exists() and not (p.derived and ran):
             log(f"{head}: done ({p.done})", sys.stdout)
             continue
+        cmd = launch(c, p, p.argv() if callable(p.argv) else p.argv)
         if c.plan:
             ran = True  # the tables after it would be made again
-            try:
-                shown = shlex.join(launch(c, p, p.argv() if callable(p.argv) else p.argv))
-            except (OSError, ValueError, KeyError):  # Table S2's files come from the report it has not made yet
-                shown = f"{p.name}, its files read from the pieces before it"
-            log(f"{head}: would run {shown}" + (f" > {p.stdout}" if p.stdout else ""), sys.stdout)
+            log(f"{head}: would run {shlex.join(cmd)}" + (f" > {p.stdout}" if p.stdout else ""), sys.stdout)
             continue
         for path in (p.done, p.leaves):  # the folders a command writes its files into (score --out needs it)
             if path is not None:
                 path.parent.mkdir(parents=True, exist_ok=True)
-        cmd = launch(c, p, p.argv() if callable(p.argv) else p.argv)
         log(f"{head}: {shlex.join(cmd)}" + (f" > {p.stdout}" if p.stdout else ""), sys.stdout)
         if (code := execute(cmd, p.stdout)) != 0:
             raise ValueError(f"{p.name} failed (exit {code}; its own line above); the same study.py command "

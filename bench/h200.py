@@ -43,9 +43,9 @@ PAPER_S7 = {
 BATCHES = [1, 2, 4, 8]
 
 
-def run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
-    """Run one step; never raise: status ok / failed / timeout, the exit code, the output's tail and its
-    last JSON line (whole: a profile's line alone can be longer than the tail)."""
+def run(cmd: list[str], timeout: float, env: dict | None = None, last_json: bool = False) -> dict:
+    """Run one step; never raise: status ok / failed / timeout, the exit code, the output's tail and, with
+    last_json, its last JSON line (whole: a profile's line alone can be longer than the tail)."""
     t0 = time.perf_counter()
     try:
         res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
@@ -55,9 +55,10 @@ def run(cmd: list[str], timeout: float, env: dict | None = None) -> dict:
         status, rc = "timeout", None
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
     print(f"[{status}] {' '.join(cmd[:6])} ... ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
-    last = next((x for x in reversed(out.splitlines()) if x.startswith("{")), None)
-    return {"status": status, "rc": rc, "seconds": round(time.perf_counter() - t0, 1), "cmd": cmd, "tail": out[-4000:],
-            "json": last}
+    res = {"status": status, "rc": rc, "seconds": round(time.perf_counter() - t0, 1), "cmd": cmd, "tail": out[-4000:]}
+    if last_json:
+        res["json"] = next((x for x in reversed(out.splitlines()) if x.startswith("{")), None)
+    return res
 
 
 def step_tests(out: Path, dry: bool) -> dict:
@@ -79,7 +80,7 @@ def step_latency(dry: bool) -> dict:
     else:  # the protocol's defaults: 3 tiles, 256 text tokens, 128 new tokens, 3 warm-ups, 10 iterations
         size = ["--arch", "1b", "--device", "cuda", "--dtype", "bf16", "--batch", *map(str, BATCHES), "--compile"]
     res = run([sys.executable, "profiling.py", "latency", "--pv", "4", "--pl", "4", "--baseline", "--compare-shared",
-               "--json", *size], 60 if dry else 330)
+               "--json", *size], 60 if dry else 330, last_json=True)
     line = res.pop("json")
     res["rows"] = json.loads(line)["rows"] if res["status"] == "ok" and line else None
     return res
