@@ -39,16 +39,15 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-import analysis
-import tables
 from checkpoint import resolve_model
 from cli import (SEED, allocation, check_shared, command, log, make_folder, one_line, one_writer, rank,
                  resolve_device, resolve_dtype, shell, start_processes, world_size)
 from flags import command_parser, flag, parse
-from judge import Judge
-from scaling_law import GRID, fit_law
-from scoring import BENCHMARKS, SCORE_COLUMNS, score
-from tsv import DataError, as_list, options, read_jsonl, read_tsv
+from evaluation import analysis, tables
+from evaluation.judge import Judge
+from evaluation.scaling_law import GRID, fit_law
+from evaluation.scoring import BENCHMARKS, SCORE_COLUMNS, score
+from evaluation.tsv import DataError, as_list, options, read_jsonl, read_tsv
 from shards import LineParts, merged, resumed, share
 
 # Per benchmark: prompt kind (InternVLChat.build_prompt by DATASET_TYPE), tile budget (set_max_num:

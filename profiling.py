@@ -38,7 +38,6 @@ from engine import Engine, GenerateConfig
 from flags import command_parser, flag, parse
 from flops import ARCHS, BRANCHES, Workload, build_config, profile_params
 from parvl import ParVL
-from tables import paper_layout, plot_latency, shared_vs_standard
 
 
 def print_table(rows: list[dict]) -> None:
@@ -256,6 +255,88 @@ def run_forward(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     for r in rows:
         r |= {"time_x": r["median_ms"] / rows[0]["median_ms"], "gflops_x": r["gflops"] / rows[0]["gflops"]}
     return rows
+
+
+# -- Tables 4 and S7 from profiling.py latency's rows (Appendix C.1, C.2) -------------------------
+
+
+def shared_vs_standard(rows: list[dict]) -> list[dict]:
+    """Per Pv:Pl profiled both ways and per batch size, shared KV against the standard cache (Appendix
+    C.2, the paragraph under Table S7): the change of per-sample latency, of peak memory, and of the
+    incremental peak (peak - resident, the memory the generation itself adds), in % of standard's."""
+    out = []
+    for r in rows:
+        std = next((s for s in rows if not s["shared_kv"] and (s["pv"], s["pl"], s["batch"], s.get("branches")) ==
+                    (r["pv"], r["pl"], r["batch"], r.get("branches"))), None)
+        if r["shared_kv"] and std is not None:
+            change = lambda new, old: 100 * (new / old - 1) if old else None  # noqa: E731
+            out.append({"pv": r["pv"], "pl": r["pl"], "batch": r["batch"],
+                        "latency_pct": change(r["latency_s"], std["latency_s"]),
+                        "peak_pct": change(r["peak_gib"], std["peak_gib"]),
+                        "incremental_peak_pct": change(r["peak_gib"] - r["resident_gib"],
+                                                       std["peak_gib"] - std["resident_gib"])})
+    return out
+
+
+def paper_layout(rows: list[dict], delta: list[dict]) -> str:
+    """Tables S7 and 4 as the paper prints them (a row per configuration and metric, a column per batch
+    size: absolute, then relative to the first configuration), then the Δ rows of shared KV against
+    standard per batch size."""
+    batches = sorted({r["batch"] for r in rows})
+    head = "| Pv:Pl | Shared KV | Metric | " + " | ".join(map(str, batches)) + " |"
+    rule = "|" + " --- |" * (len(batches) + 3)
+    configs = list(dict.fromkeys((r["pv"], r["pl"], r["shared_kv"], json.dumps(r.get("branches") or {}))
+                                 for r in rows))
+    cell = {(r["pv"], r["pl"], r["shared_kv"], json.dumps(r.get("branches") or {}), r["batch"]): r for r in rows}
+    mem = "Memory (GB)" if rows[0]["memory"] == "cuda_allocated" else "Memory (GB, RSS)"
+
+    def line(c, metric, key, fmt, unit=""):
+        name = f"{c[0]}:{c[1]}" + ("" if c[3] == "{}" else f" {c[3]}")
+        vals = [format(cell[c + (b,)][key], fmt) + unit if c + (b,) in cell else "-" for b in batches]
+        return f"| {name} | {'✓' if c[2] else '✗'} | {metric} | " + " | ".join(vals) + " |"
+
+    md = ["Absolute (Table S7's layout):", "", head, rule]
+    for c in configs:  # GB as the paper prints them: 2**30 bytes
+        md += [line(c, "Latency (s)", "latency_s", ".3f"), line(c, mem, "peak_gib", ".3f")]
+    md += ["", "Relative to the first row at each batch size (Table 4's layout):", "", head, rule]
+    for c in configs[1:]:
+        md += [line(c, "Latency", "latency_x", ".2f", "×"), line(c, "Memory", "peak_x", ".2f", "×")]
+    if delta:
+        md += ["", "Δ (Shared − Standard), % of standard:", "",
+               "| Pv:Pl | Metric | " + " | ".join(map(str, batches)) + " |", "|" + " --- |" * (len(batches) + 2)]
+        for pv, pl in dict.fromkeys((d["pv"], d["pl"]) for d in delta):
+            mine = {d["batch"]: d for d in delta if (d["pv"], d["pl"]) == (pv, pl)}
+            for key, metric in (("latency_pct", "Latency"), ("peak_pct", "Peak memory"),
+                                ("incremental_peak_pct", "Peak − resident")):
+                vals = ["-" if b not in mine or mine[b][key] is None else f"{mine[b][key]:+.1f} %" for b in batches]
+                md.append(f"| {pv}:{pl} | {metric} | " + " | ".join(vals) + " |")
+    return "\n".join(md)
+
+
+def plot_latency(rows: list[dict], png: Path) -> None:
+    """Latency per sample and peak memory against batch size, one line per configuration (Pv:Pl,
+    standard or shared KV): the view of the paper's Figure 4 / Table 4."""
+    plt = pyplot()
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
+    configs = dict.fromkeys((r["pv"], r["pl"], r["shared_kv"]) for r in rows)  # in run order
+    for pv, pl, shared in configs:
+        mine = sorted((r for r in rows if (r["pv"], r["pl"], r["shared_kv"]) == (pv, pl, shared)),
+                      key=lambda r: r["batch"])
+        label = f"{pv}:{pl}" + (" shared KV" if shared else "")
+        batches = [r["batch"] for r in mine]
+        ax_t.plot(batches, [1e3 * r["latency_s"] for r in mine], marker="o", label=label)
+        ax_m.plot(batches, [r["peak_gib"] for r in mine], marker="o", label=label)
+    for ax, what in ((ax_t, "latency per sample (ms)"), (ax_m, f"peak memory (GiB, {rows[0]['memory']})")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["batch"] for r in rows}), [str(b) for b in sorted({r["batch"] for r in rows})])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel(what)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"arch {rows[0]['arch']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100, format="png")  # the file named, even without a .png suffix
+    plt.close(fig)
 
 
 def print_rows(rows: list[dict], columns: dict[str, str]) -> None:

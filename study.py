@@ -30,7 +30,7 @@ from typing import Callable
 
 from cli import SEED, command, log, shell
 from flags import command_parser, flag, parse
-from scoring import BENCHMARKS  # the paper's nine (Appendix A.3)
+from evaluation.scoring import BENCHMARKS  # the paper's nine (Appendix A.3)
 
 ROOT = Path(__file__).resolve().parent
 ALLOCATIONS = ["1:1", "1:2", "1:4", "2:1", "2:2", "2:4", "4:1", "4:2", "4:4"]  # Table 2 / S4

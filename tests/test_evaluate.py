@@ -22,12 +22,12 @@ import pytest
 import torch
 from PIL import Image
 
-import analysis
 import evaluate
 from conftest import two_nodes
-import mathv as M
-import scoring as S
-import tsv as T
+from evaluation import analysis
+from evaluation import mathv as M
+from evaluation import scoring as S
+from evaluation import tsv as T
 from engine import Engine, GenerateConfig
 from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
@@ -1146,7 +1146,7 @@ def test_lengths_bootstrap_has_the_known_answer():
     interval is that point. One benchmark with differences 0 and 2 resamples to means 0, 1, 2 (1/4,
     1/2, 1/4): its interval is [0, 2]. Answers at or above the near-cap threshold leave the clean
     means, and the pairs, of their side only."""
-    import analysis as L
+    from evaluation import analysis as L
 
     a = {"MMMU_DEV_VAL": {"1": 10, "2": 20, "3": 4090}, "WeMath": {"1": 5, "2": 7}}
     b = {"MMMU_DEV_VAL": {"1": 13, "2": 23, "3": 30}, "WeMath": {"1": 6, "2": 8}}  # +3 and +1 everywhere

@@ -24,7 +24,6 @@ import torch
 
 import flops
 import profiling
-import tables
 from parvl import ParVL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -335,11 +334,11 @@ def test_table_4_and_the_shared_kv_delta_from_table_s7():
              "resident_gib": 2.0, "kv_cache_bytes": 1, "memory": "cuda_allocated", "branches": {}}
             for (pv, shared), cells in TABLE_S7.items() for b, (lat, mem) in zip((1, 2, 4, 8), cells)]
     profiling.add_ratios(rows)
-    delta = tables.shared_vs_standard(rows)
+    delta = profiling.shared_vs_standard(rows)
     assert [round(d["peak_pct"], 1) for d in delta] == [-9.4, -15.9, -23.3, -30.8]
     assert [round(d["latency_pct"], 1) for d in delta] == [18.3, 21.4, 22.0, 32.3]
     assert delta[0]["incremental_peak_pct"] == pytest.approx(100 * (0.571 / 0.837 - 1))
-    md = tables.paper_layout(rows, delta)
+    md = profiling.paper_layout(rows, delta)
     assert "| 4:4 | ✗ | Latency | 1.04× | 1.09× | 1.12× | 1.22× |" in md  # Table 4, first row
     assert "| 4:4 | ✗ | Memory | 1.23× | 1.41× | 1.69× | 2.12× |" in md
     assert "| 4:4 | ✓ | Memory | 1.11× | 1.18× | 1.30× | 1.47× |" in md

@@ -1,7 +1,7 @@
 """ParScale's parallel scaling law and its fit (ParScale's equation (5) and its fitting procedure; the
 official code is QwenLM/ParScale parametric_fit.py), used by `evaluate.py fit-law`.
 
-    from scaling_law import fit_law
+    from evaluation.scaling_law import fit_law
     fit = fit_law(params, p, loss)   # {"E", "A" (raw), "alpha", "k", "r2" (None: equal losses), "huber", "pred"}
 
 L(N, P) = E + (A / (N (k ln P + 1)))^alpha: N parameters, P parallel streams. As parametric_fit.py

@@ -11,7 +11,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from tsv import DataError, options, read_jsonl
+from evaluation.scoring import can_infer, mmmu_choices
+from evaluation.tsv import DataError, options, read_jsonl
 
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 
@@ -80,7 +81,6 @@ class Judge:
         return self.cache[key]
 
     def __call__(self, kind: str, row: dict, prediction: str):
-        from scoring import can_infer, mmmu_choices
         if kind == "mcq":  # 3 tries; upstream then draws a random letter, we count the row unresolved
             choices = mmmu_choices(row)[0] if self.benchmark == "MMMU_DEV_VAL" else options(row)
             option_str = "There are several options: \n" + "".join(f"{c}. {v}\n" for c, v in choices.items())

@@ -9,9 +9,6 @@ matrix (Table S9) and the routed and random-pair runs beside their dense one (Ta
 A configuration is (pv, pl, vision branch, language branch, shared KV, branch variant): a fixed pair
 names its branches, a variant (Figure 3, Table S8) its ParConfig fields that are not the paper's.
 Writes OUT/report.md (also printed), OUT/report.json and, with matplotlib, OUT/heatmap_COLUMN.png.
-
-The profiles' tables are here too: `profiling.py latency` prints its rows as Tables S7 and 4 and the
-shared-KV Δ rows of Appendix C.2 (paper_layout, shared_vs_standard) and draws them (plot_latency).
 """
 from __future__ import annotations
 
@@ -22,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cli import check_folder, log, pyplot
+from config import ParConfig
+from evaluation.scoring import BENCHMARKS, aggregates
+from evaluation.tsv import DataError
 from flags import flag
-from scoring import BENCHMARKS, aggregates
-from tsv import DataError
+from flops import profile_params
 
 COLUMNS = list(BENCHMARKS) + ["General", "Math", "OCR", "All"]
 
@@ -112,8 +111,6 @@ def read_scores(files: list[str], reference: list[str] = ()) -> tuple[dict, dict
 def gflops(configs: list, arch: str) -> dict:
     """The Table S3 workload's GFLOPs of each configuration on arch; a fixed branch runs alone: one vision
     or language branch's cost."""
-    from flops import profile_params
-
     return {c: profile_params(arch, 1 if c[2] is not None else c[0], 1 if c[3] is not None else c[1],
                               **dict(c[5]))["total_gflops"] for c in configs}
 
@@ -213,8 +210,6 @@ def figure_3(table: dict, configs: list) -> dict:
     against the vision prefix length (the dense run at the paper's 96 among them) and, beside, against
     the LoRA rank of LoRA vision branches. {"Pv:Pl": {"prefix": [{"vit_prefix_len", "scores"}], "lora":
     [{"lora_rank", "scores"}]}}, each series sorted by its x."""
-    from config import ParConfig
-
     default = ParConfig()
     out: dict[str, dict] = {}
     for c in configs:
@@ -360,85 +355,3 @@ def report(cfg: ReportConfig) -> int:
     plot_figure_3(fig3, out)
     print(json.dumps({"report": str(out / "report.md"), "configs": len(configs), "best": data["best"]}))
     return 0
-
-
-# -- Tables 4 and S7 from profiling.py latency's rows (Appendix C.1, C.2) -------------------------
-
-
-def shared_vs_standard(rows: list[dict]) -> list[dict]:
-    """Per Pv:Pl profiled both ways and per batch size, shared KV against the standard cache (Appendix
-    C.2, the paragraph under Table S7): the change of per-sample latency, of peak memory, and of the
-    incremental peak (peak - resident, the memory the generation itself adds), in % of standard's."""
-    out = []
-    for r in rows:
-        std = next((s for s in rows if not s["shared_kv"] and (s["pv"], s["pl"], s["batch"], s.get("branches")) ==
-                    (r["pv"], r["pl"], r["batch"], r.get("branches"))), None)
-        if r["shared_kv"] and std is not None:
-            change = lambda new, old: 100 * (new / old - 1) if old else None  # noqa: E731
-            out.append({"pv": r["pv"], "pl": r["pl"], "batch": r["batch"],
-                        "latency_pct": change(r["latency_s"], std["latency_s"]),
-                        "peak_pct": change(r["peak_gib"], std["peak_gib"]),
-                        "incremental_peak_pct": change(r["peak_gib"] - r["resident_gib"],
-                                                       std["peak_gib"] - std["resident_gib"])})
-    return out
-
-
-def paper_layout(rows: list[dict], delta: list[dict]) -> str:
-    """Tables S7 and 4 as the paper prints them (a row per configuration and metric, a column per batch
-    size: absolute, then relative to the first configuration), then the Δ rows of shared KV against
-    standard per batch size."""
-    batches = sorted({r["batch"] for r in rows})
-    head = "| Pv:Pl | Shared KV | Metric | " + " | ".join(map(str, batches)) + " |"
-    rule = "|" + " --- |" * (len(batches) + 3)
-    configs = list(dict.fromkeys((r["pv"], r["pl"], r["shared_kv"], json.dumps(r.get("branches") or {}))
-                                 for r in rows))
-    cell = {(r["pv"], r["pl"], r["shared_kv"], json.dumps(r.get("branches") or {}), r["batch"]): r for r in rows}
-    mem = "Memory (GB)" if rows[0]["memory"] == "cuda_allocated" else "Memory (GB, RSS)"
-
-    def line(c, metric, key, fmt, unit=""):
-        name = f"{c[0]}:{c[1]}" + ("" if c[3] == "{}" else f" {c[3]}")
-        vals = [format(cell[c + (b,)][key], fmt) + unit if c + (b,) in cell else "-" for b in batches]
-        return f"| {name} | {'✓' if c[2] else '✗'} | {metric} | " + " | ".join(vals) + " |"
-
-    md = ["Absolute (Table S7's layout):", "", head, rule]
-    for c in configs:  # GB as the paper prints them: 2**30 bytes
-        md += [line(c, "Latency (s)", "latency_s", ".3f"), line(c, mem, "peak_gib", ".3f")]
-    md += ["", "Relative to the first row at each batch size (Table 4's layout):", "", head, rule]
-    for c in configs[1:]:
-        md += [line(c, "Latency", "latency_x", ".2f", "×"), line(c, "Memory", "peak_x", ".2f", "×")]
-    if delta:
-        md += ["", "Δ (Shared − Standard), % of standard:", "",
-               "| Pv:Pl | Metric | " + " | ".join(map(str, batches)) + " |", "|" + " --- |" * (len(batches) + 2)]
-        for pv, pl in dict.fromkeys((d["pv"], d["pl"]) for d in delta):
-            mine = {d["batch"]: d for d in delta if (d["pv"], d["pl"]) == (pv, pl)}
-            for key, metric in (("latency_pct", "Latency"), ("peak_pct", "Peak memory"),
-                                ("incremental_peak_pct", "Peak − resident")):
-                vals = ["-" if b not in mine or mine[b][key] is None else f"{mine[b][key]:+.1f} %" for b in batches]
-                md.append(f"| {pv}:{pl} | {metric} | " + " | ".join(vals) + " |")
-    return "\n".join(md)
-
-
-def plot_latency(rows: list[dict], png: Path) -> None:
-    """Latency per sample and peak memory against batch size, one line per configuration (Pv:Pl,
-    standard or shared KV): the view of the paper's Figure 4 / Table 4."""
-    plt = pyplot()
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(10, 4))
-    configs = dict.fromkeys((r["pv"], r["pl"], r["shared_kv"]) for r in rows)  # in run order
-    for pv, pl, shared in configs:
-        mine = sorted((r for r in rows if (r["pv"], r["pl"], r["shared_kv"]) == (pv, pl, shared)),
-                      key=lambda r: r["batch"])
-        label = f"{pv}:{pl}" + (" shared KV" if shared else "")
-        batches = [r["batch"] for r in mine]
-        ax_t.plot(batches, [1e3 * r["latency_s"] for r in mine], marker="o", label=label)
-        ax_m.plot(batches, [r["peak_gib"] for r in mine], marker="o", label=label)
-    for ax, what in ((ax_t, "latency per sample (ms)"), (ax_m, f"peak memory (GiB, {rows[0]['memory']})")):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["batch"] for r in rows}), [str(b) for b in sorted({r["batch"] for r in rows})])
-        ax.set_xlabel("batch size")
-        ax.set_ylabel(what)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"arch {rows[0]['arch']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100, format="png")  # the file named, even without a .png suffix
-    plt.close(fig)

@@ -47,8 +47,8 @@ import re
 import string
 from dataclasses import dataclass, field
 
-from mathv import mathv_equal
-from tsv import DataError, as_list, options
+from evaluation.mathv import mathv_equal
+from evaluation.tsv import DataError, as_list, options
 
 BENCHMARKS = ("MMMU_DEV_VAL", "MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath",
               "ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")

@@ -31,11 +31,12 @@ from pathlib import Path
 import numpy as np
 
 from checkpoint import resolve_model
-from cli import SEED
+from cli import SEED, pyplot
+from evaluation.scoring import BENCHMARKS, GROUPS
+from evaluation.tables import config_label
+from evaluation.tsv import DataError, as_list, read_jsonl, read_tsv
 from flags import flag
-from processor import Tokenizer
-from scoring import BENCHMARKS, GROUPS
-from tsv import DataError, as_list, read_jsonl, read_tsv
+from processor import ImageError, Tokenizer, open_base64
 
 NEAR_CAP = 4090  # the paper's threshold for its 4096-token budget
 # which count a near-cap answer is judged by: the paper's (B.4) re-tokenised length, or the run's own
@@ -175,8 +176,6 @@ def markdown(result: dict, names: tuple[str, str]) -> str:
 
 def best_label(record: dict) -> str:
     """The report's label of the configuration a prediction's record names (tables.config_label)."""
-    from tables import config_label
-
     return config_label((record.get("pv"), record.get("pl"), record.get("vision_branch"),
                          record.get("language_branch"), bool(record.get("shared_kv")),
                          tuple(sorted((record.get("branches") or {}).items()))))
@@ -209,8 +208,6 @@ def descriptors(tsvs: list, encode, best: dict | None = None, responses: dict | 
     report.json's {column: "Pv:Pl"}; `responses`: the best configuration's answer lengths
     ({benchmark: {index: tokens, None at the near cap}}, best_responses), whose mean over the answers
     below the near cap is a last column."""
-    from processor import ImageError, open_base64
-
     out = {}
     for path in map(Path, tsvs):
         bench = path.stem
@@ -299,8 +296,6 @@ def score_cost(report: dict, latency: dict, column: str = "All") -> tuple[list[d
 
 def plot_score_cost(points: list[dict], column: str, png: Path) -> None:
     """Figure 4: the score against per-sample latency and against peak memory, a point per configuration."""
-    from cli import pyplot
-
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     for ax, key, name in ((axes[0], "latency_s", "latency per sample (s), batch 1"),
