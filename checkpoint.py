@@ -1,29 +1,26 @@
-"""Checkpoint files: the model folder (a local one, or a hub model fetched once into the
-huggingface_hub cache), safetensors shards and the official key spellings.
+"""A checkpoint folder as the official code writes it, read before any weight: config.json in the
+spellings this code reads and writes, each value checked as it is read and the sizes checked against the
+tensors (their safetensors headers: names and shapes, nothing loaded), and the tokenizer checked to
+belong to it. The tensors themselves are weights.py's; the hub download is hub.py's.
 
-Reads a local checkpoint folder (model.safetensors, or shards listed in model.safetensors.index.json)
-shard by shard straight to the target device, and renames every official spelling to this
-project's module tree, which is the original InternVL layout:
-- original InternVLChatModel keys (`vision_model.*`, `mlp1.*`, `language_model.*`): as they are;
-- transformers-native "-HF" keys, new style (`model.vision_tower.*`, `model.multi_modal_projector.*`,
-  `model.language_model.*`, `lm_head.*`) or legacy (`vision_tower.*`, `language_model.model.*`, ...),
-  with the split q/k/v of the ViT fused back into `attn.qkv` (rows q | k | v);
-- ParScale's Qwen2 checkpoints (`model.layers.*.self_attn.prefix_k`, `model.aggregate_layer.*`),
-  whose aggregator concatenates branch states hidden-major, (h p), where ParVL writes them
-  branch-major, (p h): its first layer's columns are permuted once here.
-Only safetensors and JSON are read: nothing is unpickled.
+    cfg, tok = open_checkpoint(Path("InternVL3_5-1B"))   # the config and tokenizer, checked together
+    raw = config_to_json(cfg)                            # the original layout, with this project's "parvl" block
+
+config.json: the original InternVLChatConfig (`llm_config`, `vision_config`, plus this project's
+"parvl" block when saved here), the transformers-native -HF InternVLConfig (`text_config`), and
+ParScale's Qwen2 config (`parscale_n`, language-only). The decoder is chosen as InternVL's own code
+chooses it, by llm_config.architectures (DECODERS). A bad value is one line naming config.json and the
+field, never the TypeError or ZeroDivisionError it would cause once a module is built from it. Only
+JSON is read here: nothing is unpickled.
 """
 from __future__ import annotations
 
 import json
-import os
-import re
+from dataclasses import asdict, fields
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
-
-from cli import log
+from config import LLMConfig, ParConfig, ParVLConfig, ViTConfig
+from processor import IM_END, IM_START, IMG_CONTEXT, IMG_END, IMG_START, Tokenizer
 
 
 class CheckpointError(ValueError):
@@ -73,247 +70,6 @@ def read_json(path: Path) -> dict:
     return value
 
 
-# -- the model folder: local, or the huggingface_hub cache ---------------------------------------
-
-DEFAULT_MODEL = "OpenGVLab/InternVL3_5-1B"  # the original layout, which parvl.py reads natively
-HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")  # owner/name, as the hub spells repo ids
-HUB_FILES = ["*.json", "*.safetensors", "*.txt"]  # config, weights, tokenizer: not the remote code or example media
-
-
-def resolve_model(name: str | None = None, revision: str | None = None) -> Path:
-    """The checkpoint folder for --model: a local folder, else a hub repo id, fetched once into
-    huggingface_hub's cache (HF_HUB_CACHE / HF_HOME) and read from there on later runs, offline too.
-    No name: $PARVL_MODEL, else DEFAULT_MODEL. revision (a branch, tag or commit) pins a hub model."""
-    name = name or os.environ.get("PARVL_MODEL") or DEFAULT_MODEL
-    if Path(name).is_dir():
-        if revision:
-            raise ValueError(f"--revision {revision}: {name} is a local folder, not a hub model")
-        check_not_run_folder(Path(name))  # runs/22 instead of runs/22/export: say so before anything fails
-        return Path(name)
-    if Path(name).exists() or not HUB_ID.fullmatch(name) or name.startswith("."):
-        raise CheckpointError(f"{name}: not a checkpoint folder (nor a hub model id such as {DEFAULT_MODEL})")
-    return hub_snapshot(name, revision)
-
-
-def hub_snapshot(repo: str, revision: str | None) -> Path:
-    """The cached snapshot of a hub model, downloaded (with huggingface_hub's progress bars) only if the
-    cache lacks it or holds an incomplete copy. Every failure is one line naming the way out."""
-    pin = f" --revision {revision}" if revision else ""
-    local = repo.split("/")[-1]
-    elsewhere = (f"download it where the hub is reachable (hf download {repo}{pin} --local-dir {local}) and pass "
-                 f"--model {local}")
-    try:
-        from huggingface_hub import constants, snapshot_download
-        from huggingface_hub.utils import (GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError,
-                                           RepositoryNotFoundError, RevisionNotFoundError)
-    except ImportError:
-        raise CheckpointError(f"{repo}: not a local folder, and huggingface_hub is not installed to fetch it "
-                              f"(pip install huggingface_hub); or {elsewhere}") from None
-    check_hub_cache(Path(constants.HF_HUB_CACHE), repo)
-    kw = dict(revision=revision, allow_patterns=HUB_FILES)
-    try:  # the cache first: no network round trip, and it works offline
-        cached = Path(snapshot_download(repo, local_files_only=True, **kw))
-    except LocalEntryNotFoundError:
-        cached = None
-    if cached is not None and weights_complete(cached):
-        return cached
-    if constants.HF_HUB_OFFLINE:  # HF_HUB_OFFLINE=1: no download to attempt
-        state = "incomplete in" if cached is not None else "not in"
-        raise CheckpointError(f"{repo}{pin}: {state} the hub cache, and HF_HUB_OFFLINE is set; {elsewhere}")
-    try:
-        log(f"downloading {repo}{pin} into {constants.HF_HUB_CACHE} (once; later runs read it there)")
-        folder = Path(snapshot_download(repo, **kw))
-    except GatedRepoError:
-        raise CheckpointError(f"{repo}: a gated model; accept its terms on the hub and log in "
-                              f"(hf auth login)") from None
-    except RepositoryNotFoundError:
-        raise CheckpointError(f"{repo}: not a local folder, and no hub model of that name "
-                              f"(a private one needs hf auth login)") from None
-    except RevisionNotFoundError:
-        raise CheckpointError(f"{repo}: the hub has no revision {revision!r}") from None
-    except LocalEntryNotFoundError:  # not cached, and offline (HF_HUB_OFFLINE) or the hub is unreachable
-        raise CheckpointError(f"{repo}{pin}: not in the hub cache and the hub cannot be reached; {elsewhere}") from None
-    except (HfHubHTTPError, OSError) as e:
-        raise CheckpointError(f"{repo}: download failed ({type(e).__name__}: {e}); {elsewhere}") from None
-    if not weights_complete(folder):
-        raise CheckpointError(f"{folder}: the cached {repo} is incomplete (no config.json or weights); {elsewhere}")
-    return folder
-
-
-def check_hub_cache(cache: Path, repo: str) -> None:
-    """The hub cache must be a folder or be makeable as one: a file on its path (HOME or HF_HOME set to a
-    file) is named with the variable it comes from, not reported as a failed download."""
-    above = next(p for p in (cache, *cache.parents) if p.exists())
-    if above.is_dir():
-        return
-    var = next((v for v in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "HOME")
-                if os.environ.get(v) and cache.is_relative_to(os.environ[v])), None)
-    source = f" (from {var}={os.environ[var]})" if var else ""
-    fix = f"point {var} at a folder" if var and var.startswith(("HF_", "HUGGINGFACE")) else "set HF_HOME to a folder"
-    raise CheckpointError(f"{repo}: the hub cache {cache}{source} cannot be a folder: {above} is a file; {fix}, "
-                          f"or pass --model a local checkpoint folder")
-
-
-def weights_complete(folder: Path) -> bool:
-    """config.json and every weight file there (an interrupted download leaves a partial snapshot)."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        shards = set(json.loads(index.read_text())["weight_map"].values())
-        return (folder / "config.json").is_file() and all((folder / s).is_file() for s in shards)
-    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
-
-
-# -- safetensors: shards, key spellings ---------------------------------------------------------
-
-# -HF key -> original key (after stripping a leading "model."); q/k/v are fused separately below.
-HF_RENAMES = [
-    (r"^vision_tower\.embeddings\.cls_token$", "vision_model.embeddings.class_embedding"),
-    (r"^vision_tower\.embeddings\.patch_embeddings\.projection\.", "vision_model.embeddings.patch_embedding."),
-    (r"^vision_tower\.embeddings\.position_embeddings$", "vision_model.embeddings.position_embedding"),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.projection_layer\.",
-     r"vision_model.encoder.layers.\1.attn.proj."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.([qk])_norm\.",
-     r"vision_model.encoder.layers.\1.attn.\2_norm."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.attention\.([qkv])_proj\.",
-     r"vision_model.encoder.layers.\1.attn.qkv.\2."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.layernorm_before\.", r"vision_model.encoder.layers.\1.norm1."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.layernorm_after\.", r"vision_model.encoder.layers.\1.norm2."),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.lambda_1$", r"vision_model.encoder.layers.\1.ls1"),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.lambda_2$", r"vision_model.encoder.layers.\1.ls2"),
-    (r"^vision_tower\.encoder\.layer\.(\d+)\.mlp\.", r"vision_model.encoder.layers.\1.mlp."),
-    (r"^multi_modal_projector\.layer_norm\.", "mlp1.0."),
-    (r"^multi_modal_projector\.linear_1\.", "mlp1.1."),
-    (r"^multi_modal_projector\.linear_2\.", "mlp1.3."),
-    (r"^lm_head\.", "language_model.lm_head."),
-    (r"^language_model\.(?!model\.|lm_head\.)", "language_model.model."),  # new-style -HF spelling
-]
-
-
-def canonical_key(key: str) -> str:
-    """Any official spelling -> this module tree's (= the original InternVL) key."""
-    if key.startswith(("vision_model.", "mlp1.", "language_model.model.", "language_model.lm_head.")):
-        return key  # already the original layout
-    key = key.removeprefix("model.")
-    for pattern, repl in HF_RENAMES:
-        key, n = re.subn(pattern, repl, key)
-        if n:
-            break
-    return key
-
-
-def checkpoint_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(read_json(index).get("weight_map", {}).values()))
-        if not names:
-            raise CheckpointError(f"{index}: empty weight_map")
-    elif (folder / "model.safetensors").is_file():
-        names = ["model.safetensors"]
-    else:
-        raise CheckpointError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-    for name in names:
-        if not (folder / name).is_file():
-            raise CheckpointError(f"{folder / name}: checkpoint shard is missing")
-        check_not_lfs_pointer(folder / name)
-    return [folder / name for name in names]
-
-
-def parscale_key(key: str) -> str:
-    """ParScale (Qwen2 with prefixes) -> this tree's language-only keys."""
-    if key.startswith("model.aggregate_layer."):
-        return "language_aggregator.mlp." + key.removeprefix("model.aggregate_layer.")
-    if key.startswith("lm_head."):
-        return "language_model." + key
-    return "language_model." + key  # model.embed_tokens / model.layers.* / model.norm
-
-
-# safetensors dtype names -> torch dtypes (the format: an 8-byte little-endian header length, a JSON
-# header of {name: {dtype, shape, data_offsets}}, then the raw little-endian bytes)
-SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                      "BOOL": torch.bool}
-
-
-class CheckpointReader:
-    """A checkpoint's tensors under canonical keys, read one at a time, or rows a:b of one, straight
-    from the safetensors files with plain reads (no memory map): only the bytes asked for are read
-    and held. -HF q/k/v rows are fused back into qkv (rows q | k | v); a ParScale aggregator's
-    columns are permuted to branch-major. parscale_branches > 0 reads a ParScale checkpoint."""
-
-    def __init__(self, folder: Path, device="cpu", parscale_branches: int = 0):
-        rename = parscale_key if parscale_branches else canonical_key
-        self.folder, self.device, self.parscale = folder, device, parscale_branches
-        self.parts: dict[str, list[tuple]] = {}  # canonical key -> [(file, dtype, shape, byte offset)]
-        self.shapes: dict[str, tuple[int, ...]] = {}
-        for file in checkpoint_files(folder):
-            for key, (dtype, shape, offset) in safetensors_header(file).items():
-                self.parts[rename(key)] = [(file, dtype, shape, offset)]
-                self.shapes[rename(key)] = shape
-        for key in [k for k in self.parts if ".attn.qkv.q." in k]:  # -HF: q, k, v -> one qkv
-            names = [key.replace(".qkv.q.", f".qkv.{x}.") for x in "qkv"]
-            fused = key.replace(".qkv.q.", ".qkv.")
-            self.parts[fused] = [part for name in names for part in self.parts.pop(name)]
-            shapes = [self.shapes.pop(name) for name in names]
-            self.shapes[fused] = (sum(shape[0] for shape in shapes), *shapes[0][1:])
-
-    def keys(self) -> set[str]:
-        return set(self.parts)
-
-    def rows(self, key: str, start: int = 0, stop: int | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Rows start:stop (dim 0) of one tensor, on the reader's device; only those bytes are read."""
-        shape = self.shapes[key]
-        stop = (shape[0] if shape else 1) if stop is None else stop
-        pieces, first = [], 0
-        for file, part_dtype, shape, offset in self.parts[key]:
-            n = shape[0] if shape else 1
-            a, b = max(start - first, 0), min(stop - first, n)  # this part's rows of start:stop
-            first += n
-            if a >= b and shape:
-                continue
-            row = part_dtype.itemsize * (int(torch.tensor(shape[1:]).prod()) if len(shape) > 1 else 1)
-            data = bytearray((b - a) * row if shape else row)
-            with open(file, "rb") as f:
-                f.seek(offset + a * row)
-                if f.readinto(data) != len(data):
-                    raise CheckpointError(f"{file}: truncated safetensors file (tensor {key} is cut short)")
-            t = torch.frombuffer(data, dtype=part_dtype).reshape((b - a, *shape[1:]) if shape else ())
-            pieces.append(t)
-        t = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-        if self.parscale and key == "language_aggregator.mlp.0.weight":  # [C, C*P], column h*P + p -> p*C + h
-            t = t.reshape(t.shape[0], -1, self.parscale).transpose(1, 2).reshape(t.shape[0], -1)
-        return t.to(device=self.device, dtype=dtype or t.dtype)
-
-
-def safetensors_header(file: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
-    """{name: (dtype, shape, absolute byte offset)} of one safetensors file; a file that is not one
-    (truncated, another format) is refused in one line naming it."""
-    try:
-        with open(file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            if size <= 0 or size > 100_000_000:
-                raise ValueError(f"header length {size}")
-            header = json.loads(f.read(size))
-            end = f.seek(0, 2)
-        out = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            a, b = info["data_offsets"]
-            if 8 + size + b > end:
-                raise ValueError(f"tensor {name} ends at byte {8 + size + b}, the file has {end}")
-            out[name] = (SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), 8 + size + a)
-        return out
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file}: unreadable safetensors file ({type(e).__name__}: {e})") from None
-
-
-def read_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file (labels, a router), its header checked first: a file
-    that is truncated or not one is refused in one line naming it, not safetensors' own error."""
-    safetensors_header(file)
-    return load_file(str(file))
-
-
 def check_keys(expected: set[str], found: set[str], folder: Path) -> None:
     missing, unexpected = sorted(expected - found), sorted(found - expected)
     if missing or unexpected:
@@ -329,3 +85,311 @@ def is_branch_tensor(key: str) -> bool:
     """The ParVL tensors on top of InternVL: per-layer prefixes (or LoRA updates) and the two aggregators."""
     return key.endswith((".prefix_k", ".prefix_v", ".lora_A", ".lora_B")) or key.startswith(
         ("vision_aggregator.", "language_aggregator."))
+
+
+# -- config.json: original (InternVLChatConfig), -HF (InternVLConfig) and ParScale spellings ---------
+
+# The decoders this code implements, by the llm_config.architectures name InternVL's own code
+# dispatches on (InternVLChatModel.__init__), and the family each one is. Anything else (Llama,
+# InternLM2, Phi-3, Qwen3-MoE, GPT-OSS) is refused rather than run as a Qwen decoder.
+DECODERS = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2"}
+
+
+def open_checkpoint(folder: Path) -> tuple[ParVLConfig, Tokenizer]:
+    """What every command reads of a checkpoint folder before its weights: the config and the
+    tokenizer, checked to belong together (check_tokenizer)."""
+    cfg = config_from_json(read_json(folder / "config.json"), folder)
+    tok = Tokenizer.from_pretrained(folder)
+    check_tokenizer(tok, cfg, folder)
+    return cfg, tok
+
+
+def check_tokenizer(tok: Tokenizer, cfg: ParVLConfig, folder: Path) -> None:
+    """Refuse a tokenizer that does not belong to the checkpoint, at load (open_checkpoint):
+    its <IMG_CONTEXT> must be config.json's image_token_id, its vocabulary must fit the embedding
+    rows, and it must have the chat template's tokens."""
+    source = f"the tokenizer in {tok.folder}"
+    needed = (IM_START, IM_END) if cfg.vit is None else (IM_START, IM_END, IMG_START, IMG_END, IMG_CONTEXT)
+    missing = [t for t in needed if tok.token_to_id(t) is None]
+    if missing:
+        raise CheckpointError(f"{source} has no {', '.join(missing)} token: not an InternVL3.5 tokenizer")
+    if cfg.vit is not None and tok.token_to_id(IMG_CONTEXT) != cfg.image_token_id:
+        raise CheckpointError(f"{source} has {IMG_CONTEXT} = {tok.token_to_id(IMG_CONTEXT)}, but "
+                              f"{folder / 'config.json'} says image_token_id = {cfg.image_token_id}: the tokenizer "
+                              f"is not this checkpoint's")
+    if tok.vocab_size > cfg.llm.vocab_size:
+        raise CheckpointError(f"{source} has {tok.vocab_size} tokens, but the checkpoint in {folder} embeds only "
+                              f"{cfg.llm.vocab_size}: the tokenizer is not this checkpoint's")
+
+
+class Fields:
+    """The values of one block of config.json (llm_config, vision_config, or the top level), each checked
+    as it is read: a value missing, of the wrong type or out of range is one line naming config.json and
+    the field ("config.json: llm_config.num_attention_heads must be a positive integer, got -2"), never the
+    TypeError or ZeroDivisionError it would cause once a module is built from it."""
+
+    def __init__(self, block, where: str):
+        if not isinstance(block, dict):
+            raise CheckpointError(f"config.json: {where.rstrip('.') or 'the file'} must be a JSON object, got "
+                                  f"{type(block).__name__}")
+        self.block, self.where = block, where
+
+    def bad(self, key: str, what: str, value) -> CheckpointError:
+        return CheckpointError(f"config.json: {self.where}{key} must be {what}, got {value!r}")
+
+    def int(self, key: str, default=None, low: int = 1) -> int:
+        value = self.block.get(key, default)
+        if isinstance(value, list) and len(value) == 2 and value[0] == value[1]:  # [448, 448]: a square size
+            value = value[0]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise self.bad(key, "a positive integer" if low == 1 else f"an integer >= {low}", value)
+        return value
+
+    def number(self, key: str, default=None) -> float:
+        value = self.block.get(key, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise self.bad(key, "a positive number", value)
+        return float(value)
+
+    def divides(self, small: str, large: str) -> None:
+        if self.block.get(large, 0) % self.block.get(small, 1):
+            raise CheckpointError(f"config.json: {self.where}{large} {self.block[large]} is not a multiple of "
+                                  f"{self.where}{small} {self.block[small]}")
+
+
+def llm_config_from_json(t: dict, family: str, tied: bool | None, default_theta: float = 1e6,
+                         where: str = "") -> LLMConfig:
+    """A Qwen3 / Qwen2 config dict (InternVL's llm_config, -HF text_config, or ParScale's) -> LLMConfig;
+    `where` is its place in config.json ("llm_config.") for the line a bad value gets (Fields)."""
+    f = Fields(t, where)
+    rope_theta = t.get("rope_theta", (t.get("rope_parameters") or {}).get("rope_theta", default_theta))
+    heads = f.int("num_attention_heads")
+    kv_heads = f.int("num_key_value_heads", heads)
+    f.divides("num_key_value_heads", "num_attention_heads")
+    if t.get("head_dim") is None:  # Qwen2 has none: the width split over the heads
+        f.int("hidden_size")
+        f.divides("num_attention_heads", "hidden_size")
+    head_dim = f.int("head_dim") if t.get("head_dim") is not None else t["hidden_size"] // heads
+    if head_dim % 2:  # rotary embeddings pair the channels
+        raise f.bad("head_dim", "even (rotary embeddings pair its channels)", head_dim)
+    return LLMConfig(
+        vocab_size=f.int("vocab_size"),
+        hidden_size=f.int("hidden_size"),
+        intermediate_size=f.int("intermediate_size"),
+        num_layers=f.int("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+        rope_theta=Fields({"rope_theta": rope_theta}, where).number("rope_theta"),
+        max_position_embeddings=f.int("max_position_embeddings", 32768),
+        qkv_bias=family == "qwen2" or bool(t.get("attention_bias", False)),
+        qk_norm=family == "qwen3",
+        # the checkpoint decides: a stored lm_head is used, a missing one means tied embeddings
+        tie_word_embeddings=tied if tied is not None else bool(t.get("tie_word_embeddings", False)),
+    )
+
+
+def par_from_json(block, folder: Path | None) -> ParConfig:
+    """The "parvl": {"par": ...} block this project writes into config.json: a bad value is one line naming
+    the file and the field, as a flag's would be."""
+    where = f"{folder / 'config.json' if folder is not None else 'config.json'}: parvl.par"
+    names = [f.name for f in fields(ParConfig)]
+    if not isinstance(block, dict):
+        raise CheckpointError(f"{where} must be an object of branch fields, got {block!r:.40}")
+    if unknown := sorted(set(block) - set(names)):
+        raise CheckpointError(f"{where} has no field {unknown[0]!r} (its fields: {', '.join(names)})")
+    try:
+        return ParConfig(**block)
+    except ValueError as e:
+        raise CheckpointError(f"{where}.{e}") from None
+
+
+def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = None) -> ParVLConfig:
+    """config.json in any supported spelling -> ParVLConfig: original InternVLChatConfig (with this
+    project's "parvl" block when saved here), -HF InternVLConfig, or ParScale's Qwen2 config. tied: whether
+    the tensors lack a stored lm_head (None: config.json's tie_word_embeddings says)."""
+    if "parscale_n" in raw:
+        return parscale_config(raw, tied)
+    hf = "text_config" in raw
+    t = raw.get("text_config") if hf else raw.get("llm_config")
+    extra = raw.get("parvl", {})
+    language_only = bool(extra.get("language_only", False))
+    if t is None or (raw.get("vision_config") is None and not language_only):
+        raise CheckpointError("config.json: needs llm_config (or text_config) and vision_config")
+    llm = decoder_config(t, "text_config" if hf else "llm_config", tied)
+    par = par_from_json(extra.get("par", {}), folder)
+    if language_only:
+        return ParVLConfig(vit=None, llm=llm, par=par, image_token_id=-1)
+    vit = vision_config(raw["vision_config"], hf)
+    return ParVLConfig(vit=vit, llm=llm, par=par, **multimodal_fields(raw, vit, hf, folder))
+
+
+def parscale_config(raw: dict, tied: bool | None) -> ParVLConfig:
+    """ParScale's Qwen2 config: a language-only model with parscale_n language branches."""
+    top = Fields(raw, "")
+    smooth = raw.get("parscale_attn_smooth", 0.01)
+    if isinstance(smooth, bool) or not isinstance(smooth, (int, float)) or not 0 <= smooth <= 1:
+        raise top.bad("parscale_attn_smooth", "a number in [0, 1]", smooth)
+    par = ParConfig(pl=top.int("parscale_n"), llm_prefix_len=top.int("parscale_n_tokens", 48, low=0),
+                    lambda_l=float(smooth))
+    # Qwen2ParScaleConfig's own default rope_theta is 1e4 (the released configs all state it)
+    return ParVLConfig(vit=None, llm=llm_config_from_json(raw, "qwen2", tied, 1e4), par=par, image_token_id=-1)
+
+
+def decoder_config(t, field: str, tied: bool | None) -> LLMConfig:
+    """The language model's block (llm_config, or -HF text_config): its decoder family by architectures, as
+    InternVL's code dispatches (DECODERS), agreeing with model_type; anything else is refused."""
+    Fields(t, field + ".")  # a block that is not an object is named before anything is read from it
+    arch = (t.get("architectures") or [None])[0]
+    if arch is not None and arch not in DECODERS:
+        raise CheckpointError(f"config.json: {field}.architectures {arch!r} is not a supported decoder "
+                              f"(supported: {', '.join(DECODERS)})")
+    family = (t.get("model_type") or DECODERS.get(arch) or "").lower()
+    if family not in DECODERS.values():
+        raise CheckpointError(f"config.json: {field}.model_type {family!r} is not a supported decoder "
+                              f"(supported: {', '.join(DECODERS.values())})")
+    if arch is not None and DECODERS[arch] != family:
+        raise CheckpointError(f"config.json: {field}.model_type {family!r} does not match architectures {arch!r}")
+    return llm_config_from_json(t, family, tied, where=field + ".")
+
+
+def vision_config(v, hf: bool) -> ViTConfig:
+    """The vision_config block (original or -HF spelling of the same InternViT fields)."""
+    f = Fields(v, "vision_config.")
+    size, patch = f.int("image_size", 448), f.int("patch_size", 14)
+    if size % patch:
+        raise CheckpointError(f"config.json: vision_config.image_size {size} is not a multiple of "
+                              f"vision_config.patch_size {patch}")
+    hidden, heads, layers = f.int("hidden_size"), f.int("num_attention_heads"), f.int("num_hidden_layers")
+    f.divides("num_attention_heads", "hidden_size")
+    return ViTConfig(
+        hidden_size=hidden,
+        intermediate_size=f.int("intermediate_size"),
+        num_layers=layers,
+        num_heads=heads,
+        patch_size=patch,
+        image_size=size,
+        qkv_bias=v.get("attention_bias" if hf else "qkv_bias", True),
+        qk_norm=v.get("use_qk_norm" if hf else "qk_normalization", False),
+        norm_type=v.get("norm_type", "layer_norm"),
+        norm_eps=v.get("layer_norm_eps", 1e-6),
+        drop_path_rate=v.get("drop_path_rate", 0.0),
+    )
+
+
+def multimodal_fields(raw: dict, vit: ViTConfig, hf: bool, folder: Path | None) -> dict:
+    """The top-level fields that join the towers (ParVLConfig's own): the image token, pixel shuffle, the
+    ViT layer the connector reads, tiling and the chat template."""
+    top = Fields(raw, "")
+    image_token_id = raw.get("image_token_id") or raw.get("img_context_token_id")
+    if image_token_id is None:  # the original config leaves it to the tokenizer
+        tok = Tokenizer.from_pretrained(folder) if folder is not None else None
+        image_token_id = tok.token_to_id(IMG_CONTEXT) if tok is not None else None
+        if image_token_id is None:
+            raise CheckpointError(f"{folder}: no image_token_id in config.json and no {IMG_CONTEXT} in the tokenizer")
+    elif isinstance(image_token_id, bool) or not isinstance(image_token_id, int):
+        raise top.bad("image_token_id", "an integer (a token id)", image_token_id)
+    ratio = raw.get("downsample_ratio", 0.5)  # pixel shuffle merges (1/ratio)^2 patches: 1/ratio divides the grid
+    if (isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1
+            or round(1 / ratio) * ratio != 1 or vit.grid % round(1 / ratio)):
+        raise top.bad("downsample_ratio", f"1/k for a k that divides the {vit.grid}-patch grid", ratio)
+    layers, select_key = vit.num_layers, "vision_feature_layer" if hf else "select_layer"
+    select = raw.get(select_key, -1)
+    if isinstance(select, bool) or not isinstance(select, int) or not -layers - 1 <= select <= layers:
+        raise top.bad(select_key, f"an integer in [{-layers - 1}, {layers}]", select)
+    template = raw.get("template", "internvl2_5")
+    if template != "internvl2_5":  # the one chat template processor.py implements (InternVL3 and 3.5 use it)
+        raise CheckpointError(f"config.json: chat template {template!r} is not supported (internvl2_5)")
+    return dict(downsample_ratio=float(ratio),
+                ps_version="v2" if hf else raw.get("ps_version", "v1"),  # -HF always v2; the original class default v1
+                select_layer=select, image_token_id=int(image_token_id),
+                max_dynamic_patch=top.int("max_dynamic_patch", 12), use_thumbnail=raw.get("use_thumbnail", True),
+                template=template)
+
+
+# -- config.json against the checkpoint's tensors (safetensors headers: names and shapes, nothing loaded) ---
+
+
+def check_layer_counts(cfg: ParVLConfig, keys, folder: Path) -> None:
+    """The layer counts config.json gives against the layers the checkpoint's tensor names hold, before any
+    module is built (a num_hidden_layers of 10**6 would build a million blocks before the keys disagree)."""
+    towers = [("language model", "language_model.model.layers.", cfg.llm.num_layers)]
+    if cfg.vit is not None:
+        towers.append(("vision model", "vision_model.encoder.layers.", cfg.vit.num_layers))
+    for tower, prefix, layers in towers:
+        held = {k[len(prefix):].split(".")[0] for k in keys if k.startswith(prefix)}
+        if len(held) != layers:
+            raise CheckpointError(f"config.json: the {tower}'s num_hidden_layers is {layers}, but the tensors in "
+                                  f"{folder} hold {len(held)} {tower} layers")
+
+
+def check_sizes(cfg: ParVLConfig, shapes: dict[str, tuple[int, ...]], folder: Path) -> None:
+    """The sizes config.json gives against the shapes of the tensors they size, one line naming the field:
+    the embeddings, the first layer's projections and MLP, the patch and position embeddings."""
+    t, L = cfg.llm, "language_model.model."
+    sized = {  # key: ((dimension, the config's size, the fields that give it), ...)
+        L + "embed_tokens.weight": ((0, t.vocab_size, "vocab_size"), (1, t.hidden_size, "hidden_size")),
+        L + "layers.0.self_attn.q_proj.weight": ((0, t.num_heads * t.head_dim, "num_attention_heads x head_dim"),),
+        L + "layers.0.self_attn.k_proj.weight": ((0, t.num_kv_heads * t.head_dim, "num_key_value_heads x head_dim"),),
+        L + "layers.0.mlp.gate_proj.weight": ((0, t.intermediate_size, "intermediate_size"),),
+    }
+    tower = {k: "language model" for k in sized}
+    if cfg.vit is not None:
+        v, V = cfg.vit, "vision_model."
+        vit = {V + "embeddings.patch_embedding.weight": ((0, v.hidden_size, "hidden_size"),
+                                                         (2, v.patch_size, "patch_size")),
+               V + "embeddings.position_embedding": ((1, v.grid**2 + 1, "(image_size / patch_size)^2 + 1"),),
+               V + "encoder.layers.0.mlp.fc1.weight": ((0, v.intermediate_size, "intermediate_size"),)}
+        sized |= vit
+        tower |= {k: "vision model" for k in vit}
+    for key, dims in sized.items():
+        shape = shapes.get(key)
+        for dim, size, names in dims if shape is not None else ():
+            if len(shape) <= dim or shape[dim] != size:
+                raise CheckpointError(f"config.json: the {tower[key]}'s {names} is {size}, but in {folder} {key} "
+                                      f"has shape {list(shape)}")
+
+
+def config_to_json(cfg: ParVLConfig) -> dict:
+    """The original InternVLChatConfig layout, which InternVL's own code reads, plus a "parvl" block
+    with the branch configuration (ignored by InternVL, read back by config_from_json)."""
+    v, t = cfg.vit, cfg.llm
+    family = "qwen3" if t.qk_norm else "qwen2"
+    arch = {v: k for k, v in DECODERS.items()}[family]
+    out = {
+        "architectures": ["InternVLChatModel"],
+        "model_type": "internvl_chat",
+        "tie_word_embeddings": t.tie_word_embeddings,
+        "llm_config": {
+            "architectures": [arch], "model_type": family, "vocab_size": t.vocab_size,
+            "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size,
+            "num_hidden_layers": t.num_layers, "num_attention_heads": t.num_heads,
+            "num_key_value_heads": t.num_kv_heads, "head_dim": t.head_dim, "rms_norm_eps": t.rms_norm_eps,
+            "rope_theta": t.rope_theta, "max_position_embeddings": t.max_position_embeddings,
+            "attention_bias": t.qkv_bias, "hidden_act": "silu", "tie_word_embeddings": t.tie_word_embeddings,
+        },
+        "parvl": {"par": asdict(cfg.par), "language_only": v is None},
+    }
+    if v is None:
+        return out
+    return out | {
+        "downsample_ratio": cfg.downsample_ratio,
+        "ps_version": cfg.ps_version,
+        "select_layer": cfg.select_layer,
+        "template": cfg.template,
+        "force_image_size": v.image_size,
+        "dynamic_image_size": True,
+        "min_dynamic_patch": 1,
+        "max_dynamic_patch": cfg.max_dynamic_patch,
+        "use_thumbnail": cfg.use_thumbnail,
+        "image_token_id": cfg.image_token_id,
+        "vision_config": {
+            "architectures": ["InternVisionModel"], "model_type": "intern_vit_6b",
+            "hidden_size": v.hidden_size, "intermediate_size": v.intermediate_size,
+            "num_hidden_layers": v.num_layers, "num_attention_heads": v.num_heads,
+            "patch_size": v.patch_size, "image_size": v.image_size, "num_channels": 3,
+            "qkv_bias": v.qkv_bias, "qk_normalization": v.qk_norm, "norm_type": v.norm_type,
+            "layer_norm_eps": v.norm_eps, "hidden_act": "gelu", "drop_path_rate": v.drop_path_rate,
+        },
+    }

@@ -39,15 +39,15 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from checkpoint import resolve_model
-from cli import (SEED, allocation, check_shared, command, log, make_folder, one_line, one_writer, rank,
-                 resolve_device, resolve_dtype, shell, start_processes, world_size)
-from flags import command_parser, flag, parse
+from cli import (SEED, allocation, check_shared, command, log, make_folder, one_line, one_writer, rank, resolve_device,
+                 resolve_dtype, shell, start_processes, world_size)
 from evaluation import analysis, tables
 from evaluation.judge import Judge
 from evaluation.scaling_law import GRID, fit_law
 from evaluation.scoring import BENCHMARKS, SCORE_COLUMNS, score
 from evaluation.tsv import DataError, as_list, options, read_jsonl, read_tsv
+from flags import command_parser, flag, parse
+from hub import resolve_model
 from shards import LineParts, merged, resumed, share
 
 # Per benchmark: prompt kind (InternVLChat.build_prompt by DATASET_TYPE), tile budget (set_max_num:
@@ -209,7 +209,8 @@ def run(cfg: RunConfig) -> int:
 
 
 def predict_all(cfg: RunConfig) -> int:
-    from config import check_branch_choice, open_checkpoint
+    from checkpoint import open_checkpoint
+    from flags import check_branch_choice
     from engine import Engine
     from gates import router_flag
     from parvl import ParVL

@@ -11,10 +11,11 @@
     cfg = parse(command_parser("What the command does.", Config), argv)
 
 A field's metadata is its flag: the help as --help shows it (with the unit, the range and the default),
-its range as an interval checked once for every command (out_of_range: "--top-p must be in (0, 1], got
-1.5"), its choices, and what argparse needs beyond that. ParConfig's fields (config.py) are flags too,
-so every command that takes a branch flag shares its help and range. A bad flag is one line and exit
-2 (OneLineParser), from rank 0 alone under torchrun.
+its range as an interval checked once for every command (config.out_of_range: "--top-p must be in (0, 1],
+got 1.5"), its choices, and what argparse needs beyond that. ParConfig's fields (config.py) are flags too
+(branch_flag), so every command that takes a branch flag shares its help and range; the rules that tie the
+branch flags together (branch_conflict, resolve_branch_flags) are here, beside them. A bad flag is one line
+and exit 2 (OneLineParser), from rank 0 alone under torchrun.
 """
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ import argparse
 import sys
 from dataclasses import MISSING, field, fields
 
-from cli import error, one_line
+from cli import UsageError, error, one_line
+from config import ParConfig, out_of_range
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -114,17 +116,78 @@ def parse(p: "OneLineParser", argv=None):
     return cfg
 
 
-def out_of_range(args, ranges: dict[str, str]) -> str | None:
-    """The first flag whose value lies outside its interval ("[1, inf)", "(0, 1]", ...), as one line
-    ("--top-p must be in (0, 1], got 1.5"), or None. A flag not given (None) passes; a list is checked
-    element by element."""
-    for name, interval in ranges.items():
-        value = getattr(args, name, None)
-        low, high = (float(x) for x in interval[1:-1].split(","))
-        inside = [(low < x or interval[0] == "[" and x == low) and (x < high or interval[-1] == "]" and x == high)
-                  for x in (value if isinstance(value, list) else [value]) if x is not None]
-        if not all(inside):
-            low = int(low) if low.is_integer() else low
-            bound = (f">= {low}" if interval[0] == "[" else f"> {low}") if high == float("inf") else f"in {interval}"
-            return f"--{name.replace('_', '-')} must be {bound}, got {value}"
+# -- the branch flags: ParConfig's fields ------------------------------------------------------
+
+
+def branch_flag(name: str, shown: str = "the checkpoint's", own_default: bool = False):
+    """A command's flag for ParConfig field `name`: the field's help, range and choices, declared once in
+    ParConfig. Its default is None, "the checkpoint's" (shown as `shown`), or with own_default
+    ParConfig's own default (a command that builds a model from a preset, profiling.py).
+
+        vit_prefix_len: int | None = branch_flag("vit_prefix_len")      # in train.py's TrainConfig
+    """
+    f = next(f for f in fields(ParConfig) if f.name == name)
+    if own_default:
+        return field(default=f.default, metadata=f.metadata)
+    return field(default=None, metadata={**f.metadata, "shown": shown})
+
+
+def branch_conflict(values: dict, vit_width: int | None = None, origin: dict | None = None) -> str | None:
+    """Branch flags that cannot mean anything together, as one line naming them, or None. values: ParConfig
+    field names -> values, None (or missing) where not known yet (train.py's flags before the checkpoint
+    is read); vit_width: the ViT width C, where known; origin: a note for a value the user did not give
+    ("the checkpoint's"). What makes two branches of a tower differ is its own prefixes (Eq. 1), or for
+    vision branches, with --vision-branches lora, their own low-rank updates instead; the aggregator
+    only weighs the branch states, so branches that start and stay identical fuse to one."""
+    v, origin = {k: x for k, x in values.items() if x is not None}, origin or {}
+
+    def say(name: str) -> str:
+        return f"--{name.replace('_', '-')} {v[name]}" + (f" ({origin[name]})" if name in origin else "")
+
+    lora = v.get("vision_branches") == "lora"
+    if lora and v.get("pv") == 1:
+        return (f"{say('vision_branches')} needs --pv 2 or more: LoRA vision branches are one low-rank update of the "
+                f"ViT per branch, and at {say('pv')} there is no branch to create one for")
+    if v.get("pv", 1) > 1 and v.get("vision_branches") == "prefix" and v.get("vit_prefix_len") == 0:
+        return (f"{say('vit_prefix_len')} at {say('pv')}: with no prefix tokens every vision branch computes the same "
+                f"states; give --vit-prefix-len 1 or more, or --vision-branches lora")
+    if v.get("pl", 1) > 1 and v.get("llm_prefix_len") == 0:
+        return (f"{say('llm_prefix_len')} at {say('pl')}: with no prefix tokens every language branch computes the "
+                f"same states; give --llm-prefix-len 1 or more")
+    if lora and vit_width is not None and v.get("lora_rank", 0) > vit_width:
+        return (f"{say('lora_rank')} is more than the ViT's width {vit_width}: a low-rank update of a {vit_width}-wide "
+                f"linear has rank at most {vit_width}")
     return None
+
+
+def resolve_branch_flags(given: dict, par: ParConfig, vit_width: int, model: str, run: dict | None = None,
+                         run_name: str = "") -> dict:
+    """A command's branch flags (ParConfig field names -> the value given, None for branch_flag's "the
+    checkpoint's") resolved: as given, else the run's own where a run is continued (`run`, the config it
+    recorded, named `run_name`; None there means it took the checkpoint's), else the checkpoint's `par`
+    (of --model `model`). The branch parameterisation fixes a run as Pv:Pl does: a given value other
+    than the run's is refused in one line. Values that cannot mean anything together (branch_conflict)
+    are a UsageError (exit 2), naming where each value not given came from."""
+    values, origin = {}, {}
+    for name, value in given.items():
+        was = getattr(par, name) if run is None or run.get(name) is None else run[name]
+        if run is not None and value is not None and value != was:
+            raise ValueError(f"{run_name} was trained with --{name.replace('_', '-')} {was}, this run asks for "
+                             f"{value}; resume without the flag (or with the run's value), or start a new run in "
+                             f"another --out")
+        values[name] = was if value is None else value
+        if value is None:
+            origin[name] = "the run's" if run is not None else f"{model}'s"
+    if why := branch_conflict(values, vit_width, origin):
+        raise UsageError(why)
+    ParConfig(**values)  # the ranges, as the flags' own
+    return values
+
+
+def check_branch_choice(par: ParConfig, vision_branch: int | None, language_branch: int | None) -> None:
+    """--vision-branch and --language-branch (generate.py, evaluate.py run) against the checkpoint's
+    branch counts: one line naming the flag."""
+    for name, value, count in (("--vision-branch", vision_branch, par.pv),
+                               ("--language-branch", language_branch, par.pl)):
+        if value is not None and not 0 <= value < count:
+            raise ValueError(f"{name} {value} out of range: the checkpoint has {count} branches")

@@ -38,10 +38,8 @@ import dataclasses
 
 import torch
 
-from config import PRESETS, ParVLConfig
-from llm import LLMConfig
+from config import PRESETS, LLMConfig, ParVLConfig, ViTConfig
 from parvl import ParVL
-from vit import ViTConfig
 
 # Which top-level modules each Table S3 column sums; aggregators belong to their modality.
 GROUPS = {

@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from checkpoint import CheckpointReader, is_branch_tensor, read_json
+from checkpoint import config_from_json, is_branch_tensor, read_json
 from cli import rank
-from config import config_from_json
 from parvl import ParVL
+from weights import CheckpointReader
 
 
 def build_model(cfg, device, mesh) -> ParVL:

@@ -46,9 +46,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from checkpoint import is_branch_tensor, read_json, read_safetensors
+from checkpoint import is_branch_tensor, read_json
 from cli import log
 from parvl import ParVL
+from weights import read_safetensors
 
 
 class RouterError(ValueError):

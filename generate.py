@@ -23,15 +23,14 @@ from pathlib import Path
 import torch
 
 import cli
-from checkpoint import DEFAULT_MODEL, resolve_model
+from checkpoint import open_checkpoint
 from cli import command, error, hms, log, one_line, peak_memory_gib, resolve_device, resolve_dtype, shell
-from config import check_branch_choice, open_checkpoint
 from engine import Engine, GenerateConfig, context_check
-from flags import command_parser, flag, parse
-from parvl import ParVL
-from processor import (ImageError, Tokenizer, build_prompt, check_text, load_image, open_rgb, place_images,
-                       tile_count)
+from flags import check_branch_choice, command_parser, flag, parse
 from gates import router_flag
+from hub import DEFAULT_MODEL, resolve_model
+from parvl import ParVL
+from processor import ImageError, Tokenizer, build_prompt, check_text, load_image, open_rgb, place_images, tile_count
 
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp")

@@ -16,35 +16,13 @@ Parameter names mirror the official `language_model.*` keys. Shape legend: aggre
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from aggregate import (PrefixKV, Rows, fold, mean_branches, packed_mask, prefix_attention, prefix_mask,
                        shared_kv_attention, shared_kv_mask)
-
-
-@dataclass
-class LLMConfig:
-    vocab_size: int = 151936
-    hidden_size: int = 1024
-    intermediate_size: int = 3072
-    num_layers: int = 28
-    num_heads: int = 16
-    num_kv_heads: int = 8
-    head_dim: int = 128  # Qwen3 reads it from the config: heads x head_dim may differ from width
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1e6
-    max_position_embeddings: int = 40960
-    qkv_bias: bool = False  # Qwen2/2.5: True
-    qk_norm: bool = True  # Qwen3: per-head RMSNorm on q and k before RoPE; Qwen2/2.5: False
-    tie_word_embeddings: bool = False  # every InternVL3.5 size ships its own lm_head
-
-    def __post_init__(self):
-        assert self.num_heads % self.num_kv_heads == 0, (self.num_heads, self.num_kv_heads)
-        assert self.head_dim % 2 == 0, self.head_dim
+from config import LLMConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

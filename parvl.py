@@ -1,5 +1,6 @@
 """ParVL: InternVL3.5 assembled from vit.py and llm.py (paper, "Method"), and its checkpoint loading
-and saving. The model only: its configuration, presets and config.json spellings are config.py's.
+and saving. The model only: its configuration and presets are config.py's, config.json's spellings
+checkpoint.py's.
 
 The model is InternViT -> drop CLS -> pixel shuffle (v2, ratio 0.5) -> mlp1 connector
 (LayerNorm -> Linear -> GELU -> Linear) -> features written into the <IMG_CONTEXT> positions of
@@ -34,11 +35,13 @@ from safetensors.torch import save_file
 
 import chat as chat_api
 from aggregate import Aggregator, Choice, Rows, segment_positions, unfold
-from checkpoint import TOKENIZER_FILES, CheckpointError, CheckpointReader, check_keys, is_branch_tensor, read_json
-from config import ParConfig, ParVLConfig, check_layer_counts, check_sizes, config_from_json, config_to_json
+from checkpoint import (TOKENIZER_FILES, CheckpointError, check_keys, check_layer_counts, check_sizes, config_from_json,
+                        config_to_json, is_branch_tensor, read_json)
+from config import ParConfig, ParVLConfig
 from llm import LLM, prompt_positions
 from processor import load_image  # noqa: F401  (public API: `from parvl import ParVL, load_image`)
 from vit import ViT
+from weights import CheckpointReader
 
 
 def pixel_shuffle(x: torch.Tensor, ratio: float = 0.5, version: str = "v2") -> torch.Tensor:

@@ -33,9 +33,9 @@ from typing import ClassVar
 import torch
 
 from cli import DTYPES, allocation, check_file_out, command, pyplot, resolve_device, resolve_dtype, shell
-from config import PRESETS, ParConfig, ParVLConfig, branch_conflict, branch_flag, branch_variant
+from config import PRESETS, ParConfig, ParVLConfig, branch_variant
 from engine import Engine, GenerateConfig
-from flags import command_parser, flag, parse
+from flags import branch_conflict, branch_flag, command_parser, flag, parse
 from flops import ARCHS, BRANCHES, Workload, build_config, profile_params
 from parvl import ParVL
 
@@ -175,8 +175,8 @@ def latency_config(args) -> tuple[ParVLConfig, str]:
         return build_config(args.arch, args.pv or 1, args.pl or 1, **branches), args.arch
     import hashlib
 
-    from checkpoint import resolve_model
-    from config import open_checkpoint
+    from hub import resolve_model
+    from checkpoint import open_checkpoint
 
     cfg, _ = open_checkpoint(resolve_model(args.model))
     towers = json.dumps([asdict(cfg.vit) if cfg.vit else None, asdict(cfg.llm)], sort_keys=True, default=str)

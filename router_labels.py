@@ -32,10 +32,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from aggregate import fold, per_branch
-from checkpoint import check_not_run_folder, read_json, read_safetensors
 from batches import collate
+from checkpoint import check_not_run_folder, open_checkpoint, read_json
 from cli import allocation, barrier, check_shared, log, rank, resolve_dtype, start_processes, world_size
-from config import open_checkpoint
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction
 from flags import flag
 from gates import RouterError, fingerprint, image_tiles, pool_tiles, question_span, text_feature, thumbnail_feature
@@ -44,6 +43,7 @@ from loss import IGNORE, answer_nll
 from parvl import ParVL
 from processor import IM_START
 from shards import FileParts, merged, resumed, share
+from weights import read_safetensors
 
 LABEL_KEYS = ("rows", "nll", "image", "text", "connector", "has_image")
 CHUNK = "chunk_{:06d}.safetensors"  # OUT/parts/CHUNK: chunk k, as an interrupted run of any version left it

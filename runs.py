@@ -346,7 +346,7 @@ def load_checkpoint(model, optim, sched, folder: Path, metadata: dcp_metadata.Me
 # Flags a resumed run must share with the run it continues: they fix the data order, the loss and the
 # update rule, so a change would silently make a different run. --max-steps may change (the schedule
 # is rebuilt for the new total); the others (logging, saving, workers, compile) do not change the maths.
-# The branch parameterisation (Pv:Pl, prefix lengths, ...) fixes the run too: config.resolve_branch_flags.
+# The branch parameterisation (Pv:Pl, prefix lengths, ...) fixes the run too: flags.resolve_branch_flags.
 RESUME_FIXED = ("data", "seed", "global_batch", "max_seq_len", "max_tiles", "lr_new", "lr_pretrained", "weight_decay",
                 "warmup_ratio", "clip", "dtype", "freeze_vit", "freeze_connector", "freeze_llm", "freeze_backbone")
 

@@ -43,17 +43,17 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from aggregate import entropy
 from batches import filler_batch, make_loader
-from checkpoint import check_not_run_folder
+from checkpoint import check_not_run_folder, open_checkpoint
 from cli import (SEED, allocation, check_shared, command, hms, log, one_writer, peak_memory_gib, rank, shell,
                  start_processes)
-from config import ParConfig, branch_conflict, branch_flag, open_checkpoint, resolve_branch_flags
+from config import ParConfig
 from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, report_bad_rows
-from flags import command_parser, flag, parse
+from flags import branch_conflict, branch_flag, command_parser, flag, parse, resolve_branch_flags
 from fsdp import build_model, param_groups, train_flops_per_token
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL
-from runs import (check_out, checkpoints, discard_run, export, finite, load_model_state, plot_run, recorded_run,
-                  resume, save_checkpoint, trim_metrics, verify_checkpoint)
+from runs import (check_out, checkpoints, discard_run, export, finite, load_model_state, plot_run, recorded_run, resume,
+                  save_checkpoint, trim_metrics, verify_checkpoint)
 from schedule import lr_lambda
 from trackers import TRACKERS, Tracker
 

@@ -12,43 +12,26 @@ T = 1 + patches, C the ViT width).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from aggregate import LoRA, PrefixKV, Rows, fold, lora_linear, prefix_attention
-from llm import RMSNorm  # the same fp32-normalise, cast back, then scale as Qwen's
+from config import ViTConfig
 
 
-@dataclass
-class ViTConfig:
-    hidden_size: int = 1024
-    intermediate_size: int = 4096
-    num_layers: int = 24
-    num_heads: int = 16
-    patch_size: int = 14
-    image_size: int = 448  # the size the position embedding was trained at
-    qkv_bias: bool = True
-    qk_norm: bool = False  # InternViT-6B: RMSNorm over the full width of q and k
-    norm_type: str = "layer_norm"  # or "rms_norm" (InternViT-6B)
-    norm_eps: float = 1e-6
-    drop_path_rate: float = 0.0  # stochastic depth, linearly increasing per layer, training only
+class RMSNorm(nn.Module):
+    """InternViT-6B's own RMSNorm (InternRMSNorm): normalise in fp32, cast back to the input dtype, then
+    scale. The same arithmetic as Qwen's (llm.rms_norm); each tower keeps its own, as the official code does."""
 
-    def __post_init__(self):
-        assert self.hidden_size % self.num_heads == 0, (self.hidden_size, self.num_heads)
-        assert self.image_size % self.patch_size == 0, (self.image_size, self.patch_size)
-        if self.norm_type not in ("layer_norm", "rms_norm"):
-            raise ValueError(f"vision norm_type must be layer_norm or rms_norm, got {self.norm_type!r}")
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def grid(self) -> int:
-        return self.image_size // self.patch_size
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 def make_norm(cfg: ViTConfig, dim: int) -> nn.Module:

@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from checkpoint import resolve_model
 from cli import SEED, pyplot
 from evaluation.scoring import BENCHMARKS, GROUPS
 from evaluation.tables import config_label
 from evaluation.tsv import DataError, as_list, read_jsonl, read_tsv
 from flags import flag
+from hub import resolve_model
 from processor import ImageError, Tokenizer, open_base64
 
 NEAR_CAP = 4090  # the paper's threshold for its 4096-token budget

@@ -9,13 +9,12 @@ import torch
 from safetensors.torch import save_file
 
 from aggregate import Aggregator, Rows
+from config import PRESETS, LLMConfig, ParConfig, ParVLConfig, ViTConfig
 from conftest import prompt_ids, random_pixels, read_safetensors
 from engine import Engine, GenerateConfig
-from llm import LLMConfig, apply_rope, causal_mask, rope_tables
-from config import PRESETS, ParConfig, ParVLConfig
+from llm import apply_rope, causal_mask, rope_tables
 from parvl import ParVL, pixel_shuffle
 from vit import Attention as ViTAttention
-from vit import ViTConfig
 
 TINY = PRESETS["tiny"]
 IMG = TINY.image_token_id  # 300 in the tiny preset

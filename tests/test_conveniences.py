@@ -18,9 +18,10 @@ from PIL import Image
 import chat
 import cli
 import generate
-from checkpoint import DEFAULT_MODEL, CheckpointError, resolve_model
+from checkpoint import CheckpointError
 from conftest import random_pixels
 from engine import Engine, GenerateConfig
+from hub import DEFAULT_MODEL, resolve_model
 from parvl import ParVL
 from processor import Tokenizer, build_prompt
 from test_robust import one_line
@@ -88,7 +89,8 @@ def test_default_model_from_the_hub_cache_offline(tiny, tmp_path, capsys):
     assert json.loads(res.stdout)["answer"] == json.loads(capsys.readouterr().out)["answer"]
     res = run_python(f"""
         import json, sys, generate
-        from checkpoint import CheckpointError, resolve_model
+        from checkpoint import CheckpointError
+        from hub import resolve_model
         out = {{"main": str(resolve_model()), "pinned": str(resolve_model(None, "{pinned}"))}}
         for name in ("OpenGVLab/Missing", "Someone/partial"):
             try:

@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine import Engine, GenerateConfig, decode_one_token, prefill
 from config import PRESETS, ParConfig
+from engine import Engine, GenerateConfig, decode_one_token, prefill
 from parvl import ParVL
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -14,8 +14,8 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from engine import decode_one_token, decode_step, prefill
 from config import PRESETS, ParConfig
+from engine import decode_one_token, decode_step, prefill
 from parvl import ParVL
 
 FUSED = ("flash_attention", "efficient_attention", "cudnn_attention")  # aten::_scaled_dot_product_<kind>...

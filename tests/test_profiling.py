@@ -350,7 +350,7 @@ def test_table_4_and_the_shared_kv_delta_from_table_s7():
 def test_latency_profiles_a_checkpoints_own_configuration(checkpoint, capsys):
     """--model: the checkpoint's config.json (its backbone, Pv:Pl and branches) on random weights; every
     row records its branches and architecture. Branch flags beside --model are refused (exit 2)."""
-    from config import config_from_json
+    from checkpoint import config_from_json
 
     folder = checkpoint("qwen3", "original")
     par = config_from_json(json.loads((folder / "config.json").read_text()), folder).par

@@ -17,7 +17,8 @@ import engine
 import generate
 import processor
 import profiling
-from checkpoint import CheckpointError, resolve_model
+from checkpoint import CheckpointError
+from hub import resolve_model
 from processor import Tokenizer, load_image, open_rgb
 from test_robust import one_line, tree
 from test_train import ROOT
@@ -246,7 +247,7 @@ def test_answers_skip_special_tokens_as_the_official_chat_does(model_dir, png, c
     InternVL's chat() and evaluate.py do (processor.Tokenizer.answer: skip_special_tokens, the text
     before <|im_end|>, stripped)."""
     import engine
-    from config import open_checkpoint
+    from checkpoint import open_checkpoint
 
     _, tok = open_checkpoint(model_dir)
     ids = tok.encode("Hello") + [tok.token_to_id("<img>")] + tok.encode(" there")
@@ -363,7 +364,7 @@ def test_a_tile_budget_past_the_context_is_refused_before_tiling(model_dir, tmp_
     """--max-tiles 10000 on a 2000:1 image (a 2000 x 1 grid): the grid is chosen in
     O(max_tiles log max_tiles) and the prompt's length, known from it, is refused against the context
     before one tile is resized (the triple loop and the 2001 tiles took minutes and gigabytes)."""
-    from config import open_checkpoint
+    from checkpoint import open_checkpoint
 
     wide = tmp_path / "wide.png"
     Image.fromarray(np.full((2, 4000, 3), 128, dtype=np.uint8)).save(wide)

@@ -18,17 +18,18 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import gates
-from conftest import two_nodes
 import generate
 import router
 import router_labels
+from checkpoint import open_checkpoint
+from config import PRESETS, ParConfig
+from conftest import two_nodes
 from data import SFTData
-from loss import token_nll
 from engine import Engine, GenerateConfig
-from config import PRESETS, ParConfig, open_checkpoint
+from gates import Router, RouterConfig, RouterError, path_teacher, router_loss
+from loss import token_nll
 from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
-from gates import Router, RouterConfig, RouterError, path_teacher, router_loss
 from test_train import write_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -514,7 +515,7 @@ import resource, sys, torch
 import router_labels
 from batches import collate
 from data import SFTData
-from config import open_checkpoint
+from checkpoint import open_checkpoint
 from parvl import ParVL
 torch.set_num_threads(1)
 folder, meta, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])

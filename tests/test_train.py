@@ -18,19 +18,19 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file
 
-from cli import one_line
-from conftest import fake_slurm, sbatch, slurm_log, two_nodes
-from batches import collate
-from data import SFTData
-from loss import chunked_sft_loss, loss_weights, sft_loss
-from checkpoint import is_branch_tensor
-from parvl import ParVL
-from engine import Engine, GenerateConfig
-from processor import Tokenizer, build_prompt, load_image
-from schedule import lr_lambda
 import generate
 import train
+from batches import collate
+from checkpoint import is_branch_tensor
+from cli import one_line
+from conftest import fake_slurm, sbatch, slurm_log, two_nodes
+from data import SFTData
+from engine import Engine, GenerateConfig
 from fsdp import param_groups
+from loss import chunked_sft_loss, loss_weights, sft_loss
+from parvl import ParVL
+from processor import Tokenizer, build_prompt, load_image
+from schedule import lr_lambda
 from train import TrainConfig, micro_loss
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -377,7 +377,7 @@ def test_samples_past_the_position_table_are_too_long(model_dir, meta, tmp_path)
     """A sample longer than the model's rotary table (max_position_embeddings) is a too_long bad row,
     whatever --max-seq-len allows, not an index error in the middle of a step."""
     from checkpoint import read_json
-    from config import config_from_json
+    from checkpoint import config_from_json
 
     mcfg = config_from_json(read_json(model_dir / "config.json"), model_dir)
     data = SFTData(meta, Tokenizer.from_pretrained(model_dir), max_tiles=2, image_token_id=mcfg.image_token_id,
