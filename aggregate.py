@@ -166,7 +166,7 @@ def prefix_mask(token_mask: torch.Tensor, prefix_len: int, branches: int = 1) ->
     queries of a sample stacked (row p*T + t, T' = P*T), the prefix slots are the P prefixes one after
     another, and branch p's queries see prefix block p only -> [B,1,P*T,P*Lp+S]. (Without any mask
     the same rule is SDPA's causal_lower_right in prefix_attention, and flex_attention's mask_mod in
-    packed_mask tests it slot by slot.)"""
+    packing.packed_mask tests it slot by slot.)"""
     B, _, Tq, _ = token_mask.shape
     if branches == 1:
         return torch.cat([token_mask.new_ones(B, 1, Tq, prefix_len), token_mask], dim=-1)
@@ -192,7 +192,7 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k
       on CPU in bf16, README);
     - otherwise (a mask, or prefix slots making S > T): the kernels that take a mask do not all take
       GQA, so the kv heads are repeated for this call rather than fall back to the math kernel;
-    - a BlockMask (packed rows on CUDA, packed_mask): flex_attention, compiled, GQA direct."""
+    - a BlockMask (packed rows on CUDA, packing.packed_mask): flex_attention, compiled, GQA direct."""
     if prefix_k is not None:
         k, v = torch.cat([prefix_k, k], dim=2), torch.cat([prefix_v, v], dim=2)  # [R,Hkv,Lp+S,D]
     R, H, T, D = q.shape
@@ -211,70 +211,6 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k
     if Hkv != H:
         k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)  # [R,H,S,D]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S) if mask is None else mask)
-
-
-# -- packed rows ------------------------------------------------------------------------------
-# A packed row holds several samples one after another; segments [B,T] numbers them 0, 1, ... in
-# order, and the padding after the last sample is one more segment (so ids never decrease along a
-# row). Every sample attends as it would alone (Eq. 1 per sample): all Lp prefix slots of its row's
-# branch, then its own tokens causally, nothing of the other samples. Positions restart at 0 per
-# sample (segment_positions); the prefixes carry no rotary, so a sample sees them as it would alone.
-
-
-def segment_positions(segments: torch.Tensor) -> torch.Tensor:
-    """Rotary positions [B,T] that restart at 0 at the first token of every segment (no host sync)."""
-    t = torch.arange(segments.shape[1], device=segments.device).expand_as(segments)  # [B,T]
-    first = torch.ones_like(segments, dtype=torch.bool)
-    first[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    return t - torch.where(first, t, 0).cummax(dim=1).values  # t - index of the segment's first token
-
-
-def packed_mask(segments: torch.Tensor, rows: Rows, prefix_len: int, flex: bool) -> torch.Tensor | BlockMask:
-    """The packed-row mask over [prefix slots; tokens] for every row: dense [R,1,T,Lp+T] bool (SDPA
-    with a mask), or flex=True a BlockMask of 128 x 128 blocks that lets flex_attention skip every
-    block no query sees (on CUDA; flex_attention has no backward on CPU). Key slot k is visible to
-    query q iff k < Lp (a prefix slot) or token t = k - Lp has q's segment and t <= q."""
-    seg = fold(segments, rows).contiguous()  # [R,T]
-    R, T = seg.shape
-    Lp, S = prefix_len, prefix_len + T
-    if not flex:
-        q = torch.arange(T, device=seg.device)[:, None]  # [T,1]
-        k = torch.arange(S, device=seg.device)[None, :]  # [1,S]
-        t = k[:, :T]  # [1,T] token slots
-        return prefix_mask(((seg[:, :, None] == seg[:, None, :]) & (t <= q))[:, None], Lp)  # [R,1,T,Lp+T]
-
-    def mask_mod(b, h, q, k):  # prefix_mask's predicate, one (row, query, key slot) at a time
-        t = (k - Lp).clamp(min=0)
-        return (k < Lp) | ((seg[b, q] == seg[b, t]) & (t <= q))
-
-    # Which blocks hold a visible pair (partial) and which only visible pairs (full, no mask_mod call),
-    # computed from each query's visible slots [0, Lp) and [Lp + start, Lp + q] with start its
-    # segment's first token; built directly, so no [T,S] mask is ever materialised.
-    n = BLOCK
-    nq, nk = -(-T // n), -(-S // n)
-    q = torch.arange(nq * n, device=seg.device)  # [nq*n] queries, the last block padded
-    start = torch.arange(T, device=seg.device) - segment_positions(seg)  # [R,T]
-    start = torch.cat([start, start.new_zeros(R, nq * n - T)], 1)[:, :, None]  # [R,nq*n,1]
-    a = torch.arange(nk, device=seg.device) * n  # [nk] first slot of each key block
-    b = (a + n).clamp(max=S) - 1  # last slot
-    real = (q < T)[None, :, None]  # [1,nq*n,1]
-    hi = Lp + q[None, :, None]  # last visible token slot
-    some = real & ((a < Lp) | (torch.maximum(a, Lp + start) <= torch.minimum(b, hi)))  # [R,nq*n,nk]
-    lo = torch.where(start > 0, Lp + start, 0)  # with start 0 the prefix and the tokens are contiguous
-    every = real & ((b < Lp) | ((a >= lo) & (b <= hi))) & (b - a + 1 == n)  # edge blocks stay partial
-    some = some.view(R, nq, n, nk).any(2)[:, None]  # [R,1,nq,nk]
-    full = every.view(R, nq, n, nk).all(2)[:, None]
-    partial = some & ~full
-
-    def ordered(blocks):  # [R,1,nq,nk] bool -> per query block: count, then the block indices in order
-        order = torch.argsort(blocks.int(), dim=-1, descending=True, stable=True).int()
-        return blocks.sum(-1, dtype=torch.int32), order
-
-    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=n, mask_mod=mask_mod,
-                                    seq_lengths=(T, S))
-
-
-BLOCK = 128  # flex_attention's block size, on both axes
 
 
 @functools.cache

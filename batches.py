@@ -28,6 +28,7 @@ import torch
 
 from data import BadRow, Sample, SFTData
 from loss import IGNORE
+from packing import pack_rows
 from processor import IMAGE_SIZE
 
 
@@ -77,19 +78,6 @@ def collate(items: list, pad_id: int, image_size: int = IMAGE_SIZE) -> Batch:
                  [sum(s.num_tiles) if isinstance(s, Sample) else 0 for s in items],
                  sum(isinstance(s, Sample) for s in items), bad, [s.row for s in items],
                  bad_rows=[s.row for s in items if isinstance(s, BadRow)])
-
-
-def pack_rows(lengths: list[int], max_len: int) -> list[list[int]]:
-    """First fit in order: the indices of the samples in each row, every row at most max_len tokens."""
-    rows, used = [], []
-    for i, n in enumerate(lengths):
-        assert n <= max_len, (n, max_len)  # SFTData skips longer rows as too_long
-        r = next((r for r, u in enumerate(used) if u + n <= max_len), len(rows))
-        if r == len(rows):
-            rows.append([]), used.append(0)
-        rows[r].append(i)
-        used[r] += n
-    return rows
 
 
 def collate_packed(rows: list[list[Sample]], pad_id: int, image_size: int = IMAGE_SIZE) -> Batch:

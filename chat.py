@@ -10,7 +10,7 @@ How the house is arranged: ParVL.chat and ParVL.batch_chat (parvl.py) are two de
 it (engine.py) read only that object (its config, towers and caches) and import no name of parvl.py.
 So the model sits above the engine and reaches it for InternVL's API without an import circle, and
 the command that loads models (generate.py) sits above all three. The model keeps one Engine
-(model.engine), made on first use.
+(model.engine), made here on first use.
 """
 from __future__ import annotations
 
@@ -23,9 +23,11 @@ from processor import IMAGE_PLACEHOLDER, IMG_CONTEXT, IMG_END, IMG_START, Tokeni
 
 
 def engine_of(model) -> Engine:
-    """The model's Engine, created on the first chat: compiled on CUDA, as the command's default.
-    Assign model.engine = Engine(model, ...) first for other settings (branches, shared KV)."""
-    if model.engine is None:
+    """The Engine model.chat and model.batch_chat run on: model.engine, made here on the first call
+    (compiled on CUDA, as the commands' default) and kept with the model, so that a conversation keeps
+    one cache and one compiled graph. For other settings (branches, shared KV) set model.engine =
+    Engine(model, ...) first. The attribute is this API's, not the architecture's: parvl.py never reads it."""
+    if getattr(model, "engine", None) is None:
         model.engine = Engine(model, compile=None)
     return model.engine
 

@@ -19,7 +19,21 @@ from parvl import ParVL
 from weights import CheckpointReader
 
 
-def build_model(cfg, device, mesh) -> ParVL:
+class Trained(ParVL):
+    """ParVL as training runs it: `train_states` is the root's FSDP2 forward method (hidden_from_ids). Its
+    states h get a tensor of their own where the language Aggregator's fp32 result is a view (einsum's): FSDP2
+    warns at a view output of a module it hooks for backward (an in-place op on it would skip the hook). In
+    bf16 training the Aggregator's cast already makes a new tensor, so the copy is fp32 training's alone,
+    and the decode step, which never comes here, pays nothing."""
+
+    def train_states(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None,
+                     attention_mask: torch.Tensor | None, segment_ids: torch.Tensor | None):
+        h, w_vision, w_language = self.hidden_from_ids(input_ids, pixel_values, attention_mask,
+                                                        segment_ids=segment_ids)
+        return (h.clone() if h._base is not None else h), w_vision, w_language
+
+
+def build_model(cfg, device, mesh) -> Trained:
     """cfg: train.py's TrainConfig. Build on the meta device, freeze, wrap blocks with activation
     checkpointing and compile, fully_shard blocks and root, then let every rank materialise its own
     rows only (load_shards): no rank ever holds the whole model, in any dtype."""
@@ -30,7 +44,7 @@ def build_model(cfg, device, mesh) -> ParVL:
         given = {k: v for k, v in cfg.branches().items() if v is not None}  # into the export's config.json
         # config_for refuses to change a ParVL checkpoint's branches
         par = replace(config_from_json(raw, folder).par, **given) if given else None
-        model = ParVL(ParVL.config_for(folder, raw, reader.keys(), cfg.pv, cfg.pl, par)).train()
+        model = Trained(ParVL.config_for(folder, raw, reader.keys(), cfg.pv, cfg.pl, par)).train()
     new = model.check_checkpoint(reader, folder)
     torch.manual_seed(cfg.seed)  # every rank draws the same new branch tensors, as ParVL.from_pretrained does
     fresh = {k: v for k, v in model.branch_init().items() if k in new}
@@ -54,7 +68,7 @@ def build_model(cfg, device, mesh) -> ParVL:
             layers[i] = block
             fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    register_fsdp_forward_method(model, "hidden_from_ids")  # the root all-gathers for this entry point too; as the
+    register_fsdp_forward_method(model, "train_states")  # the root all-gathers for this entry point too; as the
     # root it is not resharded after forward, so lm_head's weight is still whole for the chunked loss after it
     model.to_empty(device=device)
     load_shards(model, reader, fresh)

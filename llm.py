@@ -20,9 +20,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aggregate import (PrefixKV, Rows, fold, mean_branches, packed_mask, prefix_attention, prefix_mask,
-                       shared_kv_attention, shared_kv_mask)
+from aggregate import (PrefixKV, Rows, fold, mean_branches, prefix_attention, prefix_mask, shared_kv_attention,
+                       shared_kv_mask)
 from config import LLMConfig
+from packing import packed_mask
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -246,7 +247,7 @@ class LLM(nn.Module):
         mask: torch.Tensor | None = None,  # [B,1,T,S] bool over token slots; None = causal, no padding
         input_pos: torch.Tensor | None = None,  # [T] token slots in the cache; None = no cache
         rows: Rows | None = None,  # which branch each row runs (aggregate.Rows); None: all P, dense
-        segments: torch.Tensor | None = None,  # [B,T] packed rows: the sample of each token (aggregate.packed_mask)
+        segments: torch.Tensor | None = None,  # [B,T] packed rows: the sample of each token (packing.packed_mask)
     ) -> torch.Tensor:  # [R,T,C] final-normed hidden states of every row ([P*B,T,C] dense, branch-major)
         dec, Lp = self.model, self.prefix_len
         B, T, _ = x.shape

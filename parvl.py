@@ -34,11 +34,12 @@ import torch.nn as nn
 from safetensors.torch import save_file
 
 import chat as chat_api
-from aggregate import Aggregator, Choice, Rows, segment_positions, unfold
+from aggregate import Aggregator, Choice, Rows, unfold
 from checkpoint import (TOKENIZER_FILES, CheckpointError, check_keys, check_layer_counts, check_sizes, config_from_json,
                         config_to_json, is_branch_tensor, read_json)
 from config import ParConfig, ParVLConfig
 from llm import LLM, prompt_positions
+from packing import segment_positions
 from processor import load_image  # noqa: F401  (public API: `from parvl import ParVL, load_image`)
 from vit import ViT
 from weights import CheckpointReader
@@ -78,7 +79,6 @@ class ParVL(nn.Module):
         self.vision_aggregator = Aggregator(par.pv, Cv, par.lambda_v, par.aggregation) if par.pv > 1 else None
         self.language_aggregator = Aggregator(par.pl, C, par.lambda_l, par.aggregation) if par.pl > 1 else None
         self.source_dir: Path | None = None  # the folder from_pretrained read: save() copies its tokenizer
-        self.engine = None  # engine.Engine of chat() / batch_chat(), made on their first call
 
     # -- forward -------------------------------------------------------------------------------
     # vision_branch / language_branch (aggregate.Choice): None runs all branches of the tower and
@@ -178,29 +178,20 @@ class ParVL(nn.Module):
         h = self.language_model(x, positions, mask, input_pos, rows, segments)  # [R,T,C]
         return unfold(h, rows, self.language_aggregator)
 
-    def forward_with_weights(
+    def hidden_from_ids(
         self,
         input_ids: torch.Tensor,  # [B,T]
         pixel_values: torch.Tensor | None = None,  # [N,3,448,448], tiles of all samples in order
-        attention_mask: torch.Tensor | None = None,  # [B,T], 1 = token, 0 = (left) padding
+        attention_mask: torch.Tensor | None = None,  # [B,T], 1 = token, 0 = (left or right) padding
         vision_branch: Choice = None,
         language_branch: Choice = None,
         segment_ids: torch.Tensor | None = None,  # [B,T] packed rows: sample 0, 1, ... of each token, then the padding
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # logits [B,T,V], weights
-        """Logits and the branch weights of a batch: one sample per row (attention_mask: left or right
-        padding), or several packed into each row (segment_ids, training): positions restart at 0 per
-        sample, which attends only to itself and its branch prefixes (aggregate.packed_mask)."""
-        h, w_vision, w_language = self.hidden_from_ids(input_ids, pixel_values, attention_mask, vision_branch,
-                                                    language_branch, segment_ids)
-        return self.language_model.lm_head(h), w_vision, w_language
-
-    def hidden_from_ids(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
-                        attention_mask: torch.Tensor | None = None, vision_branch: Choice = None,
-                        language_branch: Choice = None, segment_ids: torch.Tensor | None = None,
-                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # h [B,T,C], weights
-        """The whole model from token ids and tiles up to lm_head: embed, then hidden_from_embeds with the
-        positions and mask of attention_mask (or segment_ids); forward_with_weights before lm_head.
-        Training scores these states chunk by chunk (loss.chunked_sft_loss) rather than hold [B,T,V] logits."""
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:  # h [B,T,C], weights [N,1+h*w,Pv], [B,T,Pl]
+        """The whole model from token ids and tiles up to lm_head, and the branch weights (None where nothing
+        is fused): embed, then hidden_from_embeds with the positions and mask of attention_mask, or of
+        segment_ids for several samples packed into each row (training): positions restart at 0 per
+        sample, which attends only to itself and its branch prefixes (packing.packed_mask). Training scores
+        these states chunk by chunk (loss.chunked_sft_loss) rather than hold [B,T,V] logits."""
         x, w_vision = self.embed(input_ids, pixel_values, vision_branch)
         B, T = input_ids.shape
         rows = self.language_rows(language_branch, B, x.device)
@@ -212,15 +203,14 @@ class ParVL(nn.Module):
         else:
             positions, mask = prompt_positions(attention_mask.bool(), padded=True)  # every prompt starts at position 0
         h, w_language = self.hidden_from_embeds(x, positions, mask, rows=rows, segments=segment_ids)
-        # the Aggregator's fp32 output is a view (einsum's); as train.py's FSDP2 root output it gets a tensor of
-        # its own, which FSDP2 asks of an output it hooks for backward (it warns at a view); the decode step
-        # never comes here
-        return (h.clone() if h._base is not None else h), w_vision, w_language
+        return h, w_vision, w_language
 
     def forward(self, input_ids: torch.Tensor, pixel_values: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, vision_branch: Choice = None,
                 language_branch: Choice = None) -> torch.Tensor:  # [B,T,V] logits
-        return self.forward_with_weights(input_ids, pixel_values, attention_mask, vision_branch, language_branch)[0]
+        """InternVL's forward: the logits of a batch (hidden_from_ids, then the shared lm_head)."""
+        h, _, _ = self.hidden_from_ids(input_ids, pixel_values, attention_mask, vision_branch, language_branch)
+        return self.language_model.lm_head(h)
 
     def branch_init(self, std: float = 0.02) -> dict[str, torch.Tensor]:
         """Initial values (fp32, on the CPU) of the ParVL tensors of a model started from an InternVL3.5

@@ -10,7 +10,7 @@ InternVL format (data.py). The loss is Eq. 6: every supervised token of sample b
 normalised by the sum of the weights over the whole global batch (all micro-batches, all ranks), so
 the value does not depend on how the batch is split, nor on packing: by default each rank packs its
 samples of a step into rows of at most --max-seq-len tokens (data.py), every sample attending only
-to itself and its branch prefixes (aggregate.packed_mask: flex_attention on CUDA, a dense mask on
+to itself and its branch prefixes (packing.packed_mask: flex_attention on CUDA, a dense mask on
 CPU). AdamW with two learning rates (new branch tensors / pretrained weights), 3 % linear warm-up
 then cosine to zero, gradient clipping.
 
@@ -49,7 +49,7 @@ from cli import (SEED, allocation, check_shared, command, hms, log, one_writer, 
 from config import ParConfig
 from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, report_bad_rows
 from flags import branch_conflict, branch_flag, command_parser, flag, parse, resolve_branch_flags
-from fsdp import build_model, param_groups, train_flops_per_token
+from fsdp import Trained, build_model, param_groups, train_flops_per_token
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL
 from runs import (check_out, checkpoints, discard_run, export, finite, load_model_state, plot_run, recorded_run, resume,
@@ -289,7 +289,7 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
 
 
-def micro_loss(model: ParVL, batch, weight_sum: float | torch.Tensor, world: int, device):
+def micro_loss(model: Trained, batch, weight_sum: float | torch.Tensor, world: int, device):
     """This micro-batch's share of the Eq. 6 loss (loss.sft_loss over the global weight sum, scored chunk
     by chunk from the final states: loss.chunked_sft_loss), times the world size since FSDP averages
     gradients over ranks. Also returns the branch weights' entropies (nan if none)."""
@@ -302,8 +302,7 @@ def micro_loss(model: ParVL, batch, weight_sum: float | torch.Tensor, world: int
         pixels = torch.zeros(1, 3, size, size, device=device)  # text only: a dummy tile, see ParVL.embed
     # no padding (e.g. one sample per micro-batch): no mask, so attention keeps the causal fast path
     mask = None if segments is not None or bool(batch.attention_mask.all()) else to_device(batch.attention_mask, device)
-    h, w_vision, w_language = model.hidden_from_ids(ids, pixels if pixels.shape[0] else None, mask,
-                                                    segment_ids=segments)
+    h, w_vision, w_language = model.train_states(ids, pixels if pixels.shape[0] else None, mask, segments)
     loss = chunked_sft_loss(h, model.language_model.lm_head.weight, labels, weight_sum, segments) * world
     nan = torch.full((), float("nan"), device=device)  # a fill, not a host-to-device copy
     w_vision = w_vision if tiles else None  # a dummy tile's weights say nothing

@@ -185,7 +185,7 @@ def test_folded_equals_branches_alone_aggregated_by_hand():
     model = tiny(pv=2, pl=3, seed=5)
     ids, pv = prompt(1, seed=3)
     with torch.no_grad():
-        logits, wv, wl = model.forward_with_weights(ids[None], pv)
+        h, wv, wl = model.hidden_from_ids(ids[None], pv)
         # vision: each branch alone, then Eq. 2 by hand (branch-major concat, softmax, smoothing)
         zs = [model.vision_model(pv, Rows.choose(p, 2, pv.shape[0], 'cpu')) for p in range(2)]  # [N,T,C] each
         agg = model.vision_aggregator
@@ -201,7 +201,7 @@ def test_folded_equals_branches_alone_aggregated_by_hand():
         b = (1 - agg.smoothing) * b + agg.smoothing / 3
         h = sum(b[..., p : p + 1] * hs[p] for p in range(3))
         ref = model.language_model.lm_head(h)
-    torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.language_model.lm_head(h), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(wv, a, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(wl, b, atol=1e-6, rtol=1e-6)
     assert agg.smoothing == 0.1 and wl.min() >= 0.1 / 3 - 1e-7  # lambda_l default: weights never collapse
@@ -211,7 +211,7 @@ def test_parvl_init_is_uniform_and_small(checkpoint):
     folder = checkpoint("qwen3", "original")
     model = ParVL.from_pretrained(folder, pv=2, pl=4)
     ids, pv = prompt(1, seed=4, img=model.cfg.image_token_id)
-    _, wv, wl = model.forward_with_weights(ids[None], pv)
+    _, wv, wl = model.hidden_from_ids(ids[None], pv)
     assert torch.equal(wv, torch.full_like(wv, 0.5)) and torch.equal(wl, torch.full_like(wl, 0.25))
     prefix = model.language_model.model.layers[0].self_attn.prefix_k
     assert prefix.shape == (4, 2, 48, 32) and 0.01 < prefix.std() < 0.03

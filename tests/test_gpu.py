@@ -112,7 +112,7 @@ def test_training_micro_batch_has_no_host_sync(packed):
 
 @pytest.mark.parametrize("pv,pl", [(1, 1), (2, 2)])
 def test_packed_flex_attention_training_equals_unpacked(pv, pl):
-    """On CUDA a packed row runs flex_attention (compiled) under the BlockMask of aggregate.packed_mask:
+    """On CUDA a packed row runs flex_attention (compiled) under the BlockMask of packing.packed_mask:
     loss and gradients equal the three samples as one-sample micro-batches (SDPA), fp32."""
     from batches import collate, pack_step
     from loss import loss_weights

@@ -8,11 +8,12 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask
 
-from aggregate import BLOCK, Rows, packed_mask, prefix_attention, segment_positions
-from batches import collate, pack_rows, pack_step
+from aggregate import Rows, prefix_attention
+from batches import collate, pack_step
+from packing import BLOCK, pack_rows, packed_mask, segment_positions
 from data import BadRow, Sample, SFTData
 from loss import IGNORE, loss_weights
-from parvl import ParVL
+from fsdp import Trained
 from processor import Tokenizer
 from test_train import COMMON, metrics, run_train, train_here
 from train import micro_loss
@@ -154,7 +155,7 @@ def test_packed_loss_and_gradients_equal_unpacked(model_dir, meta, pv, pl):
     matmul shapes, masked SDPA over other key sets), a few ulps per op through 2+2 layers, so 1e-5
     relative on the loss and the gradient norm, 1e-4 relative (1e-7 absolute) per gradient entry."""
     torch.manual_seed(0)
-    model = ParVL.from_pretrained(model_dir, pv=pv, pl=pl).train()  # train mode: text-only batches take a dummy tile
+    model = Trained.from_pretrained(model_dir, pv=pv, pl=pl).train()  # train mode: text-only batches take a dummy tile
     model.init_branches(std=0.3)
     tok = Tokenizer.from_pretrained(model_dir)
     data = SFTData(meta, tok, max_tiles=2, max_seq_len=32768)

@@ -26,7 +26,7 @@ from cli import one_line
 from conftest import fake_slurm, sbatch, slurm_log, two_nodes
 from data import SFTData
 from engine import Engine, GenerateConfig
-from fsdp import param_groups
+from fsdp import Trained, param_groups
 from loss import chunked_sft_loss, loss_weights, sft_loss
 from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
@@ -112,7 +112,7 @@ COMMON = ["--dtype", "fp32", "--global-batch", "4", "--num-workers", "0", "--max
 
 
 def test_weighted_loss_matches_hand_and_any_split(model_dir, meta):
-    model = ParVL.from_pretrained(model_dir, pv=2, pl=2).train()  # train mode: text-only rows take a dummy tile
+    model = Trained.from_pretrained(model_dir, pv=2, pl=2).train()  # train mode: text-only rows take a dummy tile
     model.init_branches(std=0.3)
     tok = Tokenizer.from_pretrained(model_dir)
     data = SFTData(meta, tok, max_tiles=2, max_seq_len=32768)
