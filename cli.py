@@ -25,6 +25,7 @@ from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 
 SEED = 42  # the paper's seed for every SFT and router-training job (Appendix A.1), and ours for every draw
@@ -119,8 +120,15 @@ def command(main):
     """The __main__ of a command: main() under torch.distributed.elastic's `record`, which writes an
     uncaught exception (a bug: its traceback is the useful report) to the error file torchrun reads,
     then exit_process with main's code."""
-    from torch.distributed.elastic.multiprocessing.errors import record
     exit_process(record(main)() or 0)
+
+
+def dcp_errors() -> tuple[type, ...]:
+    """DCP's CheckpointException (a BaseException that wraps each rank's failure of a save or load), when DCP is
+    loaded: only a job that imported torch.distributed.checkpoint can raise it, and importing it here would cost
+    every command (generate.py among them) 1.5-3.4 s of start-up, measured on the 2-core machine."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return (api.CheckpointException,) if api is not None else ()
 
 
 def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None = None) -> int:
@@ -143,9 +151,7 @@ def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None =
 
     Anything else is a bug and keeps its traceback. Under torchrun the line also goes to the worker's
     error file (error), and the process group ends here: with a last barrier when every rank met the
-    same end, or at once (os._exit) when this rank's peers may be mid-collective or gone."""
-    from torch.distributed.checkpoint.api import CheckpointException  # here: generate.py never loads DCP
-
+    same end, or at once (os._exit) when this rank's peers may be mid-collective or gone (end)."""
     code, alone, lost, waits = 0, False, False, False  # alone: leave without the last barrier
     try:
         with interruptible() as received:
@@ -155,41 +161,55 @@ def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None =
             except BrokenPipeError:  # the reader left (`| head`): stop quietly, as command-line tools do
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
                 code = 1
-            except (KeyboardInterrupt, CheckpointException, Exception) as e:
-                many = dist.is_initialized() and dist.get_world_size() > 1
-                who = f"rank {rank()}: " if many else ""  # a line only this rank may meet names it
-                if received or isinstance(e, KeyboardInterrupt):  # the signal that raised it, else the first one
-                    signum = e.code - 128 if isinstance(e, Interrupted) else received[0] if received else signal.SIGINT
-                    code, alone = 128 + signum, many
-                    words = interrupted() if interrupted is not None else ""
-                    log(f"interrupted by {signal.Signals(signum).name}" + (f": {words}" if words else ""))
-                elif isinstance(e, OutOfMemory):  # this rank's batch: the others may be mid-collective
-                    code, alone = 1, many
-                    error(f"error: {who}{e}", every_rank=True)
-                elif isinstance(e, (ValueError, CheckpointException)):  # alike on every rank
-                    code = 2 if isinstance(e, UsageError) else 1
-                    line = one_line(e) if isinstance(e, ValueError) else os_cause(e)
-                    waits = not dist.is_initialized()  # the other ranks wait for torchrun; else the last barrier
-                    error(f"error: {line}", wait=False)
-                elif isinstance(e, OSError):  # a file this rank could not read or write: maybe this rank's alone
-                    code, alone = 1, many
-                    error(f"error: {who}{os_error(e)}", every_rank=True)
-                elif isinstance(e, dist.DistBackendError) or "by peer" in str(e):  # another rank left: it says why
-                    code, alone, lost = 1, True, True  # a consequence: no error file, torchrun reports the cause
-                    log(f"error: lost contact with another rank ({one_line(e)[:200]})", every_rank=True)
-                else:
-                    raise  # a bug: the traceback is the useful report
+            except (KeyboardInterrupt, *dcp_errors(), Exception) as e:
+                code, alone, lost, waits = report(e, received, interrupted)
     finally:  # the handlers are gone: torchrun's SIGTERM to a rank that waits for it ends that rank quietly
-        if dist.is_initialized():
-            if alone:  # peers may be gone: no barrier to wait on, no teardown that can abort
-                sys.stdout.flush(), sys.stderr.flush()
-                if lost:
-                    wait_for_torchrun()
-                os._exit(code)
-            end_processes()  # its barrier: rank 0 has reported before any rank leaves
-        elif waits and rank() != 0:
-            wait_for_torchrun()
+        end(code, alone, lost, waits)
     return code
+
+
+def report(e: BaseException, received: list[int],
+           interrupted: Callable[[], str] | None) -> tuple[int, bool, bool, bool]:
+    """shell's table for a job that raised e: say it in one line (from the ranks that should) and return
+    (exit code, leave alone without the last barrier, a peer was lost, the other ranks wait for torchrun).
+    A bug is raised again, with its traceback."""
+    many = dist.is_initialized() and dist.get_world_size() > 1
+    who = f"rank {rank()}: " if many else ""  # a line only this rank may meet names it
+    if received or isinstance(e, KeyboardInterrupt):  # the signal that raised it, else the first one
+        signum = e.code - 128 if isinstance(e, Interrupted) else received[0] if received else signal.SIGINT
+        words = interrupted() if interrupted is not None else ""
+        log(f"interrupted by {signal.Signals(signum).name}" + (f": {words}" if words else ""))
+        return 128 + signum, many, False, False
+    if isinstance(e, OutOfMemory):  # this rank's batch: the others may be mid-collective
+        error(f"error: {who}{e}", every_rank=True)
+        return 1, many, False, False
+    if isinstance(e, (ValueError, *dcp_errors())):  # alike on every rank
+        error(f"error: {one_line(e) if isinstance(e, ValueError) else os_cause(e)}", wait=False)
+        # the other ranks wait for torchrun; in a process group, the last barrier holds them
+        return 2 if isinstance(e, UsageError) else 1, False, False, not dist.is_initialized()
+    if isinstance(e, OSError):  # a file this rank could not read or write: maybe this rank's alone
+        error(f"error: {who}{os_error(e)}", every_rank=True)
+        return 1, many, False, False
+    if isinstance(e, dist.DistBackendError) or "by peer" in str(e):  # another rank left: it says why
+        # a consequence: no error file, torchrun reports the cause
+        log(f"error: lost contact with another rank ({one_line(e)[:200]})", every_rank=True)
+        return 1, True, True, False
+    raise e  # a bug: the traceback is the useful report
+
+
+def end(code: int, alone: bool, lost: bool, waits: bool) -> None:
+    """shell's last step under torchrun: the process group ends with the last barrier when every rank met the
+    same end, or at once (os._exit) when peers may be gone or mid-collective; a rank that leaves the report to
+    another waits for torchrun."""
+    if dist.is_initialized():
+        if alone:  # peers may be gone: no barrier to wait on, no teardown that can abort
+            sys.stdout.flush(), sys.stderr.flush()
+            if lost:
+                wait_for_torchrun()
+            os._exit(code)
+        end_processes()  # its barrier: rank 0 has reported before any rank leaves
+    elif waits and rank() != 0:
+        wait_for_torchrun()
 
 
 def check_folder(folder: Path, flag: str, given: Path | None = None) -> None:
@@ -357,8 +377,6 @@ def os_cause(e: BaseException, folder: Path | None = None) -> str:
     """The cause of a failed write or read in a few words: the first OSError in the exception's chain
     (DCP wraps each rank's failure in a CheckpointException), else its message. torch's zip writer
     reports a full disk as "file write failed" with no errno, so the free space is checked too."""
-    from torch.distributed.checkpoint.api import CheckpointException  # here: generate.py never loads DCP
-
     todo, seen = [e], set()
     while todo:
         x = todo.pop(0)
@@ -367,7 +385,7 @@ def os_cause(e: BaseException, folder: Path | None = None) -> str:
         seen.add(id(x))
         if isinstance(x, OSError) and x.errno:
             return CAUSES.get(x.errno, os.strerror(x.errno))
-        if isinstance(x, CheckpointException):
+        if isinstance(x, dcp_errors()):  # DCP: each rank's failure
             todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
         todo += [x.__cause__, x.__context__]
     text = one_line(e)
@@ -438,11 +456,6 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str | None, device: torch.device) -> torch.dtype:
     """--dtype (bf16, fp16, fp32), by default bf16 on CUDA and fp32 elsewhere."""
     return DTYPES[name or ("bf16" if device.type == "cuda" else "fp32")]
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def peak_memory_gib(device: torch.device) -> float:

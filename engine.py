@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import torch
 
 from aggregate import Choice, Rows
-from cli import sync
 from cpu_decode import cpu_backend
 from llm import causal_mask, prompt_positions
 
@@ -141,7 +140,7 @@ class Engine:
     def __init__(self, model, compile: bool | None = False, shared_kv: bool = False,
                  vision_branch: Choice = None, language_branch: Choice = None, router=None):
         self.model = model
-        self.device = model.language_model.lm_head.weight.device
+        self.device, self.dtype = model.language_model.lm_head.weight.device, model.language_model.lm_head.weight.dtype
         compile = self.device.type == "cuda" if compile is None else compile
         self.shared_kv, self.vision_branch, self.language_branch = shared_kv, vision_branch, language_branch
         if router is not None:
@@ -152,6 +151,7 @@ class Engine:
         self.router = router
         self.cache_shape: tuple[int, bool, int] | None = None  # (rows, shared, slots)
         self.step = decode_step
+        self.compiled = compile  # resolved: profiling.py reports a compile time only when something compiled
         self.graphs = compile and self.device.type == "cuda"  # CUDA graphs reuse their output buffers
         if compile:
             self.step = compile_step(self.device)
@@ -177,53 +177,72 @@ class Engine:
         """Generate for a batch of prompts (token id lists); pixel_values holds every prompt's tiles
         in order. callback(step, tokens [B] on host) streams tokens as they come (syncs each step).
         vision_branch / language_branch: a branch (or one per prompt) for this call; None keeps the
-        engine's default."""
+        engine's default. The steps: left padding, the router's choice (if any), the cache, prefill and
+        the first token (time to first token), then decode_n_tokens."""
         model, dev = self.model, self.device
-        B, T = len(prompts), max(len(p) for p in prompts)
+        ids, valid = left_pad(prompts, pad_id)  # [B,T], every prompt ends at slot T-1
+        B, T = ids.shape
         context_check(T, cfg.max_new_tokens, model.cfg.llm.max_position_embeddings)
-        ids = torch.full((B, T), pad_id, dtype=torch.long)
-        valid = torch.zeros(B, T, dtype=torch.bool)
-        for b, p in enumerate(prompts):  # left padding: every prompt ends at slot T-1
-            ids[b, T - len(p):] = torch.tensor(p)
-            valid[b, T - len(p):] = True
         ids, valid = ids.to(dev), valid.to(dev)
         features, pairs, route_s = None, None, 0.0
         if self.router is not None and vision_branch is None and language_branch is None:
-            # routed: the vision gate, the chosen ViT branch per sample, the language gate; the
-            # connector features are kept for the prefill (timed as part of the time to first token)
-            sync(dev)
-            t0 = time.perf_counter()
-            if pixel_values is not None:
-                pixel_values = pixel_values.to(dev)
-            vision_branch, language_branch, features = self.router.route(model, ids, valid, pixel_values)
-            has_image = (ids == model.cfg.image_token_id).any(1).tolist()
-            pairs = [(v if img else None, lang) for v, lang, img in zip(vision_branch, language_branch, has_image)]
-            sync(dev)
-            route_s = time.perf_counter() - t0
+            vision_branch, language_branch, features, pairs, route_s = self.route(ids, valid, pixel_values)
         vision_branch = self.vision_branch if vision_branch is None else vision_branch
         language_branch = self.language_branch if language_branch is None else language_branch
         rows = model.language_rows(language_branch, B, dev, self.shared_kv)
         S = self.setup(rows, T + cfg.max_new_tokens)
-        padded = any(len(p) < T for p in prompts)
         key_valid = torch.ones(B, S, dtype=torch.bool, device=dev)  # slots past T are valid once written
         key_valid[:, :T] = valid
         stops = torch.tensor([] if cfg.ignore_eos else stop_ids, dtype=torch.long, device=dev)
-        sampling = (cfg.temperature, cfg.top_k, cfg.top_p)
 
         sync(dev)
         t0 = time.perf_counter()
         if pixel_values is not None:
             pixel_values = pixel_values.to(dev)
+        padded = any(len(p) < T for p in prompts)
         logits = prefill(model, ids, pixel_values, valid, padded, vision_branch, rows, features)
-        token = sample(logits, *sampling)  # [B]
+        token = sample(logits, cfg.temperature, cfg.top_k, cfg.top_p)  # [B]
         sync(dev)
-        result = Result(tokens=[], prefill_s=time.perf_counter() - t0 + route_s, pairs=pairs)
+        prefill_s = time.perf_counter() - t0 + route_s
 
-        input_pos = torch.tensor([T], device=dev)  # cache slot of the token being fed
-        positions = valid.long().sum(-1, keepdim=True)  # [B,1] its rotary position
-        done = torch.isin(token, stops)
-        recorded = [token]  # [B] per step, kept on the device
         t0 = time.perf_counter()
+        recorded = self.decode_n_tokens(token, T, valid.long().sum(-1, keepdim=True), key_valid, rows, stops, pad_id,
+                                        cfg, callback)
+        sync(dev)
+        result = Result(tokens=[], prefill_s=prefill_s, decode_s=time.perf_counter() - t0,
+                        decode_steps=len(recorded), pairs=pairs)
+        for row in torch.stack(recorded, 1).tolist():
+            cut = next((j for j, t in enumerate(row) if t in stop_ids), len(row)) if not cfg.ignore_eos else len(row)
+            result.tokens.append(row[:cut])
+        return result
+
+    def route(self, ids: torch.Tensor, valid: torch.Tensor, pixel_values: torch.Tensor | None):
+        """The router's pair per prompt: the vision gate, the chosen ViT branch per sample, the language gate.
+        Returns (vision branch [B], language branch [B], the chosen branches' connector features, kept for the
+        prefill, the (vision, language) pairs, vision None without an image, and the seconds it took, which
+        count as part of the time to first token)."""
+        model, dev = self.model, self.device
+        sync(dev)
+        t0 = time.perf_counter()
+        if pixel_values is not None:
+            pixel_values = pixel_values.to(dev)
+        vision_branch, language_branch, features = self.router.route(model, ids, valid, pixel_values)
+        has_image = (ids == model.cfg.image_token_id).any(1).tolist()
+        pairs = [(v if img else None, lang) for v, lang, img in zip(vision_branch, language_branch, has_image)]
+        sync(dev)
+        return vision_branch, language_branch, features, pairs, time.perf_counter() - t0
+
+    def decode_n_tokens(self, token: torch.Tensor, T: int, positions: torch.Tensor, key_valid: torch.Tensor,
+                        rows: Rows, stops: torch.Tensor, pad_id: int, cfg: GenerateConfig,
+                        callback=None) -> list[torch.Tensor]:
+        """The decode loop after the first token [B] (gpt-fast's decode_n_tokens): the compiled decode_step fed
+        its own output, one token slot at a time from T, until max_new_tokens or, checked every check_every
+        steps, every sequence has stopped. positions [B,1]: the rotary position of the token fed. Returns the
+        recorded token of every step [B] (pad_id once a sequence stopped), kept on the device."""
+        model, S = self.model, key_valid.shape[1]
+        input_pos = torch.tensor([T], device=self.device)  # cache slot of the token being fed
+        done = torch.isin(token, stops)
+        recorded = [token]
         if callback is not None:
             callback(0, token.tolist())
         for i in range(1, cfg.max_new_tokens):
@@ -233,7 +252,7 @@ class Engine:
             # bucket, not the whole cache: fewer keys, and one graph per bucket
             n = min(S, -(-(T + i) // cfg.bucket) * cfg.bucket) if cfg.bucket else S
             token, done, rec = self.step(model, token, input_pos, positions, key_valid[:, :n], rows, done, stops,
-                                         pad_id, *sampling)
+                                         pad_id, cfg.temperature, cfg.top_k, cfg.top_p)
             if self.graphs:  # the next replay overwrites its outputs
                 token, done, rec = token.clone(), done.clone(), rec.clone()
             recorded.append(rec)
@@ -241,13 +260,25 @@ class Engine:
             positions += 1
             if callback is not None:
                 callback(i, rec.tolist())
-        sync(dev)
-        steps = len(recorded)
-        result.decode_s, result.decode_steps = time.perf_counter() - t0, steps
-        for row in torch.stack(recorded, 1).tolist():
-            cut = next((j for j, t in enumerate(row) if t in stop_ids), len(row)) if not cfg.ignore_eos else len(row)
-            result.tokens.append(row[:cut])
-        return result
+        return recorded
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts of different lengths as one left-padded batch: ids [B,T] and valid [B,T] (False on padding), every
+    prompt ending at slot T-1."""
+    B, T = len(prompts), max(len(p) for p in prompts)
+    ids = torch.full((B, T), pad_id, dtype=torch.long)
+    valid = torch.zeros(B, T, dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        ids[b, T - len(p):] = torch.tensor(p)
+        valid[b, T - len(p):] = True
+    return ids, valid
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device (CUDA) before reading the clock; nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def context_check(prompt_len: int, max_new_tokens: int, limit: int) -> None:

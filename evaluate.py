@@ -38,16 +38,20 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from PIL import Image
 
-from cli import (SEED, allocation, check_shared, command, log, make_folder, one_line, one_writer, rank, resolve_device,
-                 resolve_dtype, shell, start_processes, world_size)
+from cli import SEED, allocation, check_shared, command, log, make_folder, one_line, rank, world_size
+from config import branch_variant
+from engine import GenerateConfig, context_check
 from evaluation import analysis, tables
 from evaluation.judge import Judge
 from evaluation.scaling_law import GRID, fit_law
 from evaluation.scoring import BENCHMARKS, SCORE_COLUMNS, score
 from evaluation.tsv import DataError, as_list, options, read_jsonl, read_tsv
-from flags import command_parser, flag, parse
-from hub import resolve_model
+from flags import Command, dispatch, flag
+from gates import fingerprint
+from inference import InferenceFlags, load_engine, open_model, process_device
+from processor import ImageError, build_prompt, load_image, open_base64, place_images
 from shards import LineParts, merged, resumed, share
 
 # Per benchmark: prompt kind (InternVLChat.build_prompt by DATASET_TYPE), tile budget (set_max_num:
@@ -76,33 +80,20 @@ _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 
 
 @dataclass
-class RunConfig:
-    """`evaluate.py run`'s flags."""
+class RunConfig(InferenceFlags):
+    """`evaluate.py run`'s flags: the inference flags (inference.py), then its own."""
     benchmark: str = flag(None, f"VLMEvalKit dataset name: {', '.join(BENCHMARKS)}", required=True)
     data: str = flag(None, "the benchmark's VLMEvalKit TSV", required=True)
-    model: str | None = flag(None, "checkpoint folder or hub repo id",
-                             shown="$PARVL_MODEL, else OpenGVLab/InternVL3_5-1B")
     out: str = flag(None, "predictions JSONL; rows already there are skipped (resume)", required=True)
     batch_size: int = flag(8, "prompts per generate call", range="[1, inf)")
     max_new_tokens: int = flag(MAX_NEW_TOKENS, "token budget per answer", unit="tokens", range="[1, inf)",
                                shown=f"{MAX_NEW_TOKENS}, VLMEvalKit's")
-    max_tiles: int | None = flag(None, "tiles per image", range="[1, inf)",
-                                 shown="VLMEvalKit's budget for the benchmark")
-    dtype: str | None = flag(None, "weights and activations", choices=["bf16", "fp16", "fp32"],
-                             shown="bf16 on CUDA, fp32 on CPU")
-    device: str = flag(help="cuda (each rank its LOCAL_RANK's GPU) or cpu", choices=("cuda", "cpu"),
-                       factory=lambda: "cuda" if torch.cuda.is_available() else "cpu", shown="cuda if available")
-    compile: bool | None = flag(None, "torch.compile the decode step", shown="on for CUDA, off for CPU")
-    shared_kv: bool = flag(False, "one mean-reduced token KV cache per sample (Appendix C.2)")
-    vision_branch: int | None = flag(None, "run only this vision branch (Table S9)", shown="all")
-    language_branch: int | None = flag(None, "run only this language branch", shown="all")
-    router: str | None = flag(None, "router folder (router.py train): one branch pair per row, chosen by the router "
-                                    "(Table 3)", shown="none")
     random_pair: bool = flag(False, "one branch pair per row drawn at random, seeded by --seed and the row's index "
                                     "(Table 3's baseline)")
     seed: int = flag(SEED, "seed of --random-pair", shown=f"{SEED}, the paper's")
 
     def check(self) -> None:
+        super().check()
         if self.random_pair and self.shared_kv:  # one pair per row has no branches to share a cache over
             raise ValueError("--random-pair runs one branch pair per row; it cannot be combined with --shared-kv")
         for name, used in (("--router", self.router), ("--vision-branch", self.vision_branch is not None),
@@ -156,16 +147,12 @@ def question_text(benchmark: str, row: dict) -> str:
 
 def decode_images(row: dict) -> list:
     """The row's images as RGB PIL images (VLMEvalKit writes them to PNG first: lossless)."""
-    from processor import open_base64
     return [open_base64(b64, str(k)) for k, b64 in enumerate(as_list(row["image"]))]
 
 
 def row_inputs(benchmark: str, row: dict, max_tiles: int | None, mcfg):
     """(prompt string, pixel tiles [N,3,px,px] or None) for one row, as generate_v2 builds them; tile
     size, thumbnail and tokens per tile from the model config mcfg. A corrupt image raises ValueError."""
-    from PIL import Image
-
-    from processor import ImageError, build_prompt, load_image, place_images
     try:
         images = decode_images(row) if row.get("image") is not None else []
         budget = max_tiles or PROTOCOL[benchmark][1]
@@ -199,27 +186,16 @@ def file_fingerprint(path) -> str:
 
 
 
-def run(cfg: RunConfig) -> int:
+def predict_all(cfg: RunConfig) -> int:
     """`run`: the greedy answer to every row of a benchmark TSV, one resumable job the ranks share
     (shards.py): rank r answers rows r, r + W, ... of the rows no earlier run finished, appends them
     to OUT.part{r} batch by batch, and rank 0 merges every part into OUT in TSV order. One --out, one
-    writer (cli.one_writer): a second run at the same --out is refused before it reads anything there."""
-    with one_writer(Path(cfg.out)):
-        return predict_all(cfg)
-
-
-def predict_all(cfg: RunConfig) -> int:
-    from checkpoint import open_checkpoint
-    from flags import check_branch_choice
-    from engine import Engine
-    from gates import router_flag
-    from parvl import ParVL
-
+    writer (COMMANDS' writes: cli.one_writer): a second run at the same --out is refused before it reads
+    anything there."""
     if cfg.benchmark not in BENCHMARKS:
         raise DataError(f"unknown benchmark {cfg.benchmark!r}; choose from {', '.join(BENCHMARKS)}")
     rows = read_tsv(cfg.data, ("index", "question", "image") + SCORE_COLUMNS.get(cfg.benchmark, ()))
-    device = start_processes(resolve_device(cfg.device).type == "cuda")  # under torchrun: cuda:LOCAL_RANK
-    dtype = resolve_dtype(cfg.dtype, device)
+    device = process_device(cfg)  # under torchrun: cuda:LOCAL_RANK
     out = Path(cfg.out)
     if rank() == 0:
         make_folder(out.parent, "--out")
@@ -227,14 +203,10 @@ def predict_all(cfg: RunConfig) -> int:
     parts = LineParts(out, read_jsonl, key=lambda p: str(p["index"]))
     done = resumed(parts.done)  # rows finished by an earlier run, of any world size
     todo = [r for r in rows if r["index"] not in done]
-    folder = resolve_model(cfg.model)
-    _, tok = open_checkpoint(folder)  # checked before the weights load
-    model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
+    folder, _, tok = open_model(cfg)  # checked before the weights load
+    engine = load_engine(cfg, folder, device)
+    model, dtype = engine.model, engine.dtype
     par = model.cfg.par
-    router = router_flag(cfg.router, model)
-    check_branch_choice(model.cfg.par, cfg.vision_branch, cfg.language_branch)
-    engine = Engine(model, compile=cfg.compile, shared_kv=cfg.shared_kv, vision_branch=cfg.vision_branch,
-                    language_branch=cfg.language_branch, router=router)
     meta = run_record(cfg, folder, model, dtype)
     check_same_run(parts, meta)
     log(f"{cfg.benchmark}: {len(rows)} rows, {len(done)} done, {len(todo)} to run on {world_size()} rank(s); "
@@ -263,9 +235,6 @@ def predict_all(cfg: RunConfig) -> int:
 
 def run_record(cfg: RunConfig, folder: Path, model, dtype: torch.dtype) -> dict:
     """What every prediction row records of the run that produced it: RECORD_FIELDS and the model's folder."""
-    from config import branch_variant
-    from gates import fingerprint
-
     par = model.cfg.par
     return {"benchmark": cfg.benchmark, "model": str(folder), "model_fingerprint": fingerprint(model),
             "data_fingerprint": file_fingerprint(cfg.data), "pv": par.pv, "pl": par.pl,
@@ -290,8 +259,6 @@ def prompts(cfg: RunConfig, rows: list[dict], mcfg, tok) -> tuple[list, int]:
     padding), and how many rows were skipped, each reported: a corrupt image, a question that cannot be a
     prompt (processor.check_text), a prompt whose answer would pass the model's context. Only the ids are kept:
     the tiles are rebuilt batch by batch, so memory holds one batch of pixels, not the benchmark's."""
-    from engine import context_check
-
     items, skipped = [], 0
     for r in rows:
         try:  # a row that cannot be asked (a corrupt image, a prompt past the context) is named and skipped
@@ -311,8 +278,6 @@ def predict(cfg: RunConfig, engine, tok, mcfg, items: list, meta: dict, device, 
     """Greedy answers to items, --batch-size prompts per generate call: each batch's prediction rows
     (the answer as the official chat() decodes it, its token count, meta, and the pair a routed or
     random-pair row ran)."""
-    from engine import GenerateConfig
-
     par, gen = mcfg.par, GenerateConfig(max_new_tokens=cfg.max_new_tokens, temperature=0.0)
     for b in range(0, len(items), cfg.batch_size):
         batch = items[b:b + cfg.batch_size]
@@ -343,43 +308,18 @@ def ranks_total(n: int, device: torch.device) -> int:
 # -- score: scoring.py, with an optional answer extractor (judge.py) ------------------------------
 
 
-def score_cmd(cfg) -> int:
+def score_cmd(cfg: ScoreConfig) -> int:
+    """`score`: the benchmark's native metric over the predictions of `run` (missing rows count as wrong), with
+    the answer extractor where --judge-url gives one; prints the score JSON (and writes --out, --rows-out)."""
     if cfg.benchmark not in BENCHMARKS:
         raise DataError(f"unknown benchmark {cfg.benchmark!r}; choose from {', '.join(BENCHMARKS)}")
     required = ("index", "question", "answer") + SCORE_COLUMNS.get(cfg.benchmark, ())
     rows = read_tsv(cfg.data, required)
-    preds_path = Path(cfg.predictions)
-    if not preds_path.exists():
-        raise DataError(f"{preds_path}: no such predictions file")
-    preds = read_jsonl(preds_path)
-    if not preds:  # a wrong path or a run that never started, not a score of 0
-        raise DataError(f"{preds_path}: holds no prediction (evaluate.py run's output has one JSON line per row)")
-    known = {r["index"] for r in rows}
-    for p in preds:
-        if "index" not in p or "prediction" not in p:
-            raise DataError(f"{preds_path}: a row lacks 'index' or 'prediction': {json.dumps(p)[:120]}")
-        if str(p["index"]) not in known:
-            raise DataError(f"{preds_path}: prediction index {p['index']!r} is not in {cfg.data}")
-        if p.get("benchmark", cfg.benchmark) != cfg.benchmark:
-            raise DataError(f"{preds_path}: predictions of {p['benchmark']}, not of --benchmark {cfg.benchmark}")
-    seen: set[str] = set()
-    for p in preds:
-        if str(p["index"]) in seen:
-            raise DataError(f"{preds_path}: index {p['index']!r} is predicted twice")
-        seen.add(str(p["index"]))
-    made_from = {p["data_fingerprint"] for p in preds if "data_fingerprint" in p}
-    if made_from and made_from != {file_fingerprint(cfg.data)}:
-        raise DataError(f"{preds_path}: made from another TSV than {cfg.data} (data fingerprint "
-                        f"{', '.join(sorted(made_from))}, this TSV {file_fingerprint(cfg.data)})")
+    preds = read_predictions(Path(cfg.predictions), rows, cfg)
     predictions = {str(p["index"]): str(p["prediction"]) for p in preds}
     absent = [r["index"] for r in rows if r["index"] not in predictions]  # scored as wrong: an empty answer
     predictions |= dict.fromkeys(absent, "")
-    judge = None
-    if cfg.judge_url:
-        if not cfg.judge_model or not cfg.vlmevalkit:
-            raise DataError("--judge-url needs --judge-model and --vlmevalkit (a VLMEvalKit checkout, for its prompts)")
-        cache = Path(cfg.judge_cache or str(preds_path) + f".judge-{cfg.judge_model.replace('/', '_')}.jsonl")
-        judge = Judge(cfg.judge_url, cfg.judge_model, cache, Path(cfg.vlmevalkit), cfg.benchmark)
+    judge = make_judge(cfg)
     extract = None if judge is None else (
         lambda kind, row, pred: None if row["index"] in absent else judge(kind, row, pred))
     result = score(cfg.benchmark, rows, predictions, extract)
@@ -399,6 +339,44 @@ def score_cmd(cfg) -> int:
         Path(cfg.out).write_text(json.dumps(line) + "\n")
     print(json.dumps(line))
     return 0
+
+
+def read_predictions(path: Path, rows: list[dict], cfg: ScoreConfig) -> list[dict]:
+    """The prediction rows of `run` in `path`, each of an index of the TSV's rows, once, of this benchmark and
+    made from this TSV; an empty file is refused (a wrong path or a run that never started, not a score of 0)."""
+    if not path.exists():
+        raise DataError(f"{path}: no such predictions file")
+    preds = read_jsonl(path)
+    if not preds:
+        raise DataError(f"{path}: holds no prediction (evaluate.py run's output has one JSON line per row)")
+    known = {r["index"] for r in rows}
+    for p in preds:
+        if "index" not in p or "prediction" not in p:
+            raise DataError(f"{path}: a row lacks 'index' or 'prediction': {json.dumps(p)[:120]}")
+        if str(p["index"]) not in known:
+            raise DataError(f"{path}: prediction index {p['index']!r} is not in {cfg.data}")
+        if p.get("benchmark", cfg.benchmark) != cfg.benchmark:
+            raise DataError(f"{path}: predictions of {p['benchmark']}, not of --benchmark {cfg.benchmark}")
+    seen: set[str] = set()
+    for p in preds:
+        if str(p["index"]) in seen:
+            raise DataError(f"{path}: index {p['index']!r} is predicted twice")
+        seen.add(str(p["index"]))
+    made_from = {p["data_fingerprint"] for p in preds if "data_fingerprint" in p}
+    if made_from and made_from != {file_fingerprint(cfg.data)}:
+        raise DataError(f"{path}: made from another TSV than {cfg.data} (data fingerprint "
+                        f"{', '.join(sorted(made_from))}, this TSV {file_fingerprint(cfg.data)})")
+    return preds
+
+
+def make_judge(cfg: ScoreConfig) -> Judge | None:
+    """The answer extractor --judge-url names (judge.py), its replies cached beside the predictions; None without."""
+    if not cfg.judge_url:
+        return None
+    if not cfg.judge_model or not cfg.vlmevalkit:
+        raise DataError("--judge-url needs --judge-model and --vlmevalkit (a VLMEvalKit checkout, for its prompts)")
+    cache = Path(cfg.judge_cache or str(cfg.predictions) + f".judge-{cfg.judge_model.replace('/', '_')}.jsonl")
+    return Judge(cfg.judge_url, cfg.judge_model, cache, Path(cfg.vlmevalkit), cfg.benchmark)
 
 
 # -- fit-law: ParScale's parallel scaling law (scaling_law.py) ------------------------------------
@@ -449,30 +427,24 @@ def fit_law_cmd(cfg) -> int:
 # -- the command ---------------------------------------------------------------------------------
 
 
-SUBCOMMANDS = {
-    "run": (RunConfig, "generate predictions for a benchmark TSV"),
-    "score": (ScoreConfig, "score predictions with the benchmark's native metric"),
-    "report": (tables.ReportConfig, "tables from score files of several configurations"),
-    "lengths": (analysis.LengthsConfig, "Table S5: decoded lengths of two configurations, paired, with a bootstrap "
-                                        "interval"),
-    "descriptors": (analysis.DescriptorsConfig, "Table S2: each benchmark's source pixels, question and reference "
-                                                "tokens, best Pv:Pl"),
-    "cost": (analysis.CostConfig, "Figure 4: the score of each configuration against its latency and peak memory"),
-    "fit-law": (FitLawConfig, "fit ParScale's parallel scaling law to a CSV of losses"),
+DESCRIPTION = __doc__.split("\n\n")[0]
+COMMANDS = {
+    "run": Command(RunConfig, predict_all, "generate predictions for a benchmark TSV", writes=lambda cfg: Path(cfg.out),
+                   interrupted=lambda cfg: "the predictions written so far stay; the same command resumes"),
+    "score": Command(ScoreConfig, score_cmd, "score predictions with the benchmark's native metric"),
+    "report": Command(tables.ReportConfig, tables.report, "tables from score files of several configurations"),
+    "lengths": Command(analysis.LengthsConfig, analysis.lengths_cmd, "Table S5: decoded lengths of two "
+                       "configurations, paired, with a bootstrap interval"),
+    "descriptors": Command(analysis.DescriptorsConfig, analysis.descriptors_cmd, "Table S2: each benchmark's source "
+                           "pixels, question and reference tokens, best Pv:Pl"),
+    "cost": Command(analysis.CostConfig, analysis.cost_cmd, "Figure 4: the score of each configuration against its "
+                    "latency and peak memory"),
+    "fit-law": Command(FitLawConfig, fit_law_cmd, "fit ParScale's parallel scaling law to a CSV of losses"),
 }
-JOBS = {RunConfig: run, ScoreConfig: score_cmd, tables.ReportConfig: tables.report,
-        analysis.LengthsConfig: analysis.lengths_cmd, analysis.DescriptorsConfig: analysis.descriptors_cmd,
-        analysis.CostConfig: analysis.cost_cmd, FitLawConfig: fit_law_cmd}
-RUN_INTERRUPTED = "the predictions written so far stay; the same command resumes"
-PARSER = command_parser(__doc__.split("\n\n")[0], subcommands=SUBCOMMANDS)
-# a missing or unknown subcommand is named "cmd" in argparse's one line, as this command always named it
-next(a for a in PARSER._actions if a.dest == "command").metavar = "cmd"
 
 
 def main(argv=None) -> int:
-    cfg = parse(PARSER, argv)
-    words = RUN_INTERRUPTED if isinstance(cfg, RunConfig) else ""  # what stays of an interrupted job
-    return shell(lambda: JOBS[type(cfg)](cfg), interrupted=lambda: words)
+    return dispatch(DESCRIPTION, COMMANDS, argv)
 
 
 if __name__ == "__main__":

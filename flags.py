@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import MISSING, field, fields
+from dataclasses import MISSING, Field, dataclass, field, fields, make_dataclass
+from pathlib import Path
+from typing import Any, Callable
 
-from cli import UsageError, error, one_line
+from cli import UsageError, error, one_line, one_writer, shell
 from config import ParConfig, out_of_range
 
 
@@ -81,55 +83,116 @@ def add_flags(p: argparse.ArgumentParser, cls) -> None:
                            **{"type": kind} | ({"nargs": "+"} if many else {}) | kw | m)
 
 
+def flag_of(cls, name: str):
+    """Field `name` of another config class, as a flag of this one: declared once, there (its default, help,
+    range and choices), for a command that takes that flag and not its siblings.
+
+        dtype: str | None = flag_of(DeviceFlags, "dtype")    # router.py: --dtype, as every command has it
+    """
+    f = next(f for f in fields(cls) if f.name == name)
+    if f.default_factory is not MISSING:
+        return field(default_factory=f.default_factory, metadata=f.metadata)
+    return field(default=f.default, metadata=f.metadata)
+
+
 def default_text(value) -> str:
     return " ".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-def command_parser(description: str, config=None, subcommands: dict | None = None, **kw) -> "OneLineParser":
-    """The parser of a command whose flags are one config dataclass's fields, or of a command with
-    subcommands, {name: (config class, one-line help)}. parse() then returns the config."""
+def command_parser(description: str, config, **kw) -> "OneLineParser":
+    """The parser of one config dataclass's fields (a command without subcommands, or one subcommand)."""
     p = OneLineParser(description=description, **kw)
-    if subcommands is None:
-        add_flags(p, config)
-        p.configs = {None: config}
-        return p
-    sub = p.add_subparsers(dest="command", required=True)
-    for name, (cls, help_) in subcommands.items():
-        add_flags(sub.add_parser(name, help=help_, description=help_), cls)
-    p.configs = {name: cls for name, (cls, _) in subcommands.items()}
+    add_flags(p, config)
+    p.configs = {None: config}
     return p
 
 
 def parse(p: "OneLineParser", argv=None):
-    """The config the flags say (for a command with subcommands, the subcommand's own class), its
-    ranges checked (out_of_range) and then its `check()`, if it has one, for flags that exclude each
-    other: either failing is one line and exit 2, as argparse's own errors."""
+    """The config the flags say, its ranges checked (config.out_of_range) and then its `check()`, if it has
+    one, for flags that exclude each other: either failing is one line and exit 2, as argparse's own errors."""
+    return parse_named(p, argv)[1]
+
+
+def parse_named(p: "OneLineParser", argv=None) -> tuple[str | None, Any]:
+    """parse, and the subcommand it chose (None for a parser without subcommands)."""
     values = vars(p.parse_args(argv))
-    cls = p.configs[values.pop("command", None)]
-    cfg = cls(**values)
-    if why := out_of_range(cfg, {f.name: f.metadata["range"] for f in fields(cls) if "range" in f.metadata}):
+    name = values.pop("command", None)
+    cfg = p.configs[name](**values)
+    if why := out_of_range(cfg, {f.name: f.metadata["range"] for f in fields(cfg) if "range" in f.metadata}):
         p.error(why)
     try:
         getattr(cfg, "check", lambda: None)()
     except ValueError as e:
         p.error(one_line(e))
-    return cfg
+    return name, cfg
+
+
+# -- one dispatch: a command is a table of (sub)commands ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command, or one subcommand of it: the config class its flags fill (flag()), the job run on that
+    config, what it does in a line (its --help), and, for a job that writes an output, that output
+    (writes(cfg): cli.one_writer holds it for the job) and what an interrupt leaves of it (interrupted(cfg))."""
+    config: type
+    job: Callable[[Any], int | None]
+    help: str = ""
+    writes: Callable[[Any], Path | None] | None = None
+    interrupted: Callable[[Any], str] | None = None
+
+
+def parse_command(description: str, table: dict[str | None, Command], argv=None,
+                  prog: str | None = None) -> tuple[str | None, Any]:
+    """The name of the (sub)command argv asks for and its config. Named entries are subcommands
+    (`evaluate.py run ...`; a missing or unknown one is argparse's one line about `cmd`); an entry named None
+    is the command's own flags, taken when argv does not start with a subcommand's name (`train.py ...`
+    beside `train.py plot RUN`)."""
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
+    named = {name: c for name, c in table.items() if name is not None}
+    if None not in table:
+        p = OneLineParser(description=description, prog=prog)
+        sub = p.add_subparsers(dest="command", required=True, metavar="cmd")
+        for name, c in named.items():
+            add_flags(sub.add_parser(name, help=c.help, description=c.help), c.config)
+        p.configs = {name: c.config for name, c in named.items()}
+        return parse_named(p, argv)
+    if argv[:1] and argv[0] in named:
+        c = named[argv[0]]
+        return argv[0], parse(command_parser(c.help, c.config, prog=f"{prog} {argv[0]}"), argv[1:])
+    epilog = "; ".join(f"{prog} {name}: {c.help} ({prog} {name} --help)" for name, c in named.items())
+    return None, parse(command_parser(description, table[None].config, prog=prog, epilog=epilog or None), argv)
+
+
+def dispatch(description: str, table: dict[str | None, Command], argv=None, prog: str | None = None) -> int:
+    """A command's main: parse argv (a bad flag: one line, exit 2), then run the job it names in the shell
+    (cli.shell: exit codes, one-line errors, signals): the config's check_files(), if it has one (inputs that
+    must be there: exit 1, before anything is written), then the job, holding the output it writes
+    (cli.one_writer)."""
+    name, cfg = parse_command(description, table, argv, prog)
+    c = table[name]
+
+    def job():
+        getattr(cfg, "check_files", lambda: None)()
+        with one_writer(c.writes(cfg) if c.writes else None):
+            return c.job(cfg)
+
+    return shell(job, interrupted=lambda: c.interrupted(cfg) if c.interrupted else "")
 
 
 # -- the branch flags: ParConfig's fields ------------------------------------------------------
 
 
-def branch_flag(name: str, shown: str = "the checkpoint's", own_default: bool = False):
-    """A command's flag for ParConfig field `name`: the field's help, range and choices, declared once in
-    ParConfig. Its default is None, "the checkpoint's" (shown as `shown`), or with own_default
-    ParConfig's own default (a command that builds a model from a preset, profiling.py).
+def branch_flags(name: str, shown: Callable[[Field], str]) -> type:
+    """A dataclass of every ParConfig field as a flag whose default is None (not given), for a command's config
+    to inherit: each flag's help, range and choices are the field's own (config.py), and `shown(field)` says
+    what None stands for, from the field's default, so that no default is written twice.
 
-        vit_prefix_len: int | None = branch_flag("vit_prefix_len")      # in train.py's TrainConfig
+        class TrainConfig(branch_flags("TrainBranches", lambda f: f"the checkpoint's, else {f.default}")): ...
     """
-    f = next(f for f in fields(ParConfig) if f.name == name)
-    if own_default:
-        return field(default=f.default, metadata=f.metadata)
-    return field(default=None, metadata={**f.metadata, "shown": shown})
+    return make_dataclass(name, [(f.name, f"{f.type} | None", field(default=None, metadata={**f.metadata,
+                                                                                           "shown": shown(f)}))
+                                 for f in fields(ParConfig)])
 
 
 def branch_conflict(values: dict, vit_width: int | None = None, origin: dict | None = None) -> str | None:

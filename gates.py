@@ -47,7 +47,6 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from checkpoint import is_branch_tensor, read_json
-from cli import log
 from parvl import ParVL
 from weights import read_safetensors
 
@@ -251,14 +250,3 @@ def load_router(path: str | Path, model: ParVL | None = None) -> Router:
         router.check(model, str(folder))
         router.to(model.language_model.lm_head.weight.device)
     return router.eval()
-
-
-
-def router_flag(path: str | None, model: ParVL) -> Router | None:
-    """--router of generate.py and evaluate.py: no router without it, else the folder's router,
-    refused when it was trained for another checkpoint."""
-    if not path:
-        return None
-    router = load_router(path, model)
-    log(f"router {path}: one branch pair per prompt")
-    return router

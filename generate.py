@@ -13,7 +13,6 @@ sits above the model: it resolves and loads the checkpoint, builds the prompts a
 from __future__ import annotations
 
 import json
-import os
 import signal
 import sys
 import time
@@ -23,13 +22,10 @@ from pathlib import Path
 import torch
 
 import cli
-from checkpoint import open_checkpoint
-from cli import command, error, hms, log, one_line, peak_memory_gib, resolve_device, resolve_dtype, shell
+from cli import command, error, hms, log, one_line, peak_memory_gib, resolve_device
 from engine import Engine, GenerateConfig, context_check
-from flags import check_branch_choice, command_parser, flag, parse
-from gates import router_flag
-from hub import DEFAULT_MODEL, resolve_model
-from parvl import ParVL
+from flags import Command, dispatch, flag
+from inference import InferenceFlags, load_engine, open_model
 from processor import ImageError, Tokenizer, build_prompt, check_text, load_image, open_rgb, place_images, tile_count
 
 
@@ -37,35 +33,18 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".we
 
 
 @dataclass
-class GenerateFlags:
-    """generate.py's flags, one field each (flags.flag)."""
+class GenerateFlags(InferenceFlags):
+    """generate.py's flags, one field each (flags.flag): the inference flags (inference.py), then its own."""
 
     inputs: list[str] = flag(help="zero or more image paths, then the question (with --chat: images only, or none "
                              "for a text-only session; with --batch: nothing)", positional=True, nargs="*",
                              factory=list)
-    model: str | None = flag(help="checkpoint folder or hub repo id", factory=lambda: os.environ.get("PARVL_MODEL"),
-                             shown=f"$PARVL_MODEL, else {DEFAULT_MODEL}, downloaded once into the huggingface_hub "
-                                   f"cache")
-    revision: str | None = flag(None, "hub branch, tag or commit of --model", shown="main")
     max_new_tokens: int = flag(512, "token budget per answer", unit="tokens", range="[1, inf)")
     temperature: float = flag(0.0, "sampling temperature; 0 = greedy", range="[0, inf)")
     top_p: float = flag(1.0, "nucleus sampling probability mass, 1 = off", range="(0, 1]")
     top_k: int = flag(0, "sample among the k most likely tokens, 0 = off", range="[0, inf)")
     seed: int = flag(0, "random seed for sampling")
-    dtype: str | None = flag(None, "weights and activations", choices=["bf16", "fp16", "fp32"],
-                             shown="bf16 on CUDA, fp32 on CPU")
-    device: str = flag(help="torch device: cpu, cuda or cuda:N", factory=lambda: "cuda" if torch.cuda.is_available()
-                       else "cpu", shown="cuda if available, else cpu")
-    max_tiles: int = flag(0, "448 px tiles per image, thumbnail excluded; 0 = the checkpoint's max_dynamic_patch, 12 "
-                          "for InternVL3.5", range="[0, inf)")
     system: str | None = flag(None, "system message text", shown="InternVL's own")
-    compile: bool | None = flag(None, "torch.compile the decode step", shown="on for CUDA, off for CPU")
-    shared_kv: bool = flag(False, "ParVL: one mean-reduced token KV cache per sample instead of one per language "
-                           "branch (less memory, an approximation; paper Appendix C.2)")
-    vision_branch: int | None = flag(None, "ParVL: run only vision branch 0..Pv-1", shown="all, fused")
-    language_branch: int | None = flag(None, "ParVL: run only language branch 0..Pl-1", shown="all, fused")
-    router: str | None = flag(None, "ParVL: a router folder (router.py train); runs one (vision, language) branch "
-                              "pair per prompt, chosen by the router", shown="none")
     chat: bool = flag(False, "interactive multi-turn session; images enter the first turn")
     json: bool = flag(False, "print one JSON line with the answer and metrics instead of text")
     batch: str | None = flag(None, 'answer every row {"image": path or list of paths (optional, relative to the '
@@ -77,10 +56,7 @@ class GenerateFlags:
 
     def check(self) -> None:
         """Flags that exclude each other, and a question that is missing or is an image path."""
-        for flag_, used in (("--vision-branch", self.vision_branch is not None),
-                            ("--language-branch", self.language_branch is not None), ("--shared-kv", self.shared_kv)):
-            if self.router and used:
-                raise ValueError(f"--router picks the branches per prompt; it cannot be combined with {flag_}")
+        super().check()
         if self.batch is not None:
             if self.inputs or self.chat or self.json:
                 raise ValueError("--batch reads images and questions from its file: no inputs, --chat or --json "
@@ -97,34 +73,14 @@ class GenerateFlags:
                 raise ValueError(f"no question after {last!r}: the last argument is the question (or use --chat)")
 
 
-def parse_args(argv=None) -> GenerateFlags:
-    return parse(command_parser("Answer a question about images (or text) with ParVL / InternVL3.5.", GenerateFlags),
-                 argv)
-
-
-def main(argv=None) -> int:
-    """Exit codes and lines: cli.shell. In --chat, Ctrl-C stops the answer (the session goes on) and at the
-    prompt the session; in --batch the answers written so far stay, and a rerun with the same --out resumes."""
-    args = parse_args(argv)
-    resumable = args.batch is not None and args.out is not None
-    return shell(lambda: run(args), interrupted=lambda: "the answers written so far stay; the same command resumes"
-                 if resumable else "")
-
-
-def run(args: GenerateFlags) -> int:
-    """The job; a --batch --out file has one writer (cli.one_writer), taken before the file is read."""
-    with cli.one_writer(Path(args.out) if args.batch is not None and args.out is not None else None):
-        return respond(args)
-
 
 def respond(args: GenerateFlags) -> int:
+    """The job: load the model once, then one answer, the --chat session or the --batch file."""
     images, question = (args.inputs, None) if args.chat or args.batch else (args.inputs[:-1], args.inputs[-1])
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
     rows = read_questions(Path(args.batch)) if args.batch else []  # bad rows fail before any model is fetched
     done = answered_lines(Path(args.out), rows, Path(args.batch)) if args.batch and args.out else set()
-    folder = resolve_model(args.model, args.revision)
-    mcfg, tok = open_checkpoint(folder)  # tiles and tokens as the model sees them, and its own tokenizer
+    folder, mcfg, tok = open_model(args)  # tiles and tokens as the model sees them, and its own tokenizer
     if any(r["paths"] for r in rows) and mcfg.vit is None:
         raise ValueError(f"{folder}: a language-only model takes no images ({args.batch} has some)")
     if images and mcfg.vit is None:
@@ -143,16 +99,11 @@ def respond(args: GenerateFlags) -> int:
     else:  # the session's first turn holds the images' tokens at least
         context_check(sum(num_tiles) * mcfg.tokens_per_tile, args.max_new_tokens, mcfg.llm.max_position_embeddings)
     pixel_list = [load_image(img, **tiling) for img in opened]
-    model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
+    engine = load_engine(args, folder, device)
     load_s = time.perf_counter() - t0
-    log(f"loaded {folder} in {load_s:.2f} s ({dtype}, {device}, Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl})")
-    router = router_flag(args.router, model)
-    check_branch_choice(model.cfg.par, args.vision_branch, args.language_branch)
-    engine = Engine(model, compile=args.compile, shared_kv=args.shared_kv, vision_branch=args.vision_branch,
-                    language_branch=args.language_branch, router=router)
     cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                          top_k=args.top_k, top_p=args.top_p)
-    pixel_values = torch.cat(pixel_list).to(dtype) if pixel_list else None
+    pixel_values = torch.cat(pixel_list).to(engine.dtype) if pixel_list else None
     if args.chat:
         return chat_session(engine, tok, pixel_values, num_tiles, cfg, args)
     if args.batch:
@@ -334,36 +285,16 @@ def answer_file(engine: Engine, tok: Tokenizer, rows: list[dict], done: set[int]
     todo = [r for r in rows if r["line"] not in done]
     if done:
         log(f"{out}: {len(done)} of {len(rows)} questions already answered; {len(todo)} to go")
-    mcfg, limit = engine.model.cfg, engine.model.cfg.llm.max_position_embeddings
-    dtype = engine.model.language_model.lm_head.weight.dtype
     torch.manual_seed(args.seed)
     sink = open(out, "a", encoding="utf-8") if out else sys.stdout
     t0, tty, unreadable = time.perf_counter(), sys.stderr.isatty(), []
     try:
         for start in range(0, len(todo), args.batch_size):
-            batch, prompts, pixels = [], [], []
-            for r in todo[start:start + args.batch_size]:
-                tiling = dict(max_tiles=args.max_tiles or mcfg.max_dynamic_patch, use_thumbnail=mcfg.use_thumbnail,
-                              image_size=mcfg.vit.image_size) if r["paths"] else {}
-                try:
-                    opened = [open_rgb(f) for f in r["paths"]]
-                except ImageError as e:  # found only now (images are decoded batch by batch): named, skipped
-                    log(f"{questions} line {r['line']}: {e}; skipped")
-                    unreadable.append(r["line"])
-                    continue
-                batch.append(r)
-                question = place_images(r["question"], len(opened))
-                try:  # the command's own prompt for one question, so each answer is the one-by-one answer;
-                    # its length, known from the tile counts, is checked before any image is tiled
-                    prompts.append(tok.encode(build_prompt(question, [tile_count(img, **tiling) for img in opened],
-                                                           system=args.system, tokens_per_tile=mcfg.tokens_per_tile)))
-                    context_check(len(prompts[-1]), cfg.max_new_tokens, limit)
-                except ValueError as e:
-                    raise ValueError(f"{questions} line {r['line']}: {e}") from None
-                pixels += [load_image(img, **tiling) for img in opened]
+            batch, prompts, pixels = batch_inputs(todo[start:start + args.batch_size], engine.model.cfg, tok, cfg,
+                                                  args, unreadable)
             if not batch:
                 continue
-            res = engine.generate(prompts, torch.cat(pixels).to(dtype) if pixels else None, cfg, tok.eos_ids)
+            res = engine.generate(prompts, torch.cat(pixels).to(engine.dtype) if pixels else None, cfg, tok.eos_ids)
             for r, ids in zip(batch, res.tokens):
                 row = {"line": r["line"], **({"image": r["image"]} if r["image"] is not None else {}),
                        "question": r["question"], "answer": tok.answer(ids)}
@@ -385,6 +316,51 @@ def answer_file(engine: Engine, tok: Tokenizer, rows: list[dict], done: set[int]
         return 1
     return 0
 
+
+def batch_inputs(rows: list[dict], mcfg, tok: Tokenizer, cfg: GenerateConfig, args,
+                 unreadable: list[int]) -> tuple[list[dict], list[list[int]], list[torch.Tensor]]:
+    """One --batch batch: the rows whose images open, their prompts' ids (the command's own prompt for one
+    question, so each answer is the one-by-one answer) and their tiles. A row whose image cannot be read is named
+    and skipped (its line goes into `unreadable`); a prompt past the context is an error naming its line."""
+    questions, batch, prompts, pixels = Path(args.batch), [], [], []
+    for r in rows:
+        tiling = dict(max_tiles=args.max_tiles or mcfg.max_dynamic_patch, use_thumbnail=mcfg.use_thumbnail,
+                      image_size=mcfg.vit.image_size) if r["paths"] else {}
+        try:
+            opened = [open_rgb(f) for f in r["paths"]]
+        except ImageError as e:  # found only now (images are decoded batch by batch): named, skipped
+            log(f"{questions} line {r['line']}: {e}; skipped")
+            unreadable.append(r["line"])
+            continue
+        batch.append(r)
+        question = place_images(r["question"], len(opened))
+        try:  # its length, known from the tile counts, is checked before any image is tiled
+            prompts.append(tok.encode(build_prompt(question, [tile_count(img, **tiling) for img in opened],
+                                                   system=args.system, tokens_per_tile=mcfg.tokens_per_tile)))
+            context_check(len(prompts[-1]), cfg.max_new_tokens, mcfg.llm.max_position_embeddings)
+        except ValueError as e:
+            raise ValueError(f"{questions} line {r['line']}: {e}") from None
+        pixels += [load_image(img, **tiling) for img in opened]
+    return batch, prompts, pixels
+
+
+# -- the command -------------------------------------------------------------------------------------------
+
+
+def resumable(args: GenerateFlags) -> Path | None:
+    """The answers file a --batch --out run appends to: one writer (cli.one_writer), a rerun resumes it."""
+    return Path(args.out) if args.batch is not None and args.out is not None else None
+
+
+DESCRIPTION = "Answer a question about images (or text) with ParVL / InternVL3.5."
+COMMANDS = {None: Command(GenerateFlags, respond, writes=resumable, interrupted=lambda args: (
+    "the answers written so far stay; the same command resumes" if resumable(args) else ""))}
+
+
+def main(argv=None) -> int:
+    """Exit codes and lines: cli.shell. In --chat, Ctrl-C stops the answer (the session goes on) and at the
+    prompt the session; in --batch the answers written so far stay, and a rerun with the same --out resumes."""
+    return dispatch(DESCRIPTION, COMMANDS, argv)
 
 
 if __name__ == "__main__":

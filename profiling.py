@@ -23,20 +23,23 @@ from __future__ import annotations
 import argparse
 import ctypes
 import gc
+import hashlib
 import json
 import statistics
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import ClassVar
 
 import torch
 
-from cli import DTYPES, allocation, check_file_out, command, pyplot, resolve_device, resolve_dtype, shell
+from checkpoint import open_checkpoint
+from cli import allocation, check_file_out, command, pyplot, resolve_device, resolve_dtype
 from config import PRESETS, ParConfig, ParVLConfig, branch_variant
 from engine import Engine, GenerateConfig
-from flags import branch_conflict, branch_flag, command_parser, flag, parse
+from flags import Command, branch_conflict, branch_flags, dispatch, flag, flag_of
 from flops import ARCHS, BRANCHES, Workload, build_config, profile_params
+from hub import resolve_model
+from inference import DeviceFlags, InferenceFlags
 from parvl import ParVL
 
 
@@ -159,7 +162,7 @@ def profile_latency(engine: Engine, cfg: ParVLConfig, work: Workload, batch: int
         "decode_ms_per_step": 1e3 * decode_s / steps if steps else None,
         "decode_tok_s": batch * steps / decode_s if steps else None,
         # first call - steady state; without --compile nothing compiles (the difference is noise, even negative)
-        "compile_s": first[0] - statistics.mean(times) if first and args.compile else None,
+        "compile_s": first[0] - statistics.mean(times) if first and engine.compiled else None,
         "memory": "cuda_allocated" if device.type == "cuda" else "cpu_rss",
         "resident_gib": resident / 2**30, "peak_gib": peak / 2**30,
         "kv_cache_bytes": kv, "kv_token_bytes": kv_tokens,
@@ -171,13 +174,8 @@ def latency_config(args) -> tuple[ParVLConfig, str]:
     preset's name when its towers are a preset's, else "checkpoint <hash of the towers>"), or --arch
     with --pv, --pl and the branch flags (the paper's branches where not given)."""
     if args.model is None:
-        branches = {f: getattr(args, f) for f in BRANCH_FIELDS if getattr(args, f) is not None}
-        return build_config(args.arch, args.pv or 1, args.pl or 1, **branches), args.arch
-    import hashlib
-
-    from hub import resolve_model
-    from checkpoint import open_checkpoint
-
+        branches = branches_given(args)
+        return build_config(args.arch, branches.pop("pv", 1), branches.pop("pl", 1), **branches), args.arch
     cfg, _ = open_checkpoint(resolve_model(args.model))
     towers = json.dumps([asdict(cfg.vit) if cfg.vit else None, asdict(cfg.llm)], sort_keys=True, default=str)
     name = next((k for k, p in PRESETS.items() if (p.vit, p.llm) == (cfg.vit, cfg.llm)),
@@ -189,14 +187,12 @@ def run_latency(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """Standard (and/or shared-KV) Pv:Pl, after standard 1:1 with --baseline; ratios vs the first row per batch.
     Each row records its architecture and branch parameterisation (config.branch_variant), so that
     `evaluate.py cost` puts each configuration at its own profile."""
-    import dataclasses
-
     work = Workload(args.tiles, args.text_tokens, args.new_tokens)
     modes = (False, True) if args.compare_shared else (args.shared_kv,)
     main_cfg, arch = latency_config(args)
     runs = [(main_cfg, modes)]
     if args.baseline and (main_cfg.par.pv, main_cfg.par.pl) != (1, 1):
-        runs.insert(0, (dataclasses.replace(main_cfg, par=ParConfig()), (False,)))  # 1:1, the paper's branches
+        runs.insert(0, (replace(main_cfg, par=ParConfig()), (False,)))  # 1:1, the paper's branches
     rows = []
     for cfg, kv_modes in runs:
         model = ParVL.from_config(cfg, dtype, device, seed=args.seed).eval()
@@ -365,19 +361,19 @@ def branch_pair(text: str) -> tuple[int, int]:
     return pv, pl
 
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+# ParConfig's fields as flags (flags.branch_flags): None takes ParConfig's default, the paper's branches
+BranchFlags = branch_flags("BranchFlags", lambda f: str(f.default))
+
+
+def branches_given(args) -> dict:
+    """The branch flags given (not None), by ParConfig's field names."""
+    return {f.name: getattr(args, f.name) for f in fields(ParConfig) if getattr(args, f.name) is not None}
 
 
 @dataclass
-class ParamsConfig:
-    command: ClassVar[str] = "params"
+class ParamsConfig(BranchFlags):
     arch: str = flag("1b", "model size preset", choices=sorted(ARCHS))
-    pv: int = branch_flag("pv", own_default=True)
-    pl: int = branch_flag("pl", own_default=True)
     all: bool = flag(False, "all nine Pv:Pl in {1,2,4}^2 for --arch")
-    vision_branches: str = branch_flag("vision_branches", own_default=True)
-    lora_rank: int = branch_flag("lora_rank", own_default=True)
     json: bool = flag(False, "one JSON object per configuration and line")
     tiles: int = flag(3, "448 px image tiles, 256 tokens each", range="[0, inf)")
     text_tokens: int = flag(256, "prompt text tokens", range="[0, inf)")
@@ -385,19 +381,19 @@ class ParamsConfig:
 
     def check(self) -> None:
         """Branch flags that cannot mean anything (exit 2); --all has every Pv:Pl, 1:1 as its baseline."""
-        values = {"vision_branches": self.vision_branches, "lora_rank": self.lora_rank} | (
-            {} if self.all else {"pv": self.pv, "pl": self.pl})
-        if why := branch_conflict(values, ARCHS[self.arch].vit.hidden_size):
+        given = branches_given(self)
+        if self.all and {"pv", "pl"} & given.keys():
+            raise ValueError(f"--all profiles every Pv:Pl; drop --{next(k for k in ('pv', 'pl') if k in given)}")
+        if why := branch_conflict(asdict(ParConfig()) | given | ({"pv": None, "pl": None} if self.all else {}),
+                                  ARCHS[self.arch].vit.hidden_size):
             raise ValueError(why)
 
 
 @dataclass
-class Timed:
+class Timed(DeviceFlags):
     """The flags of the timed subcommands (latency, forward), which set their own defaults."""
 
     arch: str = flag("1b", "size preset, random weights", choices=sorted(ARCHS))
-    dtype: str | None = flag(None, "weights and activations", choices=sorted(DTYPES), shown="bf16 on CUDA, else fp32")
-    device: str = flag(help="torch device: cpu, cuda or cuda:N", factory=default_device, shown="cuda if available")
     tiles: int = flag(3, "448 px tiles per sample, 256 tokens each", range="[0, inf)")
     text_tokens: int = flag(256, "non-image tokens per sample", range="[0, inf)")
     warmup: int = flag(3, "untimed calls before the timed ones", range="[0, inf)")
@@ -408,50 +404,36 @@ class Timed:
     json: bool = flag(False, "print only the final JSON line, not the table")
 
     def check(self) -> None:
+        super().check()
         if self.tiles == 0 and self.text_tokens == 0:
             raise ValueError("--tiles 0 --text-tokens 0 leaves an empty prompt: give one of them at least 1")
 
 
-BRANCH_FIELDS = tuple(f.name for f in fields(ParConfig) if f.name not in ("pv", "pl"))
-
-
 @dataclass
-class LatencyConfig(Timed):
-    command: ClassVar[str] = "latency"
+class LatencyConfig(BranchFlags, Timed):
     model: str | None = flag(None, "profile this checkpoint's configuration (its config.json: backbone, Pv:Pl, "
                                    "branches) on random weights, instead of --arch and the branch flags",
                              metavar="DIR")
-    pv: int | None = branch_flag("pv", shown="1")
-    pl: int | None = branch_flag("pl", shown="1")
-    vit_prefix_len: int | None = branch_flag("vit_prefix_len", shown="96, the paper's")
-    llm_prefix_len: int | None = branch_flag("llm_prefix_len", shown="48, the paper's")
-    lambda_v: float | None = branch_flag("lambda_v", shown="0, the paper's")
-    lambda_l: float | None = branch_flag("lambda_l", shown="0.1, the paper's")
-    aggregation: str | None = branch_flag("aggregation", shown="mlp, the paper's")
-    vision_branches: str | None = branch_flag("vision_branches", shown="prefix, the paper's")
-    lora_rank: int | None = branch_flag("lora_rank", shown="16, the paper's")
     batch: list[int] = flag(help="batch sizes, samples per generate call", range="[1, inf)",
                             factory=lambda: [1, 2, 4, 8])
     new_tokens: int = flag(128, "generated tokens per sample, forced", range="[1, inf)")
     iters: int = flag(10, "timed generate calls per batch size", range="[1, inf)")
-    shared_kv: bool = flag(False, "one mean-reduced token KV cache per sample (C.2)")
+    compile: bool | None = flag_of(InferenceFlags, "compile")
+    shared_kv: bool = flag_of(InferenceFlags, "shared_kv")
     compare_shared: bool = flag(False, "profile standard and shared KV in one run")
     baseline: bool = flag(False, "profile standard 1:1 first, as Table 4's reference")
-    compile: bool = flag(False, "torch.compile the decode step (CUDA graphs on GPU)")
     plot: str | None = flag(None, "also write latency and peak memory against batch size per configuration (needs "
                             "matplotlib)", metavar="FILE.png")
 
     def check(self) -> None:
         super().check()
-        given = [f for f in ("pv", "pl") + BRANCH_FIELDS if getattr(self, f) is not None]
-        if self.model and given:
-            flag_name = given[0].replace("_", "-")
-            raise ValueError(f"--model profiles the checkpoint's own configuration; drop --{flag_name}")
+        if self.model and (given := branches_given(self)):
+            raise ValueError(f"--model profiles the checkpoint's own configuration; drop --"
+                             f"{next(iter(given)).replace('_', '-')}")
 
 
 @dataclass
 class ForwardConfig(Timed):
-    command: ClassVar[str] = "forward"
     arch: str = flag("mid", "size preset, random weights", choices=sorted(ARCHS))
     tiles: int = flag(1, "448 px tiles per sample, 256 tokens each", range="[0, inf)")
     text_tokens: int = flag(128, "non-image tokens per sample", range="[0, inf)")
@@ -463,57 +445,67 @@ class ForwardConfig(Timed):
     pair: bool = flag(False, "also time each config with branches running one pair (vision 0, language 0) per sample")
 
 
-def parse_args(argv=None):
-    return parse(command_parser(__doc__.split("\n")[0], subcommands={
-        "params": (ParamsConfig, "parameters (meta device) and forward FLOPs per part, Table S3"),
-        "latency": (LatencyConfig, "per-sample generation latency and peak memory, Appendix C.1 / Table S7"),
-        "forward": (ForwardConfig, "time one full forward pass per Pv:Pl, interleaved, medians and ratios")}), argv)
+def params(args: ParamsConfig) -> None:
+    """`params`: Table S3's parameter and FLOP counts of one configuration, or every Pv:Pl of --arch."""
+    work = Workload(args.tiles, args.text_tokens, args.response_tokens)
+    branches = branches_given(args)
+    grid = [(pv, pl) for pv in BRANCHES for pl in BRANCHES] if args.all else [
+        (branches.pop("pv", 1), branches.pop("pl", 1))]
+    rows = [profile_params(args.arch, pv, pl, work, **branches) for pv, pl in grid]
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+    else:
+        print(f"workload: {work} -> LLM sequence {work.llm_tokens(ARCHS[args.arch])} tokens, batch 1")
+        print_table(rows)
+
+
+def timed_job(command: str):
+    """The job of a timed subcommand (latency, forward): the device and threads set up, its rows measured,
+    printed as a table (latency: also Tables S7 / 4 and the shared-KV deltas) and as one JSON line."""
+
+    def job(args: Timed) -> None:
+        if getattr(args, "plot", None):
+            check_file_out(Path(args.plot), "--plot")  # a folder or a file in the way: said before the measurement
+            pyplot()  # a missing matplotlib too
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, device)
+        if args.threads:  # OpenMP threads that wait for each other slow down 100x when another process holds a core
+            torch.set_num_threads(args.threads)
+        env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
+               f"cpu, {torch.get_num_threads()} threads", "dtype": str(dtype).removeprefix("torch.")}
+        if not args.json:
+            print(f"{command}: arch {args.arch} ({env['dtype']}, {env['device']}, torch {env['torch']}), "
+                  f"{args.tiles} tiles + {args.text_tokens} text tokens per sample")
+        if command == "latency":
+            rows, columns = run_latency(args, device, dtype), LATENCY_COLUMNS
+            extra = {"shared_vs_standard": shared_vs_standard(rows)}
+            if args.plot:
+                plot_latency(rows, Path(args.plot))
+        else:
+            rows, columns, extra = run_forward(args, device, dtype), FORWARD_COLUMNS, {}
+        if not args.json:
+            print_rows(rows, columns)
+            if "shared_vs_standard" in extra:
+                print("\n" + paper_layout(rows, extra["shared_vs_standard"]) + "\n")
+        settings = {k: v for k, v in asdict(args).items() if k != "json"}
+        print(json.dumps({"command": command, **env, "args": settings, "rows": rows, **extra}))
+
+    return job
+
+
+DESCRIPTION = __doc__.split("\n")[0]
+COMMANDS = {
+    "params": Command(ParamsConfig, params, "parameters (meta device) and forward FLOPs per part, Table S3"),
+    "latency": Command(LatencyConfig, timed_job("latency"), "per-sample generation latency and peak memory, "
+                       "Appendix C.1 / Table S7"),
+    "forward": Command(ForwardConfig, timed_job("forward"), "time one full forward pass per Pv:Pl, interleaved, "
+                       "medians and ratios"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = parse_args(argv)
-    return shell(lambda: run(cfg))
-
-
-def run(args) -> None:
-    if args.command == "params":
-        work = Workload(args.tiles, args.text_tokens, args.response_tokens)
-        grid = [(pv, pl) for pv in BRANCHES for pl in BRANCHES] if args.all else [(args.pv, args.pl)]
-        rows = [profile_params(args.arch, pv, pl, work, vision_branches=args.vision_branches, lora_rank=args.lora_rank)
-                for pv, pl in grid]
-        if args.json:
-            for r in rows:
-                print(json.dumps(r))
-        else:
-            print(f"workload: {work} -> LLM sequence {work.llm_tokens(ARCHS[args.arch])} tokens, batch 1")
-            print_table(rows)
-        return
-
-    if getattr(args, "plot", None):
-        check_file_out(Path(args.plot), "--plot")  # a folder or a file in the way: said before the measurement
-        pyplot()  # a missing matplotlib too
-    device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    if args.threads:  # OpenMP threads that wait for each other slow down 100x when another process holds a core
-        torch.set_num_threads(args.threads)
-    env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
-           f"cpu, {torch.get_num_threads()} threads", "dtype": str(dtype).removeprefix("torch.")}
-    if not args.json:
-        print(f"{args.command}: arch {args.arch} ({env['dtype']}, {env['device']}, torch {env['torch']}), "
-              f"{args.tiles} tiles + {args.text_tokens} text tokens per sample")
-    if args.command == "latency":
-        rows, columns = run_latency(args, device, dtype), LATENCY_COLUMNS
-        extra = {"shared_vs_standard": shared_vs_standard(rows)}
-        if args.plot:
-            plot_latency(rows, Path(args.plot))
-    else:
-        rows, columns, extra = run_forward(args, device, dtype), FORWARD_COLUMNS, {}
-    if not args.json:
-        print_rows(rows, columns)
-        if "shared_vs_standard" in extra:
-            print("\n" + paper_layout(rows, extra["shared_vs_standard"]) + "\n")
-    settings = {k: v for k, v in asdict(args).items() if k != "json"}
-    print(json.dumps({"command": args.command, **env, "args": settings, "rows": rows, **extra}))
+    return dispatch(DESCRIPTION, COMMANDS, argv)
 
 
 if __name__ == "__main__":

@@ -29,22 +29,24 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from cli import SEED, barrier, check_folder, command, log, one_writer, rank, shell, start_processes, world_size
+from cli import SEED, barrier, check_folder, command, log, rank, start_processes, world_size
 from data import SFTData
-from flags import command_parser, flag, parse
+from flags import Command, dispatch, flag, flag_of
 from gates import Router, RouterConfig, RouterError, load_router, path_teacher, router_loss, save_router
-from router_labels import LABELLED, LabelConfig, by_length, check_labels, label, load_labels, load_model, open_data
+from inference import DeviceFlags
 from llm import prompt_positions
 from loss import answer_nll
 from parvl import ParVL
+from router_labels import (LABELLED, LabelConfig, RouterInputs, by_length, check_labels, label, load_labels, load_model,
+                           open_data)
 from schedule import lr_lambda
-from trackers import TRACKER_FILES, TRACKERS, Tracker
+from trackers import TRACKERS, TRACKER_FILES, Tracker
 
 ROUTER_FILES = ("router.safetensors", "config.json", "metrics.jsonl", "eval.json")  # what train and eval write in --out
 
 
 @dataclass
-class TrainRouterConfig:
+class TrainRouterConfig(RouterInputs):
     """`router.py train`'s flags (saved with the router, in this order)."""
     model: str = flag("", "ParVL checkpoint folder", required=True)
     labels: str = flag("", "labels folder written by `label`", required=True)
@@ -67,7 +69,7 @@ class TrainRouterConfig:
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(RouterInputs):
     """`router.py eval`'s flags."""
     model: str = flag("", "ParVL checkpoint folder", required=True)
     router: str = flag("", "router folder written by `train`", required=True)
@@ -78,7 +80,7 @@ class EvalConfig:
     batch_size: int = flag(4, "rows per dense forward", range="[1, inf)")
     max_tokens: int = flag(16384, "padded tokens per forward (rows x longest): a batch over it is split by length, "
                                   "a longer row runs alone", unit="tokens", range="[1, inf)")
-    dtype: str = flag("", "fp32 or bf16", shown="bf16 on CUDA, fp32 on CPU")
+    dtype: str | None = flag_of(DeviceFlags, "dtype")
 
 
 # -- training the gates -----------------------------------------------------------------------
@@ -284,29 +286,18 @@ def dense_nll(model: ParVL, data: SFTData, rows: torch.Tensor, batch_size: int, 
 # -- the command ------------------------------------------------------------------------------
 
 
-SUBCOMMANDS = {"label": (LabelConfig, "label every row with every branch pair's answer NLL (router_labels.py)"),
-               "train": (TrainRouterConfig, "train the two gates on the labels (Eq. E2)"),
-               "eval": (EvalConfig, "evaluate the router on held-out labels (Table 3 / S9 layout)")}
-JOBS = {LabelConfig: label, TrainRouterConfig: train, EvalConfig: evaluate}
-PARSER = command_parser(__doc__.split("\n\n")[0], subcommands=SUBCOMMANDS)
-
-
-def job(cfg) -> int:
-    """The subcommand's job, once the folders and the file it is given are there."""
-    for name in ("model", "router", "labels"):
-        if getattr(cfg, name, None) and not Path(getattr(cfg, name)).is_dir():
-            raise RouterError(f"--{name} {getattr(cfg, name)}: not a folder")
-    if getattr(cfg, "data", "") and not Path(cfg.data).is_file():
-        raise RouterError(f"--data {cfg.data}: no such meta JSON file")
-    writes = isinstance(cfg, (LabelConfig, TrainRouterConfig))  # one --out, one writer (cli.one_writer)
-    with one_writer(Path(cfg.out) if writes else None):
-        return JOBS[type(cfg)](cfg)
+DESCRIPTION = __doc__.split("\n\n")[0]
+COMMANDS = {
+    "label": Command(LabelConfig, label, "label every row with every branch pair's answer NLL (router_labels.py)",
+                     writes=lambda cfg: Path(cfg.out), interrupted=lambda cfg: LABELLED),
+    "train": Command(TrainRouterConfig, train, "train the two gates on the labels (Eq. E2)",
+                     writes=lambda cfg: Path(cfg.out)),
+    "eval": Command(EvalConfig, evaluate, "evaluate the router on held-out labels (Table 3 / S9 layout)"),
+}
 
 
 def main(argv=None) -> int:
-    cfg = parse(PARSER, argv)
-    words = LABELLED if isinstance(cfg, LabelConfig) else ""  # what stays of an interrupted job
-    return shell(lambda: job(cfg), interrupted=lambda: words)
+    return dispatch(DESCRIPTION, COMMANDS, argv)
 
 
 if __name__ == "__main__":

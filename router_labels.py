@@ -36,8 +36,9 @@ from batches import collate
 from checkpoint import check_not_run_folder, open_checkpoint, read_json
 from cli import allocation, barrier, check_shared, log, rank, resolve_dtype, start_processes, world_size
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction
-from flags import flag
+from flags import flag, flag_of
 from gates import RouterError, fingerprint, image_tiles, pool_tiles, question_span, text_feature, thumbnail_feature
+from inference import DeviceFlags
 from llm import prompt_positions
 from loss import IGNORE, answer_nll
 from parvl import ParVL
@@ -50,8 +51,20 @@ CHUNK = "chunk_{:06d}.safetensors"  # OUT/parts/CHUNK: chunk k, as an interrupte
 LABELLED = "the chunks labelled so far stay; the same command resumes"  # what an interrupt leaves
 
 
+class RouterInputs:
+    """The folders and the meta JSON a router.py subcommand's flags name, checked before it writes anything
+    (flags.dispatch calls check_files): one line each."""
+
+    def check_files(self) -> None:
+        for name in ("model", "router", "labels"):
+            if getattr(self, name, None) and not Path(getattr(self, name)).is_dir():
+                raise RouterError(f"--{name} {getattr(self, name)}: not a folder")
+        if getattr(self, "data", "") and not Path(self.data).is_file():
+            raise RouterError(f"--data {self.data}: no such meta JSON file")
+
+
 @dataclass
-class LabelConfig:
+class LabelConfig(RouterInputs):
     """`router.py label`'s flags."""
     model: str = flag("", "ParVL checkpoint folder (Pv:Pl > 1:1)", required=True)
     data: str = flag("", "meta JSON in the official InternVL format (data.py)", required=True)
@@ -62,17 +75,15 @@ class LabelConfig:
     max_tiles: int = flag(12, "448 px tiles per row", range="[1, inf)")
     max_seq_len: int = flag(32768, "longer rows are skipped", unit="tokens", range="[1, inf)")
     seed: int = flag(0, "data augmentation seed (data.SFTData)", shown="0")
-    dtype: str = flag("", "fp32 or bf16", shown="bf16 on CUDA, fp32 on CPU")
+    dtype: str | None = flag_of(DeviceFlags, "dtype")
     max_bad_frac: float = flag(0.01, "abort when more than this fraction of the data set's rows are bad",
                                range="[0, 1]")
     log_every: int = flag(10, "chunks between progress lines", range="[1, inf)")
     num_workers: int = flag(2, "data loading processes", range="[0, inf)")
 
 
-def load_model(path: str, dtype: str, device) -> ParVL:
-    """The checkpoint in --dtype (fp32 or bf16; "": bf16 on CUDA, fp32 on CPU), for label, train and eval."""
-    if dtype not in ("", "fp32", "bf16"):
-        raise RouterError(f"--dtype must be fp32 or bf16, got {dtype!r}")
+def load_model(path: str, dtype: str | None, device) -> ParVL:
+    """The checkpoint in --dtype (None or "": bf16 on CUDA, fp32 on CPU), for label, train and eval."""
     return ParVL.from_pretrained(path, dtype=resolve_dtype(dtype, device), device=device)
 
 

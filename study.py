@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from cli import SEED, command, log, shell
-from flags import command_parser, flag, parse
+from cli import SEED, command, log
+from flags import Command, dispatch, flag
 from evaluation.scoring import BENCHMARKS  # the paper's nine (Appendix A.3)
 
 ROOT = Path(__file__).resolve().parent
@@ -103,39 +103,55 @@ def run_name(a: str) -> str:
 
 
 def pieces(c: StudyConfig) -> list[Piece]:
-    """The study, in order."""
-    out, tsv = Path(c.out), Path(c.tsv)
-    flags = {k: shlex.split(getattr(c, k)) for k in ("train_flags", "eval_flags", "label_flags", "router_flags",
-                                                       "profile_flags")}
-    todo: list[Piece] = []
+    """The study, in order: every run trained, every benchmark of every run, the router's allocation (fixed
+    pairs, random pair, router), the latency profiles, then the tables of all of them."""
+    out, trained = Path(c.out), trained_runs(c)
+    return ([train_piece(c, name, alloc, extra) for name, alloc, extra in trained]
+            + [p for name, _, _ in trained for p in benchmark_pieces(c, name, out / "runs" / name / "export")]
+            + router_pieces(c) + profile_pieces(c, trained) + table_pieces(c))
 
-    def train(name: str, alloc: str, extra: list[str]) -> None:
-        pv, pl = alloc.split(":")
-        run = out / "runs" / name
-        resume = ["--resume"] if (run / "checkpoints").is_dir() or (run / "metrics.jsonl").exists() else []  # go on
-        todo.append(Piece(f"train {name}", ["train.py", "--pv", pv, "--pl", pl, *extra, "--model", c.model, "--data",
-                                            c.data, "--out", str(run), *resume, *flags["train_flags"]],
-                          run / "export" / "model.safetensors", "multi"))
 
-    def evaluate(name: str, model: Path, extra: list[str] = ()) -> None:
-        for b in c.benchmarks:
-            pred, score = out / "pred" / name / f"{b}.jsonl", out / "score" / name / f"{b}.json"
-            todo.append(Piece(f"run {name} {b}", ["evaluate.py", "run", "--benchmark", b, "--data",
-                                                  str(tsv / f"{b}.tsv"), "--model", str(model), *extra, "--out",
-                                                  str(pred), *flags["eval_flags"]], score, "multi", leaves=pred))
-            todo.append(Piece(f"score {name} {b}", ["evaluate.py", "score", "--benchmark", b, "--data",
-                                                    str(tsv / f"{b}.tsv"), "--predictions", str(pred), "--out",
-                                                    str(score)], score))
+def extra(c: StudyConfig, command: str) -> list[str]:
+    """The extra flags --train-flags, --eval-flags, ... give one kind of piece."""
+    return shlex.split(getattr(c, f"{command}_flags"))
 
-    trained = [(run_name(a), a, []) for a in c.allocations]  # Table 2 / S4, then Figure 3 and Table S8
-    trained += [(f"{run_name(c.ablation_base)}_{a}", c.ablation_base, ABLATIONS[a]) for a in c.ablations if a != "none"]
-    for name, alloc, extra in trained:
-        train(name, alloc, extra)
-    for name, _, _ in trained:
-        evaluate(name, out / "runs" / name / "export")
 
-    ra = run_name(c.router_allocation)  # Table S9 and Table 3 on the router's model
-    model = out / "runs" / ra / "export"
+def trained_runs(c: StudyConfig) -> list[tuple[str, str, list[str]]]:
+    """(run name, Pv:Pl, branch flags) of every run trained: Table 2 / S4's allocations, then Figure 3's and Table
+    S8's variants of --ablation-base."""
+    runs = [(run_name(a), a, []) for a in c.allocations]
+    return runs + [(f"{run_name(c.ablation_base)}_{a}", c.ablation_base, ABLATIONS[a]) for a in c.ablations
+                   if a != "none"]
+
+
+def train_piece(c: StudyConfig, name: str, alloc: str, branches: list[str]) -> Piece:
+    pv, pl = alloc.split(":")
+    run = Path(c.out) / "runs" / name
+    resume = ["--resume"] if (run / "checkpoints").is_dir() or (run / "metrics.jsonl").exists() else []  # go on
+    return Piece(f"train {name}", ["train.py", "--pv", pv, "--pl", pl, *branches, "--model", c.model, "--data",
+                                   c.data, "--out", str(run), *resume, *extra(c, "train")],
+                 run / "export" / "model.safetensors", "multi")
+
+
+def benchmark_pieces(c: StudyConfig, name: str, model: Path, flags: list[str] = ()) -> list[Piece]:
+    """Every benchmark of one model (with `flags`, a branch choice or a router): its predictions, then its score."""
+    out, tsv, todo = Path(c.out), Path(c.tsv), []
+    for b in c.benchmarks:
+        pred, score = out / "pred" / name / f"{b}.jsonl", out / "score" / name / f"{b}.json"
+        todo.append(Piece(f"run {name} {b}", ["evaluate.py", "run", "--benchmark", b, "--data", str(tsv / f"{b}.tsv"),
+                                              "--model", str(model), *flags, "--out", str(pred), *extra(c, "eval")],
+                          score, "multi", leaves=pred))
+        todo.append(Piece(f"score {name} {b}", ["evaluate.py", "score", "--benchmark", b, "--data",
+                                                str(tsv / f"{b}.tsv"), "--predictions", str(pred), "--out", str(score)],
+                          score))
+    return todo
+
+
+def router_pieces(c: StudyConfig) -> list[Piece]:
+    """Table S9 and Table 3 on the router allocation's model (its end-of-run export, or --router-step's): every
+    fixed pair, the random pair, the router labelled, trained (and evaluated on held-out labels), then routed."""
+    out, ra = Path(c.out), run_name(c.router_allocation)
+    model, todo = out / "runs" / ra / "export", []
     if c.router_step:
         model = out / "router" / f"model_step_{c.router_step}"
         todo.append(Piece(f"export {ra} step {c.router_step}", ["train.py", "export", str(out / "runs" / ra),
@@ -144,53 +160,65 @@ def pieces(c: StudyConfig) -> list[Piece]:
     pv, pl = map(int, c.router_allocation.split(":"))
     for v in range(pv):
         for lb in range(pl):
-            evaluate(f"{ra}_pair{v}{lb}", model, ["--vision-branch", str(v), "--language-branch", str(lb)])
-    evaluate(f"{ra}_random", model, ["--random-pair", "--seed", str(SEED)])
+            todo += benchmark_pieces(c, f"{ra}_pair{v}{lb}", model, ["--vision-branch", str(v), "--language-branch",
+                                                                     str(lb)])
+    todo += benchmark_pieces(c, f"{ra}_random", model, ["--random-pair", "--seed", str(SEED)])
     labels, gates = out / "router" / "labels", out / "router" / "gates"
     todo.append(Piece("label router data", ["router.py", "label", "--model", str(model), "--data",
-                                            c.router_data or c.data, "--out", str(labels), *flags["label_flags"]],
+                                            c.router_data or c.data, "--out", str(labels), *extra(c, "label")],
                       labels / "labels.json", "multi"))
     todo.append(Piece("train router", ["router.py", "train", "--model", str(model), "--labels", str(labels), "--out",
-                                       str(gates), "--overwrite", *flags["router_flags"]],
+                                       str(gates), "--overwrite", *extra(c, "router")],
                       gates / "router.safetensors", "gpu"))
     if c.router_eval_data:
         held = out / "router" / "heldout"
         todo.append(Piece("label held-out data", ["router.py", "label", "--model", str(model), "--data",
-                                                  c.router_eval_data, "--out", str(held), *flags["label_flags"]],
+                                                  c.router_eval_data, "--out", str(held), *extra(c, "label")],
                           held / "labels.json", "multi"))
         todo.append(Piece("eval router", ["router.py", "eval", "--model", str(model), "--router", str(gates),
                                           "--labels", str(held)], gates / "eval.json", "gpu"))
-    evaluate(f"{ra}_router", model, ["--router", str(gates)])
+    return todo + benchmark_pieces(c, f"{ra}_router", model, ["--router", str(gates)])
 
-    for name, _, _ in trained:  # Figure 4: each run's own batch-1 latency and memory (its config, random weights)
+
+def profile_pieces(c: StudyConfig, trained: list) -> list[Piece]:
+    """Figure 4: each run's own batch-1 latency and memory (its config, random weights); Tables 4 / S7: the router
+    allocation against 1:1, standard and shared KV."""
+    out, todo = Path(c.out), []
+    for name, _, _ in trained:
         profile = out / "profile" / f"{name}.json"
         todo.append(Piece(f"profile {name}", ["profiling.py", "latency", "--model", str(out / "runs" / name / "export"),
-                                              "--batch", "1", "--json", *flags["profile_flags"]], profile, "gpu",
+                                              "--batch", "1", "--json", *extra(c, "profile")], profile, "gpu",
                           stdout=profile))
-    tables = out / "tables"  # Tables 4 / S7: the router allocation against 1:1, standard and shared KV
-    todo.append(Piece("Tables 4 / S7", ["profiling.py", "latency", "--arch", c.arch, "--pv", str(pv), "--pl", str(pl),
-                                        "--baseline", "--compare-shared", *flags["profile_flags"]],
-                      tables / "table4.md", "gpu", stdout=tables / "table4.md"))
+    pv, pl = c.router_allocation.split(":")
+    table4 = out / "tables" / "table4.md"
+    return todo + [Piece("Tables 4 / S7", ["profiling.py", "latency", "--arch", c.arch, "--pv", pv, "--pl", pl,
+                                           "--baseline", "--compare-shared", *extra(c, "profile")], table4, "gpu",
+                         stdout=table4)]
 
-    report = out / "report"  # the tables of everything before them, files read when they run
+
+def table_pieces(c: StudyConfig) -> list[Piece]:
+    """The tables of everything before them (derived: made again whenever an earlier piece ran), their input
+    files read when they run: the report, Table S5, Table S2 and Figure 4."""
+    out, tsv, tables, report = Path(c.out), Path(c.tsv), Path(c.out) / "tables", Path(c.out) / "report"
     found = lambda pattern: sorted(map(str, out.glob(pattern))) or [str(out / pattern)]  # noqa: E731 (--plan)
-    todo.append(Piece("report", lambda: ["evaluate.py", "report", *found("score/*/*.json"), "--arch", c.arch, "--out",
-                                         str(report)], report / "report.json", derived=True))
     a, b = c.lengths
-    todo.append(Piece("Table S5", ["evaluate.py", "lengths", "--model", c.model, "--a",
-                                   *(str(out / "pred" / run_name(a) / f"{x}.jsonl") for x in c.benchmarks),
-                                   "--b", *(str(out / "pred" / run_name(b) / f"{x}.jsonl") for x in c.benchmarks),
-                                   "--names", a, b, "--out", str(tables / "S5.json")],
-                      tables / "S5.json", stdout=tables / "S5.md", derived=True))
-    todo.append(Piece("Table S2", lambda: ["evaluate.py", "descriptors", *(str(tsv / f"{x}.tsv") for x in c.benchmarks),
-                                           "--model", c.model, "--report", str(report / "report.json"),
-                                           "--predictions", *found("pred/*/*.jsonl"), "--out", str(tables / "S2.json")],
-                      tables / "S2.json", stdout=tables / "S2.md", derived=True))
-    todo.append(Piece("Figure 4", lambda: ["evaluate.py", "cost", "--report", str(report / "report.json"), "--latency",
-                                           *found("profile/*.json"), "--column", c.cost_column, "--out",
-                                           str(tables / "figure4")],
-                      tables / "figure4" / "score_cost.json", stdout=tables / "figure4.md", derived=True))
-    return todo
+    return [
+        Piece("report", lambda: ["evaluate.py", "report", *found("score/*/*.json"), "--arch", c.arch, "--out",
+                                 str(report)], report / "report.json", derived=True),
+        Piece("Table S5", ["evaluate.py", "lengths", "--model", c.model, "--a",
+                           *(str(out / "pred" / run_name(a) / f"{x}.jsonl") for x in c.benchmarks),
+                           "--b", *(str(out / "pred" / run_name(b) / f"{x}.jsonl") for x in c.benchmarks),
+                           "--names", a, b, "--out", str(tables / "S5.json")],
+              tables / "S5.json", stdout=tables / "S5.md", derived=True),
+        Piece("Table S2", lambda: ["evaluate.py", "descriptors", *(str(tsv / f"{x}.tsv") for x in c.benchmarks),
+                                   "--model", c.model, "--report", str(report / "report.json"), "--predictions",
+                                   *found("pred/*/*.jsonl"), "--out", str(tables / "S2.json")],
+              tables / "S2.json", stdout=tables / "S2.md", derived=True),
+        Piece("Figure 4", lambda: ["evaluate.py", "cost", "--report", str(report / "report.json"), "--latency",
+                                   *found("profile/*.json"), "--column", c.cost_column, "--out",
+                                   str(tables / "figure4")],
+              tables / "figure4" / "score_cost.json", stdout=tables / "figure4.md", derived=True),
+    ]
 
 
 def launch(c: StudyConfig, p: Piece, argv: list[str]) -> list[str]:
@@ -257,9 +285,13 @@ def study(c: StudyConfig) -> int:
     return 0
 
 
+DESCRIPTION = __doc__.split("\n\n")[0]
+COMMANDS = {None: Command(StudyConfig, study,
+                          interrupted=lambda c: "the finished pieces stay; the same command resumes")}
+
+
 def main(argv=None) -> int:
-    cfg = parse(command_parser(__doc__.split("\n\n")[0], StudyConfig), argv)
-    return shell(lambda: study(cfg), interrupted=lambda: "the finished pieces stay; the same command resumes")
+    return dispatch(DESCRIPTION, COMMANDS, argv)
 
 
 if __name__ == "__main__":

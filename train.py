@@ -44,11 +44,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from aggregate import entropy
 from batches import filler_batch, make_loader
 from checkpoint import check_not_run_folder, open_checkpoint
-from cli import (SEED, allocation, check_shared, command, hms, log, one_writer, peak_memory_gib, rank, shell,
-                 start_processes)
+from cli import SEED, allocation, check_shared, command, hms, log, peak_memory_gib, rank, start_processes
 from config import ParConfig
 from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, report_bad_rows
-from flags import branch_conflict, branch_flag, command_parser, flag, parse, resolve_branch_flags
+from flags import Command, branch_conflict, branch_flags, dispatch, flag, resolve_branch_flags
 from fsdp import Trained, build_model, param_groups, train_flops_per_token
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL
@@ -64,15 +63,19 @@ def default_workers() -> int:
     return max(1, min(4, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
 
 
+# ParConfig's fields as flags (flags.branch_flags): None takes the run's on --resume, else --model's. They fix
+# the branch parameterisation (Figure 3, Table S8), saved in the export's config.json.
+BranchFlags = branch_flags("BranchFlags", lambda f: f"the checkpoint's, else {f.default}")
+
+
 @dataclass
-class TrainConfig:
-    """train.py's flags, one field each (flags.flag: help, range, default); saved as the run's config.json."""
+class TrainConfig(BranchFlags):
+    """train.py's flags, one field each (flags.flag: help, range, default), the branch flags first; saved as the
+    run's config.json."""
 
     model: str = flag("", "InternVL3.5 or ParVL checkpoint folder")
     data: str = flag("", "meta JSON in the official InternVL SFT format")
     out: str = flag("runs/parvl", "run folder: config, metrics.jsonl, checkpoints, export")
-    pv: int | None = branch_flag("pv")  # ParConfig's flags (help, range); None: the run's on --resume, else --model's
-    pl: int | None = branch_flag("pl")
     lr_new: float = flag(8e-5, "peak learning rate of prefixes and aggregators", range="(0, inf)")
     lr_pretrained: float = flag(8e-6, "peak learning rate of the pretrained weights", range="(0, inf)")
     weight_decay: float = flag(0.05, "AdamW weight decay", range="[0, inf)")
@@ -112,14 +115,6 @@ class TrainConfig:
                                "(--validate-data's rule)", range="[0, 1]")
     peak_tflops: float = flag(0.0, "per-device bf16 peak in TFLOP/s for MFU, 0 = from the device name "
                               "(H100/H200: 989)")
-    # the branch parameterisation (Figure 3, Table S8): saved in the export's config.json
-    vit_prefix_len: int | None = branch_flag("vit_prefix_len")
-    llm_prefix_len: int | None = branch_flag("llm_prefix_len")
-    aggregation: str | None = branch_flag("aggregation")
-    lambda_v: float | None = branch_flag("lambda_v")
-    lambda_l: float | None = branch_flag("lambda_l")
-    vision_branches: str | None = branch_flag("vision_branches")
-    lora_rank: int | None = branch_flag("lora_rank", shown="the checkpoint's, else 16")
     validate_data: bool = flag(False, "count and name bad rows, then exit without training")
 
     def check(self) -> None:
@@ -156,44 +151,10 @@ class ExportConfig:
     out: str | None = flag(None, "folder to write the ParVL checkpoint into", shown="RUN/export_step_N")
 
 
-def parse_args(argv=None) -> TrainConfig:
-    return parse(command_parser(__doc__.split("\n\n")[0], TrainConfig, epilog="train.py plot RUN [--out FILE.png]: "
-                                "one PNG of a run's metrics.jsonl (train.py plot --help); train.py export RUN --step "
-                                "N: a kept checkpoint as a ParVL checkpoint (train.py export --help)"), argv)
-
-
-def parse_plot_args(argv=None) -> PlotConfig:
-    return parse(command_parser("Plot RUN/metrics.jsonl (loss, grad norm, lr, branch-weight entropies against step) "
-                                "as one PNG; needs matplotlib.", PlotConfig, prog="train.py plot"), argv)
-
-
-def parse_export_args(argv=None) -> ExportConfig:
-    return parse(command_parser("Write the ParVL checkpoint of a kept training step, in the layout of the run's "
-                                "final export (RUN/export), for generate.py, evaluate.py and router.py.",
-                                ExportConfig, prog="train.py export"), argv)
-
-
-def main(argv=None) -> int:
-    """`train.py plot RUN` plots a run, `train.py export RUN --step N` exports a kept step; anything else
-    trains (or, --validate-data, counts the bad rows). Exit codes and lines: cli.shell."""
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["plot"]:  # before the training parser: its flags stay as they are
-        p = parse_plot_args(argv[1:])
-        return shell(lambda: print(plot_run(Path(p.run), Path(p.out) if p.out else None)))
-    if argv[:1] == ["export"]:
-        e = parse_export_args(argv[1:])
-        return shell(lambda: export_step(e), interrupted=lambda: "the export was abandoned; run it again")
-    cfg = parse_args(argv)
-    return shell(lambda: run(cfg), interrupted=lambda: stopped_words(Path(cfg.out)))
-
-
-def run(cfg: TrainConfig) -> int:
-    with one_writer(None if cfg.validate_data else Path(cfg.out)):  # one run folder, one writer (cli.one_writer)
-        return prepare(cfg)
-
-
 def prepare(cfg: TrainConfig) -> int:
-    cfg.check_files()
+    """train.py's job (its files checked first, TrainConfig.check_files): the branch flags resolved against
+    the checkpoint (and the run, on --resume), the data opened, then training, or with --validate-data the
+    count of its bad rows."""
     tracker = Tracker(cfg.tracker, Path(cfg.out))  # a missing package is one line before any work
     mcfg, tok = open_checkpoint(Path(cfg.model))  # tiles as the model sees them, and its own tokenizer
     if mcfg.vit is None:
@@ -471,6 +432,31 @@ class Meter:
             with open(self.out / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
             self.tracker.log(line)  # the same line, at the same step (--tracker)
+
+
+# -- the command -------------------------------------------------------------------------------------------
+
+
+def plot(p: PlotConfig) -> None:
+    print(plot_run(Path(p.run), Path(p.out) if p.out else None))
+
+
+DESCRIPTION, PROG = __doc__.split("\n\n")[0], "train.py"
+COMMANDS = {
+    None: Command(TrainConfig, prepare, writes=lambda cfg: None if cfg.validate_data else Path(cfg.out),
+                  interrupted=lambda cfg: stopped_words(Path(cfg.out))),
+    "plot": Command(PlotConfig, plot, "one PNG of a run's metrics.jsonl (loss, grad norm, lr, branch-weight "
+                    "entropies against step); needs matplotlib"),
+    "export": Command(ExportConfig, export_step, "write the ParVL checkpoint of a kept training step, in the layout "
+                      "of the run's final export (RUN/export), for generate.py, evaluate.py and router.py",
+                      interrupted=lambda e: "the export was abandoned; run it again"),
+}
+
+
+def main(argv=None) -> int:
+    """`train.py plot RUN` plots a run, `train.py export RUN --step N` exports a kept step; anything else
+    trains (or, --validate-data, counts the bad rows). Exit codes and lines: cli.shell."""
+    return dispatch(DESCRIPTION, COMMANDS, argv, PROG)
 
 
 if __name__ == "__main__":

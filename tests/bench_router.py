@@ -29,8 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from batches import Batch  # noqa: E402
 from loss import token_nll  # noqa: E402
-from cli import sync  # noqa: E402
-from engine import Engine, GenerateConfig  # noqa: E402
+from engine import Engine, GenerateConfig, sync  # noqa: E402
 from checkpoint import is_branch_tensor  # noqa: E402
 from config import ParConfig  # noqa: E402
 from parvl import ParVL  # noqa: E402

@@ -466,6 +466,12 @@ def meta(tmp_path_factory):
     return write_dataset(tmp_path_factory.mktemp("data"), rows=16)
 
 
+def parse_flags(command, argv: list):
+    """The config a command module's flags give (flags.parse_command over its COMMANDS), without running it."""
+    from flags import parse_command
+    return parse_command(command.DESCRIPTION, command.COMMANDS, argv, getattr(command, "PROG", None))[1]
+
+
 def two_nodes(args: list, node_args: tuple[list, list] = ([], []), timeout: int = 300) -> tuple[list[int], str]:
     """A command (script and flags) as 2 nodes x 1 process: two torchrun launchers on 127.0.0.1, the
     README's multi-node invocation (--nnodes 2 --node-rank 0 / 1, rendezvous at --master-addr and

@@ -19,7 +19,7 @@ import chat
 import cli
 import generate
 from checkpoint import CheckpointError
-from conftest import random_pixels
+from conftest import parse_flags, random_pixels
 from engine import Engine, GenerateConfig
 from hub import DEFAULT_MODEL, resolve_model
 from parvl import ParVL
@@ -429,12 +429,10 @@ def test_every_flag_has_help(monkeypatch, capsys):
         return real(self, *names, **kw)
 
     monkeypatch.setattr("argparse.ArgumentParser.add_argument", record)
-    for command[0], parse, argv in (("generate", generate.parse_args, ["--help"]),
-                                    ("train", train.parse_args, ["--help"]),
-                                    ("profiling", profiling.parse_args, ["--help"]),
-                                    ("plot", train.main, ["plot", "--help"])):
+    for command[0], module, argv in (("generate", generate, ["--help"]), ("train", train, ["--help"]),
+                                     ("profiling", profiling, ["--help"]), ("plot", train, ["plot", "--help"])):
         with pytest.raises(SystemExit):
-            parse(argv)
+            parse_flags(module, argv)
     capsys.readouterr()
     assert {c for c, _, _ in seen} == {"generate", "train", "profiling", "plot"}
     assert len([1 for c, _, _ in seen if c == "profiling"]) > 30  # every subcommand's flags, built before --help exits

@@ -865,9 +865,9 @@ def test_fit_law_reproduces_parscale(name, tmp_path, capsys):
 @pytest.mark.parametrize("options", [dict(vision_branch=1, language_branch=0), dict(shared_kv=True)])
 def test_run_branch_options_pass_through(checkpoint, tmp_path, capsys, monkeypatch, options):
     """A 2:2 ParVL checkpoint: a fixed pair (Table S9) and shared KV reach the engine and give its answers."""
-    import engine as engine_module  # evaluate.run imports the Engine from there when it runs
+    import inference  # evaluate.py run builds its Engine there (load_engine)
     seen = []
-    monkeypatch.setattr(engine_module, "Engine", lambda model, **kw: seen.append(kw) or Engine(model, **kw))
+    monkeypatch.setattr(inference, "Engine", lambda model, **kw: seen.append(kw) or Engine(model, **kw))
     torch.manual_seed(0)
     model = ParVL.from_pretrained(checkpoint("qwen3", "original"), pv=2, pl=2)
     model.init_branches(std=2.0)  # large prefixes: a single pair answers differently from all four

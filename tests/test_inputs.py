@@ -398,9 +398,8 @@ def test_every_flag_says_its_default_once(capsys):
 
     helps = []
     for main, argv in [(generate.main, []), (train.main, []), (train.main, ["plot"])] + [
-            (evaluate.main, [s]) for s in evaluate.SUBCOMMANDS] + [(profiling.main, [s]) for s in
-                                                                   ("params", "latency", "forward")] + [
-            (router.main, [s]) for s in router.SUBCOMMANDS]:
+            (evaluate.main, [s]) for s in evaluate.COMMANDS] + [(profiling.main, [s]) for s in profiling.COMMANDS] + [
+            (router.main, [s]) for s in router.COMMANDS]:
         with pytest.raises(SystemExit):
             main([*argv, "--help"])
         helps.append(capsys.readouterr().out)

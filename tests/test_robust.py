@@ -27,6 +27,7 @@ import data as D
 import runs
 import train
 from config import ParConfig
+from conftest import parse_flags
 from data import SFTData
 from parvl import ParVL
 from processor import Tokenizer
@@ -478,14 +479,14 @@ def test_signal_abandons_the_step_and_keeps_the_checkpoints(model_dir, tmp_path,
 
 def test_flag_errors_are_one_line_and_quiet_on_other_ranks(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
-        train.parse_args(["--bogus"])
+        parse_flags(train, ["--bogus"])
     assert (e.value.code == 2
             and one_line(capsys.readouterr().err).endswith(": error: unrecognized arguments: --bogus (see --help)"))
     monkeypatch.setenv("RANK", "1")
     waits = []
     monkeypatch.setattr(cli.time, "sleep", waits.append)  # rank 1 waits for torchrun: rank 0 reports
     with pytest.raises(SystemExit) as e:
-        train.parse_args(["--bogus"])
+        parse_flags(train, ["--bogus"])
     assert e.value.code == 2 and capsys.readouterr().err == "" and waits == [10]  # rank 0 has said it
 
 

@@ -1,0 +1,128 @@
+"""From flags to a running engine: the inference flags that generate.py, `evaluate.py run` and `profiling.py
+latency` share, declared once, and the one path from them to an Engine.
+
+    flags = InferenceFlags(model="InternVL3_5-1B", dtype="bf16")   # a command's config inherits the fields
+    folder, cfg, tok = open_model(flags)          # the folder, its config and tokenizer; branch choice checked
+    engine = load_engine(flags, folder, device)   # weights, router, Engine (compiled on CUDA by default)
+
+The steps are in two parts so that a command can refuse its own bad input (a prompt past the context, an
+unreadable image) after reading config.json and the tokenizer but before the weights load. A flag that
+contradicts another is found at parsing (InferenceFlags.check, exit 2); one that contradicts the checkpoint
+(a branch it does not have) as soon as config.json is read (a UsageError, exit 2), before any weight loads.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from checkpoint import open_checkpoint
+from cli import UsageError, log, resolve_device, resolve_dtype, start_processes
+from config import ParConfig, ParVLConfig
+from engine import Engine
+from flags import flag
+from gates import load_router
+from hub import DEFAULT_MODEL, resolve_model
+from parvl import ParVL
+from processor import Tokenizer
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class DeviceFlags:
+    """Where and in what precision a model runs (every command that runs one)."""
+    device: str = flag(help="torch device: cpu, cuda or cuda:N; under torchrun each rank takes its LOCAL_RANK's "
+                       "GPU", factory=default_device, shown="cuda if available, else cpu")
+    dtype: str | None = flag(None, "weights and activations", choices=["bf16", "fp16", "fp32"],
+                             shown="bf16 on CUDA, fp32 on CPU")
+
+    def check(self) -> None:
+        """A --device that names no device is a bad flag (exit 2); one this machine lacks is found when the
+        command starts (cli.resolve_device, exit 1)."""
+        try:
+            kind = torch.device(self.device).type
+        except (RuntimeError, ValueError):
+            kind = None
+        if kind not in ("cpu", "cuda", "mps"):
+            raise ValueError(f"--device {self.device!r}: not a device; use cpu, cuda or cuda:N")
+
+
+@dataclass
+class InferenceFlags(DeviceFlags):
+    """The flags of every command that generates with a checkpoint: the model and how its engine runs."""
+    model: str | None = flag(None, "checkpoint folder or hub repo id",
+                             shown=f"$PARVL_MODEL, else {DEFAULT_MODEL}, downloaded once into the huggingface_hub "
+                                   f"cache")
+    revision: str | None = flag(None, "hub branch, tag or commit of --model", shown="main")
+    compile: bool | None = flag(None, "torch.compile the decode step (CUDA graphs on GPU)",
+                                shown="on for CUDA, off for CPU")
+    max_tiles: int | None = flag(None, "448 px tiles per image, thumbnail excluded", range="[1, inf)",
+                                 shown="the checkpoint's max_dynamic_patch, 12 for InternVL3.5; evaluate.py run: "
+                                       "VLMEvalKit's budget for the benchmark")
+    shared_kv: bool = flag(False, "ParVL: one mean-reduced token KV cache per sample instead of one per language "
+                           "branch (less memory, an approximation; paper Appendix C.2)")
+    vision_branch: int | None = flag(None, "ParVL: run only vision branch 0..Pv-1 (Table S9)", shown="all, fused")
+    language_branch: int | None = flag(None, "ParVL: run only language branch 0..Pl-1", shown="all, fused")
+    router: str | None = flag(None, "ParVL: a router folder (router.py train); runs one (vision, language) branch "
+                              "pair per prompt, chosen by the router (Table 3)", shown="none")
+
+    def check(self) -> None:
+        """Flags that exclude each other (exit 2)."""
+        super().check()
+        for name, used in (("--vision-branch", self.vision_branch is not None),
+                           ("--language-branch", self.language_branch is not None), ("--shared-kv", self.shared_kv)):
+            if self.router and used:
+                raise ValueError(f"--router picks the branches per prompt; it cannot be combined with {name}")
+
+
+def process_device(flags: DeviceFlags) -> torch.device:
+    """The device of a command that may run under torchrun (evaluate.py run): --device, or under torchrun
+    each rank's LOCAL_RANK GPU, with the process group torchrun asks for (cli.start_processes). An index
+    (cuda:1) there would be ignored, so it is refused, as is a device the process group cannot serve."""
+    device = resolve_device(flags.device)
+    if device.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {flags.device}: this command runs on cpu or cuda")
+    if "RANK" in os.environ and device.index is not None:
+        raise UsageError(f"--device {flags.device}: under torchrun each rank takes its LOCAL_RANK's GPU; pass "
+                         f"--device cuda")
+    return start_processes(device.type == "cuda")
+
+
+def open_model(flags: InferenceFlags) -> tuple[Path, ParVLConfig, Tokenizer]:
+    """The checkpoint folder --model names (a local folder or the hub cache), its config and tokenizer
+    (checked to belong together), and the branch choice checked against its branches; no weight is read."""
+    folder = resolve_model(flags.model, flags.revision)
+    cfg, tok = open_checkpoint(folder)
+    check_branch_choice(cfg.par, flags.vision_branch, flags.language_branch)
+    return folder, cfg, tok
+
+
+def check_branch_choice(par: ParConfig, vision_branch: int | None, language_branch: int | None) -> None:
+    """--vision-branch and --language-branch against the checkpoint's branch counts: one line naming the
+    flag, exit 2 (a flag that turns out bad once config.json is read)."""
+    for name, value, count in (("--vision-branch", vision_branch, par.pv),
+                               ("--language-branch", language_branch, par.pl)):
+        if value is not None and not 0 <= value < count:
+            raise UsageError(f"{name} {value} out of range: the checkpoint has {count} branches")
+
+
+def load_engine(flags: InferenceFlags, folder: Path, device: torch.device) -> Engine:
+    """The weights of `folder` (open_model's) in --dtype on `device`, the --router checked against them, and
+    the Engine that runs them with the branch flags."""
+    dtype = resolve_dtype(flags.dtype, device)
+    t0 = time.perf_counter()
+    model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
+    par = model.cfg.par
+    log(f"loaded {folder} in {time.perf_counter() - t0:.2f} s ({dtype}, {device}, Pv:Pl = {par.pv}:{par.pl})")
+    router = None
+    if flags.router:
+        router = load_router(flags.router, model)
+        log(f"router {flags.router}: one branch pair per prompt")
+    return Engine(model, compile=flags.compile, shared_kv=flags.shared_kv, vision_branch=flags.vision_branch,
+                  language_branch=flags.language_branch, router=router)
