@@ -26,7 +26,6 @@ from PIL import Image
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as _BackendTokenizer
 
-from cli import one_line
 
 IMG_START = "<img>"
 IMG_END = "</img>"
@@ -157,7 +156,7 @@ def open_rgb(path_or_pil, name: str | None = None) -> Image.Image:
             f.load()
             return _to_rgb(f, name)
     except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as e:
-        detail = one_line(e)  # decoder messages may span lines; keep one line
+        detail = " ".join(str(e).split())  # decoder messages may span lines; keep one line
         raise ImageError(f"cannot read image {name}: {type(e).__name__}: {detail}") from e
 
 
