@@ -17,6 +17,7 @@ import torch
 
 import evaluate
 import generate
+import latency
 import profiling
 import router
 import train
@@ -385,7 +386,7 @@ def test_latency_compile_s_and_a_batch_that_does_not_fit(capsys, monkeypatch):
     def no_memory(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
-    monkeypatch.setattr(profiling.Engine, "generate", no_memory)
+    monkeypatch.setattr(latency.Engine, "generate", no_memory)
     code, err = run_main(capsys, profiling.main, ["latency", "--arch", "tiny", "--tiles", 1, "--text-tokens", 8,
                                                   "--new-tokens", 2, "--batch", 64, "--device", "cpu"])
     assert code == 1 and err[-1] == ("error: out of memory at Pv:Pl 1:1 --batch 64 (1 tiles, 8 text tokens, 2 new "

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import flops
+import latency
 import profiling
 from parvl import ParVL
 
@@ -230,7 +231,7 @@ def run_cli(*args: str) -> dict:
 def test_synthetic_inputs():
     cfg = flops.build_config("tiny", 2, 2)
     work = flops.Workload(tiles=3, text_tokens=40, response_tokens=8)
-    ids, pixels = profiling.synthetic_inputs(cfg, work, 2, torch.float32, torch.device("cpu"))
+    ids, pixels = latency.synthetic_inputs(cfg, work, 2, torch.float32, torch.device("cpu"))
     is_img = ids == cfg.image_token_id
     assert ids.shape == (2, 3 * 256 + 40) and is_img.sum(1).tolist() == [768, 768], ids.shape
     assert (ids[0] == ids[1]).all() and pixels.shape == (6, 3, 448, 448)  # identical samples
@@ -333,12 +334,12 @@ def test_table_4_and_the_shared_kv_delta_from_table_s7():
     rows = [{"pv": pv, "pl": pv, "shared_kv": shared, "batch": b, "latency_s": lat, "peak_gib": mem,
              "resident_gib": 2.0, "kv_cache_bytes": 1, "memory": "cuda_allocated", "branches": {}}
             for (pv, shared), cells in TABLE_S7.items() for b, (lat, mem) in zip((1, 2, 4, 8), cells)]
-    profiling.add_ratios(rows)
-    delta = profiling.shared_vs_standard(rows)
+    latency.add_ratios(rows)
+    delta = latency.shared_vs_standard(rows)
     assert [round(d["peak_pct"], 1) for d in delta] == [-9.4, -15.9, -23.3, -30.8]
     assert [round(d["latency_pct"], 1) for d in delta] == [18.3, 21.4, 22.0, 32.3]
     assert delta[0]["incremental_peak_pct"] == pytest.approx(100 * (0.571 / 0.837 - 1))
-    md = profiling.paper_layout(rows, delta)
+    md = latency.paper_layout(rows, delta)
     assert "| 4:4 | ✗ | Latency | 1.04× | 1.09× | 1.12× | 1.22× |" in md  # Table 4, first row
     assert "| 4:4 | ✗ | Memory | 1.23× | 1.41× | 1.69× | 2.12× |" in md
     assert "| 4:4 | ✓ | Memory | 1.11× | 1.18× | 1.30× | 1.47× |" in md
