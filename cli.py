@@ -133,7 +133,7 @@ def dcp_errors() -> tuple[type, ...]:
 
 def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None = None) -> int:
     """Run a command's job and turn every way it can end into the exit code and at most one line, the
-    same in every command (README, exit codes). A command's main parses its flags (a bad flag exits 2
+    same in every command (docs/reliability.md). A command's main parses its flags (a bad flag exits 2
     there, OneLineParser) and hands its job here:
 
         0          the job returned (or the code it returned);
@@ -310,7 +310,8 @@ def check_shared(folder: Path, flag: str) -> None:
     blind = [f"rank {r} on {host}" for r, (ok, host) in enumerate(views) if not ok]
     if blind:
         raise ValueError(f"{flag} {folder}: {', '.join(blind)} cannot see this folder, which rank 0 (on {views[0][1]}) "
-                         f"writes; on more than one machine it must be on a file system every node shares (README)")
+                         f"writes; on more than one machine it must be on a file system every node shares "
+                         f"(docs/training.md, \"More than one machine\")")
 
 
 def wait_for_torchrun() -> None:
@@ -328,7 +329,7 @@ def exit_process(code: int) -> NoReturn:
     """sys.exit for the __main__ of the commands, called once main() has passed its last barrier and
     destroyed the process group. On this torch build a gloo process can still abort in the
     interpreter's own teardown after that ("terminate called without an active exception", SIGABRT,
-    which torchrun reports as a failed run; README, exit codes). Every file is closed by then, so a
+    which torchrun reports as a failed run; docs/reliability.md, "Under torchrun"). Every file is closed by then, so a
     process torchrun started flushes its output and leaves with os._exit, skipping that teardown; a
     plain `python` process exits as usual."""
     if "RANK" in os.environ:

@@ -7,8 +7,8 @@ bandwidth-bound work that MKL's sgemm does poorly with few rows (it streams the 
 thread). Inductor's own reduction kernel, parallel over the outputs and vectorised along K, reads
 them near the memory's rate, so the compiled CPU step turns each linear of few rows into multiply +
 sum (gemv) before inductor lowers it: every weight is still read once per row, and the sums
-accumulate in fp32 as the BLAS's do. The measurements behind this and GEMV_ROWS are in the README
-("On a GPU", the decode step).
+accumulate in fp32 as the BLAS's do. The measurements behind this and GEMV_ROWS are in
+docs/performance.md, "CPU decode".
 
     step = torch.compile(decode_step, backend=cpu_backend, fullgraph=True)
 
@@ -36,13 +36,13 @@ def cpu_backend(gm: torch.fx.GraphModule, example_inputs):
     """The CPU decode backend: inductor, after turning every linear of at most GEMV_ROWS rows in
     dynamo's graph into gemv. The rewrite is in the graph inductor receives (not in its decomposition
     table, which its caches do not key on), so a cached plain graph is never handed back for it."""
-    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.compile_fx import compile_fx  # here: importing inductor takes seconds, paid only to compile
 
     for node in gm.graph.find_nodes(op="call_function", target=torch.nn.functional.linear):
         x = node.args[0].meta["example_value"]
         if x.numel() <= GEMV_ROWS * x.shape[-1]:
             node.target = gemv
     gm.recompile()
-    # store small activations (the RMSNorm output) rather than let inductor recompute them in the gemv
-    # loop for every weight row (faster at the benchmark's default size, README)
+    # store small activations (the RMSNorm output) rather than let inductor recompute them in the gemv loop for
+    # every weight row (25 -> 19 ms per step at the benchmark's default size: docs/performance.md, "CPU decode")
     return compile_fx(gm, example_inputs, config_patches={"realize_opcount_threshold": 4})

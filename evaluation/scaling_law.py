@@ -95,7 +95,7 @@ def fit_law(N: list[float], P: list[float], L: list[float]) -> dict:
     N_, P_, L_ = (torch.tensor(v, dtype=torch.float64) for v in (N, P, L))
     x0 = torch.tensor([[math.exp(e), math.exp(a), max(al, 1e-8), k] for e, a, al, k in GRID], dtype=torch.float64)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # [300, R] tensors: threads only add contention (README, fit-law)
+    torch.set_num_threads(1)  # [300, R] tensors: threads only add contention (docs/evaluation.md, "ParScale's law")
     try:
         x, fx = lbfgs(lambda x: huber(L_.log() - law(x, N_, P_).log()).sum(-1), x0)
     finally:

@@ -377,9 +377,9 @@ def _score_row(benchmark: str, r: dict, pred: str, extract) -> tuple[float | boo
         check = mathvista_check if benchmark == "MathVista_MINI" else mathvision_check
         hit, got = check(r, pred)
         # upstream's prefetch: an option letter counts as extracted whatever it is; a free-form
-        # reply only when it already equals the answer. Others go to the judge. (Deviation, README:
-        # upstream tests the prefetched value's truthiness, so a correct reply 0 also goes to its
-        # judge and is wrong when the judge gives nothing back; here it is resolved and right.)
+        # reply only when it already equals the answer. Others go to the judge. (A deviation, docs/evaluation.md,
+        # "Deviations from VLMEvalKit": upstream tests the prefetched value's truthiness, so a correct reply 0
+        # also goes to its judge and is wrong when the judge gives nothing back; here it is resolved and right.)
         resolved = got is not None and (hit or _is_option_question(benchmark, r))
         if not resolved and extract is not None:
             reply = extract("math", r, pred)

@@ -474,8 +474,9 @@ def parse_flags(command, argv: list):
 
 def two_nodes(args: list, node_args: tuple[list, list] = ([], []), timeout: int = 300) -> tuple[list[int], str]:
     """A command (script and flags) as 2 nodes x 1 process: two torchrun launchers on 127.0.0.1, the
-    README's multi-node invocation (--nnodes 2 --node-rank 0 / 1, rendezvous at --master-addr and
-    --master-port), as two machines sharing a file system. node_args: flags only one node gets.
+    multi-node invocation of docs/training.md, "More than one machine" (--nnodes 2 --node-rank 0 / 1,
+    rendezvous at --master-addr and --master-port), as two machines sharing a file system. node_args: flags
+    only one node gets.
     Returns both launchers' exit codes and their stderr, node 0's first."""
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))

@@ -212,7 +212,7 @@ def test_wandb_offline_run_holds_the_metrics(model_dir, meta, tmp_path, monkeypa
 
 def torchrun_line(env: dict, args: list) -> list[str]:
     """What srun must be given on a 2-node allocation: one task per node, each the torchrun of the
-    README's multi-node form with the rendezvous of Slurm's environment (first node, job id)."""
+    multi-node form of docs/training.md with the rendezvous of Slurm's environment (first node, job id)."""
     return ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", sys.executable, "-m",
             "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"127.0.0.1:{env['RDZV_PORT']}", "--rdzv-id", "4242", *map(str, args)]

@@ -467,7 +467,7 @@ def test_run_resume_gives_the_same_file(bench, full_run, tmp_path, capsys):
 
 
 def test_run_two_nodes_equal_one(bench, full_run, tmp_path):
-    """2 nodes x 1 process (conftest.two_nodes, the README's multi-node torchrun on 127.0.0.1): the
+    """2 nodes x 1 process (conftest.two_nodes, docs/training.md's multi-node torchrun on 127.0.0.1): the
     merged predictions are the one process's, byte for byte."""
     folder, tsv, _, _ = bench
     out = tmp_path / "pred.jsonl"

@@ -165,7 +165,7 @@ def test_labels_equal_single_pair_forwards(model23, labelled):
 
 def test_labels_do_not_depend_on_world_size_and_resume(model23, labelled, tmp_path, monkeypatch):
     meta, one = labelled
-    # two ranks as 2 nodes x 1 process (conftest.two_nodes, the README's multi-node torchrun on 127.0.0.1)
+    # two ranks as 2 nodes x 1 process (conftest.two_nodes, docs/training.md's multi-node torchrun on 127.0.0.1)
     codes, err = two_nodes([ROOT / "router.py", "label", "--model", model23, "--data", meta, "--out",
                             tmp_path / "two", *LABEL])
     assert codes == [0, 0], err[-3000:]

@@ -240,7 +240,7 @@ def test_a_node_that_cannot_see_the_run_folder_is_refused(model_dir, meta, tmp_p
     assert codes == [1, 1], err[-3000:]
     want = (f"error: --out {tmp_path / 'a'}: rank 1 on {socket.gethostname()} cannot see this folder, which rank 0 "
             f"(on {socket.gethostname()}) writes; on more than one machine it must be on a file system every node "
-            f"shares (README)")
+            f"shares (docs/training.md, \"More than one machine\")")
     assert [x for x in err.splitlines() if x.startswith("error:")] == [want], err[-3000:]
     assert not (tmp_path / "a" / "config.json").exists() and not list((tmp_path / "b").iterdir())
 
