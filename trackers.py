@@ -88,5 +88,10 @@ class Tracker:
 
     def __exit__(self, kind, error, tb) -> None:
         if self.sink is not None:
-            self.sink.close() if self.kind == "tensorboard" else self.sink.finish(exit_code=int(error is not None))
+            if self.kind == "tensorboard":
+                self.sink.close()
+            else:  # finish() can return before W&B's service has written the run's records; teardown waits for
+                # it (its atexit hook would too, but a torchrun rank leaves by os._exit: cli.exit_process)
+                self.sink.finish(exit_code=int(error is not None))
+                self.module.teardown()
             self.sink = None
