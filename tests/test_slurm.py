@@ -1,0 +1,87 @@
+"""slurm/parvl.sbatch against what a real Slurm cluster gives it (issue 38): every setting checked before
+use.
+Each test runs the script under conftest.fake_slurm, whose srun writes down its arguments and environment and
+ends at once (FAKE_SRUN_SLEEP 0), so nothing trains."""
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import fake_slurm, sbatch, slurm_log
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "slurm" / "parvl.sbatch"
+# what the script reads to count a node's GPUs; the test's own environment may hold any of them
+GPU_VARS = ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE", "SLURM_JOB_GPUS", "CUDA_VISIBLE_DEVICES")
+
+
+def job_env(folder: Path, drop=(), **env) -> dict:
+    """fake_slurm's 2-node job with no GPU variable, less `drop`, plus `env`; srun ends at once and writes its
+    environment into folder / srun_env.json."""
+    full = fake_slurm(folder, FAKE_SRUN_SLEEP=0, FAKE_SRUN_ENV=folder / "srun_env.json")
+    for name in (*GPU_VARS, *drop):
+        full.pop(name, None)
+    return {**full, **{k: str(v) for k, v in env.items()}}
+
+
+def run_job(folder: Path, drop=(), **env) -> tuple[subprocess.CompletedProcess, list[str] | None, dict | None]:
+    """The script on `train.py --out r` in job_env: its result, srun's arguments and environment (None: not run)."""
+    env = job_env(folder, drop, **env)
+    res = sbatch(["train.py", "--out", "r"], env, timeout=60)
+    sruns = [call for call in slurm_log(env) if call[0] == "srun"]
+    srun_env = folder / "srun_env.json"
+    return res, sruns[0] if sruns else None, json.loads(srun_env.read_text()) if srun_env.exists() else None
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def ids(cases) -> list[str]:
+    """A case's name: its variables, as NAME=VALUE,..."""
+    return [",".join(f"{k}={v}" for k, v in c[0].items()) for c in cases]
+
+
+# -- item 20: every setting checked before use ----------------------------------------------------------------
+
+BAD = [
+    ({"NPROC_PER_NODE": "0"}, "NPROC_PER_NODE='0': not a process count (1, 2, ...)"),
+    ({"NPROC_PER_NODE": "abc"}, "NPROC_PER_NODE='abc': not a process count (1, 2, ...)"),
+    ({"NPROC_PER_NODE": "08"}, "NPROC_PER_NODE='08': not a process count (1, 2, ...)"),
+    ({"RDZV_PORT": "abc"}, "RDZV_PORT='abc': not a TCP port (1 to 65535)"),
+    ({"RDZV_PORT": "70000"}, "RDZV_PORT='70000': not a TCP port (1 to 65535)"),
+    ({"SLURM_JOB_NODELIST": ""}, "SLURM_JOB_NODELIST='': not a Slurm node list (as node[01-04],gpu7)"),
+    ({"SLURM_JOB_NODELIST": "127.0.0.1"}, "SLURM_JOB_NODELIST='127.0.0.1' names 1 hosts, SLURM_JOB_NUM_NODES=2"),
+    ({"SLURM_JOB_NUM_NODES": "two"}, "SLURM_JOB_NUM_NODES='two': not a node count"),
+    ({"SLURM_JOB_ID": "42x"}, "SLURM_JOB_ID='42x': not a Slurm job id"),
+    ({"SLURM_RESTART_COUNT": "-1"}, "SLURM_RESTART_COUNT='-1': not a restart count"),
+    ({"PYTHON": "/no/such/python"}, "PYTHON='/no/such/python': no such command (the interpreter with torch)"),
+    ({"SLURM_GPUS_ON_NODE": "8x"}, "SLURM_GPUS_ON_NODE='8x': not a GPU count"),
+]
+
+
+@pytest.mark.parametrize("env, line", BAD, ids=ids(BAD))
+def test_a_bad_setting_is_one_line_and_exit_2(tmp_path, env, line):
+    """A setting that is not the number or name it must be: one line naming it, exit 2, srun never started
+    (f741ade handed NPROC_PER_NODE=0, RDZV_PORT=abc and an empty node list to torchrun, or took them). The GPU
+    variables are read with NPROC_PER_NODE unset."""
+    res, srun, _ = run_job(tmp_path, ["NPROC_PER_NODE"], **env)
+    assert (res.returncode, res.stderr.splitlines(), srun) == (2, [f"parvl.sbatch: {line}"], None)
+
+
+def test_no_setting_runs_a_command(tmp_path):
+    """SLURM_RESTART_COUNT='PATH[$(cmd)]' (and every other number) is matched, never evaluated: f741ade's
+    `[[ $SLURM_RESTART_COUNT -gt 0 ]]` ran cmd. Outside a Slurm job the script says so in one line."""
+    marker = tmp_path / "ran"
+    for name in ("SLURM_RESTART_COUNT", "SLURM_JOB_NUM_NODES", "NPROC_PER_NODE", "RDZV_PORT", "SLURM_GPUS_ON_NODE"):
+        value = f"PATH[$(touch {marker})]"
+        res, srun, _ = run_job(tmp_path / name, ["NPROC_PER_NODE"], **{name: value})
+        assert not marker.exists(), name
+        assert (res.returncode, res.stderr.splitlines(), srun) == (2, [f"parvl.sbatch: {name}='{value}': " + {
+            "SLURM_RESTART_COUNT": "not a restart count", "SLURM_JOB_NUM_NODES": "not a node count",
+            "NPROC_PER_NODE": "not a process count (1, 2, ...)", "RDZV_PORT": "not a TCP port (1 to 65535)",
+            "SLURM_GPUS_ON_NODE": "not a GPU count"}[name]], None)
+    res, srun, _ = run_job(tmp_path / "outside", drop=["SLURM_JOB_ID"])
+    assert (res.returncode, res.stderr.splitlines(), srun) == (
+        2, ["parvl.sbatch: not inside a Slurm job (no SLURM_JOB_ID): submit it, sbatch slurm/parvl.sbatch ..."], None)
