@@ -1,8 +1,9 @@
-"""slurm/parvl.sbatch against what a real Slurm cluster gives it (issue 38): every setting checked before
-use.
+"""slurm/parvl.sbatch against what a real Slurm cluster gives it (issue 38): the processes per node taken
+from the allocation, and every setting checked before use.
 Each test runs the script under conftest.fake_slurm, whose srun writes down its arguments and environment and
 ends at once (FAKE_SRUN_SLEEP 0), so nothing trains."""
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -43,6 +44,45 @@ def ids(cases) -> list[str]:
     return [",".join(f"{k}={v}" for k, v in c[0].items()) for c in cases]
 
 
+# -- item 17: processes per node from the allocation ----------------------------------------------------------
+
+NO_GPU = "no GPU on the node (none of SLURM_GPUS_ON_NODE, SLURM_GPUS_PER_NODE, SLURM_JOB_GPUS, CUDA_VISIBLE_DEVICES)"
+NPROC = [
+    ({"SLURM_GPUS_ON_NODE": 4}, 4, "one per GPU Slurm gave the node (SLURM_GPUS_ON_NODE=4)"),
+    ({"SLURM_GPUS_PER_NODE": "h100:2"}, 2, "one per GPU Slurm gave the node (SLURM_GPUS_PER_NODE=h100:2)"),
+    ({"SLURM_GPUS_PER_NODE": "a100:2,v100:1"}, 3,
+     "one per GPU Slurm gave the node (SLURM_GPUS_PER_NODE=a100:2,v100:1)"),
+    ({"SLURM_JOB_GPUS": "0,1,2"}, 3, "one per GPU Slurm gave the node (SLURM_JOB_GPUS=0,1,2)"),
+    ({"CUDA_VISIBLE_DEVICES": "0,1"}, 2, "one per GPU Slurm gave the node (CUDA_VISIBLE_DEVICES=0,1)"),
+    ({"SLURM_GPUS_ON_NODE": 8, "NPROC_PER_NODE": 2}, 2, "NPROC_PER_NODE=2"),
+    ({"SLURM_GPUS_PER_NODE": 0}, 1,
+     "no GPU on the node (SLURM_GPUS_PER_NODE=0): one per task Slurm gave it (SLURM_NTASKS_PER_NODE=1)"),
+    ({"CUDA_VISIBLE_DEVICES": "NoDevFiles", "SLURM_NTASKS_PER_NODE": 2}, 2,
+     "no GPU on the node (CUDA_VISIBLE_DEVICES=NoDevFiles): one per task Slurm gave it (SLURM_NTASKS_PER_NODE=2)"),
+    ({"SLURM_NTASKS_PER_NODE": 3}, 3, f"{NO_GPU}: one per task Slurm gave it (SLURM_NTASKS_PER_NODE=3)"),
+    ({"SLURM_TASKS_PER_NODE": "4,2"}, 2, f"{NO_GPU}: one per task Slurm gave it (SLURM_TASKS_PER_NODE=4,2)"),
+]
+
+
+@pytest.mark.parametrize("env, nproc, why", NPROC, ids=ids(NPROC))
+def test_processes_per_node_come_from_the_allocation(tmp_path, env, nproc, why):
+    """--nproc-per-node is the GPUs Slurm gave the node (whichever of its variables is set), else its tasks per
+    node (never a fixed 8: f741ade gave a GPU-less job 8 processes), NPROC_PER_NODE above both; the log says
+    which and why in one line."""
+    drop = ["NPROC_PER_NODE"] + (["SLURM_NTASKS_PER_NODE"] if "SLURM_TASKS_PER_NODE" in env else [])
+    res, srun, _ = run_job(tmp_path, drop, **env)
+    assert res.returncode == 0, res.stderr
+    assert flag(srun, "--nproc-per-node") == str(nproc)
+    assert f"parvl.sbatch: --nproc-per-node {nproc}: {why}" in res.stderr.splitlines(), res.stderr
+
+
+def test_the_defaults_ask_for_no_gpus():
+    """The #SBATCH defaults ask for no GPU (sbatch refuses a GPU request where there is no GPU gres: the user
+    asks with --gpus-per-node or --gres)."""
+    lines = [x for x in SCRIPT.read_text().splitlines() if x.startswith("#SBATCH")]
+    assert not [x for x in lines if re.search(r"--gpu|--gres|\s-G", x)], lines
+
+
 # -- item 20: every setting checked before use ----------------------------------------------------------------
 
 BAD = [
@@ -58,6 +98,9 @@ BAD = [
     ({"SLURM_RESTART_COUNT": "-1"}, "SLURM_RESTART_COUNT='-1': not a restart count"),
     ({"PYTHON": "/no/such/python"}, "PYTHON='/no/such/python': no such command (the interpreter with torch)"),
     ({"SLURM_GPUS_ON_NODE": "8x"}, "SLURM_GPUS_ON_NODE='8x': not a GPU count"),
+    ({"SLURM_GPUS_PER_NODE": "h100:"}, "SLURM_GPUS_PER_NODE='h100:': not a GPU count per node ([TYPE:]N, as h100:8)"),
+    ({"SLURM_JOB_GPUS": "0,,1"}, "SLURM_JOB_GPUS='0,,1': not a list of GPU ids (as 0,1,2,3)"),
+    ({"CUDA_VISIBLE_DEVICES": "0;1"}, "CUDA_VISIBLE_DEVICES='0;1': not a list of GPU indices or UUIDs"),
 ]
 
 
