@@ -1,7 +1,7 @@
-"""slurm/parvl.sbatch against what a real Slurm cluster gives it (issue 38): the processes per node taken
-from the allocation, and every setting checked before use.
+"""slurm/parvl.sbatch against what a real Slurm cluster gives it (issue 38): the processes and CPUs per node
+taken from the allocation, and every setting checked before use.
 Each test runs the script under conftest.fake_slurm, whose srun writes down its arguments and environment and
-ends at once (FAKE_SRUN_SLEEP 0), so nothing trains."""
+ends at once (FAKE_SRUN_SLEEP 0), so nothing trains; one test starts a real 2-process torchrun."""
 import json
 import re
 import subprocess
@@ -76,11 +76,36 @@ def test_processes_per_node_come_from_the_allocation(tmp_path, env, nproc, why):
     assert f"parvl.sbatch: --nproc-per-node {nproc}: {why}" in res.stderr.splitlines(), res.stderr
 
 
-def test_the_defaults_ask_for_no_gpus():
+def test_the_defaults_ask_for_whole_nodes_and_no_gpus():
     """The #SBATCH defaults ask for no GPU (sbatch refuses a GPU request where there is no GPU gres: the user
-    asks with --gpus-per-node or --gres)."""
+    asks with --gpus-per-node or --gres) and for whole nodes (--exclusive: every CPU, whatever the node)."""
     lines = [x for x in SCRIPT.read_text().splitlines() if x.startswith("#SBATCH")]
     assert not [x for x in lines if re.search(r"--gpu|--gres|\s-G", x)], lines
+    assert "#SBATCH --exclusive" in lines and not [x for x in lines if "--cpus-per-task" in x], lines
+
+
+# -- item 18: the CPUs reach srun -----------------------------------------------------------------------------
+
+CPUS = [
+    ({"SLURM_JOB_CPUS_PER_NODE": "96(x2)"}, 96,
+     "all the job has on its node with the fewest (SLURM_JOB_CPUS_PER_NODE=96(x2))"),
+    ({"SLURM_JOB_CPUS_PER_NODE": "128,64"}, 64,
+     "all the job has on its node with the fewest (SLURM_JOB_CPUS_PER_NODE=128,64)"),
+    ({"SLURM_JOB_CPUS_PER_NODE": "128(x2)", "SLURM_CPUS_PER_TASK": 16}, 16,
+     "the job's --cpus-per-task (SLURM_CPUS_PER_TASK=16)"),
+]
+
+
+@pytest.mark.parametrize("env, cpus, why", CPUS, ids=ids(CPUS))
+def test_srun_gets_the_cpus_of_the_node(tmp_path, env, cpus, why):
+    """srun is given the CPUs for each node's torchrun (SRUN_CPUS_PER_TASK: Slurm 22.05's srun no longer reads
+    SLURM_CPUS_PER_TASK, and a step given none pins every rank to one CPU): the job's --cpus-per-task, else all
+    the CPUs it has on its smallest node; the log says which."""
+    res, _, srun_env = run_job(tmp_path, **env)
+    assert res.returncode == 0, res.stderr
+    assert srun_env["SRUN_CPUS_PER_TASK"] == str(cpus)
+    assert (f"parvl.sbatch: --cpus-per-task {cpus} (SRUN_CPUS_PER_TASK) for each node's torchrun: {why}"
+            in res.stderr.splitlines()), res.stderr
 
 
 # -- item 20: every setting checked before use ----------------------------------------------------------------
@@ -101,6 +126,8 @@ BAD = [
     ({"SLURM_GPUS_PER_NODE": "h100:"}, "SLURM_GPUS_PER_NODE='h100:': not a GPU count per node ([TYPE:]N, as h100:8)"),
     ({"SLURM_JOB_GPUS": "0,,1"}, "SLURM_JOB_GPUS='0,,1': not a list of GPU ids (as 0,1,2,3)"),
     ({"CUDA_VISIBLE_DEVICES": "0;1"}, "CUDA_VISIBLE_DEVICES='0;1': not a list of GPU indices or UUIDs"),
+    ({"SLURM_CPUS_PER_TASK": "0"}, "SLURM_CPUS_PER_TASK='0': not a CPU count"),
+    ({"SLURM_JOB_CPUS_PER_NODE": "many"}, "SLURM_JOB_CPUS_PER_NODE='many': not Slurm's CPUs per node (as 72(x2),36)"),
 ]
 
 
@@ -117,14 +144,36 @@ def test_no_setting_runs_a_command(tmp_path):
     """SLURM_RESTART_COUNT='PATH[$(cmd)]' (and every other number) is matched, never evaluated: f741ade's
     `[[ $SLURM_RESTART_COUNT -gt 0 ]]` ran cmd. Outside a Slurm job the script says so in one line."""
     marker = tmp_path / "ran"
-    for name in ("SLURM_RESTART_COUNT", "SLURM_JOB_NUM_NODES", "NPROC_PER_NODE", "RDZV_PORT", "SLURM_GPUS_ON_NODE"):
+    for name in ("SLURM_RESTART_COUNT", "SLURM_JOB_NUM_NODES", "NPROC_PER_NODE", "RDZV_PORT", "SLURM_GPUS_ON_NODE",
+                 "SLURM_CPUS_PER_TASK"):
         value = f"PATH[$(touch {marker})]"
         res, srun, _ = run_job(tmp_path / name, ["NPROC_PER_NODE"], **{name: value})
         assert not marker.exists(), name
         assert (res.returncode, res.stderr.splitlines(), srun) == (2, [f"parvl.sbatch: {name}='{value}': " + {
             "SLURM_RESTART_COUNT": "not a restart count", "SLURM_JOB_NUM_NODES": "not a node count",
             "NPROC_PER_NODE": "not a process count (1, 2, ...)", "RDZV_PORT": "not a TCP port (1 to 65535)",
-            "SLURM_GPUS_ON_NODE": "not a GPU count"}[name]], None)
+            "SLURM_GPUS_ON_NODE": "not a GPU count", "SLURM_CPUS_PER_TASK": "not a CPU count"}[name]], None)
     res, srun, _ = run_job(tmp_path / "outside", drop=["SLURM_JOB_ID"])
     assert (res.returncode, res.stderr.splitlines(), srun) == (
         2, ["parvl.sbatch: not inside a Slurm job (no SLURM_JOB_ID): submit it, sbatch slurm/parvl.sbatch ..."], None)
+
+
+# -- a real job -----------------------------------------------------------------------------------------------
+
+
+def test_a_gpu_less_node_runs_its_tasks_as_processes(tmp_path):
+    """One node with no GPU and 2 tasks, NPROC_PER_NODE unset: the script's torchrun (real, on 127.0.0.1)
+    starts 2 processes, ranks 0 and 1 of a world of 2 by its rendezvous; the CPUs it was given reach each."""
+    probe = tmp_path / "probe.py"
+    probe.write_text("import os, pathlib, sys\n"
+                     "keys = 'RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'LOCAL_WORLD_SIZE', 'SRUN_CPUS_PER_TASK'\n"
+                     "pathlib.Path(sys.argv[1], os.environ['RANK']).write_text(' '.join(map(os.environ.get, keys)))\n")
+    env = fake_slurm(tmp_path / "slurm", nodes=1, SLURM_NTASKS_PER_NODE=2, SLURM_JOB_CPUS_PER_NODE=3)
+    for name in (*GPU_VARS, "NPROC_PER_NODE"):
+        env.pop(name, None)
+    res = sbatch([probe, tmp_path], env, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert {p.name: p.read_text() for p in tmp_path.iterdir() if p.name.isdigit()} == {
+        "0": "0 0 2 2 3", "1": "1 1 2 2 3"}
+    srun = slurm_log(env)[1]
+    assert flag(srun, "--nproc-per-node") == "2" and srun[-2:] == [str(probe), str(tmp_path)]
