@@ -1,10 +1,12 @@
 """slurm/parvl.sbatch against what a real Slurm cluster gives it (issue 38): the processes and CPUs per node
-taken from the allocation, and every setting checked before use.
+taken from the allocation, the time limit against the requeue warning, and every setting checked before use.
 Each test runs the script under conftest.fake_slurm, whose srun writes down its arguments and environment and
 ends at once (FAKE_SRUN_SLEEP 0), so nothing trains; one test starts a real 2-process torchrun."""
 import json
 import re
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,57 @@ def test_srun_gets_the_cpus_of_the_node(tmp_path, env, cpus, why):
             in res.stderr.splitlines()), res.stderr
 
 
+# -- item 19: a time limit within the requeue warning ---------------------------------------------------------
+
+WITHIN = ("parvl.sbatch: the time limit {} is within the requeue warning ({}, sent up to {} s before the end): "
+          "this job runs once, to its limit, and is not requeued at the warning")
+
+
+@pytest.mark.parametrize("limit, signal_env, within", [
+    ("5:00", None, True), ("5:30", None, True), ("1:00", None, True), ("5:31", None, False),
+    ("1:00:00", None, False), ("1-00:00:00", None, False), ("UNLIMITED", None, False),
+    ("5:00", "B:USR1@60", False), ("1:30", "B:USR1@60", True), ("10:00", "B:SIGUSR1@600", True),
+])
+def test_a_time_limit_within_the_warning_is_said_at_the_start(tmp_path, limit, signal_env, within):
+    """The job's time limit (squeue) against the warning's lead (#SBATCH --signal=B:USR1@300, or SBATCH_SIGNAL
+    when submitted with it) plus Slurm's 30 s check: a limit within it is said in one line at the start (its
+    warning would come at once, f741ade's requeue loop); a longer one, or none, says nothing."""
+    env = {"FAKE_TIME_LIMIT": limit, **({"SBATCH_SIGNAL": signal_env} if signal_env else {})}
+    res, srun, _ = run_job(tmp_path, **env)
+    assert res.returncode == 0 and srun is not None, res.stderr
+    sig = signal_env or "B:USR1@300"
+    lead = int(sig.split("@")[1])
+    said = [x for x in res.stderr.splitlines() if "within the requeue warning" in x]
+    assert said == ([WITHIN.format(limit, sig, lead + 30)] if within else [])
+
+
+def send_usr1(tmp_path: Path, limit: str) -> tuple[int, str, list[list[str]]]:
+    """The script under a job of this time limit whose srun runs 3 s; USR1 (Slurm's warning) once srun has
+    started. Its exit code, stderr and the Slurm calls it made."""
+    env = fake_slurm(tmp_path, FAKE_SRUN_SLEEP=3, FAKE_TIME_LIMIT=limit)
+    proc = subprocess.Popen(["bash", str(SCRIPT), "train.py", "--out", "r"], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(slurm_log(env)) < 2 and time.monotonic() < deadline:  # srun has started: the trap is set
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=30)
+    return proc.returncode, err, slurm_log(env)
+
+
+def test_the_warning_of_a_limit_within_it_does_not_requeue(tmp_path):
+    """A 5-minute job under the default 300 s warning: the warning, which Slurm sends at the start, is ignored
+    with one line (f741ade requeued it, and its restart was warned again, forever) and the job runs on to
+    srun's end; with an hour's limit the same warning requeues the job."""
+    code, err, calls = send_usr1(tmp_path / "short", "5:00")
+    assert code == 0, err
+    assert [c for c in calls if c[:2] == ["scontrol", "requeue"]] == []
+    assert ("parvl.sbatch: time-limit warning ignored, job 4242 is not requeued (its limit is within the warning); "
+            "it runs on until Slurm stops it at the limit") in err.splitlines()
+    code, err, calls = send_usr1(tmp_path / "long", "1:00:00")
+    assert code == 0 and calls[2:] == [["scontrol", "requeue", "4242"]], err
+
+
 # -- item 20: every setting checked before use ----------------------------------------------------------------
 
 BAD = [
@@ -128,6 +181,9 @@ BAD = [
     ({"CUDA_VISIBLE_DEVICES": "0;1"}, "CUDA_VISIBLE_DEVICES='0;1': not a list of GPU indices or UUIDs"),
     ({"SLURM_CPUS_PER_TASK": "0"}, "SLURM_CPUS_PER_TASK='0': not a CPU count"),
     ({"SLURM_JOB_CPUS_PER_NODE": "many"}, "SLURM_JOB_CPUS_PER_NODE='many': not Slurm's CPUs per node (as 72(x2),36)"),
+    ({"SBATCH_SIGNAL": "USR1@60"},
+     "SBATCH_SIGNAL='USR1@60': not B:USR1@SECONDS (the batch shell hears USR1 and requeues the job)"),
+    ({"FAKE_TIME_LIMIT": "soon"}, "squeue -h -j 4242 -o %l: 'soon' is not a time limit"),
 ]
 
 
