@@ -134,6 +134,22 @@ def test_a_time_limit_within_the_warning_is_said_at_the_start(tmp_path, limit, s
     assert said == ([WITHIN.format(limit, sig, lead + 30)] if within else [])
 
 
+def test_a_script_without_the_warning_has_none_to_fit(tmp_path):
+    """A copy of the script without its #SBATCH --signal line (a user who wants no requeue at the time limit)
+    runs under any limit and says nothing of a warning; a bad --signal line is one line, exit 2."""
+    lines = SCRIPT.read_text().splitlines(keepends=True)
+    for name, signal_line, code, err in [("none", [], 0, []), ("bad", ["#SBATCH --signal=USR1@300\n"], 2, [
+            "parvl.sbatch: #SBATCH --signal='USR1@300': not B:USR1@SECONDS (the batch shell hears USR1 and requeues "
+            "the job)"])]:
+        copy = tmp_path / f"{name}.sbatch"
+        copy.write_text("".join(y for x in lines for y in (signal_line if x.startswith("#SBATCH --signal=") else [x])))
+        env = job_env(tmp_path / name, FAKE_TIME_LIMIT="1:00")
+        res = subprocess.run(["bash", str(copy), "train.py", "--out", "r"], env=env, cwd=ROOT, capture_output=True,
+                             text=True, timeout=60)
+        assert res.returncode == code, res.stderr
+        assert [x for x in res.stderr.splitlines() if "warning" in x or "signal" in x] == err
+
+
 def send_usr1(tmp_path: Path, limit: str) -> tuple[int, str, list[list[str]]]:
     """The script under a job of this time limit whose srun runs 3 s; USR1 (Slurm's warning) once srun has
     started. Its exit code, stderr and the Slurm calls it made."""
