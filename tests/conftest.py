@@ -492,8 +492,10 @@ def two_nodes(args: list, node_args: tuple[list, list] = ([], []), timeout: int 
 
 # A faked Slurm for slurm/parvl.sbatch: `scontrol show hostnames` lists the comma-separated nodes of
 # SLURM_JOB_NODELIST, `scontrol requeue` is written down; `srun --nodes=N ...` writes down its arguments
-# and starts its command once per node with that node's SLURM_NODEID (as N machines would), or with
-# FAKE_SRUN_SLEEP only sleeps that long. Both append one JSON line per call to FAKE_SLURM_LOG.
+# (and its whole environment into FAKE_SRUN_ENV, when set) and starts its command once per node with that
+# node's SLURM_NODEID (as N machines would), or with FAKE_SRUN_SLEEP only sleeps that long. Both append one
+# JSON line per call to FAKE_SLURM_LOG. `squeue -h -j JOBID -o %l` (the one query the script makes; any other
+# is refused) prints FAKE_TIME_LIMIT, the job's time limit as squeue writes it, and is not logged.
 FAKE_SRUN = '''import json, os, subprocess, sys, time
 args = sys.argv[1:]
 opts = [a for a in args[:next(i for i, a in enumerate(args) if not a.startswith("--"))]]
@@ -501,6 +503,9 @@ cmd = args[len(opts):]
 nodes = int(next(a for a in opts if a.startswith("--nodes=")).split("=")[1])
 with open(os.environ["FAKE_SLURM_LOG"], "a") as f:
     f.write(json.dumps(["srun", *args]) + "\\n")
+if "FAKE_SRUN_ENV" in os.environ:
+    with open(os.environ["FAKE_SRUN_ENV"], "w") as f:
+        json.dump(dict(os.environ), f)
 if "FAKE_SRUN_SLEEP" in os.environ:
     time.sleep(float(os.environ["FAKE_SRUN_SLEEP"]))
     sys.exit(0)
@@ -513,23 +518,33 @@ with open(os.environ["FAKE_SLURM_LOG"], "a") as f:
 if sys.argv[1:3] == ["show", "hostnames"]:
     print("\\n".join(sys.argv[3].split(",")))
 '''
+FAKE_SQUEUE = '''import os, sys
+if sys.argv[1:] != ["-h", "-j", os.environ["SLURM_JOB_ID"], "-o", "%l"]:
+    sys.exit(f"fake squeue: unexpected arguments {sys.argv[1:]}")
+print(os.environ["FAKE_TIME_LIMIT"])
+'''
 
 
 def fake_slurm(folder: Path, nodes: int = 2, job_id: int = 4242, **env) -> dict:
-    """The environment of a Slurm batch job of `nodes` nodes on 127.0.0.1 (one process each), with fake
-    srun and scontrol first on PATH; `env` adds or overrides variables. Its log: folder / "slurm.log"."""
+    """The environment of a Slurm batch job of `nodes` nodes on 127.0.0.1 (one process each, one task and all
+    of this machine's CPUs per node, an hour's time limit), with fake srun, scontrol and squeue first on PATH;
+    `env` adds or overrides variables. Its log: folder / "slurm.log"."""
     bin_ = folder / "bin"
     bin_.mkdir(parents=True, exist_ok=True)
-    for name, code in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+    for name, code in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL), ("squeue", FAKE_SQUEUE)):
         (bin_ / name).write_text(f"#!{sys.executable}\n{code}")
         (bin_ / name).chmod(0o755)
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return dict(os.environ, PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1",
-                FAKE_SLURM_LOG=str(folder / "slurm.log"), SLURM_JOB_ID=str(job_id), SLURM_JOB_NUM_NODES=str(nodes),
-                SLURM_JOB_NODELIST=",".join(["127.0.0.1"] * nodes), NPROC_PER_NODE="1", RDZV_PORT=str(port),
-                PYTHON=sys.executable, **{k: str(v) for k, v in env.items()})
+    # the job's own Slurm variables only: none of a Slurm job these tests may themselves run in
+    outer = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "SBATCH_", "SRUN_"))}
+    return {**outer, **dict(PATH=f"{bin_}{os.pathsep}{os.environ['PATH']}", OMP_NUM_THREADS="1",
+                            FAKE_SLURM_LOG=str(folder / "slurm.log"), SLURM_JOB_ID=str(job_id),
+                            SLURM_JOB_NUM_NODES=str(nodes), SLURM_JOB_NODELIST=",".join(["127.0.0.1"] * nodes),
+                            NPROC_PER_NODE="1", RDZV_PORT=str(port), SLURM_NTASKS_PER_NODE="1",
+                            SLURM_JOB_CPUS_PER_NODE=f"{os.cpu_count()}(x{nodes})", FAKE_TIME_LIMIT="1:00:00",
+                            PYTHON=sys.executable), **{k: str(v) for k, v in env.items()}}
 
 
 def slurm_log(env: dict) -> list[list[str]]:
