@@ -20,22 +20,34 @@ both -HF layouts with the transformers config.json (`internvl`). Optionally shar
 Fixtures: `checkpoint(...) -> Path` and `reference(family, seed) -> model`, both session-cached; `model_dir`
 (the tiny qwen3 checkpoint, original layout) and `meta` (16 SFT rows), both per module.
 Plain helpers (import with `from conftest import ...`): `make_checkpoint`, `build_reference`,
-`hf_to_original`, `original_to_hf`, `prompt_ids`, `left_pad`, `random_pixels`, `read_safetensors`.
+`hf_to_original`, `original_to_hf`, `prompt_ids`, `left_pad`, `random_pixels`, `read_safetensors`; for the
+commands, `parse_flags`, `two_nodes`, `fake_slurm` / `sbatch` / `slurm_log`; for training runs,
+`write_dataset`, `train_here`, `run_train`, `metrics`, `COMMON`; for what a command leaves and says,
+`tree`, `notes`, `one_line`, `worker_lines`, `root_cause`; for benchmark files, `write_tsv`, `png_b64`; for
+trackers, `expected_scalars`, `event_scalars`.
 The fixtures are checked on their own by the `test_fixture_*` tests in `test_core.py`.
 """
 from __future__ import annotations
 
+import base64
+import contextlib
+import csv
 import functools
+import hashlib
+import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -461,8 +473,7 @@ def model_dir(checkpoint):
 
 @pytest.fixture(scope="module")
 def meta(tmp_path_factory):
-    """16 SFT rows in the official InternVL format (test_train.write_dataset), made once per module."""
-    from test_train import write_dataset
+    """16 SFT rows in the official InternVL format (write_dataset), made once per module."""
     return write_dataset(tmp_path_factory.mktemp("data"), rows=16)
 
 
@@ -542,3 +553,167 @@ def sbatch(args: list, env: dict, timeout: int = 300, **popen) -> subprocess.Com
     root = Path(__file__).resolve().parents[1]
     return subprocess.run(["bash", str(root / "slurm" / "parvl.sbatch"), *map(str, args)], env=env, cwd=root,
                           capture_output=True, text=True, timeout=timeout, **popen)
+
+
+# ----------------------------------------------------------------------------- training runs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+QA = [("What colour dominates?", "Mostly red with some blue."), ("Describe it.", "A noisy square."),
+      ("Is it bright?", "Fairly bright."), ("Count the shapes.", "There are none, only noise.")]
+
+
+def write_dataset(folder: Path, rows: int = 8, bad: int = 0, repeat: float = 1.0) -> Path:
+    """A meta JSON + JSONL in the official format: images (1 or 2 per row), text-only rows, and
+    `bad` rows whose image is missing."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for k in range(3):
+        Image.fromarray(rng.integers(0, 255, (60 + 40 * k, 90, 3), dtype=np.uint8)).save(folder / f"img{k}.png")
+    lines = []
+    for i in range(rows):
+        q, a = QA[i % len(QA)]
+        if i % 4 == 3:
+            lines.append({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
+        elif i % 4 == 2:
+            lines.append({"image": ["img0.png", "img1.png"], "conversations": [
+                {"from": "human", "value": f"<image>\n<image>\n{q}"}, {"from": "gpt", "value": a},
+                {"from": "human", "value": "And then?"}, {"from": "gpt", "value": "Nothing more."}]})
+        else:
+            lines.append({"image": f"img{i % 3}.png", "conversations": [
+                {"from": "human", "value": f"<image>\n{q}"}, {"from": "gpt", "value": a}]})
+    for i in range(bad):
+        lines.insert(1 + 3 * i, {"image": "missing.png", "conversations": [
+            {"from": "human", "value": "<image>\nHi"}, {"from": "gpt", "value": "Hello."}]})
+    (folder / "train.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    meta = {"tiny": {"root": str(folder), "annotation": str(folder / "train.jsonl"), "repeat_time": repeat,
+                     "length": len(lines), "data_augment": False}}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder / "meta.json"
+
+
+def run_train(*args, nproc: int = 1, check: bool = True, fault: str | None = None):
+    """train.py with these flags (under torchrun with nproc > 1); fault: one of tests/faults.py's."""
+    script = [str(ROOT / "tests" / "faults.py"), fault] if fault else [str(ROOT / "train.py")]
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"] if nproc > 1
+           else [sys.executable]) + [*script,
+                                     *map(str, args)]  # --standalone: a free port, so runs side by side never clash
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if check:
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def train_here(*args, check: bool = True) -> subprocess.CompletedProcess:
+    """train.py's main in this process, for the runs of one process with no fault: what run_train
+    gives, less the 3.6 s of imports a new interpreter spends. One intra-op thread, as run_train's
+    OMP_NUM_THREADS=1; stdout and stderr captured; a flag error's SystemExit is its exit code."""
+    import train
+
+    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = train.main([str(a) for a in args])
+            except SystemExit as e:
+                code = e.code
+    finally:
+        torch.set_num_threads(threads)
+    res = subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+    if check:
+        assert code == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+COMMON = ["--dtype", "fp32", "--global-batch", "4", "--num-workers", "0", "--max-tiles", "2", "--log-every", "1",
+          "--no-activation-checkpointing"]
+
+
+# ----------------------------------------------------------------------------- what a command says
+
+def tree(folder: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under folder: "intact" means this does not change."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+PROGRESS = re.compile(r"step \d+/\d+ \| ")  # train.py's human line per log step (stderr), not a note
+
+
+def notes(text: str) -> list[str]:
+    """The lines of stderr that are not training progress lines."""
+    return [x for x in text.strip().splitlines() if not PROGRESS.match(x)]
+
+
+def one_line(text: str) -> str:
+    lines = notes(text)
+    assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    return lines[0]
+
+
+def worker_lines(stderr: str) -> list[str]:
+    """What the workers printed under torchrun: the launcher appends its own failure report (an
+    "E... failed (exitcode: 1)" log line and a ChildFailedError traceback) that no worker controls."""
+    lines = notes(stderr)
+    cut = next((i for i, x in enumerate(lines) if "torch/distributed/elastic" in x or x.startswith("Traceback")),
+               len(lines))
+    return lines[:cut]
+
+
+def root_cause(stderr: str) -> str:
+    """The traceback field of the root cause in torchrun's failure report (the worker's error file)."""
+    section = stderr.split("Root Cause (first observed failure):", 1)[1]
+    return next(x for x in section.splitlines() if x.strip().startswith("traceback :")).split(":", 1)[1].strip()
+
+
+# ----------------------------------------------------------------------------- benchmark files
+
+def write_tsv(path: Path, rows: list[dict]) -> Path:
+    """A TSV the way VLMEvalKit writes one (pandas to_csv(sep='\\t'): csv quoting, minimal)."""
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f, delimiter="\t", lineterminator="\n")
+        w.writerow(cols)
+        for r in rows:
+            w.writerow([r.get(c, "") for c in cols])
+    return path
+
+
+def png_b64(w: int, h: int, seed: int) -> str:
+    arr = np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+# ----------------------------------------------------------------------------- trackers
+
+def expected_scalars(lines: list[dict], dtype=np.float32) -> dict[str, list[tuple[int, float]]]:
+    """metrics.jsonl as a tracker should hold it: each number at its line's step, a nested one under
+    outer/inner, nulls absent; float32, as TensorBoard's event files store scalars."""
+    want = {}
+    for line in lines:
+        for key, value in line.items():
+            items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list)
+                     else [(None, value)])
+            for sub, x in items:
+                if key != "step" and x is not None:
+                    want.setdefault(key if sub is None else f"{key}/{sub}", []).append(
+                        (line["step"], float(dtype(x))))
+    return want
+
+
+def event_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of a TensorBoard run folder (or one event file), read by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})  # 0: keep every event, no sampling
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}

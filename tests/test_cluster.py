@@ -21,9 +21,8 @@ import generate
 import runs
 import study
 import train
-from conftest import fake_slurm, sbatch, slurm_log
+from conftest import COMMON, event_scalars, expected_scalars, fake_slurm, sbatch, slurm_log, train_here
 from processor import Tokenizer
-from test_train import COMMON, train_here
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,30 +93,6 @@ def test_export_of_a_kept_step(run3, model_dir, tmp_path, capsys):
 
 
 # -- trackers ---------------------------------------------------------------------------------------
-
-
-def expected_scalars(lines: list[dict], dtype=np.float32) -> dict[str, list[tuple[int, float]]]:
-    """metrics.jsonl as a tracker should hold it: each number at its line's step, a nested one under
-    outer/inner, nulls absent; float32, as TensorBoard's event files store scalars."""
-    want = {}
-    for line in lines:
-        for key, value in line.items():
-            items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list)
-                     else [(None, value)])
-            for sub, x in items:
-                if key != "step" and x is not None:
-                    want.setdefault(key if sub is None else f"{key}/{sub}", []).append(
-                        (line["step"], float(dtype(x))))
-    return want
-
-
-def event_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar series of a TensorBoard run folder (or one event file), read by TensorBoard's own reader."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})  # 0: keep every event, no sampling
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def test_tensorboard_curves_equal_metrics_and_continue_on_resume(run3, model_dir, meta, tmp_path):
@@ -279,7 +254,7 @@ def in_process(cmd: list[str], stdout: Path | None) -> int:
 
 def benchmark_tsvs(folder: Path) -> Path:
     """Two benchmarks of three rows: MMMU (options) and ChartQA (open answers)."""
-    from test_evaluate import png_b64, write_tsv
+    from conftest import png_b64, write_tsv
 
     folder.mkdir(parents=True)
     imgs = [png_b64(24, 24, k) for k in range(3)]
@@ -299,7 +274,7 @@ def test_study_end_to_end_on_the_tiny_checkpoint(model_dir, meta, tmp_path, monk
     from these runs (the report's scores are the score files', Table S2's best and Figure 4's points the
     report's and the profiles'); a second call finds every piece done, and a lost score file brings back
     that piece and the tables after it, nothing else."""
-    from test_train import write_dataset
+    from conftest import write_dataset
 
     monkeypatch.setattr(study, "execute", in_process)
     tsv, out = benchmark_tsvs(tmp_path / "tsv"), tmp_path / "study"

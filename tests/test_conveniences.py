@@ -19,13 +19,11 @@ import chat
 import cli
 import generate
 from checkpoint import CheckpointError
-from conftest import parse_flags, random_pixels
+from conftest import ROOT, one_line, parse_flags, random_pixels
 from engine import Engine, GenerateConfig
 from hub import DEFAULT_MODEL, resolve_model
 from parvl import ParVL
 from processor import Tokenizer, build_prompt
-from test_robust import one_line
-from test_train import ROOT
 
 CFG = dict(max_new_tokens=6, do_sample=False)  # as InternVL's examples pass it
 
@@ -338,7 +336,7 @@ def test_batch_bad_input_is_one_line(tiny, questions, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def run_dir(checkpoint, tmp_path_factory):
     """A 3-step tiny training run with --dtype auto (the default): its folder and stderr."""
-    from test_train import COMMON, train_here, write_dataset
+    from conftest import COMMON, train_here, write_dataset
 
     root = tmp_path_factory.mktemp("run")
     meta = write_dataset(root / "data", rows=12)

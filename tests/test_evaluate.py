@@ -3,7 +3,6 @@ the TSV format, `run` end to end on a tiny checkpoint (equal to the engine's ans
 ranks), `score` errors and the LLM extractor against a loopback stub, `report` on synthetic score
 files, and `fit-law` on synthetic and on ParScale's published losses."""
 import base64
-import csv
 import io
 import json
 import re
@@ -17,13 +16,12 @@ import types
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 import evaluate
-from conftest import two_nodes
+from conftest import png_b64, two_nodes, write_tsv
 from evaluation import analysis
 from evaluation import mathv as M
 from evaluation import scoring as S
@@ -33,24 +31,6 @@ from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def write_tsv(path: Path, rows: list[dict]) -> Path:
-    """A TSV the way VLMEvalKit writes one (pandas to_csv(sep='\\t'): csv quoting, minimal)."""
-    cols = list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f, delimiter="\t", lineterminator="\n")
-        w.writerow(cols)
-        for r in rows:
-            w.writerow([r.get(c, "") for c in cols])
-    return path
-
-
-def png_b64(w: int, h: int, seed: int) -> str:
-    arr = np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)
-    buf = io.BytesIO()
-    Image.fromarray(arr).save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 def main_out(capsys, *argv) -> tuple[int, str, str]:

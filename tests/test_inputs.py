@@ -21,9 +21,7 @@ import latency
 import profiling
 import router
 import train
-from test_evaluate import png_b64, write_tsv
-from test_robust import tree
-from test_train import write_dataset
+from conftest import png_b64, tree, write_dataset, write_tsv
 
 
 def run_main(capsys, main, argv) -> tuple[int, list[str]]:

@@ -5,7 +5,6 @@ one line, and that what was saved before is intact (files byte-identical). Exit 
 input or failure, 2 usage, 130 / 143 interrupted. Runs that must train are subprocesses (two under
 torchrun with 2 ranks); errors raised before training are checked in-process, much cheaper."""
 import errno
-import hashlib
 import io
 import json
 import os
@@ -27,44 +26,15 @@ import data as D
 import runs
 import train
 from config import ParConfig
-from conftest import parse_flags
+from conftest import (COMMON, ROOT, metrics, notes, one_line, parse_flags, root_cause, run_train, train_here, tree,
+                      worker_lines, write_dataset)
 from data import SFTData
 from parvl import ParVL
 from processor import Tokenizer
-from test_train import COMMON, ROOT, metrics, run_train, train_here, write_dataset
 
 TRAIN = ["--max-tiles", "2", "--dtype", "fp32", "--global-batch", "4", "--num-workers", "0", "--log-every", "1",
          "--no-activation-checkpointing"]
 assert set(TRAIN) <= set(COMMON)
-
-
-def tree(folder: Path) -> dict[str, str]:
-    """Relative path -> sha256 of every file under folder: "intact" means this does not change."""
-    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
-PROGRESS = re.compile(r"step \d+/\d+ \| ")  # train.py's human line per log step (stderr), not a note
-
-
-def notes(text: str) -> list[str]:
-    """The lines of stderr that are not training progress lines."""
-    return [x for x in text.strip().splitlines() if not PROGRESS.match(x)]
-
-
-def one_line(text: str) -> str:
-    lines = notes(text)
-    assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
-    return lines[0]
-
-
-def worker_lines(stderr: str) -> list[str]:
-    """What the workers printed under torchrun: the launcher appends its own failure report (an
-    "E... failed (exitcode: 1)" log line and a ChildFailedError traceback) that no worker controls."""
-    lines = notes(stderr)
-    cut = next((i for i, x in enumerate(lines) if "torch/distributed/elastic" in x or x.startswith("Traceback")),
-               len(lines))
-    return lines[:cut]
 
 
 @pytest.fixture(scope="module")
@@ -103,12 +73,6 @@ def test_new_run_into_a_finished_run_is_refused_under_torchrun(model_dir, meta, 
     ours = worker_lines(res.stderr)
     assert len(ours) == 1 and "already holds a run" in ours[0] and "Traceback" not in "\n".join(ours), res.stderr
     assert tree(out) == before
-
-
-def root_cause(stderr: str) -> str:
-    """The traceback field of the root cause in torchrun's failure report (the worker's error file)."""
-    section = stderr.split("Root Cause (first observed failure):", 1)[1]
-    return next(x for x in section.splitlines() if x.strip().startswith("traceback :")).split(":", 1)[1].strip()
 
 
 def test_a_second_writer_under_torchrun_is_refused_and_every_rank_ends_at_once(model_dir, meta, tmp_path):

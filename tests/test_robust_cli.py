@@ -18,11 +18,9 @@ import generate
 import processor
 import profiling
 from checkpoint import CheckpointError
-from conftest import parse_flags
+from conftest import ROOT, one_line, parse_flags, tree
 from hub import resolve_model
 from processor import Tokenizer, load_image, open_rgb
-from test_robust import one_line, tree
-from test_train import ROOT
 
 
 @pytest.fixture(scope="module")
@@ -227,8 +225,7 @@ def test_a_checkpoint_this_code_cannot_run_is_refused_by_every_command(spoiled, 
     import evaluate
     import router
     import train
-    from test_evaluate import png_b64, write_tsv
-    from test_train import write_dataset
+    from conftest import png_b64, write_dataset, write_tsv
 
     folder, needles = spoiled[case]
     meta = write_dataset(tmp_path / "d", rows=4)

@@ -1,7 +1,5 @@
 """train.py end to end on CPU: the Eq. 6 loss, world-size invariance under torchrun (gloo),
 bit-identical resume, overfitting, freezing, the schedule, export, bad rows and NaN handling."""
-import contextlib
-import io
 import json
 import math
 import os
@@ -9,7 +7,6 @@ import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,11 +16,11 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import generate
-import train
 from batches import collate
 from checkpoint import is_branch_tensor
 from cli import one_line
-from conftest import fake_slurm, sbatch, slurm_log, two_nodes
+from conftest import (COMMON, ROOT, fake_slurm, metrics, run_train, sbatch, slurm_log, train_here, two_nodes,
+                      write_dataset)
 from data import SFTData
 from engine import Engine, GenerateConfig
 from fsdp import Trained, param_groups
@@ -32,81 +29,6 @@ from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
 from schedule import lr_lambda
 from train import TrainConfig, micro_loss
-
-ROOT = Path(__file__).resolve().parents[1]
-QA = [("What colour dominates?", "Mostly red with some blue."), ("Describe it.", "A noisy square."),
-      ("Is it bright?", "Fairly bright."), ("Count the shapes.", "There are none, only noise.")]
-
-
-def write_dataset(folder: Path, rows: int = 8, bad: int = 0, repeat: float = 1.0) -> Path:
-    """A meta JSON + JSONL in the official format: images (1 or 2 per row), text-only rows, and
-    `bad` rows whose image is missing."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    for k in range(3):
-        Image.fromarray(rng.integers(0, 255, (60 + 40 * k, 90, 3), dtype=np.uint8)).save(folder / f"img{k}.png")
-    lines = []
-    for i in range(rows):
-        q, a = QA[i % len(QA)]
-        if i % 4 == 3:
-            lines.append({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
-        elif i % 4 == 2:
-            lines.append({"image": ["img0.png", "img1.png"], "conversations": [
-                {"from": "human", "value": f"<image>\n<image>\n{q}"}, {"from": "gpt", "value": a},
-                {"from": "human", "value": "And then?"}, {"from": "gpt", "value": "Nothing more."}]})
-        else:
-            lines.append({"image": f"img{i % 3}.png", "conversations": [
-                {"from": "human", "value": f"<image>\n{q}"}, {"from": "gpt", "value": a}]})
-    for i in range(bad):
-        lines.insert(1 + 3 * i, {"image": "missing.png", "conversations": [
-            {"from": "human", "value": "<image>\nHi"}, {"from": "gpt", "value": "Hello."}]})
-    (folder / "train.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    meta = {"tiny": {"root": str(folder), "annotation": str(folder / "train.jsonl"), "repeat_time": repeat,
-                     "length": len(lines), "data_augment": False}}
-    (folder / "meta.json").write_text(json.dumps(meta))
-    return folder / "meta.json"
-
-
-def run_train(*args, nproc: int = 1, check: bool = True, fault: str | None = None):
-    """train.py with these flags (under torchrun with nproc > 1); fault: one of tests/faults.py's."""
-    script = [str(ROOT / "tests" / "faults.py"), fault] if fault else [str(ROOT / "train.py")]
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"] if nproc > 1
-           else [sys.executable]) + [*script,
-                                     *map(str, args)]  # --standalone: a free port, so runs side by side never clash
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    if check:
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res
-
-
-def train_here(*args, check: bool = True) -> subprocess.CompletedProcess:
-    """train.py's main in this process, for the runs of one process with no fault: what run_train
-    gives, less the 3.6 s of imports a new interpreter spends. One intra-op thread, as run_train's
-    OMP_NUM_THREADS=1; stdout and stderr captured; a flag error's SystemExit is its exit code."""
-    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = train.main([str(a) for a in args])
-            except SystemExit as e:
-                code = e.code
-    finally:
-        torch.set_num_threads(threads)
-    res = subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
-    if check:
-        assert code == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-COMMON = ["--dtype", "fp32", "--global-batch", "4", "--num-workers", "0", "--max-tiles", "2", "--log-every", "1",
-          "--no-activation-checkpointing"]
-
 
 # -- the loss ----------------------------------------------------------------------------------
 
