@@ -1,10 +1,12 @@
-"""Nothing lost, nothing raw, for train.py and data.py: run folders that cannot overwrite
-each other, checkpoints that fall back, and one line (no traceback) for every failure (generate.py,
-profiling.py and images: test_robust_cli.py). Each test checks the exit code, that stderr says it in
-one line, and that what was saved before is intact (files byte-identical). Exit codes: 0 ok, 1 bad
-input or failure, 2 usage, 130 / 143 interrupted. Runs that must train are subprocesses (two under
-torchrun with 2 ranks); errors raised before training are checked in-process, much cheaper."""
-import errno
+"""Run folders (train.py --out) and what keeps them whole: one run per folder (a finished run refused, on
+one rank and under torchrun; --overwrite; folders that cannot hold a run), --resume (bit-identical, past
+partial saves, a longer schedule, falling back past broken checkpoints and a truncated shard, a resume that
+changes the run refused, no checkpoint yet), DCP safety (a pickle that would run code is never loaded), a
+failed save and a signal that keep every complete checkpoint, `train.py export` of a kept step,
+metrics.jsonl and the progress line, and `train.py plot`. Each test checks the exit code, that stderr says
+it in one line, and that what was saved before is intact (files byte-identical). Runs that must train run
+in this process (conftest.train_here) where they can, as subprocesses (two under torchrun with 2 ranks)
+where the point is another process or a fault (tests/faults.py)."""
 import io
 import json
 import os
@@ -17,24 +19,21 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
+from PIL import Image
+from safetensors.torch import load_file
 
 import cli
-import data as D
+import generate
 import runs
 import train
 from config import ParConfig
-from conftest import (COMMON, ROOT, metrics, notes, one_line, parse_flags, root_cause, run_train, train_here, tree,
+from conftest import (COMMON, ROOT, metrics, notes, one_line, png_ok, run_train, train_here, tree,
                       worker_lines, write_dataset)
-from data import SFTData
 from parvl import ParVL
-from processor import Tokenizer
-
-TRAIN = ["--max-tiles", "2", "--dtype", "fp32", "--global-batch", "4", "--num-workers", "0", "--log-every", "1",
-         "--no-activation-checkpointing"]
-assert set(TRAIN) <= set(COMMON)
+from schedule import lr_lambda
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +41,7 @@ def base_run(model_dir, meta, tmp_path_factory):
     """A finished 3-step run: checkpoints step_1..3, export, metrics. Tests copy it."""
     out = tmp_path_factory.mktemp("base") / "run"
     train_here("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 3, "--save-every", 1,
-               "--keep-last", 5, *TRAIN)
+               "--keep-last", 5, *COMMON)
     return out
 
 
@@ -52,13 +51,13 @@ def copy_run(base: Path, tmp_path: Path) -> Path:
     return out
 
 
-# -- 1. a run folder belongs to one run ----------------------------------------------------------
+# -- a run folder belongs to one run -------------------------------------------------------------------
 
 
 def test_new_run_into_a_finished_run_is_refused(model_dir, meta, base_run, tmp_path):
     out = copy_run(base_run, tmp_path)
     before = tree(out)
-    res = train_here("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, *TRAIN, check=False)
+    res = train_here("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, *COMMON, check=False)
     code, err = res.returncode, res.stderr
     line = one_line(err)
     assert code == 1 and "already holds a run" in line and "--resume" in line and "--overwrite" in line, line
@@ -68,70 +67,11 @@ def test_new_run_into_a_finished_run_is_refused(model_dir, meta, base_run, tmp_p
 def test_new_run_into_a_finished_run_is_refused_under_torchrun(model_dir, meta, base_run, tmp_path):
     out = copy_run(base_run, tmp_path)
     before = tree(out)
-    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, *TRAIN, nproc=2, check=False)
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, *COMMON, nproc=2, check=False)
     assert res.returncode == 1
     ours = worker_lines(res.stderr)
     assert len(ours) == 1 and "already holds a run" in ours[0] and "Traceback" not in "\n".join(ours), res.stderr
     assert tree(out) == before
-
-
-def test_a_second_writer_under_torchrun_is_refused_and_every_rank_ends_at_once(model_dir, meta, tmp_path):
-    """train.py as 2 ranks at an --out another process writes (it holds OUT.lock): rank 0 is refused
-    before the process group starts, torchrun's report gives its line as the root cause, and rank 1,
-    waiting in the rendezvous for a rank 0 that never comes, ends on torchrun's SIGTERM (cli.start_processes
-    leaves SIGTERM's default action there), not on the SIGKILL that follows 30 s later."""
-    import fcntl
-
-    out = tmp_path / "run"
-    fd = os.open(f"{out}.lock", os.O_RDWR | os.O_CREAT)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    try:
-        res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 1, *TRAIN, nproc=2,
-                        check=False)
-    finally:
-        os.close(fd)
-    assert res.returncode == 1 and root_cause(res.stderr) == (
-        f"error: --out {out}: another process is writing it (it holds {out}.lock); wait for it to finish or stop "
-        f"it, or pick another --out"), res.stderr[-3000:]
-    assert "SIGKILL" not in res.stderr, res.stderr[-3000:]
-    assert not any(out.rglob("*"))  # nothing written (rank 1's writability check leaves the folder, empty)
-
-
-def test_an_error_under_torchrun_reaches_the_user_every_time(model_dir, tmp_path):
-    """A missing file for train.py, router.py label and evaluate.py run, each as 2 ranks, all at once
-    (three launchers on two cores: a loaded machine, on which torchrun could stop rank 0 before its
-    line was out). Every run names the error in torchrun's report as the root cause (the worker's
-    error file, cli.error), and rank 0 prints it once. (A flag error takes the same path: OneLineParser.)"""
-    missing = tmp_path / "missing.json"
-    cases = [(["train.py", "--model", model_dir, "--data", missing, "--out", tmp_path / "t"],
-              f"error: --data '{missing}': no such meta JSON file"),
-             (["router.py", "label", "--model", model_dir, "--data", missing, "--out", tmp_path / "r"],
-              f"error: --data {missing}: no such meta JSON file"),
-             (["evaluate.py", "run", "--benchmark", "ChartQA_TEST", "--data", missing, "--model", model_dir, "--out",
-               tmp_path / "e"],
-              f"error: {missing}: cannot read TSV: [Errno 2] No such file or directory")]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               *map(str, args)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True)
-             for args, _ in cases]
-    for p, (_, want) in zip(procs, cases):
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 1, err[-3000:]  # torchrun's own code for a failed worker
-        got = root_cause(err)
-        assert got.startswith(want), err[-3000:]
-        assert worker_lines(err).count(got) == 1, err[-3000:]
-
-
-def test_max_steps_past_the_epoch_is_refused(model_dir, meta, tmp_path):
-    """16 rows in global batches of 4 make 4 steps: --max-steps 5 is one line, not a silent 4."""
-    res = train_here("--model", model_dir, "--data", meta, "--out", tmp_path / "run", "--max-steps", 5, *TRAIN,
-                     check=False)
-    code, err = res.returncode, res.stderr
-    assert code == 1 and one_line(err) == (f"error: --max-steps 5: {meta} gives 4 steps of 4 samples in its one epoch "
-                                           "(train.py trains one epoch, as the paper does); pass at most 4, or raise "
-                                           "repeat_time in the meta file"), err
-    assert not (tmp_path / "run" / "config.json").exists()
 
 
 def test_overwrite_discards_the_old_run_explicitly(model_dir, meta, base_run, tmp_path):
@@ -139,7 +79,7 @@ def test_overwrite_discards_the_old_run_explicitly(model_dir, meta, base_run, tm
     old_export = tree(out / "export")
     res = train_here("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 1, "--overwrite",
                      "--lr-pretrained",
-                     "1e-2", *TRAIN)
+                     "1e-2", *COMMON)
     assert res.returncode == 0 and notes(res.stderr) == [], res.stderr
     assert [m["step"] for m in metrics(out)] == [1]  # not 1, 2, 3, 1
     assert sorted(d.name for d in (out / "checkpoints").iterdir()) == ["step_1"]
@@ -150,7 +90,7 @@ def test_overwrite_discards_the_old_run_explicitly(model_dir, meta, base_run, tm
 def test_unusable_out_is_one_line(model_dir, meta, tmp_path, case):
     out = {"file": meta, "proc": Path("/proc/parvl_test/run"), "sys": Path("/sys/parvl_test")}[case]
     before = meta.read_bytes()
-    res = train_here("--model", model_dir, "--data", meta, "--out", out, *TRAIN, check=False)
+    res = train_here("--model", model_dir, "--data", meta, "--out", out, *COMMON, check=False)
     code, err = res.returncode, res.stderr
     line = one_line(err)
     needle = {"file": "is a file, not a folder", "proc": "cannot write there", "sys": "cannot write there"}[case]
@@ -164,7 +104,7 @@ def test_an_out_that_cannot_hold_a_run_is_one_line_before_training(model_dir, me
     then failed to save it); and `train.py plot` on a metrics.jsonl of garbage (main: "no log steps yet")."""
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "nowhere")
-    res = train_here("--model", model_dir, "--data", meta, "--out", link, *TRAIN, check=False)
+    res = train_here("--model", model_dir, "--data", meta, "--out", link, *COMMON, check=False)
     assert res.returncode == 1 and one_line(res.stderr) == (f"error: --out {link}: a symbolic link to "
                                                             f"{tmp_path / 'nowhere'}, which does not exist")
     for name, kind, says in [("checkpoints", "file", "checkpoints folder"), ("metrics.jsonl", "folder",
@@ -176,7 +116,7 @@ def test_an_out_that_cannot_hold_a_run_is_one_line_before_training(model_dir, me
         else:
             (out / name).write_text("")
         before = tree(out)
-        res = train_here("--model", model_dir, "--data", meta, "--out", out, "--resume", *TRAIN, check=False)
+        res = train_here("--model", model_dir, "--data", meta, "--out", out, "--resume", *COMMON, check=False)
         assert res.returncode == 1 and one_line(res.stderr) == (f"error: --out {out}: {out / name} is a {kind}, where "
                                                                 f"the run keeps its {says}")
         assert tree(out) == before and sorted(p.name for p in out.iterdir()) == [name]
@@ -186,7 +126,51 @@ def test_an_out_that_cannot_hold_a_run_is_one_line_before_training(model_dir, me
                                                f"train.py writes one JSON line a log step")
 
 
-# -- 2. --resume falls back past broken checkpoints -------------------------------------------------
+# -- --resume ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_resume_is_bit_identical_and_ignores_partial_saves(model_dir, meta, tmp_path):
+    args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "1", "--max-steps", "4", "--save-every", "1",
+            *COMMON]
+    train_here(*args, "--out", tmp_path / "full")
+    run_train(*args, "--out", tmp_path / "cut", fault="stop-after=2")  # a process of its own, stopped after step 2
+    ckpts = tmp_path / "cut" / "checkpoints"
+    shutil.copytree(ckpts / "step_2", ckpts / "step_3.tmp")  # a save killed half-way: never "done"
+    (ckpts / "step_3.tmp" / "done").unlink()
+    train_here(*args, "--out", tmp_path / "cut", "--resume")
+    full, cut = metrics(tmp_path / "full"), metrics(tmp_path / "cut")
+    assert [m["step"] for m in cut] == [1, 2, 3, 4]
+    assert sorted(d.name for d in ckpts.iterdir()) == ["step_3", "step_4"]  # --keep-last 2; the stale .tmp replaced
+    assert [(m["loss"], m["grad_norm"]) for m in cut] == [(m["loss"], m["grad_norm"]) for m in full]
+    a, b = ParVL.from_pretrained(tmp_path / "full" / "export"), ParVL.from_pretrained(tmp_path / "cut" / "export")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+@pytest.mark.slow
+def test_resume_with_more_steps_follows_the_new_schedule(model_dir, tmp_path):
+    """2 steps, then --resume --max-steps 4: steps 3 and 4 take the 4-step schedule's rates (not the
+    2-step schedule's final 0.0), the bad-row counts go on from the checkpoint (equal to an unbroken
+    4-step run's), and a resume that changes a flag fixing the run (--seed) is refused in one line."""
+    data = write_dataset(tmp_path / "d", rows=14, bad=2)  # 16 rows: four global batches of 4
+    args = ["--model", model_dir, "--data", data, "--pv", "1", "--pl", "2", "--save-every", "1", "--max-bad-frac",
+            "0.5",
+            "--warmup-ratio", "0.5", *COMMON]
+    train_here(*args, "--out", tmp_path / "full", "--max-steps", "4")
+    train_here(*args, "--out", tmp_path / "ext", "--max-steps", "2")
+    res = train_here(*args, "--out", tmp_path / "ext", "--max-steps", "4", "--resume")
+    assert "--max-steps 2 -> 4" in res.stderr, res.stderr
+    full, ext = metrics(tmp_path / "full"), metrics(tmp_path / "ext")
+    assert [m["step"] for m in ext] == [1, 2, 3, 4]
+    f = lr_lambda(4, 0.5)
+    for m in ext[2:]:  # the rate an update uses is base * lambda(step before it), on the new schedule
+        assert m["lr"]["branches"] == pytest.approx(8e-5 * f(m["step"] - 1), rel=1e-12) and m["lr"]["branches"] > 0
+    assert [m["bad_rows"] for m in ext] == [m["bad_rows"] for m in full] and sum(full[-1]["bad_rows"].values()) == 2
+    files = lambda: {str(p): p.read_bytes() for p in sorted((tmp_path / "ext").rglob("*")) if p.is_file()}  # noqa: E731
+    before = files()
+    res = train_here(*args, "--out", tmp_path / "ext", "--max-steps", "4", "--resume", "--seed", "7", check=False)
+    assert res.returncode == 1 and "--seed" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert files() == before  # config.json too: it is written only once a resume is accepted
 
 
 def test_resume_falls_back_past_broken_checkpoints(model_dir, meta, base_run, tmp_path):
@@ -196,7 +180,7 @@ def test_resume_falls_back_past_broken_checkpoints(model_dir, meta, base_run, tm
     (ck / "step_2" / "train.json").write_text('{"step": 2, "sched')  # was a JSONDecodeError naming no file
     broken3, broken2, good1 = tree(ck / "step_3"), tree(ck / "step_2"), tree(ck / "step_1")
     res = train_here("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 4, "--save-every", 1,
-                     "--keep-last", 5, "--resume", *TRAIN)
+                     "--keep-last", 5, "--resume", *COMMON)
     line = one_line(res.stderr)
     assert line.startswith(f"resuming from {ck / 'step_1'} at step 1"), line
     assert "step_3: .metadata is missing" in line and "step_2: train.json is unreadable" in line, line
@@ -215,7 +199,7 @@ def test_resume_falls_back_past_a_truncated_shard_under_torchrun(model_dir, meta
         f.truncate(size // 2)
     good = {k: tree(ck / f"step_{k}") for k in (1, 2)}
     res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 3, "--save-every", 1,
-                    "--keep-last", 5, "--resume", *TRAIN, nproc=2)
+                    "--keep-last", 5, "--resume", *COMMON, nproc=2)
     line = one_line(res.stderr)  # once, from rank 0
     assert line.startswith(f"resuming from {ck / 'step_2'} at step 2"), line
     assert f"step_3: __0_0.distcp is {size // 2} bytes, the save wrote {size}" in line, line
@@ -234,7 +218,7 @@ def test_a_resume_that_changes_the_branches_is_refused_and_leaves_the_run_as_it_
     (main: "trained with --data meta.json"). And FSDP2's view-tensor warning no longer shows."""
     out = tmp_path / "run"
     ck = out / "checkpoints" / "step_1"
-    args = ["--model", model_dir, "--out", out, "--save-every", 1, *TRAIN]
+    args = ["--model", model_dir, "--out", out, "--save-every", 1, *COMMON]
     first = subprocess.run([sys.executable, ROOT / "train.py", *map(str, args), "--data", "meta.json", "--pv", "2",
                             "--pl", "2", "--vit-prefix-len", "3", "--llm-prefix-len", "2", "--max-steps", "1"],
                            cwd=meta.parent, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -282,7 +266,7 @@ def test_resume_refuses_a_checkpoint_whose_pickle_would_run_code(model_dir, meta
     metadata.write_bytes(payload.ljust(metadata.stat().st_size, b" "))  # pickle stops at "."
     before = tree(out)
     res = subprocess.run([sys.executable, ROOT / "train.py", "--model", model_dir, "--data", meta, "--out", out,
-                          "--max-steps", "4", "--resume", *TRAIN], capture_output=True, text=True,
+                          "--max-steps", "4", "--resume", *COMMON], capture_output=True, text=True,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert res.returncode == 1 and one_line(res.stderr) == (
         f"error: {metadata}: refused to load: its pickle names os.system, which DCP's checkpoint metadata never holds "
@@ -305,7 +289,7 @@ def test_resume_with_no_checkpoint_says_it_starts_fresh_and_names_bad_rows(model
     meta = write_dataset(tmp_path / "d", rows=6, bad=2)
     out = tmp_path / "run"
     res = train_here("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 2, "--resume",
-                     "--max-bad-frac", "0.5", *TRAIN)  # 2 steps of 4: every row once
+                     "--max-bad-frac", "0.5", *COMMON)  # 2 steps of 4: every row once
     lines = notes(res.stderr)
     assert "Traceback" not in res.stderr and lines[0] == (f"--resume: no usable checkpoint in {out / 'checkpoints'}: "
                                                          "starting from step 0"), res.stderr
@@ -317,14 +301,14 @@ def test_resume_with_no_checkpoint_says_it_starts_fresh_and_names_bad_rows(model
     assert {x.split(" line ")[1].split()[0] for x in bad} == {"2", "5"}  # write_dataset puts them there
 
 
-# -- 3. saving and interrupting keep every complete checkpoint --------------------------------------
+# -- saving and interrupting keep every complete checkpoint --------------------------------------------
 
 
 def test_failed_save_is_one_line_and_keeps_complete_checkpoints(model_dir, meta, base_run, tmp_path):
     out = copy_run(base_run, tmp_path)
     before = tree(out)
     res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 4, "--save-every", 1,
-                    "--keep-last", 5, "--resume", *TRAIN, check=False,
+                    "--keep-last", 5, "--resume", *COMMON, check=False,
                     fault="save-error=ENOSPC:4")
     lines = notes(res.stderr)
     assert res.returncode == 1 and "Traceback" not in res.stderr and len(lines) == 2, res.stderr[-3000:]
@@ -337,81 +321,12 @@ def test_failed_save_is_one_line_and_keeps_complete_checkpoints(model_dir, meta,
          v in before.items() if k != "metrics.jsonl" and k != "config.json"}  # no step_4(.tmp), all else intact
 
 
-def test_out_of_memory_on_one_rank_is_one_line_and_keeps_the_checkpoints(model_dir, meta, tmp_path):
-    """Rank 1 of 2 cannot allocate in step 2 (the CPU allocator's RuntimeError): rank 1 names its
-    --micro-batch and batch in one line, torchrun's report gives that line as the root cause, no rank
-    hangs in the collective rank 1 left, and step 1's checkpoint stays complete."""
-    out = tmp_path / "run"
-    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 3, "--save-every", 1, *TRAIN,
-                    nproc=2, check=False, fault="oom=2:1")
-    want = re.compile(r"error: rank 1: out of memory at --micro-batch 1 \(this one 1 rows of \d+ tokens\); lower "
-                      r"--micro-batch or --max-seq-len")
-    assert res.returncode == 1 and want.fullmatch(root_cause(res.stderr)), res.stderr[-3000:]
-    errors = [x for x in worker_lines(res.stderr) if x.startswith("error:")]
-    assert errors.count(root_cause(res.stderr)) == 1, res.stderr[-3000:]
-    assert all(x.startswith("error: lost contact with another rank")
-               for x in errors if x != root_cause(res.stderr)), errors
-    assert "Traceback" not in "\n".join(worker_lines(res.stderr))
-    assert runs.verify_checkpoint(out / "checkpoints" / "step_1") is None
-
-
-def test_os_cause_names_the_cause(monkeypatch, tmp_path):
-    for code, words in [(errno.ENOSPC, "no space left"), (errno.EROFS, "read-only"),
-                        (errno.EACCES, "permission denied")]:
-        wrapped = CheckpointException("save failed", {1: (OSError(code, os.strerror(code)), None)})  # DCP, rank 1
-        assert cli.os_cause(wrapped) == cli.CAUSES[code] and words in cli.CAUSES[code]
-        try:
-            try:
-                raise OSError(code, os.strerror(code))
-            except OSError as e:
-                raise RuntimeError("enforce fail at inline_container.cc: file write failed") from e
-        except RuntimeError as e:
-            assert cli.os_cause(e) == cli.CAUSES[code]
-    # torch's zip writer on a full disk: no errno anywhere, so the free space is what tells
-    zip_error = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file")
-    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: SimpleNamespace(free=3 * 2**20))
-    assert cli.os_cause(zip_error, tmp_path).startswith("the disk is (nearly) full, 3 MiB free")
-    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
-    assert cli.os_cause(zip_error, tmp_path).startswith("RuntimeError: [enforce fail")
-
-
-def test_a_loader_worker_is_quiet_when_the_trainer_leaves_mid_handshake():
-    """A loader worker hands each batch's tensors over by fd passing (multiprocessing.resource_sharer).
-    When a signal stops the trainer while it fetches one, the trainer drops the connection midway,
-    and the worker's sharing thread reports the EOFError (or a broken pipe) through sys.excepthook.
-    Here a worker, set up as the loader sets it up, offers an fd, and a client connects to its
-    sharer and leaves at once: nothing may reach stderr, while other errors still do."""
-    code = f"""
-import os, socket, sys, time
-sys.path.insert(0, {str(ROOT)!r})
-from multiprocessing import connection, current_process, resource_sharer
-import batches
-batches.leave_signals_to_the_trainer(0)
-r, w = os.pipe()
-offered = resource_sharer.DupFd(r)  # what pickling a shared tensor in a worker does
-for half in (False, True):  # the trainer leaves before the handshake, or halfway through it
-    client = socket.socket(socket.AF_UNIX)
-    client.connect(resource_sharer._resource_sharer._address)
-    if half:  # it answers the worker's challenge, then is gone before sending its own: EOFError there
-        conn = connection.Connection(client.detach())
-        connection.answer_challenge(conn, current_process().authkey)
-        conn.close()
-    else:
-        client.close()  # a broken pipe when the worker sends its challenge
-    time.sleep(0.5)
-sys.excepthook(ValueError, ValueError("still reported"), None)
-"""
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert res.returncode == 0, res.stderr
-    assert res.stderr.strip() == "ValueError: still reported", res.stderr
-
-
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_abandons_the_step_and_keeps_the_checkpoints(model_dir, tmp_path, sig):
     meta = write_dataset(tmp_path / "d", rows=8, repeat=20)  # 40 steps: it is still training when signalled
     out = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "train.py"), "--model", str(model_dir), "--data", str(meta), "--out", str(out),
-           "--save-every", "1", "--keep-last", "50", *TRAIN, "--num-workers", "1"]  # a loader worker gets it too
+           "--save-every", "1", "--keep-last", "50", *COMMON, "--num-workers", "1"]  # a loader worker gets it too
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
     deadline = time.time() + 120
@@ -438,31 +353,54 @@ def test_signal_abandons_the_step_and_keeps_the_checkpoints(model_dir, tmp_path,
         assert [json.loads(x)["step"] for x in (out / "metrics.jsonl").read_text().splitlines()][-1] == step + 1
 
 
-# -- 4. torchrun: flags are rejected once, before the process group ---------------------------------
+# -- train.py export of a kept step --------------------------------------------------------------------
 
 
-def test_flag_errors_are_one_line_and_quiet_on_other_ranks(monkeypatch, capsys):
-    with pytest.raises(SystemExit) as e:
-        parse_flags(train, ["--bogus"])
-    assert (e.value.code == 2
-            and one_line(capsys.readouterr().err).endswith(": error: unrecognized arguments: --bogus (see --help)"))
-    monkeypatch.setenv("RANK", "1")
-    waits = []
-    monkeypatch.setattr(cli.time, "sleep", waits.append)  # rank 1 waits for torchrun: rank 0 reports
-    with pytest.raises(SystemExit) as e:
-        parse_flags(train, ["--bogus"])
-    assert e.value.code == 2 and capsys.readouterr().err == "" and waits == [10]  # rank 0 has said it
+def answer(capsys, model: Path, png: Path) -> str:
+    """generate.py's greedy answer (its default) from a model folder, as a user runs it."""
+    capsys.readouterr()
+    assert generate.main([str(png), "Hi?", "--model", str(model), "--max-new-tokens", "6", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["answer"]
 
 
-# -- 5. misleading messages, silently wrong inputs (generate.py, images: test_robust_cli.py) ------
+def test_export_of_a_kept_step(run3, model_dir, tmp_path, capsys):
+    """`train.py export RUN --step N`: step 2 gives the weights the run held in memory after step 2, step 3
+    the run's own end-of-run export, in the same layout; generate.py answers alike from each pair. Step 1
+    (no longer kept) and a step whose shard lost its tail are refused in one line, nothing written."""
+    out, at_two, _ = run3
+    assert train.main(["export", str(out), "--step", "2", "--out", str(tmp_path / "two")]) == 0
+    assert train.main(["export", str(out), "--step", "3"]) == 0
+    for got, want in ((tmp_path / "two", at_two), (out / "export_step_3", out / "export")):
+        assert sorted(p.name for p in got.iterdir()) == sorted(p.name for p in want.iterdir())
+        a, b = load_file(str(got / "model.safetensors")), load_file(str(want / "model.safetensors"))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert json.loads((got / "config.json").read_text()) == json.loads((want / "config.json").read_text())
+    first = load_file(str(model_dir / "model.safetensors"))
+    two = load_file(str(tmp_path / "two" / "model.safetensors"))
+    three = load_file(str(out / "export" / "model.safetensors"))
+    trained = [k for k in first if k in two and not torch.equal(first[k], two[k])]
+    assert trained and all(not torch.equal(two[k], three[k]) for k in trained)  # step 2 is its own model
+    png = tmp_path / "img.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 90, 3), dtype=np.uint8)).save(png)
+    assert answer(capsys, tmp_path / "two", png) == answer(capsys, at_two, png)
+    assert answer(capsys, out / "export_step_3", png) == answer(capsys, out / "export", png)
+
+    shutil.copytree(out / "checkpoints", tmp_path / "run" / "checkpoints")  # a copy to break
+    ckpts = tmp_path / "run" / "checkpoints"
+    assert train.main(["export", str(tmp_path / "run"), "--step", "1"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {ckpts / 'step_1'}: no such checkpoint (kept: step_2, step_3); a run keeps its newest --keep-last "
+        f"saves, see docs/training.md to keep a step"]
+    shard = next(p for p in (ckpts / "step_2").iterdir() if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-8])
+    size = shard.stat().st_size
+    assert train.main(["export", str(tmp_path / "run"), "--step", "2"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {ckpts / 'step_2'}: does not verify ({shard.name} is {size} bytes, the save wrote {size + 8})"]
+    assert not (tmp_path / "run" / "export_step_2").exists()
 
 
-def test_jsonl_given_as_meta_gets_a_hint(model_dir, meta, tmp_path):
-    jsonl = meta.parent / "train.jsonl"
-    res = train_here("--validate-data", "--model", model_dir, "--data", jsonl, *TRAIN, check=False)
-    code, err = res.returncode, res.stderr
-    line = one_line(err)
-    assert code == 1 and "JSONL annotation file" in line and "meta JSON" in line, line
+# -- metrics.jsonl, the progress line, train.py plot ---------------------------------------------------
 
 
 def test_metrics_are_json_with_null_for_nan(base_run):
@@ -477,62 +415,59 @@ def test_metrics_are_json_with_null_for_nan(base_run):
                                                                                     "d": 1.0}
 
 
-def test_first_turn_from_gpt_is_kept_as_the_official_preprocessing_does(model_dir, tmp_path):
-    """preprocess_internvl2_5 (InternVL's internvl_chat/internvl/train/dataset.py, the template of
-    InternVL3.5) appends every turn in order after the system message and supervises every gpt turn,
-    a leading one too; only the older templates' preprocess functions skip a first non-human turn."""
-    tok = Tokenizer.from_pretrained(model_dir)
-    turns = [("gpt", "Hello there."), ("human", "What is 2+2?"), ("gpt", "Four.")]
-    (tmp_path / "a.jsonl").write_text(json.dumps({"conversations": [{"from": r, "value": v} for r, v in turns]}) + "\n")
-    (tmp_path / "meta.json").write_text(json.dumps({"ds": {"root": ".", "annotation": "a.jsonl"}}))
-    s = SFTData(tmp_path / "meta.json", tok)[0]
-    header = {"human": "user", "gpt": "assistant"}
-    segs = [tok.encode(f"<|im_start|>system\n{D.DEFAULT_SYSTEM_MESSAGE}<|im_end|>\n")] + [
-        tok.encode(f"<|im_start|>{header[r]}\n{v}<|im_end|>\n") for r, v in turns]
-    assert s.input_ids.tolist() == sum(segs, [])
-    n = len(tok.encode("<|im_start|>assistant\n"))
-    want = [-100] * len(segs[0])
-    for (role, _), seg in zip(turns, segs[1:]):
-        want += [-100] * n + seg[n:-1] + [-100] if role == "gpt" else [-100] * len(seg)
-    assert s.labels.tolist() == want
+@pytest.fixture(scope="module")
+def run_dir(checkpoint, tmp_path_factory):
+    """A 3-step tiny training run with --dtype auto (the default): its folder and stderr."""
+
+    root = tmp_path_factory.mktemp("run")
+    meta = write_dataset(root / "data", rows=12)
+    res = train_here("--model", checkpoint("qwen3", "original"), "--data", meta, "--out", root / "run", "--pl", "2",
+                     "--max-steps", "3", *COMMON, "--dtype", "auto")
+    return root / "run", res.stderr
 
 
-def test_role_content_rows_are_told_the_format(model_dir, tmp_path):
-    tok = Tokenizer.from_pretrained(model_dir)
-    rows = [{"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
-            {"messages": [{"role": "user", "content": "hi"}]}]
-    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "meta.json").write_text(json.dumps({"ds": {"root": ".", "annotation": "a.jsonl"}}))
-    data = SFTData(tmp_path / "meta.json", tok)
-    first, second = data[0], data[1]
-    assert isinstance(first, D.BadRow) and "from/value" in first.detail and first.detail.startswith(
-        f"ds line 1 of {tmp_path / 'a.jsonl'}: "), first.detail
-    assert isinstance(second, D.BadRow) and "'messages'" in second.detail and "from/value" in second.detail
+def test_human_progress_line_and_dtype_auto(run_dir):
+    out, stderr = run_dir
+    human = [x for x in stderr.splitlines() if x.startswith("step ")]
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(human) == len(metrics) == 3, stderr
+    for k, (line, m) in enumerate(zip(human, metrics), 1):
+        fields = line.split(" | ")
+        assert fields[0] == f"step {k}/3" and fields[1] == f"loss {m['loss']:.4f}", line
+        assert fields[2] == f"grad norm {m['grad_norm']:.3f}"
+        assert fields[3] == f"lr branches {m['lr']['branches']:.2e} pretrained {m['lr']['pretrained']:.2e}"
+        assert fields[4] == f"{m['tokens_per_s']:,.0f} tokens/s" and fields[5] == "MFU n/a"  # no peak known on CPU
+        assert fields[6] == f"peak {m['peak_gib']:.1f} GiB" and len(fields) == 9
+        assert re.fullmatch(r"elapsed \d+:\d\d:\d\d", fields[7]) and fields[8] == f"eta {cli.hms(m['eta_s'])}"
+    assert human[-1].endswith("eta 0:00:00")
+    assert json.loads((out / "config.json").read_text())["dtype"] == "fp32"  # auto on CPU
+    assert cli.hms(3725.9) == "1:02:05"
 
 
-def test_validate_data_lists_bad_rows_capped(model_dir, tmp_path, monkeypatch):
-    meta = write_dataset(tmp_path / "d", rows=6, bad=2)
-    jsonl = meta.parent / "train.jsonl"
-    with open(jsonl, "a") as f:  # a blank line, then a row that is not JSON: named by its line in the file
-        f.write("\n{not json\n")
-    before = tree(meta.parent)
-    res = train_here("--validate-data", "--model", model_dir, "--data", meta, "--max-bad-frac", "0.5",
-                     *TRAIN, check=False)
-    code, out, err = res.returncode, res.stdout, res.stderr
-    lines = out.strip().splitlines()
-    assert (code == 0 and err == "" and json.loads(lines[-1])["missing_image"] == 2
-            and json.loads(lines[-1])["bad_row"] == 1)
-    listed = lines[:-1]
-    assert (len(listed) == 3
-            and all(x.startswith("bad row: tiny line ") and f"of {jsonl}: " in x for x in listed)), listed
-    assert listed[-1].startswith("bad row: tiny line 10 of") and listed[-1].endswith("[bad_row]"), listed  # 9 is blank
-    monkeypatch.setattr(D, "MAX_NAMED", 1)
-    res = train_here("--validate-data", "--model", model_dir, "--data", meta, "--max-bad-frac", "0.1",
-                     *TRAIN, check=False)
-    code, out, err = res.returncode, res.stdout, res.stderr
-    lines = out.strip().splitlines()
-    assert code == 1 and len(lines) == 3 and lines[1] == "... and 2 more bad rows", lines
-    assert one_line(err).startswith("error: 3 of the data set's 9 rows are bad")
-    assert tree(meta.parent) == before
+def test_train_plot_draws_the_metrics(run_dir, capsys):
+    # requirements-dev.txt has matplotlib; test_train_plot_without_matplotlib_is_one_line covers its absence
+    pytest.importorskip("matplotlib")
+    out, _ = run_dir
+    assert train.main(["plot", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out / "metrics.png")
+    png_ok(out / "metrics.png", (1000, 650))
 
 
+def test_train_plot_without_matplotlib_is_one_line(run_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    out, _ = run_dir
+    assert train.main(["plot", str(out), "--out", str(tmp_path / "m.png")]) == 1
+    assert one_line(capsys.readouterr().err) == ("error: matplotlib is not installed (it draws the plot): "
+                                                 "pip install matplotlib")
+    assert not (tmp_path / "m.png").exists()
+    assert train.main(["plot", str(tmp_path)]) == 1
+    assert "metrics.jsonl: no such file" in one_line(capsys.readouterr().err)
+
+
+def test_train_plot_reads_nulls_and_foreign_rows(input_files, capsys):
+    """Nulls are gaps and rows that are not log steps are left out (a KeyError before); the PNG is written
+    where --out names it, even without a .png suffix."""
+    png = input_files["run"] / "picture"
+    code = train.main(["plot", str(input_files["run"]), "--out", str(png)])
+    assert code == 0 and capsys.readouterr().out.strip() == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
