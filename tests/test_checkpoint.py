@@ -290,12 +290,15 @@ def test_a_bad_branch_value_in_an_export_config_names_the_file_and_the_field(mod
 # -- folders that are not a model ----------------------------------------------------------------------
 
 
-def test_lfs_pointer_and_run_folder_are_named(model_dir, png, tmp_path, capsys):
+def test_a_git_lfs_pointer_is_named(model_dir, png, tmp_path, capsys):
     lfs = tmp_path / "lfs"
     shutil.copytree(model_dir, lfs)
     (lfs / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 42\n")
     code, _, err = gen_main(capsys, png, "q", "--model", lfs)
     assert code == 1 and "git-LFS pointer" in one_line(err) and "header too large" not in err, err
+
+
+def test_a_run_folder_given_as_a_model_names_its_export(model_dir, png, tmp_path, capsys):
     run = tmp_path / "run"  # what train.py --out leaves: checkpoints, and the export at the end
     shutil.copytree(model_dir, run / "export")
     (run / "checkpoints" / "step_3").mkdir(parents=True)

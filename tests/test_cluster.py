@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+import generate
 from conftest import (BENCH_NEW, COMMON, ROOT, fake_slurm, metrics, sbatch, slurm_log, train_here, two_nodes)
 from engine import Engine, GenerateConfig
 from parvl import ParVL
@@ -24,43 +26,76 @@ from processor import Tokenizer, build_prompt, load_image
 # -- train.py ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
-def test_two_nodes_equal_one_process(model_dir, meta, tmp_path, capsys):
-    """2 nodes x 1 process, started as a Slurm job (slurm/parvl.sbatch under conftest.fake_slurm: srun starts
-    one torchrun per node on 127.0.0.1, the rendezvous at the first node under the job id) against one
-    process: the same losses, and exports equal to fp32 reduction-order noise. The vision branches
-    are LoRA ones (Figure 3): sharded by FSDP2 like every tensor, trained (B leaves zero), saved in
-    the export's config and run by generate.py from it."""
-    import generate
-
+@pytest.fixture(scope="module")
+def two_node_runs(model_dir, meta, tmp_path_factory):
+    """One 2:2 training of 3 steps whose vision branches are LoRA ones (Figure 3), run twice: in one process,
+    and as 2 nodes x 1 process started as a Slurm job (slurm/parvl.sbatch under conftest.fake_slurm: srun
+    starts one torchrun per node on 127.0.0.1, the rendezvous at the first node under the job id), with
+    activation checkpointing on. The tests below read the two runs; they are made once per module."""
+    root = tmp_path_factory.mktemp("two_nodes")
     args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3", "--vision-branches",
             "lora",
             "--lora-rank", "2", *COMMON]
-    train_here(*args, "--out", tmp_path / "one")
-    command = [ROOT / "train.py", *args, "--out", tmp_path / "two", "--activation-checkpointing"]
-    env = fake_slurm(tmp_path / "slurm")
+    train_here(*args, "--out", root / "one")
+    command = [ROOT / "train.py", *args, "--out", root / "two", "--activation-checkpointing"]
+    env = fake_slurm(root / "slurm")
     job = sbatch(command, env)
     assert job.returncode == 0, job.stderr[-3000:]
-    srun = slurm_log(env)[1]  # srun's one call: torchrun on each node, the command whole
+    return SimpleNamespace(one=root / "one", two=root / "two", command=command, log=slurm_log(env))
+
+
+@pytest.mark.slow
+def test_two_nodes_start_as_one_srun_of_the_whole_command(two_node_runs):
+    """sbatch hands srun the command whole, over --nodes=2: one torchrun per node."""
+    command = two_node_runs.command
+    srun = two_node_runs.log[1]  # srun's one call: torchrun on each node, the command whole
     assert srun[:2] == ["srun", "--nodes=2"] and srun[-len(command):] == list(map(str, command))
-    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
+
+
+@pytest.mark.slow
+def test_two_nodes_losses_equal_one_process(two_node_runs):
+    """The same loss and gradient norm at every step, to fp32 reduction-order noise."""
+    one, two = metrics(two_node_runs.one), metrics(two_node_runs.two)
     # fp32 on CPU; the two runs differ only in the order of reductions (gradients summed over 2 ranks)
     # and in recomputing activations (activation checkpointing on for the 2-rank run)
     for a, b in zip(one, two, strict=True):
         assert (a["loss"] == pytest.approx(b["loss"], rel=1e-5)
                 and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4))
-    a, b = (load_file(str(tmp_path / run / "export" / "model.safetensors")) for run in ("one", "two"))
+
+
+@pytest.mark.slow
+def test_two_nodes_export_equals_one_process(two_node_runs):
+    """The exports hold the same tensors, equal to fp32 reduction-order noise: the LoRA updates, sharded by
+    FSDP2 like every tensor, included."""
+    a, b = (load_file(str(run / "export" / "model.safetensors")) for run in (two_node_runs.one, two_node_runs.two))
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+
+
+@pytest.mark.slow
+def test_lora_vision_branches_replace_the_prefixes_and_train(two_node_runs):
+    """LoRA vision branches are updates in place of the vision prefixes, and every update is trained away
+    from its zero start (B starts at zero)."""
+    a = load_file(str(two_node_runs.one / "export" / "model.safetensors"))
     ups = [k for k in a if k.endswith(".lora_B")]
     assert ups and not any(k.endswith(".prefix_k") and k.startswith("vision") for k in a)  # LoRA in place of prefixes
     assert all(a[k].abs().max() > 0 for k in ups)  # every update trained away from its zero start
-    model = ParVL.from_pretrained(tmp_path / "one" / "export")
+
+
+@pytest.mark.slow
+def test_the_export_config_keeps_the_lora_branches(two_node_runs):
+    model = ParVL.from_pretrained(two_node_runs.one / "export")
     assert (model.cfg.par.vision_branches, model.cfg.par.lora_rank) == ("lora", 2)
+
+
+@pytest.mark.slow
+def test_generate_runs_the_lora_export(two_node_runs, tmp_path, capsys):
+    """generate.py on the export answers what the engine answers on the model loaded from it."""
+    export = two_node_runs.one / "export"
+    model = ParVL.from_pretrained(export)
     png = tmp_path / "img.png"
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 90, 3), dtype=np.uint8)).save(png)
-    assert generate.main([str(png), "Hi?", "--model", str(tmp_path / "one" / "export"), "--max-new-tokens", "4",
-                          "--json"]) == 0
-    tok, pv = Tokenizer.from_pretrained(tmp_path / "one" / "export"), load_image(png, max_tiles=12)
+    assert generate.main([str(png), "Hi?", "--model", str(export), "--max-new-tokens", "4", "--json"]) == 0
+    tok, pv = Tokenizer.from_pretrained(export), load_image(png, max_tiles=12)
     ids = tok.encode(build_prompt("<image>\nHi?", [pv.shape[0]], tokens_per_tile=model.cfg.tokens_per_tile))
     want = Engine(model).generate([ids], pv, GenerateConfig(max_new_tokens=4), tok.eos_ids).tokens[0]
     assert json.loads(capsys.readouterr().out)["answer"] == tok.answer(want)

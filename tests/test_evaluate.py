@@ -364,7 +364,7 @@ def test_an_out_that_cannot_be_written_is_one_line(bench, full_run, tmp_path, ca
 # -- score ---------------------------------------------------------------------------------------------
 
 
-def test_score_command_and_bad_input(bench, full_run, tmp_path, capsys):
+def test_score_writes_its_line_its_rows_and_its_file(bench, full_run, tmp_path, capsys):
     _, tsv, _, _ = bench
     rc, out, err = main_out(capsys, "score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", full_run,
                             "--rows-out", tmp_path / "rows.jsonl", "--out", tmp_path / "s.json")
@@ -372,6 +372,11 @@ def test_score_command_and_bad_input(bench, full_run, tmp_path, capsys):
     assert rc == 0 and line["n"] == 3 and line["benchmark"] == "MMMU_DEV_VAL" and 0 <= line["score"] <= 100
     assert line["missing"] == 1 and len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3  # row 13
     assert json.loads((tmp_path / "s.json").read_text()) == line
+
+
+def test_score_and_run_bad_input_is_one_line(bench, full_run, tmp_path, capsys):
+    """An unknown benchmark (score and run), a TSV without answers, a prediction of an index the TSV lacks."""
+    _, tsv, _, _ = bench
     bad_pred = tmp_path / "bad.jsonl"
     bad_pred.write_text(json.dumps({"index": "999", "prediction": "A"}) + "\n")
     no_answer = write_tsv(tmp_path / "no_answer.tsv", [{"index": "10", "question": "q", "image": "x" * 80}])

@@ -390,13 +390,16 @@ def test_latency_plot_without_matplotlib_is_one_line(tmp_path, capsys, monkeypat
     assert not (tmp_path / "l.png").exists()
 
 
-def test_latency_compile_s_and_a_batch_that_does_not_fit(capsys, monkeypatch):
-    """compile_s is null without --compile (the first call minus the steady state was noise, even negative);
-    an allocation failure is one line with the flags that lower it (the allocator's traceback before)."""
+def test_latency_compile_s_is_null_without_compile(capsys):
+    """compile_s is null without --compile (the first call minus the steady state was noise, even negative)."""
     code = profiling.main(["latency", "--arch", "tiny", "--tiles", "0", "--text-tokens", "8", "--new-tokens", "2",
                            "--batch", "1", "--iters", "2", "--warmup", "1", "--device", "cpu", "--json"])
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert code == 0 and [r["compile_s"] for r in rows] == [None]
+
+
+def test_latency_out_of_memory_is_one_line_with_the_flags_that_lower_it(capsys, monkeypatch):
+    """An allocation failure is one line with the flags that lower it (the allocator's traceback before)."""
 
     def no_memory(*a, **k):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")

@@ -98,10 +98,10 @@ def test_unusable_out_is_one_line(model_dir, meta, tmp_path, case):
     assert meta.read_bytes() == before and not (tmp_path / "new").exists()
 
 
-def test_an_out_that_cannot_hold_a_run_is_one_line_before_training(model_dir, meta, tmp_path, capsys):
+def test_an_out_that_cannot_hold_a_run_is_one_line_before_training(model_dir, meta, tmp_path):
     """Issue 29, item 10: --out a symbolic link to nothing (main: "cannot write there (File exists)"),
     a run folder whose checkpoints is a file or whose metrics.jsonl is a folder (main trained a step,
-    then failed to save it); and `train.py plot` on a metrics.jsonl of garbage (main: "no log steps yet")."""
+    then failed to save it)."""
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "nowhere")
     res = train_here("--model", model_dir, "--data", meta, "--out", link, *COMMON, check=False)
@@ -120,6 +120,10 @@ def test_an_out_that_cannot_hold_a_run_is_one_line_before_training(model_dir, me
         assert res.returncode == 1 and one_line(res.stderr) == (f"error: --out {out}: {out / name} is a {kind}, where "
                                                                 f"the run keeps its {says}")
         assert tree(out) == before and sorted(p.name for p in out.iterdir()) == [name]
+
+
+def test_train_plot_of_lines_that_are_not_json_is_one_line(tmp_path, capsys):
+    """Issue 29, item 10: `train.py plot` on a metrics.jsonl of garbage (main: "no log steps yet")."""
     (tmp_path / "metrics.jsonl").write_text("not a metrics line\n\x00\x01\n")
     assert train.main(["plot", str(tmp_path)]) == 1
     assert capsys.readouterr().err.strip() == (f"error: {tmp_path / 'metrics.jsonl'}: none of its 2 lines is JSON; "
@@ -363,10 +367,9 @@ def answer(capsys, model: Path, png: Path) -> str:
     return json.loads(capsys.readouterr().out)["answer"]
 
 
-def test_export_of_a_kept_step(run3, model_dir, tmp_path, capsys):
+def test_export_of_a_kept_step_is_the_model_at_that_step(run3, model_dir, tmp_path, capsys):
     """`train.py export RUN --step N`: step 2 gives the weights the run held in memory after step 2, step 3
-    the run's own end-of-run export, in the same layout; generate.py answers alike from each pair. Step 1
-    (no longer kept) and a step whose shard lost its tail are refused in one line, nothing written."""
+    the run's own end-of-run export, in the same layout; generate.py answers alike from each pair."""
     out, at_two, _ = run3
     assert train.main(["export", str(out), "--step", "2", "--out", str(tmp_path / "two")]) == 0
     assert train.main(["export", str(out), "--step", "3"]) == 0
@@ -385,6 +388,10 @@ def test_export_of_a_kept_step(run3, model_dir, tmp_path, capsys):
     assert answer(capsys, tmp_path / "two", png) == answer(capsys, at_two, png)
     assert answer(capsys, out / "export_step_3", png) == answer(capsys, out / "export", png)
 
+
+def test_export_refuses_a_step_not_kept_or_broken(run3, tmp_path, capsys):
+    """Step 1 (no longer kept) and a step whose shard lost its tail are refused in one line, nothing written."""
+    out = run3[0]
     shutil.copytree(out / "checkpoints", tmp_path / "run" / "checkpoints")  # a copy to break
     ckpts = tmp_path / "run" / "checkpoints"
     assert train.main(["export", str(tmp_path / "run"), "--step", "1"]) == 1
@@ -426,7 +433,7 @@ def run_dir(checkpoint, tmp_path_factory):
     return root / "run", res.stderr
 
 
-def test_human_progress_line_and_dtype_auto(run_dir):
+def test_the_progress_line_says_each_metrics_line(run_dir):
     out, stderr = run_dir
     human = [x for x in stderr.splitlines() if x.startswith("step ")]
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
@@ -440,8 +447,12 @@ def test_human_progress_line_and_dtype_auto(run_dir):
         assert fields[6] == f"peak {m['peak_gib']:.1f} GiB" and len(fields) == 9
         assert re.fullmatch(r"elapsed \d+:\d\d:\d\d", fields[7]) and fields[8] == f"eta {cli.hms(m['eta_s'])}"
     assert human[-1].endswith("eta 0:00:00")
-    assert json.loads((out / "config.json").read_text())["dtype"] == "fp32"  # auto on CPU
     assert cli.hms(3725.9) == "1:02:05"
+
+
+def test_dtype_auto_is_fp32_on_cpu(run_dir):
+    out, _ = run_dir
+    assert json.loads((out / "config.json").read_text())["dtype"] == "fp32"  # auto on CPU
 
 
 def test_train_plot_draws_the_metrics(run_dir, capsys):

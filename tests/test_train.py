@@ -101,10 +101,13 @@ def test_chunked_loss_equals_the_loss_of_the_logits(chunk):
         assert float(chunked_sft_loss(h, W, labels, 9.0, seg, chunk=chunk)) == float(got)
 
 
-def test_lr_schedule_and_parameter_groups(model_dir):
+def test_lr_schedule_warms_up_then_decays_to_zero():
     f = lr_lambda(100, 0.03)
     assert [f(0), f(1), f(3)] == [0.0, pytest.approx(1 / 3), 1.0]
     assert f(100) == pytest.approx(0.0, abs=1e-12) and f(3 + 97 // 2) == pytest.approx(0.5, abs=0.02)
+
+
+def test_parameter_groups_are_the_branches_and_the_pretrained_tensors(model_dir):
     model = ParVL.from_pretrained(model_dir, pv=2, pl=2)
     groups = {g["name"]: g for g in param_groups(model, TrainConfig())}
     assert groups["branches"]["lr"] == 8e-5 and groups["pretrained"]["lr"] == 8e-6
