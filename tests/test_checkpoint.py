@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 import generate
 from checkpoint import CheckpointError
-from conftest import (LAYOUTS, FAMILIES, ROOT, gen_main, hf_to_original, one_line, png_b64, prompt_ids, random_pixels,
+from conftest import (FAMILIES, LAYOUTS, ROOT, gen_main, hf_to_original, one_line, png_b64, prompt_ids, random_pixels,
                       read_safetensors, run_main, tree, write_dataset, write_tsv)
 from hub import DEFAULT_MODEL, resolve_model
 from parvl import ParVL

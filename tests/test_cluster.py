@@ -17,7 +17,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import generate
-from conftest import (BENCH_NEW, COMMON, ROOT, fake_slurm, metrics, sbatch, slurm_log, train_here, two_nodes)
+from conftest import BENCH_NEW, COMMON, ROOT, fake_slurm, metrics, sbatch, slurm_log, train_here, two_nodes
 from engine import Engine, GenerateConfig
 from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
