@@ -9,7 +9,7 @@ does, the fit minimises sum_i Huber_delta(log L_i - log L_pred,i) with delta = 1
 (E, A, alpha, k) >= 1e-8 from each of its 300 initial values and keeps the best; R^2 is of L_pred
 against L. parametric_fit.py runs scipy's L-BFGS-B once per start; here one batched L-BFGS in
 torch (float64) runs all starts at once. On ParScale's published losses it lands within 1e-4 of
-the reported parameters, as scipy does (tests/test_evaluate.py).
+the reported parameters, as scipy does (tests/test_analysis.py).
 
 Shapes: S starts, R rows of the table.
 """

@@ -3,7 +3,7 @@ from VLMEvalKit (open-compass/VLMEvalKit) without an LLM judge; its files are re
 
     rows = read_tsv("TextVQA_VAL.tsv")                       # tsv.py: list of {column: str | None}
     result = score("TextVQA_VAL", rows, {"0": "two dogs"})   # Score(value 0-100, n, per_row, ...)
-    python -m pytest tests/test_evaluate.py -q
+    python -m pytest tests/test_scoring.py -q
 
 Where the paper's wording and VLMEvalKit's code differ, the code is followed. Each scorer names
 the upstream file and function it follows (paths relative to VLMEvalKit's `vlmeval/`):

@@ -19,8 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from conftest import make_checkpoint  # noqa: E402  (needs transformers: test-only)
-from test_evaluate import png_b64, write_tsv  # noqa: E402
+from conftest import make_checkpoint, png_b64, write_tsv  # noqa: E402  (needs transformers: test-only)
 
 import evaluate  # noqa: E402
 

@@ -17,25 +17,42 @@ both -HF layouts with the transformers config.json (`internvl`). Optionally shar
 `model.safetensors.index.json`, optionally stored in bf16. Each folder also gets a tiny tokenizer
 (`tiny_tokenizer.py`); the image token id is that tokenizer's `<IMG_CONTEXT>`.
 
-Fixtures: `checkpoint(...) -> Path` and `reference(family, seed) -> model`, both session-cached; `model_dir`
-(the tiny qwen3 checkpoint, original layout) and `meta` (16 SFT rows), both per module.
+Fixtures: `checkpoint(...) -> Path`, `reference(family, seed) -> model` and `parvl(family, layout) -> ParVL`,
+all session-cached; `model_dir` (the tiny qwen3 checkpoint, original layout) and `meta` (16 SFT rows), both
+per module; and, session-cached because several files read them: `png` (a small photo), `input_files` (bad
+input for the commands), `bench` / `full_run` (an MMMU-style TSV and its predictions) and `run3` (a 2:2
+training run with a kept step and TensorBoard events).
 Plain helpers (import with `from conftest import ...`): `make_checkpoint`, `build_reference`,
-`hf_to_original`, `original_to_hf`, `prompt_ids`, `left_pad`, `random_pixels`, `read_safetensors`.
-The fixtures are checked on their own by the `test_fixture_*` tests in `test_core.py`.
+`hf_to_original`, `original_to_hf`, `prompt_ids`, `left_pad`, `random_pixels`, `read_safetensors`; for the
+commands, `parse_flags`, `two_nodes`, `fake_slurm` / `sbatch` / `slurm_log`; for training runs,
+`write_dataset`, `train_here`, `run_train`, `metrics`, `COMMON`; for a command run in this process,
+`run_main`, `gen_main`, `main_out`; for what a command leaves and says, `tree`, `notes`, `one_line`,
+`worker_lines`, `root_cause`, `png_ok`; for benchmark files, `write_tsv`, `png_b64`, `read_preds`,
+`write_scores`; for trackers, `expected_scalars`, `event_scalars`; for generation, `hf_greedy`.
+The fixtures are checked on their own by the `test_fixture_*` tests in `test_equivalence.py`.
 """
 from __future__ import annotations
 
+import base64
+import contextlib
+import csv
 import functools
+import hashlib
+import io
 import json
+import math
 import os
+import re
 import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -461,8 +478,7 @@ def model_dir(checkpoint):
 
 @pytest.fixture(scope="module")
 def meta(tmp_path_factory):
-    """16 SFT rows in the official InternVL format (test_train.write_dataset), made once per module."""
-    from test_train import write_dataset
+    """16 SFT rows in the official InternVL format (write_dataset), made once per module."""
     return write_dataset(tmp_path_factory.mktemp("data"), rows=16)
 
 
@@ -557,3 +573,360 @@ def sbatch(args: list, env: dict, timeout: int = 300, **popen) -> subprocess.Com
     root = Path(__file__).resolve().parents[1]
     return subprocess.run(["bash", str(root / "slurm" / "parvl.sbatch"), *map(str, args)], env=env, cwd=root,
                           capture_output=True, text=True, timeout=timeout, **popen)
+
+
+# ----------------------------------------------------------------------------- training runs
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+QA = [("What colour dominates?", "Mostly red with some blue."), ("Describe it.", "A noisy square."),
+      ("Is it bright?", "Fairly bright."), ("Count the shapes.", "There are none, only noise.")]
+
+
+def write_dataset(folder: Path, rows: int = 8, bad: int = 0, repeat: float = 1.0) -> Path:
+    """A meta JSON + JSONL in the official format: images (1 or 2 per row), text-only rows, and
+    `bad` rows whose image is missing."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for k in range(3):
+        Image.fromarray(rng.integers(0, 255, (60 + 40 * k, 90, 3), dtype=np.uint8)).save(folder / f"img{k}.png")
+    lines = []
+    for i in range(rows):
+        q, a = QA[i % len(QA)]
+        if i % 4 == 3:
+            lines.append({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
+        elif i % 4 == 2:
+            lines.append({"image": ["img0.png", "img1.png"], "conversations": [
+                {"from": "human", "value": f"<image>\n<image>\n{q}"}, {"from": "gpt", "value": a},
+                {"from": "human", "value": "And then?"}, {"from": "gpt", "value": "Nothing more."}]})
+        else:
+            lines.append({"image": f"img{i % 3}.png", "conversations": [
+                {"from": "human", "value": f"<image>\n{q}"}, {"from": "gpt", "value": a}]})
+    for i in range(bad):
+        lines.insert(1 + 3 * i, {"image": "missing.png", "conversations": [
+            {"from": "human", "value": "<image>\nHi"}, {"from": "gpt", "value": "Hello."}]})
+    (folder / "train.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    meta = {"tiny": {"root": str(folder), "annotation": str(folder / "train.jsonl"), "repeat_time": repeat,
+                     "length": len(lines), "data_augment": False}}
+    (folder / "meta.json").write_text(json.dumps(meta))
+    return folder / "meta.json"
+
+
+def run_train(*args, nproc: int = 1, check: bool = True, fault: str | None = None):
+    """train.py with these flags (under torchrun with nproc > 1); fault: one of tests/faults.py's."""
+    script = [str(ROOT / "tests" / "faults.py"), fault] if fault else [str(ROOT / "train.py")]
+    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"] if nproc > 1
+           else [sys.executable]) + [*script,
+                                     *map(str, args)]  # --standalone: a free port, so runs side by side never clash
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    if check:
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def train_here(*args, check: bool = True) -> subprocess.CompletedProcess:
+    """train.py's main in this process, for the runs of one process with no fault: what run_train
+    gives, less the 3.6 s of imports a new interpreter spends. One intra-op thread, as run_train's
+    OMP_NUM_THREADS=1; stdout and stderr captured; a flag error's SystemExit is its exit code."""
+    import train
+
+    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = train.main([str(a) for a in args])
+            except SystemExit as e:
+                code = e.code
+    finally:
+        torch.set_num_threads(threads)
+    res = subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+    if check:
+        assert code == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+COMMON = ["--dtype", "fp32", "--global-batch", "4", "--num-workers", "0", "--max-tiles", "2", "--log-every", "1",
+          "--no-activation-checkpointing"]
+
+
+# ----------------------------------------------------------------------------- what a command says
+
+def tree(folder: Path) -> dict[str, str]:
+    """Relative path -> sha256 of every file under folder: "intact" means this does not change."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+PROGRESS = re.compile(r"step \d+/\d+ \| ")  # train.py's human line per log step (stderr), not a note
+
+
+def notes(text: str) -> list[str]:
+    """The lines of stderr that are not training progress lines."""
+    return [x for x in text.strip().splitlines() if not PROGRESS.match(x)]
+
+
+def one_line(text: str) -> str:
+    lines = notes(text)
+    assert len(lines) == 1 and "Traceback" not in text, text[-3000:]
+    return lines[0]
+
+
+def worker_lines(stderr: str) -> list[str]:
+    """What the workers printed under torchrun: the launcher appends its own failure report (an
+    "E... failed (exitcode: 1)" log line and a ChildFailedError traceback) that no worker controls."""
+    lines = notes(stderr)
+    cut = next((i for i, x in enumerate(lines) if "torch/distributed/elastic" in x or x.startswith("Traceback")),
+               len(lines))
+    return lines[:cut]
+
+
+def root_cause(stderr: str) -> str:
+    """The traceback field of the root cause in torchrun's failure report (the worker's error file)."""
+    section = stderr.split("Root Cause (first observed failure):", 1)[1]
+    return next(x for x in section.splitlines() if x.strip().startswith("traceback :")).split(":", 1)[1].strip()
+
+
+# ----------------------------------------------------------------------------- benchmark files
+
+def write_tsv(path: Path, rows: list[dict]) -> Path:
+    """A TSV the way VLMEvalKit writes one (pandas to_csv(sep='\\t'): csv quoting, minimal)."""
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f, delimiter="\t", lineterminator="\n")
+        w.writerow(cols)
+        for r in rows:
+            w.writerow([r.get(c, "") for c in cols])
+    return path
+
+
+def png_b64(w: int, h: int, seed: int) -> str:
+    arr = np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(arr).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+# ----------------------------------------------------------------------------- trackers
+
+def expected_scalars(lines: list[dict], dtype=np.float32) -> dict[str, list[tuple[int, float]]]:
+    """metrics.jsonl as a tracker should hold it: each number at its line's step, a nested one under
+    outer/inner, nulls absent; float32, as TensorBoard's event files store scalars."""
+    want = {}
+    for line in lines:
+        for key, value in line.items():
+            items = (value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list)
+                     else [(None, value)])
+            for sub, x in items:
+                if key != "step" and x is not None:
+                    want.setdefault(key if sub is None else f"{key}/{sub}", []).append(
+                        (line["step"], float(dtype(x))))
+    return want
+
+
+def event_scalars(path: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar series of a TensorBoard run folder (or one event file), read by TensorBoard's own reader."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0})  # 0: keep every event, no sampling
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+# ----------------------------------------------------------------------------- the model, loaded
+
+@pytest.fixture(scope="session")
+def parvl(checkpoint):
+    """`parvl(family, layout) -> ParVL` loaded in fp32 from that checkpoint folder (session-cached; don't modify)."""
+    from parvl import ParVL
+
+    models: dict[tuple[str, str], ParVL] = {}
+
+    def get(family: str = "qwen3", layout: str = "original") -> ParVL:
+        if (family, layout) not in models:
+            models[family, layout] = ParVL.from_pretrained(checkpoint(family, layout), dtype=torch.float32,
+                                                           device="cpu")
+        return models[family, layout]
+    return get
+
+
+def hf_greedy(ref, ids: list[int], pixel_values, n: int) -> list[int]:
+    """transformers' greedy generate, forced to n tokens (no eos) so both sides run every step."""
+    images = {} if pixel_values is None else {"pixel_values": pixel_values}  # None trips transformers 5.24
+    out = ref.generate(input_ids=torch.tensor([ids]), **images, max_new_tokens=n, min_new_tokens=n,
+                       do_sample=False, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    return out[0, len(ids):].tolist()
+
+
+# ----------------------------------------------------------------------------- commands in this process
+
+def run_main(capsys, main, argv) -> tuple[int, list[str]]:
+    """A command's main in this process: its exit code (a flag error's too) and its stderr lines."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def gen_main(capsys, *args) -> tuple[int, str, str]:
+    """generate.py's main in this process: its exit code, stdout and stderr."""
+    import generate
+
+    code = generate.main([str(a) for a in args])
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def main_out(capsys, *argv) -> tuple[int, str, str]:
+    """evaluate.py's main in this process: its exit code, stdout and stderr."""
+    import evaluate
+
+    rc = evaluate.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+NOT_UTF8 = "character {k} is a lone surrogate U+DCFF (the byte 0xff of text that is not UTF-8?)"
+
+
+@pytest.fixture(scope="session")
+def png(tmp_path_factory):
+    """A 90 x 60 random photo.png: the image of the command tests."""
+    path = tmp_path_factory.mktemp("img") / "photo.png"
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 90, 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def png_ok(path, size) -> None:
+    img = Image.open(path)
+    assert img.format == "PNG" and img.size == size
+    assert np.asarray(img.convert("L")).std() > 5  # something is drawn
+
+
+@pytest.fixture(scope="session")
+def input_files(tmp_path_factory):
+    """Small files of bad (or odd) input the commands are handed: a TSV with a header and no rows, one
+    with a short row, predictions, score files (a NaN, a string), law CSVs (six equal points, a byte order
+    mark, 200,004 rows), a file where a folder goes, an empty folder, a run with foreign metrics lines."""
+    d = tmp_path_factory.mktemp("inputs")
+    img = png_b64(16, 16, 5)
+    f = {"header_tsv": write_tsv(d / "header_tsv", [{"index": "0", "question": "q", "answer": "a", "image": img}]),
+         "short_tsv": d / "short_tsv", "preds": d / "preds.jsonl", "score": d / "score.json",
+         "nan": d / "nan.json", "text": d / "text.json", "six_csv": d / "six_csv", "bom_csv": d / "bom_csv",
+         "big_csv": d / "big_csv", "a file": d / "a file", "folder": d / "folder", "run": d / "run"}
+    f["header_tsv"].write_text(f["header_tsv"].read_text().splitlines()[0] + "\n")
+    f["short_tsv"].write_text("index\tquestion\tanswer\n0\tWhat?\n1\tWhat?\tyes\n")  # row 0 has no answer cell
+    f["preds"].write_text('{"index": "0", "prediction": "yes"}\n{"index": "1", "prediction": "yes"}\n')
+    f["score"].write_text('{"benchmark": "OCRBench", "score": 50.0, "pv": 1, "pl": 1}\n')
+    f["nan"].write_text('{"benchmark": "OCRBench", "score": NaN, "pv": 1, "pl": 1}\n')
+    f["text"].write_text('{"benchmark": "OCRBench", "score": "high", "pv": 1, "pl": 1}\n')
+    f["six_csv"].write_text("params,p,loss\n" + "1000000,2,2.5\n" * 6)
+    rows = [(n, p, 1.5 + (3e8 / (n * (0.4 * math.log(p) + 1))) ** 0.3) for n in (1e8, 1e9) for p in (1, 2, 4)]
+    f["bom_csv"].write_text("\ufeffparams,p,loss\n" + "".join(f"{n},{p},{loss}\n" for n, p, loss in rows),
+                            encoding="utf-8")
+    f["big_csv"].write_text("params,p,loss\n" + "".join(f"{n},{p},{loss}\n" for n, p, loss in rows) * 33334)
+    f["a file"].write_text("x")
+    f["folder"].mkdir()
+    f["run"].mkdir()
+    (f["run"] / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": null, "grad_norm": 1.0, "lr": {"pretrained": 0.001}}\n{"loss": 3}\nnull\n[1, 2]\n'
+        '{"step": 2, "loss": 2.0, "grad_norm": null, "lr": null}\n"text"\n'
+        '{"step": 3, "loss": 1.5, "grad_norm": 0.5, "lr": {"pretrained": 0.002, "branches": 0.01}}\n')
+    return f
+
+
+# ----------------------------------------------------------------------------- a benchmark and its predictions
+
+BENCH_NEW = 6  # new tokens of the bench runs: enough for a short answer, cheap on CPU
+
+
+@pytest.fixture(scope="session")
+def bench(checkpoint, tmp_path_factory):
+    """An MMMU-style TSV: options, a hint, an open question, two images, a shared image, a 2:1 image
+    (two tiles + thumbnail) and one corrupt image."""
+    folder = checkpoint("qwen3", "original")
+    d = tmp_path_factory.mktemp("bench")
+    imgs = [png_b64(24, 24, 1), png_b64(20, 20, 2), png_b64(64, 32, 3)]
+    rows = [
+        {"index": "10", "question": "What is shown?", "A": "cat", "B": "dog", "answer": "A", "split": "validation",
+         "image": imgs[0]},
+        {"index": "11", "question": "Compare <image 1> and <image 2>.", "A": "same", "B": "different", "answer": "B",
+         "split": "validation", "image": str([imgs[1], imgs[0]])},
+        {"index": "12", "question": "How many?", "hint": "Count them.", "answer": "3", "split": "dev", "image": "10"},
+        {"index": "13", "question": "Broken", "A": "x", "B": "y", "answer": "A", "split": "dev",
+         "image": "!!notbase64" * 10},
+        {"index": "14", "question": "Wide picture?", "A": "yes", "B": "no", "answer": "A", "split": "validation",
+         "image": imgs[2]},
+    ]
+    return folder, write_tsv(d / "MMMU_DEV_VAL.tsv", rows), rows, imgs
+
+
+def read_preds(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def full_run(bench, tmp_path_factory):
+    """`evaluate.py run` of the bench TSV on its checkpoint, in batches of 3: the predictions every
+    score, lengths and descriptors test reads."""
+    import evaluate
+
+    folder, tsv, rows, _ = bench
+    out = tmp_path_factory.mktemp("run") / "pred.jsonl"
+    rc = evaluate.main(["run", "--benchmark", "MMMU_DEV_VAL", "--data", str(tsv), "--model", str(folder),
+                        "--out", str(out), "--batch-size", "3", "--max-new-tokens", str(BENCH_NEW)])
+    assert rc == 0
+    return out
+
+
+def write_scores(folder: Path, name: str, values: list, **record) -> list[Path]:
+    """One score file per benchmark, as `evaluate.py score --out` writes them (its config fields); name
+    is the checkpoint's."""
+    from evaluation import scoring as S
+
+    folder.mkdir(parents=True, exist_ok=True)
+    files = []
+    for bench, v in zip(S.BENCHMARKS, values):
+        files.append(folder / f"{name}{'_kv' if record.get('shared_kv') else ''}_{bench}.json")
+        files[-1].write_text(json.dumps({"benchmark": bench, "score": v, "n": 10, "unresolved": 0, "missing": 0,
+                                         "model": f"runs/{name}/export", "model_fingerprint": f"fp-{name}",
+                                         "pv": 1, "pl": 1, "vision_branch": None, "language_branch": None,
+                                         "shared_kv": False, "router": None, "random_pair": None, "branches": {}}
+                                        | record) + "\n")
+    return files
+
+
+# ----------------------------------------------------------------------------- a training run several files read
+
+@pytest.fixture(scope="session")
+def run3(checkpoint, tmp_path_factory):
+    """A 2:2 run of 3 steps saving every step and keeping the last 2, logged to TensorBoard; the model it
+    held in memory after step 2 is exported by the run itself (the end-of-run export's function, through a
+    patched save) into a folder beside it. On the tiny checkpoint and 16 rows written as `meta` writes them.
+    Returns the run folder, that export and the meta file."""
+    import runs
+    import train
+
+    model_dir = checkpoint("qwen3", "original")
+    root = tmp_path_factory.mktemp("run3")
+    meta = write_dataset(root / "data", rows=16)
+    out, at_two = root / "run", root / "in_memory_step_2"
+    save = train.save_checkpoint
+
+    def save_and_export(model, optim, sched, step, *args):
+        save(model, optim, sched, step, *args)
+        if step == 2:
+            runs.export(model, at_two, Path(model_dir))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train, "save_checkpoint", save_and_export)
+        train_here("--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3", "--save-every",
+                   "1", "--keep-last", "2", "--tracker", "tensorboard", "--out", out, *COMMON)
+    return out, at_two, meta

@@ -1,4 +1,6 @@
-"""Tests for data.py: the official InternVL SFT data format, label masking, batching and sharding.
+"""Tests for data.py: the official InternVL SFT data format, label masking, batching and sharding; rows the
+official preprocessing reads (a first turn from gpt) and rows it does not (role/content, not valid Unicode,
+not JSON), named with their line and cause, by --validate-data too; the loader's workers.
 
 Expected token ids are built by hand from the segment strings of preprocess_internvl2_5 and encoded with the
 tiny Qwen-style tokenizer from tests/tiny_tokenizer.py; expected pixels come from
@@ -8,6 +10,7 @@ Run: python -m pytest tests/test_data.py -q
 """
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +21,9 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `pytest` works from anywhere
 import data as D  # noqa: E402
+import train  # noqa: E402
 from batches import RankSampler, collate, make_loader  # noqa: E402
+from conftest import COMMON, NOT_UTF8, ROOT, one_line, train_here, tree, write_dataset  # noqa: E402
 from data import BadRow, Sample, SFTData  # noqa: E402
 from loss import loss_weights  # noqa: E402
 from processor import DEFAULT_SYSTEM_MESSAGE, Tokenizer, load_image  # noqa: E402
@@ -353,3 +358,120 @@ def test_make_loader_workers_match_single_process(tmp_path, tok, packing):
     assert sorted(sum(seen, [])) == sorted(order[2:4].tolist() + order[6:8].tolist())
     assert [[b.rows for b in bs] for _, bs in run(0, start=1)] == [[b.rows for b in bs] for _, bs in single[1:]]
 
+
+# -- rows as the official preprocessing reads them; bad rows named -------------------------------------
+
+
+def test_first_turn_from_gpt_is_kept_as_the_official_preprocessing_does(model_dir, tmp_path):
+    """preprocess_internvl2_5 (InternVL's internvl_chat/internvl/train/dataset.py, the template of
+    InternVL3.5) appends every turn in order after the system message and supervises every gpt turn,
+    a leading one too; only the older templates' preprocess functions skip a first non-human turn."""
+    tok = Tokenizer.from_pretrained(model_dir)
+    turns = [("gpt", "Hello there."), ("human", "What is 2+2?"), ("gpt", "Four.")]
+    (tmp_path / "a.jsonl").write_text(json.dumps({"conversations": [{"from": r, "value": v} for r, v in turns]}) + "\n")
+    (tmp_path / "meta.json").write_text(json.dumps({"ds": {"root": ".", "annotation": "a.jsonl"}}))
+    s = SFTData(tmp_path / "meta.json", tok)[0]
+    header = {"human": "user", "gpt": "assistant"}
+    segs = [tok.encode(f"<|im_start|>system\n{D.DEFAULT_SYSTEM_MESSAGE}<|im_end|>\n")] + [
+        tok.encode(f"<|im_start|>{header[r]}\n{v}<|im_end|>\n") for r, v in turns]
+    assert s.input_ids.tolist() == sum(segs, [])
+    n = len(tok.encode("<|im_start|>assistant\n"))
+    want = [-100] * len(segs[0])
+    for (role, _), seg in zip(turns, segs[1:]):
+        want += [-100] * n + seg[n:-1] + [-100] if role == "gpt" else [-100] * len(seg)
+    assert s.labels.tolist() == want
+
+
+def test_role_content_rows_are_told_the_format(model_dir, tmp_path):
+    tok = Tokenizer.from_pretrained(model_dir)
+    rows = [{"conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+            {"messages": [{"role": "user", "content": "hi"}]}]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "meta.json").write_text(json.dumps({"ds": {"root": ".", "annotation": "a.jsonl"}}))
+    data = SFTData(tmp_path / "meta.json", tok)
+    first, second = data[0], data[1]
+    assert isinstance(first, D.BadRow) and "from/value" in first.detail and first.detail.startswith(
+        f"ds line 1 of {tmp_path / 'a.jsonl'}: "), first.detail
+    assert isinstance(second, D.BadRow) and "'messages'" in second.detail and "from/value" in second.detail
+
+
+def test_a_training_row_that_is_not_unicode_is_a_bad_row(model_dir, tmp_path, capsys):
+    meta = write_dataset(tmp_path / "d", rows=4)
+    lines = (tmp_path / "d" / "train.jsonl").read_text().splitlines()
+    lines[1] = lines[1].replace("Describe it.", "Describe \\udcff it.")
+    (tmp_path / "d" / "train.jsonl").write_text("\n".join(lines) + "\n")
+    code = train.main(["--validate-data", "--model", str(model_dir), "--data", str(meta), "--num-workers", "0",
+                       "--max-bad-frac", "0.5"])
+    out = capsys.readouterr().out
+    assert code == 0 and (f"bad row: tiny line 2 of {tmp_path / 'd' / 'train.jsonl'}: turn 1 is not valid Unicode: "
+                          + NOT_UTF8.format(k=18) + " [bad_row]") in out, out
+    assert json.loads(out.strip().splitlines()[-1]) == {"good": 3, "missing_image": 0, "corrupt_image": 0,
+                                                        "placeholder_mismatch": 0, "too_long": 0, "bad_row": 1}
+
+
+def test_validate_data_lists_bad_rows_capped(model_dir, tmp_path, monkeypatch):
+    meta = write_dataset(tmp_path / "d", rows=6, bad=2)
+    jsonl = meta.parent / "train.jsonl"
+    with open(jsonl, "a") as f:  # a blank line, then a row that is not JSON: named by its line in the file
+        f.write("\n{not json\n")
+    before = tree(meta.parent)
+    res = train_here("--validate-data", "--model", model_dir, "--data", meta, "--max-bad-frac", "0.5",
+                     *COMMON, check=False)
+    code, out, err = res.returncode, res.stdout, res.stderr
+    lines = out.strip().splitlines()
+    assert (code == 0 and err == "" and json.loads(lines[-1])["missing_image"] == 2
+            and json.loads(lines[-1])["bad_row"] == 1)
+    listed = lines[:-1]
+    assert (len(listed) == 3
+            and all(x.startswith("bad row: tiny line ") and f"of {jsonl}: " in x for x in listed)), listed
+    assert listed[-1].startswith("bad row: tiny line 10 of") and listed[-1].endswith("[bad_row]"), listed  # 9 is blank
+    monkeypatch.setattr(D, "MAX_NAMED", 1)
+    res = train_here("--validate-data", "--model", model_dir, "--data", meta, "--max-bad-frac", "0.1",
+                     *COMMON, check=False)
+    code, out, err = res.returncode, res.stdout, res.stderr
+    lines = out.strip().splitlines()
+    assert code == 1 and len(lines) == 3 and lines[1] == "... and 2 more bad rows", lines
+    assert one_line(err).startswith("error: 3 of the data set's 9 rows are bad")
+    assert tree(meta.parent) == before
+
+
+def test_jsonl_given_as_meta_gets_a_hint(model_dir, meta, tmp_path):
+    jsonl = meta.parent / "train.jsonl"
+    res = train_here("--validate-data", "--model", model_dir, "--data", jsonl, *COMMON, check=False)
+    code, err = res.returncode, res.stderr
+    line = one_line(err)
+    assert code == 1 and "JSONL annotation file" in line and "meta JSON" in line, line
+
+
+# -- the loader's workers ------------------------------------------------------------------------------
+
+
+def test_a_loader_worker_is_quiet_when_the_trainer_leaves_mid_handshake():
+    """A loader worker hands each batch's tensors over by fd passing (multiprocessing.resource_sharer).
+    When a signal stops the trainer while it fetches one, the trainer drops the connection midway,
+    and the worker's sharing thread reports the EOFError (or a broken pipe) through sys.excepthook.
+    Here a worker, set up as the loader sets it up, offers an fd, and a client connects to its
+    sharer and leaves at once: nothing may reach stderr, while other errors still do."""
+    code = f"""
+import os, socket, sys, time
+sys.path.insert(0, {str(ROOT)!r})
+from multiprocessing import connection, current_process, resource_sharer
+import batches
+batches.leave_signals_to_the_trainer(0)
+r, w = os.pipe()
+offered = resource_sharer.DupFd(r)  # what pickling a shared tensor in a worker does
+for half in (False, True):  # the trainer leaves before the handshake, or halfway through it
+    client = socket.socket(socket.AF_UNIX)
+    client.connect(resource_sharer._resource_sharer._address)
+    if half:  # it answers the worker's challenge, then is gone before sending its own: EOFError there
+        conn = connection.Connection(client.detach())
+        connection.answer_challenge(conn, current_process().authkey)
+        conn.close()
+    else:
+        client.close()  # a broken pipe when the worker sends its challenge
+    time.sleep(0.5)
+sys.excepthook(ValueError, ValueError("still reported"), None)
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr.strip() == "ValueError: still reported", res.stderr

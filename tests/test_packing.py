@@ -9,13 +9,13 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask
 
 from aggregate import Rows, prefix_attention
+from conftest import COMMON, metrics, run_train, train_here
 from batches import collate, pack_step
 from packing import BLOCK, pack_rows, packed_mask, segment_positions
 from data import BadRow, Sample, SFTData
 from loss import IGNORE, loss_weights
 from fsdp import Trained
 from processor import Tokenizer
-from test_train import COMMON, metrics, run_train, train_here
 from train import micro_loss
 
 # Rows of packed samples: lengths of the samples in each row, then the row's padding (the last row

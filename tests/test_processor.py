@@ -1,4 +1,5 @@
-"""Tests for processor.py against an independent transcription of the official behaviour.
+"""Tests for processor.py against an independent transcription of the official behaviour; then images as
+files hold them (16-bit grey, several frames) and a tile budget past the model's context.
 
 The `ref_*` functions below restate the official code (dynamic_preprocess, ToTensor + Normalize) and the internvl2_5
 template (the "internvl2_5" template as `chat()` fills it) step by step, without calling processor.py's helpers.
@@ -20,7 +21,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `pytest` works from anywhere
 import processor  # noqa: E402
-from processor import ImageError, Tokenizer, build_prompt, place_images  # noqa: E402
+from conftest import gen_main, one_line  # noqa: E402
+from processor import ImageError, Tokenizer, build_prompt, load_image, open_rgb, place_images  # noqa: E402
 from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
 REF_SYSTEM = ("你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位"
@@ -383,3 +385,55 @@ def test_the_placeholder_rule():
 def test_placeholder_mismatch(question, num_tiles, history, n_slots):
     with pytest.raises(ValueError, match=f"{n_slots} <image> placeholders .* {len(num_tiles)} images"):
         build_prompt(question, num_tiles, history)
+
+
+# -- images as files hold them, and tile budgets -------------------------------------------------------
+
+
+def test_sixteen_bit_grey_png_is_scaled_not_clipped(tmp_path):
+    grey = (np.arange(48 * 64, dtype=np.uint32).reshape(48, 64) * 21).astype(np.uint16)  # 0..64491
+    Image.fromarray(grey).save(tmp_path / "g16.png")
+    assert Image.open(tmp_path / "g16.png").mode == "I;16"
+    rgb = np.asarray(open_rgb(tmp_path / "g16.png"))
+    assert rgb.shape == (48, 64, 3) and (rgb == (grey >> 8)[..., None]).all()  # value >> 8, every channel
+    assert (rgb == 255).mean() < 0.01  # convert("RGB") made 99.6 % of it white
+    assert load_image(tmp_path / "g16.png", max_tiles=1).shape == (1, 3, 448, 448)
+
+
+@pytest.mark.parametrize("fmt", ["gif", "tiff"])
+def test_multi_frame_images_use_the_first_frame_and_say_so(tmp_path, capsys, fmt):
+    frames = [Image.new("RGB", (40, 30), (200 * (k == 0), 100 * k, 0)) for k in range(3)]
+    path = tmp_path / f"anim.{fmt}"
+    frames[0].save(path, save_all=True, append_images=frames[1:])
+    rgb = np.asarray(open_rgb(path))
+    assert tuple(rgb[0, 0]) == (200, 0, 0)  # the first frame
+    assert one_line(capsys.readouterr().err) == f"note: {path} has 3 frames (animated or multi-page); using the first"
+
+
+def test_tile_grid_large_budgets_keep_the_official_candidate_order():
+    """The grid enumeration that replaced the official triple loop gives the official answer past
+    the budgets the other tests sweep, exact ties included (aspects midway between two grids)."""
+    for max_tiles, min_tiles in ((64, 1), (90, 7), (120, 30)):
+        for w, h in ((5, 2), (7, 3), (3, 1), (1, 9), (448 * 5, 448 * 4), (13, 12), (2000, 3), (59, 2)):
+            for k in (1, 300):
+                assert processor.tile_grid(w * k, h * k, max_tiles, min_tiles) == ref_grid(w * k, h * k, min_tiles,
+                                                                                           max_tiles)
+
+
+def test_a_tile_budget_past_the_context_is_refused_before_tiling(model_dir, tmp_path, capsys, monkeypatch):
+    """--max-tiles 10000 on a 2000:1 image (a 2000 x 1 grid): the grid is chosen in
+    O(max_tiles log max_tiles) and the prompt's length, known from it, is refused against the context
+    before one tile is resized (the triple loop and the 2001 tiles took minutes and gigabytes)."""
+    from checkpoint import open_checkpoint
+
+    wide = tmp_path / "wide.png"
+    Image.fromarray(np.full((2, 4000, 3), 128, dtype=np.uint8)).save(wide)
+    monkeypatch.setattr(processor, "tile_image", lambda *a, **k: pytest.fail("tiled before the context check"))
+    mcfg, _ = open_checkpoint(model_dir)
+    code, _, err = gen_main(capsys, wide, "q", "--model", model_dir, "--max-tiles", 10000, "--max-new-tokens", 4)
+    line = one_line(err)
+    n = int(line.split("prompt of ")[1].split()[0])
+    assert code == 1 and line == (f"error: prompt of {n} tokens (image tokens included) + 4 new tokens exceeds the "
+                                  f"model context of {mcfg.llm.max_position_embeddings}"), line
+    assert processor.tile_grid(4000, 2, 10000) == (2000,
+                                                   1) and n > 2001 * mcfg.tokens_per_tile  # 2000 tiles + thumbnail

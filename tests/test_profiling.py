@@ -7,7 +7,8 @@ counted by hand (parameters from the module shapes, checked against a materialis
 as 2 * tokens * fan_in * fan_out per linear, written out). Then the JSON lines of the CLI, and
 that counting builds only meta tensors. Last, the `latency` and `forward` commands (Appendix C.1,
 C.2) on the tiny preset: the synthetic C.1 sample, the row layout, and the exact KV-cache bytes,
-cache ratios and GFLOPs, all as literal figures worked out by hand.
+cache ratios and GFLOPs, all as literal figures worked out by hand; the latency plot (with and without
+matplotlib), compile_s, an allocation failure and a --device that is not one.
 
 Run: python -m pytest tests/test_profiling.py -q -s   (-s prints the relative errors)
 """
@@ -25,6 +26,7 @@ import torch
 import flops
 import latency
 import profiling
+from conftest import one_line, png_ok, run_main
 from parvl import ParVL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -364,3 +366,52 @@ def test_latency_profiles_a_checkpoints_own_configuration(checkpoint, capsys):
     with pytest.raises(SystemExit) as e:
         profiling.main(["latency", "--model", str(folder), "--vit-prefix-len", "72"])
     assert e.value.code == 2 and "drop --vit-prefix-len" in capsys.readouterr().err
+
+
+# -- the latency command: its plot, compile_s, failures ------------------------------------------------
+
+
+def test_latency_plot_draws_every_row(tmp_path, capsys):
+    # requirements-dev.txt has matplotlib; test_latency_plot_without_matplotlib_is_one_line covers its absence
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "latency.png"
+    assert profiling.main(["latency", "--arch", "tiny", "--pv", "2", "--pl", "2", "--baseline", "--batch", "1", "2",
+                           "--new-tokens", "2", "--iters", "1", "--warmup", "0", "--tiles", "1", "--text-tokens", "8",
+                           "--plot", str(png), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert {(r["pv"], r["batch"]) for r in rows} == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    png_ok(png, (1000, 400))
+
+
+def test_latency_plot_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    assert profiling.main(["latency", "--arch", "tiny", "--plot", str(tmp_path / "l.png")]) == 1  # before measuring
+    assert "pip install matplotlib" in one_line(capsys.readouterr().err)
+    assert not (tmp_path / "l.png").exists()
+
+
+def test_latency_compile_s_is_null_without_compile(capsys):
+    """compile_s is null without --compile (the first call minus the steady state was noise, even negative)."""
+    code = profiling.main(["latency", "--arch", "tiny", "--tiles", "0", "--text-tokens", "8", "--new-tokens", "2",
+                           "--batch", "1", "--iters", "2", "--warmup", "1", "--device", "cpu", "--json"])
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
+    assert code == 0 and [r["compile_s"] for r in rows] == [None]
+
+
+def test_latency_out_of_memory_is_one_line_with_the_flags_that_lower_it(capsys, monkeypatch):
+    """An allocation failure is one line with the flags that lower it (the allocator's traceback before)."""
+
+    def no_memory(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(latency.Engine, "generate", no_memory)
+    code, err = run_main(capsys, profiling.main, ["latency", "--arch", "tiny", "--tiles", 1, "--text-tokens", 8,
+                                                  "--new-tokens", 2, "--batch", 64, "--device", "cpu"])
+    assert code == 1 and err[-1] == ("error: out of memory at Pv:Pl 1:1 --batch 64 (1 tiles, 8 text tokens, 2 new "
+                                     "tokens per sample); lower --batch, --tiles, --text-tokens or --new-tokens"), err
+
+
+def test_a_device_that_is_not_one_is_a_flag_error(capsys):
+    with pytest.raises(SystemExit) as e:  # a flag that names no device: exit 2, as in every command
+        profiling.main(["latency", "--device", "tpu9"])
+    assert e.value.code == 2 and "not a device" in one_line(capsys.readouterr().err)

@@ -23,14 +23,13 @@ import router
 import router_labels
 from checkpoint import open_checkpoint
 from config import PRESETS, ParConfig
-from conftest import two_nodes
+from conftest import two_nodes, write_dataset
 from data import SFTData
 from engine import Engine, GenerateConfig
 from gates import Router, RouterConfig, RouterError, path_teacher, router_loss
 from loss import token_nll
 from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
-from test_train import write_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
@@ -607,7 +606,7 @@ def test_router_tensorboard_curves_equal_metrics(model23, labelled, tmp_path):
     number at its step (the pair histogram as pair_histogram/k); a router trained anew with --overwrite
     replaces the old router's curves rather than adding to them."""
     pytest.importorskip("tensorboard")
-    from test_cluster import event_scalars, expected_scalars
+    from conftest import event_scalars, expected_scalars
 
     _, labels = labelled
     args = ["train", "--model", model23, "--labels", labels, "--steps", 3, "--log-every", 1, "--global-batch", 4,

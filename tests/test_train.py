@@ -1,29 +1,29 @@
-"""train.py end to end on CPU: the Eq. 6 loss, world-size invariance under torchrun (gloo),
-bit-identical resume, overfitting, freezing, the schedule, export, bad rows and NaN handling."""
-import contextlib
-import io
+"""train.py's numerics on CPU: the Eq. 6 loss by hand and under any split, the chunked loss, the schedule
+and the parameter groups, overfitting (and generating from the export), freezing the backbone, the branch
+flags saved in the export, bad rows, too long samples and NaN handling, the flags and data refused before a
+start, the loader's default workers, and FSDP2 on 2 ranks (sharded loading, a rank out of memory). Run
+folders and --resume: test_runs.py; more than one machine: test_cluster.py; packing: test_packing.py."""
 import json
 import math
 import os
+import re
 import shutil
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
-from safetensors.torch import load_file
 
+import cli
 import generate
-import train
+import runs
 from batches import collate
 from checkpoint import is_branch_tensor
-from cli import one_line
-from conftest import fake_slurm, sbatch, slurm_log, two_nodes
+from conftest import (COMMON, ROOT, metrics, one_line, root_cause, run_train, train_here, worker_lines,
+                      write_dataset)
 from data import SFTData
 from engine import Engine, GenerateConfig
 from fsdp import Trained, param_groups
@@ -33,82 +33,8 @@ from processor import Tokenizer, build_prompt, load_image
 from schedule import lr_lambda
 from train import TrainConfig, micro_loss
 
-ROOT = Path(__file__).resolve().parents[1]
-QA = [("What colour dominates?", "Mostly red with some blue."), ("Describe it.", "A noisy square."),
-      ("Is it bright?", "Fairly bright."), ("Count the shapes.", "There are none, only noise.")]
 
-
-def write_dataset(folder: Path, rows: int = 8, bad: int = 0, repeat: float = 1.0) -> Path:
-    """A meta JSON + JSONL in the official format: images (1 or 2 per row), text-only rows, and
-    `bad` rows whose image is missing."""
-    folder.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    for k in range(3):
-        Image.fromarray(rng.integers(0, 255, (60 + 40 * k, 90, 3), dtype=np.uint8)).save(folder / f"img{k}.png")
-    lines = []
-    for i in range(rows):
-        q, a = QA[i % len(QA)]
-        if i % 4 == 3:
-            lines.append({"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]})
-        elif i % 4 == 2:
-            lines.append({"image": ["img0.png", "img1.png"], "conversations": [
-                {"from": "human", "value": f"<image>\n<image>\n{q}"}, {"from": "gpt", "value": a},
-                {"from": "human", "value": "And then?"}, {"from": "gpt", "value": "Nothing more."}]})
-        else:
-            lines.append({"image": f"img{i % 3}.png", "conversations": [
-                {"from": "human", "value": f"<image>\n{q}"}, {"from": "gpt", "value": a}]})
-    for i in range(bad):
-        lines.insert(1 + 3 * i, {"image": "missing.png", "conversations": [
-            {"from": "human", "value": "<image>\nHi"}, {"from": "gpt", "value": "Hello."}]})
-    (folder / "train.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
-    meta = {"tiny": {"root": str(folder), "annotation": str(folder / "train.jsonl"), "repeat_time": repeat,
-                     "length": len(lines), "data_augment": False}}
-    (folder / "meta.json").write_text(json.dumps(meta))
-    return folder / "meta.json"
-
-
-def run_train(*args, nproc: int = 1, check: bool = True, fault: str | None = None):
-    """train.py with these flags (under torchrun with nproc > 1); fault: one of tests/faults.py's."""
-    script = [str(ROOT / "tests" / "faults.py"), fault] if fault else [str(ROOT / "train.py")]
-    cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone"] if nproc > 1
-           else [sys.executable]) + [*script,
-                                     *map(str, args)]  # --standalone: a free port, so runs side by side never clash
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    if check:
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res
-
-
-def train_here(*args, check: bool = True) -> subprocess.CompletedProcess:
-    """train.py's main in this process, for the runs of one process with no fault: what run_train
-    gives, less the 3.6 s of imports a new interpreter spends. One intra-op thread, as run_train's
-    OMP_NUM_THREADS=1; stdout and stderr captured; a flag error's SystemExit is its exit code."""
-    out, err, threads = io.StringIO(), io.StringIO(), torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                code = train.main([str(a) for a in args])
-            except SystemExit as e:
-                code = e.code
-    finally:
-        torch.set_num_threads(threads)
-    res = subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
-    if check:
-        assert code == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res
-
-
-def metrics(out: Path) -> list[dict]:
-    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-
-COMMON = ["--dtype", "fp32", "--global-batch", "4", "--num-workers", "0", "--max-tiles", "2", "--log-every", "1",
-          "--no-activation-checkpointing"]
-
-
-# -- the loss ----------------------------------------------------------------------------------
+# -- the loss ------------------------------------------------------------------------------------------
 
 
 def test_weighted_loss_matches_hand_and_any_split(model_dir, meta):
@@ -175,10 +101,13 @@ def test_chunked_loss_equals_the_loss_of_the_logits(chunk):
         assert float(chunked_sft_loss(h, W, labels, 9.0, seg, chunk=chunk)) == float(got)
 
 
-def test_lr_schedule_and_parameter_groups(model_dir):
+def test_lr_schedule_warms_up_then_decays_to_zero():
     f = lr_lambda(100, 0.03)
     assert [f(0), f(1), f(3)] == [0.0, pytest.approx(1 / 3), 1.0]
     assert f(100) == pytest.approx(0.0, abs=1e-12) and f(3 + 97 // 2) == pytest.approx(0.5, abs=0.02)
+
+
+def test_parameter_groups_are_the_branches_and_the_pretrained_tensors(model_dir):
     model = ParVL.from_pretrained(model_dir, pv=2, pl=2)
     groups = {g["name"]: g for g in param_groups(model, TrainConfig())}
     assert groups["branches"]["lr"] == 8e-5 and groups["pretrained"]["lr"] == 8e-6
@@ -187,80 +116,7 @@ def test_lr_schedule_and_parameter_groups(model_dir):
     assert len(groups["branches"]["params"]) + len(groups["pretrained"]["params"]) == len(list(model.parameters()))
 
 
-# -- whole runs ----------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_two_nodes_equal_one_process(model_dir, meta, tmp_path, capsys):
-    """2 nodes x 1 process, started as a Slurm job (slurm/parvl.sbatch under conftest.fake_slurm: srun starts
-    one torchrun per node on 127.0.0.1, the rendezvous at the first node under the job id) against one
-    process: the same losses, and exports equal to fp32 reduction-order noise. The vision branches
-    are LoRA ones (Figure 3): sharded by FSDP2 like every tensor, trained (B leaves zero), saved in
-    the export's config and run by generate.py from it."""
-    import generate
-
-    args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3", "--vision-branches",
-            "lora",
-            "--lora-rank", "2", *COMMON]
-    train_here(*args, "--out", tmp_path / "one")
-    command = [ROOT / "train.py", *args, "--out", tmp_path / "two", "--activation-checkpointing"]
-    env = fake_slurm(tmp_path / "slurm")
-    job = sbatch(command, env)
-    assert job.returncode == 0, job.stderr[-3000:]
-    srun = slurm_log(env)[1]  # srun's one call: torchrun on each node, the command whole
-    assert srun[:2] == ["srun", "--nodes=2"] and srun[-len(command):] == list(map(str, command))
-    one, two = metrics(tmp_path / "one"), metrics(tmp_path / "two")
-    # fp32 on CPU; the two runs differ only in the order of reductions (gradients summed over 2 ranks)
-    # and in recomputing activations (activation checkpointing on for the 2-rank run)
-    for a, b in zip(one, two, strict=True):
-        assert (a["loss"] == pytest.approx(b["loss"], rel=1e-5)
-                and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4))
-    a, b = (load_file(str(tmp_path / run / "export" / "model.safetensors")) for run in ("one", "two"))
-    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
-    ups = [k for k in a if k.endswith(".lora_B")]
-    assert ups and not any(k.endswith(".prefix_k") and k.startswith("vision") for k in a)  # LoRA in place of prefixes
-    assert all(a[k].abs().max() > 0 for k in ups)  # every update trained away from its zero start
-    model = ParVL.from_pretrained(tmp_path / "one" / "export")
-    assert (model.cfg.par.vision_branches, model.cfg.par.lora_rank) == ("lora", 2)
-    png = tmp_path / "img.png"
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 90, 3), dtype=np.uint8)).save(png)
-    assert generate.main([str(png), "Hi?", "--model", str(tmp_path / "one" / "export"), "--max-new-tokens", "4",
-                          "--json"]) == 0
-    tok, pv = Tokenizer.from_pretrained(tmp_path / "one" / "export"), load_image(png, max_tiles=12)
-    ids = tok.encode(build_prompt("<image>\nHi?", [pv.shape[0]], tokens_per_tile=model.cfg.tokens_per_tile))
-    want = Engine(model).generate([ids], pv, GenerateConfig(max_new_tokens=4), tok.eos_ids).tokens[0]
-    assert json.loads(capsys.readouterr().out)["answer"] == tok.answer(want)
-
-
-def test_a_node_that_cannot_see_the_run_folder_is_refused(model_dir, meta, tmp_path):
-    """Node 1 writes into another folder than node 0 (as a node-local disk would): one line naming the
-    rank and host that cannot see --out, before anything is written there."""
-    args = ["--model", model_dir, "--data", meta, "--max-steps", "1", *COMMON]
-    codes, err = two_nodes([ROOT / "train.py", *args], (["--out", tmp_path / "a"], ["--out", tmp_path / "b"]))
-    assert codes == [1, 1], err[-3000:]
-    want = (f"error: --out {tmp_path / 'a'}: rank 1 on {socket.gethostname()} cannot see this folder, which rank 0 "
-            f"(on {socket.gethostname()}) writes; on more than one machine it must be on a file system every node "
-            f"shares (docs/training.md, \"More than one machine\")")
-    assert [x for x in err.splitlines() if x.startswith("error:")] == [want], err[-3000:]
-    assert not (tmp_path / "a" / "config.json").exists() and not list((tmp_path / "b").iterdir())
-
-
-@pytest.mark.slow
-def test_resume_is_bit_identical_and_ignores_partial_saves(model_dir, meta, tmp_path):
-    args = ["--model", model_dir, "--data", meta, "--pv", "2", "--pl", "1", "--max-steps", "4", "--save-every", "1",
-            *COMMON]
-    train_here(*args, "--out", tmp_path / "full")
-    run_train(*args, "--out", tmp_path / "cut", fault="stop-after=2")  # a process of its own, stopped after step 2
-    ckpts = tmp_path / "cut" / "checkpoints"
-    shutil.copytree(ckpts / "step_2", ckpts / "step_3.tmp")  # a save killed half-way: never "done"
-    (ckpts / "step_3.tmp" / "done").unlink()
-    train_here(*args, "--out", tmp_path / "cut", "--resume")
-    full, cut = metrics(tmp_path / "full"), metrics(tmp_path / "cut")
-    assert [m["step"] for m in cut] == [1, 2, 3, 4]
-    assert sorted(d.name for d in ckpts.iterdir()) == ["step_3", "step_4"]  # --keep-last 2; the stale .tmp replaced
-    assert [(m["loss"], m["grad_norm"]) for m in cut] == [(m["loss"], m["grad_norm"]) for m in full]
-    a, b = ParVL.from_pretrained(tmp_path / "full" / "export"), ParVL.from_pretrained(tmp_path / "cut" / "export")
-    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+# -- whole runs ----------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
@@ -346,11 +202,11 @@ def test_branch_flags_are_saved_and_every_command_runs_them(model_dir, meta, tmp
     code = train.main(["--model", str(out / "export"), "--data", str(meta), "--out", str(tmp_path / "again"),
                        "--max-steps", "1",
                        "--vit-prefix-len", "4", *COMMON])
-    assert code == 1 and one_line(capsys.readouterr().err).endswith(
+    assert code == 1 and cli.one_line(capsys.readouterr().err).endswith(
         "branches with vit_prefix_len 3, cannot load them as vit_prefix_len 4"), code
 
 
-# -- bad input ---------------------------------------------------------------------------------
+# -- bad input -----------------------------------------------------------------------------------------
 
 
 def test_bad_rows_counted_and_threshold(model_dir, tmp_path):
@@ -368,7 +224,7 @@ def test_bad_rows_counted_and_threshold(model_dir, tmp_path):
     assert metrics(tmp_path / "edge")[-1]["bad_rows"] == {"missing_image": 2}
     res = train_here("--model", model_dir, "--data", meta, "--out", tmp_path / "under", "--max-steps", "2",
                      "--max-bad-frac", "0.2", *COMMON, check=False)  # 2 > 0.2 x 8: refused at the step that meets them
-    assert res.returncode == 1 and one_line(res.stderr).endswith(
+    assert res.returncode == 1 and cli.one_line(res.stderr).endswith(
         "error: 2 of the data set's 8 rows are bad (25.00% > --max-bad-frac 20.00%): {'missing_image': 2}"), \
         res.stderr[-2000:]
 
@@ -427,30 +283,30 @@ def test_bad_flags_rejected_before_start(model_dir, meta, tmp_path, capsys):
         assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.slow
-def test_resume_with_more_steps_follows_the_new_schedule(model_dir, tmp_path):
-    """2 steps, then --resume --max-steps 4: steps 3 and 4 take the 4-step schedule's rates (not the
-    2-step schedule's final 0.0), the bad-row counts go on from the checkpoint (equal to an unbroken
-    4-step run's), and a resume that changes a flag fixing the run (--seed) is refused in one line."""
-    data = write_dataset(tmp_path / "d", rows=14, bad=2)  # 16 rows: four global batches of 4
-    args = ["--model", model_dir, "--data", data, "--pv", "1", "--pl", "2", "--save-every", "1", "--max-bad-frac",
-            "0.5",
-            "--warmup-ratio", "0.5", *COMMON]
-    train_here(*args, "--out", tmp_path / "full", "--max-steps", "4")
-    train_here(*args, "--out", tmp_path / "ext", "--max-steps", "2")
-    res = train_here(*args, "--out", tmp_path / "ext", "--max-steps", "4", "--resume")
-    assert "--max-steps 2 -> 4" in res.stderr, res.stderr
-    full, ext = metrics(tmp_path / "full"), metrics(tmp_path / "ext")
-    assert [m["step"] for m in ext] == [1, 2, 3, 4]
-    f = lr_lambda(4, 0.5)
-    for m in ext[2:]:  # the rate an update uses is base * lambda(step before it), on the new schedule
-        assert m["lr"]["branches"] == pytest.approx(8e-5 * f(m["step"] - 1), rel=1e-12) and m["lr"]["branches"] > 0
-    assert [m["bad_rows"] for m in ext] == [m["bad_rows"] for m in full] and sum(full[-1]["bad_rows"].values()) == 2
-    files = lambda: {str(p): p.read_bytes() for p in sorted((tmp_path / "ext").rglob("*")) if p.is_file()}  # noqa: E731
-    before = files()
-    res = train_here(*args, "--out", tmp_path / "ext", "--max-steps", "4", "--resume", "--seed", "7", check=False)
-    assert res.returncode == 1 and "--seed" in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
-    assert files() == before  # config.json too: it is written only once a resume is accepted
+def test_max_steps_past_the_epoch_is_refused(model_dir, meta, tmp_path):
+    """16 rows in global batches of 4 make 4 steps: --max-steps 5 is one line, not a silent 4."""
+    res = train_here("--model", model_dir, "--data", meta, "--out", tmp_path / "run", "--max-steps", 5, *COMMON,
+                     check=False)
+    code, err = res.returncode, res.stderr
+    assert code == 1 and one_line(err) == (f"error: --max-steps 5: {meta} gives 4 steps of 4 samples in its one epoch "
+                                           "(train.py trains one epoch, as the paper does); pass at most 4, or raise "
+                                           "repeat_time in the meta file"), err
+    assert not (tmp_path / "run" / "config.json").exists()
+
+
+def test_num_workers_default_fits_the_cpus(monkeypatch):
+    import train
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for cpus, ranks, want in ((1, None, 1), (2, None, 2), (16, None, 4), (16, "8", 2), (4, "8", 1)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        if ranks:
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        assert train.default_workers() == want, (cpus, ranks)
+    assert train.TrainConfig().dtype == "auto"
+
+
+# -- FSDP2 on 2 ranks ----------------------------------------------------------------------------------
 
 
 def test_sharded_loading_equals_from_pretrained_and_holds_one_shard(tmp_path):
@@ -487,3 +343,21 @@ def test_sharded_loading_equals_from_pretrained_and_holds_one_shard(tmp_path):
         mem = json.loads((tmp_path / f"rank{r}.json").read_text())
         grew = mem["peak"] - mem["before"]
         assert grew <= full_bytes / 2 + largest / 2 + 32 * 2**20 < full_bytes, (r, grew / 2**20, full_bytes / 2**20)
+
+
+def test_out_of_memory_on_one_rank_is_one_line_and_keeps_the_checkpoints(model_dir, meta, tmp_path):
+    """Rank 1 of 2 cannot allocate in step 2 (the CPU allocator's RuntimeError): rank 1 names its
+    --micro-batch and batch in one line, torchrun's report gives that line as the root cause, no rank
+    hangs in the collective rank 1 left, and step 1's checkpoint stays complete."""
+    out = tmp_path / "run"
+    res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 3, "--save-every", 1, *COMMON,
+                    nproc=2, check=False, fault="oom=2:1")
+    want = re.compile(r"error: rank 1: out of memory at --micro-batch 1 \(this one 1 rows of \d+ tokens\); lower "
+                      r"--micro-batch or --max-seq-len")
+    assert res.returncode == 1 and want.fullmatch(root_cause(res.stderr)), res.stderr[-3000:]
+    errors = [x for x in worker_lines(res.stderr) if x.startswith("error:")]
+    assert errors.count(root_cause(res.stderr)) == 1, res.stderr[-3000:]
+    assert all(x.startswith("error: lost contact with another rank")
+               for x in errors if x != root_cause(res.stderr)), errors
+    assert "Traceback" not in "\n".join(worker_lines(res.stderr))
+    assert runs.verify_checkpoint(out / "checkpoints" / "step_1") is None

@@ -1,0 +1,425 @@
+"""What every command shares (cli.py, flags.py): the exit codes (0 ok, 1 bad input or failure, 2 usage, 130 /
+143 interrupted) and one line, no traceback, for a flag out of range, flags that cannot mean anything
+together, a bad file or argument, text that is not valid Unicode; one output, one writer (the lock, in one
+process and under torchrun); an error under torchrun reaches the user once, as the root cause of torchrun's
+report, and a flag error is said by rank 0 only; a closed stdout pipe; an OSError named by its cause; every
+flag's help, its default said once. Each case runs the command as a user does: its main in this process
+where that is the same thing, a subprocess where the point is another process."""
+import errno
+import fcntl
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from torch.distributed.checkpoint.api import CheckpointException
+
+import cli
+import evaluate
+import generate
+import profiling
+import router
+import train
+from conftest import (COMMON, NOT_UTF8, ROOT, one_line, parse_flags, root_cause, run_main, run_train, tree,
+                      worker_lines, write_dataset)
+
+
+# -- flags: exit 2 and one line, said once -------------------------------------------------------------
+
+
+def test_a_flag_out_of_range_exits_2_in_every_command(model_dir, png, tmp_path, capsys):
+    """One convention: a flag's value out of range (or flags that exclude each other) is a usage error,
+    exit 2 with one line naming the flag, as argparse's own are; a file that is wrong is bad input, 1."""
+    import evaluate
+    import router
+    import train
+
+    m, d = str(model_dir), str(tmp_path / "meta.json")
+    cases = {
+        "generate.py": (generate.main, [str(png), "q", "--model", m, "--max-new-tokens", "0"], "--max-new-tokens"),
+        "train.py": (train.main, ["--model", m, "--data", d, "--out", str(tmp_path / "r"), "--warmup-ratio", "1"],
+                     "--warmup-ratio"),
+        "train.py frac": (train.main,
+                          ["--model", m, "--data", d, "--out", str(tmp_path / "r"), "--max-bad-frac", "1.5"],
+                          "--max-bad-frac must be in [0, 1], got 1.5"),
+        "train.py resume": (train.main,
+                            ["--model", m, "--data", d, "--out", str(tmp_path / "r"), "--resume", "--overwrite"],
+                            "pass one of them"),
+        "router.py label": (router.main,
+                            ["label", "--model", m, "--data", d, "--out", str(tmp_path / "l"), "--batch-size", "0"],
+                            "--batch-size"),
+        "router.py label frac": (router.main, ["label", "--model", m, "--data", d, "--out", str(tmp_path / "l"),
+                                               "--max-bad-frac", "-0.1"], "--max-bad-frac"),
+        "router.py train": (router.main,
+                            ["train", "--model", m, "--labels", m, "--out", str(tmp_path / "t"), "--tau", "0"],
+                            "--tau"),
+        "evaluate.py run": (evaluate.main, ["run", "--benchmark", "TextVQA_VAL", "--data", d, "--model", m, "--out",
+                                            str(tmp_path / "p.jsonl"), "--batch-size", "0"], "--batch-size"),
+        "profiling.py": (profiling.main, ["latency", "--batch", "0"], "--batch"),
+        "profiling.py params": (profiling.main, ["params", "--pv", "0"], "--pv"),
+        "evaluate.py lengths": (evaluate.main, ["lengths", "--model", m, "--a", d, "--b", d, "--resamples", "0"],
+                                "--resamples"),
+        "evaluate.py run --random-pair": (evaluate.main,
+                                          ["run", "--benchmark", "TextVQA_VAL", "--data", d, "--model", m, "--out",
+                                                          str(tmp_path / "p.jsonl"), "--random-pair", "--shared-kv"],
+                                                          "--shared-kv"),
+    }
+    for name, (main, argv, needle) in cases.items():
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and needle in err[0] and err[0].endswith("(see --help)"), (name, err)
+    assert not any((tmp_path / n).exists() for n in ("r", "l", "t", "p.jsonl"))
+
+
+def test_branch_flags_that_cannot_mean_anything_exit_2(model_dir, tmp_path, capsys):
+    """Issue 29, item 4: LoRA vision branches at Pv 1 (there is no branch to adapt), no prefix tokens at
+    Pv or Pl > 1 with prefix branches (every branch computes the same states: the aggregator only weighs
+    them), a LoRA rank above the ViT's width (a low-rank update of a C-wide linear has rank <= C). One
+    line, exit 2, at parse time where the flags alone say it, else once the checkpoint's values are read
+    (named as its own), before anything is written. main accepted each of them."""
+    import train
+
+    width = json.loads((model_dir / "config.json").read_text())["vision_config"]["hidden_size"]
+    args = ["--model", str(model_dir), "--data", str(tmp_path / "meta.json"), "--out", str(tmp_path / "r")]
+    (tmp_path / "meta.json").write_text("{}")
+    lora1 = "needs --pv 2 or more: LoRA vision branches are one low-rank update of the ViT per branch, and at --pv 1"
+    cases = [(["--vision-branches", "lora", "--pv", "1"], f"error: --vision-branches lora {lora1} there is "
+              "no branch to create one for (see --help)"),
+             (["--vision-branches", "lora"], f"error: --vision-branches lora {lora1} ({model_dir}'s) there is no "
+              "branch to create one for"),
+             (["--vit-prefix-len", "0", "--pv", "2"], "error: --vit-prefix-len 0 at --pv 2: with no prefix tokens "
+              "every vision branch computes the same states; give --vit-prefix-len 1 or more, or --vision-branches "
+              "lora"),
+             (["--llm-prefix-len", "0", "--pl", "3"], "error: --llm-prefix-len 0 at --pl 3: with no prefix "
+              "tokens every language branch computes the same states; give --llm-prefix-len 1 or more (see --help)"),
+             (["--pv", "2", "--vision-branches", "lora", "--lora-rank", str(width + 1)],
+              f"error: --lora-rank {width + 1} is more than the ViT's width {width}: a low-rank update of a "
+              f"{width}-wide linear has rank at most {width}")]
+    for flags, line in cases:
+        try:
+            code = train.main(args + flags)
+        except SystemExit as e:
+            code = e.code
+        got = capsys.readouterr().err.strip()  # a flag error found while parsing starts with the program's name
+        assert code == 2 and (got == line or got.endswith(f": {line}") and line.endswith("(see --help)")), got
+    with pytest.raises(SystemExit) as e:
+        profiling.main(["params", "--vision-branches", "lora"])
+    assert e.value.code == 2 and f"--vision-branches lora {lora1} there is no" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    # what does differentiate branches passes: LoRA branches need no prefix, and a rank of the width is whole
+    assert parse_flags(train, args + ["--pv", "2", "--vision-branches", "lora", "--vit-prefix-len", "0"]).pv == 2
+    assert profiling.main(["params", "--pv", "2", "--vision-branches", "lora", "--lora-rank", "1024", "--json"]) == 0
+
+
+def test_flag_errors_are_one_line_and_quiet_on_other_ranks(monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_flags(train, ["--bogus"])
+    assert (e.value.code == 2
+            and one_line(capsys.readouterr().err).endswith(": error: unrecognized arguments: --bogus (see --help)"))
+    monkeypatch.setenv("RANK", "1")
+    waits = []
+    monkeypatch.setattr(cli.time, "sleep", waits.append)  # rank 1 waits for torchrun: rank 0 reports
+    with pytest.raises(SystemExit) as e:
+        parse_flags(train, ["--bogus"])
+    assert e.value.code == 2 and capsys.readouterr().err == "" and waits == [10]  # rank 0 has said it
+
+
+# -- bad arguments and files: exit 1 and one line ------------------------------------------------------
+
+
+LINES = {  # case: (command, argv, exit code, the line (or its start and end, "..." between))
+    "run: a header and no rows": (
+        "evaluate", ["run", "--benchmark", "TextVQA_VAL", "--data", "{header_tsv}", "--model", "{model}", "--out",
+                     "{folder}/p.jsonl"], 1, "error: {header_tsv}: a header and no rows"),
+    "score: a header and no rows": (
+        "evaluate", ["score", "--benchmark", "TextVQA_VAL", "--data", "{header_tsv}", "--predictions", "{preds}"], 1,
+        "error: {header_tsv}: a header and no rows"),
+    "lengths: a score file": (
+        "evaluate", ["lengths", "--model", "{model}", "--a", "{score}", "--b", "{score}"], 1,
+        "error: {score}: rows without index and prediction: not the predictions of evaluate.py run (a score file?)"),
+    "lengths: 10**9 resamples": (
+        "evaluate", ["lengths", "--model", "{model}", "--a", "{preds}", "--b", "{preds}", "--resamples", 10**9], 2,
+        "evaluate.py: error: --resamples must be in [1, 1000000], got 1000000000 (see --help)"),
+    "report: --tie-decimals -3": (
+        "evaluate", ["report", "{score}", "--out", "{folder}/r", "--tie-decimals", -3], 2,
+        "evaluate.py: error: --tie-decimals must be >= 0, got -3 (see --help)"),
+    "report: a NaN score": (
+        "evaluate", ["report", "{nan}", "--out", "{folder}/r"], 1,
+        "error: {nan}: not a score file with benchmark, score, pv, pl (ValueError: score must be a number in "
+        "[0, 100], got nan)"),
+    "report: a string score": (
+        "evaluate", ["report", "{text}", "--out", "{folder}/r"], 1,
+        "error: {text}: not a score file with benchmark, score, pv, pl (ValueError: score must be a number in "
+        "[0, 100], got 'high')"),
+    "report: --out at a file": (
+        "evaluate", ["report", "{score}", "--out", "{a file}"], 1, "error: --out {a file}: {a file} is a file, not a "
+                                                                  "folder"),
+    "run: --out behind a file": (
+        "evaluate", ["run", "--benchmark", "TextVQA_VAL", "--data", "{short_tsv}", "--model", "{model}", "--out",
+                     "{a file}/p.jsonl"], 1, "error: --out {a file}/p.jsonl: {a file} is a file, not a folder"),
+    "fit-law: six equal points": (
+        "evaluate", ["fit-law", "{six_csv}"], 1,
+        "error: {six_csv}: 1 point in 6 rows; the law has 4 parameters (E, A, alpha, k), so fitting it needs at least "
+        "5 distinct (params, p) points with two params and two p values at least (here 1 and 1)"),
+    "fit-law: 200,000 rows": (
+        "evaluate", ["fit-law", "{big_csv}"], 1,
+        "error: {big_csv}: 200004 rows; the fit runs 300 L-BFGS starts over every row, which takes too long past "
+        "1,000 rows: average each (params, p)'s losses into one row"),
+    "forward --configs 0:1": (
+        "profiling", ["forward", "--configs", "0:1"], 2,
+        "profiling.py forward: error: argument --configs: Pv and Pl must be >= 1, got '0:1' (see --help)"),
+    "latency --tiles 0 --text-tokens 0": (
+        "profiling", ["latency", "--tiles", 0, "--text-tokens", 0], 2,
+        "profiling.py: error: --tiles 0 --text-tokens 0 leaves an empty prompt: give one of them at least 1 "
+        "(see --help)"),
+    "latency --plot at a folder": (
+        "profiling", ["latency", "--arch", "tiny", "--plot", "{folder}"], 1,
+        "error: --plot {folder}: a folder; give the file to write, such as {folder}/plot.png"),
+    "train.py plot --out at a folder": (
+        "train", ["plot", "{run}", "--out", "{folder}"], 1,
+        "error: --out {folder}: a folder; give the file to write, such as {folder}/plot.png"),
+    "generate --router at an empty folder": (
+        "generate", ["Hi", "--model", "{model}", "--router", "{folder}", "--max-new-tokens", 1], 1,
+        "error: {folder}: not a router folder (it holds nothing; router.py train writes config.json and "
+        "router.safetensors)"),
+}
+
+
+MAINS = {"evaluate": evaluate.main, "profiling": profiling.main, "train": train.main, "generate": generate.main}
+
+
+@pytest.mark.parametrize("case", list(LINES))
+def test_bad_arguments_and_files_are_one_line(input_files, model_dir, capsys, case):
+    command, argv, want_code, want = LINES[case]
+    names = {k: str(v) for k, v in input_files.items()} | {"model": str(model_dir)}
+    code, err = run_main(capsys, MAINS[command], [str(a).format(**names) for a in argv])
+    prog = Path(sys.argv[0]).name  # argparse's name for the command: evaluate.py when run as one
+    want = want.format(**names).replace(f"{command}.py", prog, 1) if want.startswith(command) else want.format(**names)
+    assert code == want_code and err[-1:] == [want], err
+    assert not any("Traceback" in x for x in err), err
+    assert not (input_files["folder"].parent / "folder.png").exists() and not list(input_files["folder"].iterdir())
+    assert input_files["a file"].read_text() == "x"
+
+
+def test_text_that_is_not_unicode_is_named_where_it_is(model_dir, tmp_path, capsys, monkeypatch):
+    """A lone surrogate (a JSON "\\udcff", or bytes that are not UTF-8 as Python holds them) reached the
+    tokenizer, whose TypeError was a traceback (in training followed by a hang): now a --batch row and a
+    command-line question are one line naming them, a chat turn is refused and the session goes on, a
+    training row is a bad row named like any other, a prediction line is named."""
+    batch = tmp_path / "q.jsonl"
+    batch.write_text('{"question": "Fine."}\n{"question": "Bad \\udcff."}\n')
+    code, err = run_main(capsys, generate.main, ["--batch", batch, "--model", model_dir])
+    assert code == 1 and err == [f"error: {batch} line 2: the question is not valid Unicode: " + NOT_UTF8.format(k=5)]
+    code, err = run_main(capsys, generate.main, ["Bad \udcff byte", "--model", model_dir, "--max-new-tokens", 1])
+    assert code == 1 and err[-1] == "error: the question is not valid Unicode: " + NOT_UTF8.format(k=5), err
+    # --chat: raw bytes on a terminal whose decoder is strict; the bad turn is dropped, the next one answered
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"bad \xff byte\nHello\n"), encoding="utf-8"))
+    code, err = run_main(capsys, generate.main, ["--chat", "--model", model_dir, "--max-new-tokens", 2])
+    notes = [x for x in err if x.startswith("error")]
+    assert code == 0 and notes == ["error: the question is not valid Unicode: " + NOT_UTF8.format(k=5)
+                                   + " (turn dropped; the conversation goes on)"], err
+    assert len([x for x in err if x.startswith("load_s=")]) == 1  # "Hello" was answered
+    # a prediction: lengths re-tokenises it
+    pred = tmp_path / "p.jsonl"
+    pred.write_text('{"index": "1", "prediction": "a \\udcff", "benchmark": "OCRBench"}\n')
+    code, err = run_main(capsys, evaluate.main, ["lengths", "--model", model_dir, "--a", pred, "--b", pred])
+    assert code == 1 and err == [f"error: {pred}: line 1 is not valid Unicode (a lone surrogate U+DCFF)"], err
+
+
+# -- one output, one writer ----------------------------------------------------------------------------
+
+
+def hold(lock: Path) -> int:
+    """What a running command holds on its output: an flock on OUT.lock (another open file description
+    of this process conflicts with it as another process's would)."""
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+@pytest.mark.parametrize("command", ["generate.py --batch", "evaluate.py run", "router.py label", "router.py train",
+                                     "train.py"])
+def test_a_second_writer_of_one_output_is_refused(model_dir, tmp_path, capsys, command):
+    """While another process writes an output (it holds OUT.lock), each command that writes a resumable
+    output or a run folder is refused in one line naming the output, and leaves what is there untouched."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question": "Hi"}\n')
+    meta = write_dataset(tmp_path / "d", rows=4)
+    m = str(model_dir)
+    out, argv, main = {
+        "generate.py --batch": ("a.jsonl", ["--batch", questions, "--model", m], generate.main),
+        "evaluate.py run": ("p.jsonl", ["run", "--benchmark", "TextVQA_VAL", "--data", meta, "--model", m],
+                            evaluate.main),
+        "router.py label": ("labels", ["label", "--model", m, "--data", meta, "--num-workers", "0"], router.main),
+        "router.py train": ("gates", ["train", "--model", m, "--labels", m], router.main),
+        "train.py": ("run", ["--model", m, "--data", meta, "--resume"], train.main),
+    }[command]
+    out = tmp_path / "o" / out
+    out.parent.mkdir()
+    if out.suffix:  # what the first writer has written so far: a torn last line a resume would cut
+        out.write_text('{"line": 1, "question": "Hi", "answer": "x"}\n{"line": 2, "quest')
+    else:
+        (out / "parts").mkdir(parents=True)
+        (out / "parts" / "chunk_000000.safetensors.tmp").write_bytes(b"half")
+        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    fd = hold(out.with_name(out.name + ".lock"))
+    before = tree(out.parent)
+    try:
+        code, err = run_main(capsys, main, [*argv, "--out", out])
+    finally:
+        os.close(fd)
+    assert code == 1 and err == [f"error: --out {out}: another process is writing it (it holds {out}.lock); wait "
+                                 f"for it to finish or stop it, or pick another --out"], (command, err)
+    assert tree(out.parent) == before
+
+
+def test_a_killed_writer_leaves_no_lock(model_dir, tmp_path, capsys):
+    """The lock is the kernel's: a writer killed with SIGKILL holds nothing any more, and the next run at
+    its --out answers every question once; the lock file goes when the run ends."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question": "Hi"}\n{"question": "Bye"}\n')
+    out = tmp_path / "a.jsonl"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(out) + '.lock'!r}, os.O_RDWR | os.O_CREAT)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"  # the lock is taken: no sleep to guess when
+        argv = ["--batch", questions, "--out", out, "--model", model_dir, "--max-new-tokens", 2]
+        code, err = run_main(capsys, generate.main, argv)
+        assert code == 1 and "another process is writing it" in err[-1] and not out.exists(), err
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    code, err = run_main(capsys, generate.main, argv)
+    assert code == 0, err
+    assert [json.loads(x)["line"] for x in out.read_text().splitlines()] == [1, 2]
+    assert not Path(str(out) + ".lock").exists()
+
+
+def test_a_second_writer_under_torchrun_is_refused_and_every_rank_ends_at_once(model_dir, meta, tmp_path):
+    """train.py as 2 ranks at an --out another process writes (it holds OUT.lock): rank 0 is refused
+    before the process group starts, torchrun's report gives its line as the root cause, and rank 1,
+    waiting in the rendezvous for a rank 0 that never comes, ends on torchrun's SIGTERM (cli.start_processes
+    leaves SIGTERM's default action there), not on the SIGKILL that follows 30 s later."""
+    import fcntl
+
+    out = tmp_path / "run"
+    fd = os.open(f"{out}.lock", os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        res = run_train("--model", model_dir, "--data", meta, "--out", out, "--max-steps", 1, *COMMON, nproc=2,
+                        check=False)
+    finally:
+        os.close(fd)
+    assert res.returncode == 1 and root_cause(res.stderr) == (
+        f"error: --out {out}: another process is writing it (it holds {out}.lock); wait for it to finish or stop "
+        f"it, or pick another --out"), res.stderr[-3000:]
+    assert "SIGKILL" not in res.stderr, res.stderr[-3000:]
+    assert not any(out.rglob("*"))  # nothing written (rank 1's writability check leaves the folder, empty)
+
+
+# -- under torchrun, a closed pipe, an OSError ---------------------------------------------------------
+
+
+def test_an_error_under_torchrun_reaches_the_user_every_time(model_dir, tmp_path):
+    """A missing file for train.py, router.py label and evaluate.py run, each as 2 ranks, all at once
+    (three launchers on two cores: a loaded machine, on which torchrun could stop rank 0 before its
+    line was out). Every run names the error in torchrun's report as the root cause (the worker's
+    error file, cli.error), and rank 0 prints it once. (A flag error takes the same path: OneLineParser.)"""
+    missing = tmp_path / "missing.json"
+    cases = [(["train.py", "--model", model_dir, "--data", missing, "--out", tmp_path / "t"],
+              f"error: --data '{missing}': no such meta JSON file"),
+             (["router.py", "label", "--model", model_dir, "--data", missing, "--out", tmp_path / "r"],
+              f"error: --data {missing}: no such meta JSON file"),
+             (["evaluate.py", "run", "--benchmark", "ChartQA_TEST", "--data", missing, "--model", model_dir, "--out",
+               tmp_path / "e"],
+              f"error: {missing}: cannot read TSV: [Errno 2] No such file or directory")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                               *map(str, args)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+             for args, _ in cases]
+    for p, (_, want) in zip(procs, cases):
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 1, err[-3000:]  # torchrun's own code for a failed worker
+        got = root_cause(err)
+        assert got.startswith(want), err[-3000:]
+        assert worker_lines(err).count(got) == 1, err[-3000:]
+
+
+def test_a_closed_stdout_pipe_ends_the_command_quietly():
+    """`profiling.py params | head` that has read enough: exit 1 and nothing on stderr."""
+    proc = subprocess.Popen([sys.executable, str(ROOT / "profiling.py"), "params"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # `| head` that has read enough
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1 and err == "", err
+
+
+def test_os_cause_names_the_cause(monkeypatch, tmp_path):
+    for code, words in [(errno.ENOSPC, "no space left"), (errno.EROFS, "read-only"),
+                        (errno.EACCES, "permission denied")]:
+        wrapped = CheckpointException("save failed", {1: (OSError(code, os.strerror(code)), None)})  # DCP, rank 1
+        assert cli.os_cause(wrapped) == cli.CAUSES[code] and words in cli.CAUSES[code]
+        try:
+            try:
+                raise OSError(code, os.strerror(code))
+            except OSError as e:
+                raise RuntimeError("enforce fail at inline_container.cc: file write failed") from e
+        except RuntimeError as e:
+            assert cli.os_cause(e) == cli.CAUSES[code]
+    # torch's zip writer on a full disk: no errno anywhere, so the free space is what tells
+    zip_error = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file")
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: SimpleNamespace(free=3 * 2**20))
+    assert cli.os_cause(zip_error, tmp_path).startswith("the disk is (nearly) full, 3 MiB free")
+    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
+    assert cli.os_cause(zip_error, tmp_path).startswith("RuntimeError: [enforce fail")
+
+
+# -- every flag's help ---------------------------------------------------------------------------------
+
+
+def test_every_flag_has_help(monkeypatch, capsys):
+    import profiling
+    import train
+
+    seen, command = [], [None]
+    real = __import__("argparse").ArgumentParser.add_argument
+
+    def record(self, *names, **kw):
+        seen.append((command[0], names, kw.get("help")))
+        return real(self, *names, **kw)
+
+    monkeypatch.setattr("argparse.ArgumentParser.add_argument", record)
+    for command[0], module, argv in (("generate", generate, ["--help"]), ("train", train, ["--help"]),
+                                     ("profiling", profiling, ["--help"]), ("plot", train, ["plot", "--help"])):
+        with pytest.raises(SystemExit):
+            parse_flags(module, argv)
+    capsys.readouterr()
+    assert {c for c, _, _ in seen} == {"generate", "train", "profiling", "plot"}
+    assert len([1 for c, _, _ in seen if c == "profiling"]) > 30  # every subcommand's flags, built before --help exits
+    missing = [(c, names) for c, names, help_ in seen if names != ("-h", "--help") and not help_]
+    assert not missing, missing  # train's test-only flags carry argparse.SUPPRESS, which is a help value
+    generate_help = {names[0]: h for c, names, h in seen if c == "generate"}
+    assert "tokens" in generate_help["--max-new-tokens"] and "(0, 1]" in generate_help["--top-p"]
+
+
+def test_every_flag_says_its_default_once(capsys):
+    """--help of every command and subcommand: no flag's help names two defaults."""
+    import re
+
+    helps = []
+    for main, argv in [(generate.main, []), (train.main, []), (train.main, ["plot"])] + [
+            (evaluate.main, [s]) for s in evaluate.COMMANDS] + [(profiling.main, [s]) for s in profiling.COMMANDS] + [
+            (router.main, [s]) for s in router.COMMANDS]:
+        with pytest.raises(SystemExit):
+            main([*argv, "--help"])
+        helps.append(capsys.readouterr().out)
+    flags = [" ".join(b.split()) for h in helps for b in re.split(r"\n  (?=-)", h)[1:]]
+    assert len(flags) > 100 and not [f for f in flags if f.lower().count("default") > 1]
