@@ -100,10 +100,10 @@ def unfold(h: torch.Tensor, rows: Rows, aggregator: Aggregator | None) -> tuple[
     return aggregator(h)
 
 
-def per_branch(x: torch.Tensor, rows: Rows) -> torch.Tensor:
-    """Dense rows [R,...] -> [B,P,...]: every item's P branch values side by side, not fused (router.py's
-    teacher scores each branch of a sample)."""
-    assert rows.dense, "per_branch reads dense rows"
+def per_branch(x: torch.Tensor, rows: Rows, branches: int) -> torch.Tensor:
+    """The rows of all P = `branches` branches [R,...] -> [B,P,...]: every item's P branch values side by side, not
+    fused (router.py's teacher scores each branch of a sample). P = 1 too: its rows are the items, [B,1,...]."""
+    assert rows.per_item == branches, f"per_branch reads the rows of all {branches} branches, not {rows.per_item}"
     return x.view(rows.per_item, -1, *x.shape[1:]).transpose(0, 1)
 
 

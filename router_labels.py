@@ -129,7 +129,7 @@ def label_batch(model: ParVL, batch, im_start_id: int) -> dict[str, torch.Tensor
             connector[:, v] = pool_tiles(features, num_tiles)
         x, _ = model.embed(ids, None, features=features)
         h = model.language_model(x, positions, mask, rows=rows)  # [Pl*B,T,C] every language branch
-        nll[:, v] = per_branch(answer_nll(h, head, fold(labels, rows)), rows)  # [Pl*B] rows -> [B,Pl]
+        nll[:, v] = per_branch(answer_nll(h, head, fold(labels, rows)), rows, par.pl)  # [Pl*B] rows -> [B,Pl]
     return {"rows": torch.tensor(batch.rows), "nll": nll.cpu(), "image": image.cpu(), "text": text.cpu(),
             "connector": connector.cpu(), "has_image": (num_tiles > 0).cpu()}
 

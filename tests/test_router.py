@@ -619,6 +619,34 @@ def test_router_tensorboard_curves_equal_metrics(model23, labelled, tmp_path):
     assert event_scalars(tmp_path / "R" / "tensorboard") == want
 
 
+@pytest.mark.parametrize("pv, pl", [(2, 1), (1, 2)])
+def test_every_allocation_of_two_pairs_or_more_labels_trains_and_evaluates(checkpoint, tmp_path, pv, pl):
+    """Issue 38, item 10: `router.py label` on a 2:1 checkpoint (Pv > 1, one language branch) died with
+    `AssertionError: per_branch reads dense rows`. Every allocation with more than one branch pair labels (each
+    pair's NLL the plain single-pair forward's), trains a few steps and evaluates: 2:1 and 1:2."""
+    model = ParVL.from_pretrained(checkpoint("qwen3", "original"), pv=pv, pl=pl)
+    torch.manual_seed(0)
+    model.init_branches(std=0.5)
+    model.save(tmp_path / "ckpt")
+    meta = write_dataset(tmp_path / "data", rows=2)
+    labels, gates_ = tmp_path / "labels", tmp_path / "gates"
+    assert run_router("label", "--model", tmp_path / "ckpt", "--data", meta, "--out", labels, *LABEL) == 0
+    info, t = router_labels.load_labels(labels)
+    assert t["nll"].shape == (2, pv, pl) and info["pairs"] == [[v, l] for v in range(pv) for l in range(pl)]
+    s = SFTData(meta, Tokenizer.from_pretrained(tmp_path / "ckpt"), max_tiles=2)[int(t["rows"][0])]
+    with torch.no_grad():
+        for v in range(pv):
+            for l in range(pl):
+                logits = model(s.input_ids[None], s.pixel_values, vision_branch=v, language_branch=l)
+                want = token_nll(logits, s.labels[None]).sum() / int((s.labels[1:] != -100).sum())
+                torch.testing.assert_close(t["nll"][0, v, l], want, rtol=1e-5, atol=1e-5)
+    assert run_router("train", "--model", tmp_path / "ckpt", "--labels", labels, "--steps", 2, "--global-batch", 2,
+                      "--out", gates_) == 0
+    assert run_router("eval", "--model", tmp_path / "ckpt", "--router", gates_, "--labels", labels) == 0
+    result = json.loads((gates_ / "eval.json").read_text())
+    assert (result["pv"], result["pl"]) == (pv, pl) and sum(map(sum, result["router_pairs"])) == 2
+
+
 def test_length_groups_bucket_by_length_within_the_token_budget():
     """Longest first; a sample joins a group while it is at least half the group's longest and the
     padded size stays within max_tokens; a longer sample goes alone."""
