@@ -83,8 +83,8 @@ _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 class RunConfig(InferenceFlags):
     """`evaluate.py run`'s flags: the inference flags (inference.py), then its own."""
     benchmark: str = flag(None, f"VLMEvalKit dataset name: {', '.join(BENCHMARKS)}", required=True)
-    data: str = flag(None, "the benchmark's VLMEvalKit TSV", required=True)
-    out: str = flag(None, "predictions JSONL; rows already there are skipped (resume)", required=True)
+    data: str = flag(None, "the benchmark's VLMEvalKit TSV", required=True, reads=True)
+    out: str = flag(None, "predictions JSONL; rows already there are skipped (resume)", required=True, writes=True)
     batch_size: int = flag(8, "prompts per generate call", range="[1, inf)")
     max_new_tokens: int = flag(MAX_NEW_TOKENS, "token budget per answer", unit="tokens", range="[1, inf)",
                                shown=f"{MAX_NEW_TOKENS}, VLMEvalKit's")
@@ -106,20 +106,21 @@ class RunConfig(InferenceFlags):
 class ScoreConfig:
     """`evaluate.py score`'s flags."""
     benchmark: str = flag(None, "VLMEvalKit dataset name", required=True)
-    data: str = flag(None, "the benchmark's VLMEvalKit TSV", required=True)
-    predictions: str = flag(None, "JSONL from `run` (index, prediction)", required=True)
-    out: str | None = flag(None, "also write the score JSON here")
-    rows_out: str | None = flag(None, "write per-row results (JSONL) here")
+    data: str = flag(None, "the benchmark's VLMEvalKit TSV", required=True, reads=True)
+    predictions: str = flag(None, "JSONL from `run` (index, prediction)", required=True, reads=True)
+    out: str | None = flag(None, "also write the score JSON here", writes=True)
+    rows_out: str | None = flag(None, "write per-row results (JSONL) here", writes=True)
     judge_url: str | None = flag(None, "OpenAI-compatible base URL (…/v1) of an answer extractor")
     judge_model: str | None = flag(None, "model name sent to the answer extractor (the paper: gpt-4o-2024-11-20)")
-    judge_cache: str | None = flag(None, "reply cache", shown="PREDICTIONS.judge-MODEL.jsonl")
-    vlmevalkit: str | None = flag(None, "a VLMEvalKit checkout, whose extraction prompts the judge is sent")
+    judge_cache: str | None = flag(None, "reply cache", shown="PREDICTIONS.judge-MODEL.jsonl", writes=True)
+    vlmevalkit: str | None = flag(None, "a VLMEvalKit checkout, whose extraction prompts the judge is sent",
+                                  reads=True)
 
 
 @dataclass
 class FitLawConfig:
     """`evaluate.py fit-law`'s flags."""
-    csv: str = flag(None, "CSV with columns params (raw parameter count), p, loss", positional=True)
+    csv: str = flag(None, "CSV with columns params (raw parameter count), p, loss", positional=True, reads=True)
 
 
 # -- run: prompts ------------------------------------------------------------------------------

@@ -20,8 +20,10 @@ and exit 2 (OneLineParser), from rank 0 alone under torchrun.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from dataclasses import MISSING, Field, dataclass, field, fields, make_dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any, Callable
 
@@ -39,13 +41,17 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def flag(default=None, help: str = "", *, range: str | None = None, choices=None, unit: str | None = None,
-         shown: str | None = None, factory=None, **argparse_kw):
+         shown: str | None = None, factory=None, reads=None, writes=None, **argparse_kw):
     """A config dataclass field that is also a command-line flag: its help (with unit, range and
     default, as --help shows them), its range as an interval ("[1, inf)", "(0, 1]"; checked once for
     every command, see parse), its choices, and what argparse needs beyond that (positional=True,
     nargs, metavar, type, required). `shown` is the default as the help says it ("the checkpoint's");
-    `factory` makes a default that is a list, or one read at start (an environment variable)."""
-    meta = {"help": help, "range": range, "choices": choices, "unit": unit, "shown": shown, **argparse_kw}
+    `factory` makes a default that is a list, or one read at start (an environment variable). A flag
+    that names a path says what the command does there: `reads` or `writes` True for the path itself (a
+    file, or a folder and everything in it), or the names in the folder it reads or writes ("metrics.jsonl",
+    "heatmap_*.png"); an output is never an input (output_is_input, checked at parse)."""
+    meta = {"help": help, "range": range, "choices": choices, "unit": unit, "shown": shown, "reads": reads,
+            "writes": writes, **argparse_kw}
     meta = {k: v for k, v in meta.items() if v is not None}
     return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
 
@@ -62,6 +68,7 @@ def add_flags(p: argparse.ArgumentParser, cls) -> None:
             continue
         default = f.default_factory() if f.default_factory is not MISSING else f.default
         help_ = m.pop("help")
+        m.pop("reads", None), m.pop("writes", None)  # the paths' roles: output_is_input's, not argparse's
         notes = [m.pop("unit", None), m.pop("range", None) and f"in {f.metadata['range']}"]
         shown = m.pop("shown", None)
         if shown is not None or (default not in (None, "", [], False) and not m.get("positional")):
@@ -124,7 +131,59 @@ def parse_named(p: "OneLineParser", argv=None) -> tuple[str | None, Any]:
         getattr(cfg, "check", lambda: None)()
     except ValueError as e:
         p.error(one_line(e))
+    if why := output_is_input(cfg):
+        p.error(why)
     return name, cfg
+
+
+# -- an output is never an input ---------------------------------------------------------------------
+
+
+def areas(cfg, role: str) -> list[tuple[str, str, Path, str | None]]:
+    """What the flags of `role` ("reads" or "writes", flag()'s) cover, as (flag, value, path, name): name None
+    for the path itself (a file, or a folder and everything in it), else the entries of folder `path` whose name
+    matches it (a glob), each with everything in it. A path is where it lands: links resolved."""
+    found = []
+    for f in fields(cfg):
+        names, value = f.metadata.get(role), getattr(cfg, f.name)
+        name = f.name.upper() if f.metadata.get("positional") else "--" + f.name.replace("_", "-")
+        for v in (value if isinstance(value, list) else [value]) if names else ():
+            if v:  # None or "": not given
+                found += [(name, str(v), Path(v).resolve(), n) for n in ([None] if names is True else names)]
+    return found
+
+
+def overlap(a: tuple[Path, str | None], b: tuple[Path, str | None]) -> Path | None:
+    """A path in both areas (path, name) of `areas`, or None: one area's top (the path, or its entry of that name)
+    is the other's or lies inside it, or a glob's folder does. A file and a hard link to it are one."""
+    def inside(x: Path, area) -> bool:  # x is the area's top or lies below it
+        top, name = area
+        if name is None:
+            return x == top or top in x.parents or x.exists() and top.exists() and os.path.samefile(x, top)
+        return top in x.parents and fnmatch(x.relative_to(top).parts[0], name)
+
+    for (folder, name), other in ((a, b), (b, a)):
+        top = folder if name is None else folder / name
+        if not any(c in (name or "") for c in "*?[") and inside(top, other):
+            return top
+        if other[1] is None and inside(folder, other):  # every entry of a glob whose folder lies in the other
+            return top
+    return None
+
+
+def output_is_input(cfg) -> str | None:
+    """An output flag that would write what an input flag reads (--out onto --predictions, a plot onto the run's
+    metrics.jsonl, a run folder over its --model), or what another output flag writes, as one line; None when
+    none does. Every command's flags pass here (parse): a flag that names a path says so (flag()'s reads, writes)."""
+    written = areas(cfg, "writes")
+    others = ([(x, "reads", "an output is never an input") for x in areas(cfg, "reads")]
+              + [(x, "writes too", "two outputs never share a path") for x in written])
+    for flag_, value, *w in written:
+        for (other, other_value, *r), does, rule in others:
+            if other != flag_ and (path := overlap(w, r)) is not None:
+                return (f"{flag_} {value}: would write {path}, which {other} {other_value} {does}; {rule}: pick "
+                        f"another {flag_}")
+    return None
 
 
 # -- one dispatch: a command is a table of (sub)commands ------------------------------------------

@@ -217,6 +217,9 @@ def fingerprint(model: ParVL) -> str:
 
 
 
+ROUTER_SAVED = ("router.safetensors", "config.json")  # what save_router writes and load_router reads of a folder
+
+
 def save_router(router: Router, folder: Path, extra: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in router.state_dict().items()},

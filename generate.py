@@ -49,10 +49,10 @@ class GenerateFlags(InferenceFlags):
     json: bool = flag(False, "print one JSON line with the answer and metrics instead of text")
     batch: str | None = flag(None, 'answer every row {"image": path or list of paths (optional, relative to the '
                              'file), "question": ...} of a JSONL file; answers as JSONL in input order',
-                             metavar="QUESTIONS.jsonl")
+                             metavar="QUESTIONS.jsonl", reads=True)
     batch_size: int = flag(8, "--batch: questions per generate call, left-padded together", range="[1, inf)")
     out: str | None = flag(None, "--batch: answers file, appended to; rows it already answers are skipped (resume)",
-                           metavar="FILE", shown="stdout, no resume")
+                           metavar="FILE", shown="stdout, no resume", writes=True)
 
     def check(self) -> None:
         """Flags that exclude each other, and a question that is missing or is an image path."""

@@ -24,7 +24,7 @@ from cli import UsageError, log, resolve_device, resolve_dtype, start_processes
 from config import ParConfig, ParVLConfig
 from engine import Engine
 from flags import flag
-from gates import load_router
+from gates import ROUTER_SAVED, load_router
 from hub import DEFAULT_MODEL, resolve_model
 from parvl import ParVL
 from processor import Tokenizer
@@ -56,7 +56,7 @@ class DeviceFlags:
 @dataclass
 class InferenceFlags(DeviceFlags):
     """The flags of every command that generates with a checkpoint: the model and how its engine runs."""
-    model: str | None = flag(None, "checkpoint folder or hub repo id",
+    model: str | None = flag(None, "checkpoint folder or hub repo id", reads=True,
                              shown=f"$PARVL_MODEL, else {DEFAULT_MODEL}, downloaded once into the huggingface_hub "
                                    f"cache")
     revision: str | None = flag(None, "hub branch, tag or commit of --model", shown="main")
@@ -70,7 +70,7 @@ class InferenceFlags(DeviceFlags):
     vision_branch: int | None = flag(None, "ParVL: run only vision branch 0..Pv-1 (Table S9)", shown="all, fused")
     language_branch: int | None = flag(None, "ParVL: run only language branch 0..Pl-1", shown="all, fused")
     router: str | None = flag(None, "ParVL: a router folder (router.py train); runs one (vision, language) branch "
-                              "pair per prompt, chosen by the router (Table 3)", shown="none")
+                              "pair per prompt, chosen by the router (Table 3)", shown="none", reads=ROUTER_SAVED)
 
     def check(self) -> None:
         """Flags that exclude each other (exit 2)."""

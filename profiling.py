@@ -152,7 +152,8 @@ class Timed(DeviceFlags):
     seed: int = flag(0, "weights and inputs")
     threads: int | None = flag(None, "CPU threads (torch.set_num_threads); 1 resists a busy shared machine",
                                range="[1, inf)", shown="torch's")
-    trace: str | None = flag(None, "also write a Chrome trace (+ CUDA memory snapshot) per row", metavar="DIR")
+    trace: str | None = flag(None, "also write a Chrome trace (+ CUDA memory snapshot) per row", metavar="DIR",
+                             writes=("latency_*", "forward_*"))
     json: bool = flag(False, "print only the final JSON line, not the table")
 
     def check(self) -> None:
@@ -165,7 +166,7 @@ class Timed(DeviceFlags):
 class LatencyConfig(BranchFlags, Timed):
     model: str | None = flag(None, "profile this checkpoint's configuration (its config.json: backbone, Pv:Pl, "
                                    "branches) on random weights, instead of --arch and the branch flags",
-                             metavar="DIR")
+                             metavar="DIR", reads=True)
     batch: list[int] = flag(help="batch sizes, samples per generate call", range="[1, inf)",
                             factory=lambda: [1, 2, 4, 8])
     new_tokens: int = flag(128, "generated tokens per sample, forced", range="[1, inf)")
@@ -175,7 +176,7 @@ class LatencyConfig(BranchFlags, Timed):
     compare_shared: bool = flag(False, "profile standard and shared KV in one run")
     baseline: bool = flag(False, "profile standard 1:1 first, as Table 4's reference")
     plot: str | None = flag(None, "also write latency and peak memory against batch size per configuration (needs "
-                            "matplotlib)", metavar="FILE.png")
+                            "matplotlib)", metavar="FILE.png", writes=True)
 
     def check(self) -> None:
         super().check()

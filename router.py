@@ -32,13 +32,13 @@ import torch.nn as nn
 from cli import SEED, barrier, check_folder, command, log, rank, start_processes, world_size
 from data import SFTData
 from flags import Command, dispatch, flag, flag_of
-from gates import Router, RouterConfig, RouterError, load_router, path_teacher, router_loss, save_router
+from gates import ROUTER_SAVED, Router, RouterConfig, RouterError, load_router, path_teacher, router_loss, save_router
 from inference import DeviceFlags
 from llm import prompt_positions
 from loss import answer_nll
 from parvl import ParVL
-from router_labels import (LABELLED, LabelConfig, RouterInputs, by_length, check_labels, label, load_labels, load_model,
-                           open_data)
+from router_labels import (LABEL_FILES, LABELLED, LabelConfig, RouterInputs, by_length, check_labels, label,
+                           load_labels, load_model, open_data)
 from schedule import lr_lambda
 from trackers import TRACKERS, TRACKER_FILES, Tracker
 
@@ -48,10 +48,12 @@ ROUTER_FILES = ("router.safetensors", "config.json", "metrics.jsonl", "eval.json
 @dataclass
 class TrainRouterConfig(RouterInputs):
     """`router.py train`'s flags (saved with the router, in this order)."""
-    model: str = flag("", "ParVL checkpoint folder", required=True)
-    labels: str = flag("", "labels folder written by `label`", required=True)
-    data: str = flag("", "the labels' data set (meta JSON), checked", shown="the path stored in the labels")
-    out: str = flag("", "router folder: router.safetensors + config.json + metrics.jsonl", required=True)
+    model: str = flag("", "ParVL checkpoint folder", required=True, reads=True)
+    labels: str = flag("", "labels folder written by `label`", required=True, reads=LABEL_FILES)
+    data: str = flag("", "the labels' data set (meta JSON), checked", shown="the path stored in the labels",
+                     reads=True)
+    out: str = flag("", "router folder: router.safetensors + config.json + metrics.jsonl", required=True,
+                    writes=(*ROUTER_FILES, *TRACKER_FILES))
     hidden: int = flag(256, "gate hidden width", range="[1, inf)")
     tau: float = flag(0.1, "teacher temperature of Eq. E1", range="(0, inf)")
     lr: float = flag(3e-4, "peak AdamW learning rate", range="(0, inf)")
@@ -71,11 +73,11 @@ class TrainRouterConfig(RouterInputs):
 @dataclass
 class EvalConfig(RouterInputs):
     """`router.py eval`'s flags."""
-    model: str = flag("", "ParVL checkpoint folder", required=True)
-    router: str = flag("", "router folder written by `train`", required=True)
-    labels: str = flag("", "held-out labels folder written by `label`", required=True)
-    data: str = flag("", "the labels' data set (meta JSON)", shown="the path stored in the labels")
-    out: str = flag("", "JSON result", shown="ROUTER/eval.json")
+    model: str = flag("", "ParVL checkpoint folder", required=True, reads=True)
+    router: str = flag("", "router folder written by `train`", required=True, reads=ROUTER_SAVED)
+    labels: str = flag("", "held-out labels folder written by `label`", required=True, reads=LABEL_FILES)
+    data: str = flag("", "the labels' data set (meta JSON)", shown="the path stored in the labels", reads=True)
+    out: str = flag("", "JSON result", shown="ROUTER/eval.json", writes=True)
     seed: int = flag(SEED, "seed of the random-pair baseline")
     batch_size: int = flag(4, "rows per dense forward", range="[1, inf)")
     max_tokens: int = flag(16384, "padded tokens per forward (rows x longest): a batch over it is split by length, "

@@ -47,6 +47,7 @@ from shards import FileParts, merged, resumed, share
 from weights import read_safetensors
 
 LABEL_KEYS = ("rows", "nll", "image", "text", "connector", "has_image")
+LABEL_FILES = ("labels.safetensors", "labels.json")  # a labels folder: merge writes them, load_labels reads them
 CHUNK = "chunk_{:06d}.safetensors"  # OUT/parts/CHUNK: chunk k, as an interrupted run of any version left it
 LABELLED = "the chunks labelled so far stay; the same command resumes"  # what an interrupt leaves
 
@@ -66,9 +67,10 @@ class RouterInputs:
 @dataclass
 class LabelConfig(RouterInputs):
     """`router.py label`'s flags."""
-    model: str = flag("", "ParVL checkpoint folder (Pv:Pl > 1:1)", required=True)
-    data: str = flag("", "meta JSON in the official InternVL format (data.py)", required=True)
-    out: str = flag("", "labels folder: labels.safetensors + labels.json (parts/ while labelling)", required=True)
+    model: str = flag("", "ParVL checkpoint folder (Pv:Pl > 1:1)", required=True, reads=True)
+    data: str = flag("", "meta JSON in the official InternVL format (data.py)", required=True, reads=True)
+    out: str = flag("", "labels folder: labels.safetensors + labels.json (parts/ while labelling)", required=True,
+                    writes=(*LABEL_FILES, "parts"))
     batch_size: int = flag(4, "rows per chunk and forward", range="[1, inf)")
     max_tokens: int = flag(16384, "padded tokens per forward (rows x longest): a chunk over it is split by length, "
                                   "a longer row runs alone", unit="tokens", range="[1, inf)")

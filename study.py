@@ -41,10 +41,10 @@ ABLATIONS = {"prefix72": ["--vit-prefix-len", "72"], "prefix128": ["--vit-prefix
 
 @dataclass
 class StudyConfig:
-    model: str = flag("", "the starting checkpoint (the paper's: InternVL3.5 *pretrained*)", required=True)
-    data: str = flag("", "SFT meta JSON (official InternVL format)", required=True)
-    tsv: str = flag("", "folder of the benchmarks' VLMEvalKit TSVs, named BENCHMARK.tsv", required=True)
-    out: str = flag("study", "the study's folder (on a shared file system with --launcher slurm)")
+    model: str = flag("", "the starting checkpoint (the paper's: InternVL3.5 *pretrained*)", required=True, reads=True)
+    data: str = flag("", "SFT meta JSON (official InternVL format)", required=True, reads=True)
+    tsv: str = flag("", "folder of the benchmarks' VLMEvalKit TSVs, named BENCHMARK.tsv", required=True, reads=True)
+    out: str = flag("study", "the study's folder (on a shared file system with --launcher slurm)", writes=True)
     allocations: list[str] = flag(help="Pv:Pl allocations trained and evaluated", factory=lambda: list(ALLOCATIONS),
                                   shown="the nine of Table 2")
     benchmarks: list[str] = flag(help="benchmarks run for every model", factory=lambda: list(BENCHMARKS),
@@ -56,8 +56,9 @@ class StudyConfig:
     router_step: int = flag(0, "its training step the router, fixed and random pairs use (the paper: 7000; keep it "
                             "with --train-flags \"--keep-last K\", docs/training.md), 0 = the end-of-run export",
                             range="[0, inf)")
-    router_data: str = flag("", "meta JSON the router is labelled and trained on", shown="--data")
-    router_eval_data: str = flag("", "held-out meta JSON for `router.py eval` (Table 3 / S9 layout)", shown="none")
+    router_data: str = flag("", "meta JSON the router is labelled and trained on", shown="--data", reads=True)
+    router_eval_data: str = flag("", "held-out meta JSON for `router.py eval` (Table 3 / S9 layout)", shown="none",
+                                 reads=True)
     lengths: list[str] = flag(help="the two allocations of Table S5", nargs=2, factory=lambda: ["1:1", "4:4"])
     cost_column: str = flag("All", "Figure 4's score column (a benchmark, or an aggregate all of whose benchmarks ran)")
     arch: str = flag("1b", "backbone preset of Tables 4 / S7's profile and of the report's FLOPs")

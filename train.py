@@ -51,10 +51,10 @@ from flags import Command, branch_conflict, branch_flags, dispatch, flag, resolv
 from fsdp import Trained, build_model, param_groups, train_flops_per_token
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL
-from runs import (check_out, checkpoints, discard_run, export, finite, load_model_state, plot_run, recorded_run, resume,
-                  save_checkpoint, trim_metrics, verify_checkpoint)
+from runs import (RUN_FILES, check_out, checkpoints, discard_run, export, finite, load_model_state, plot_run,
+                  recorded_run, resume, save_checkpoint, trim_metrics, verify_checkpoint)
 from schedule import lr_lambda
-from trackers import TRACKERS, Tracker
+from trackers import TRACKER_FILES, TRACKERS, Tracker
 
 
 def default_workers() -> int:
@@ -73,9 +73,10 @@ class TrainConfig(BranchFlags):
     """train.py's flags, one field each (flags.flag: help, range, default), the branch flags first; saved as the
     run's config.json."""
 
-    model: str = flag("", "InternVL3.5 or ParVL checkpoint folder")
-    data: str = flag("", "meta JSON in the official InternVL SFT format")
-    out: str = flag("runs/parvl", "run folder: config, metrics.jsonl, checkpoints, export")
+    model: str = flag("", "InternVL3.5 or ParVL checkpoint folder", reads=True)
+    data: str = flag("", "meta JSON in the official InternVL SFT format", reads=True)
+    out: str = flag("runs/parvl", "run folder: config, metrics.jsonl, checkpoints, export",
+                    writes=("config.json", *RUN_FILES, *TRACKER_FILES))
     lr_new: float = flag(8e-5, "peak learning rate of prefixes and aggregators", range="(0, inf)")
     lr_pretrained: float = flag(8e-6, "peak learning rate of the pretrained weights", range="(0, inf)")
     weight_decay: float = flag(0.05, "AdamW weight decay", range="[0, inf)")
@@ -139,16 +140,16 @@ class TrainConfig(BranchFlags):
 
 @dataclass
 class PlotConfig:
-    run: str = flag(help="run folder (train.py --out) holding metrics.jsonl", positional=True)
-    out: str | None = flag(None, "PNG file to write", shown="RUN/metrics.png")
+    run: str = flag(help="run folder (train.py --out) holding metrics.jsonl", positional=True, reads=("metrics.jsonl",))
+    out: str | None = flag(None, "PNG file to write", shown="RUN/metrics.png", writes=True)
 
 
 @dataclass
 class ExportConfig:
-    run: str = flag(help="run folder (train.py --out)", positional=True)
+    run: str = flag(help="run folder (train.py --out)", positional=True, reads=("checkpoints",))
     step: int = flag(None, "the step to export: a checkpoint RUN/checkpoints/step_N the run still keeps (--keep-last)",
                      range="[1, inf)", required=True)
-    out: str | None = flag(None, "folder to write the ParVL checkpoint into", shown="RUN/export_step_N")
+    out: str | None = flag(None, "folder to write the ParVL checkpoint into", shown="RUN/export_step_N", writes=True)
 
 
 def prepare(cfg: TrainConfig) -> int:

@@ -315,11 +315,11 @@ def plot_score_cost(points: list[dict], column: str, png: Path) -> None:
 @dataclass
 class LengthsConfig:
     """`evaluate.py lengths`'s flags."""
-    model: str = flag(None, "checkpoint whose tokenizer re-tokenises the answers", required=True)
+    model: str = flag(None, "checkpoint whose tokenizer re-tokenises the answers", required=True, reads=True)
     a: list[str] = flag(None, "configuration A's predictions (evaluate.py run), one file per benchmark", nargs="+",
-                        required=True, metavar="JSONL")
+                        required=True, metavar="JSONL", reads=True)
     b: list[str] = flag(None, "configuration B's predictions (evaluate.py run), one file per benchmark", nargs="+",
-                        required=True, metavar="JSONL")
+                        required=True, metavar="JSONL", reads=True)
     names: list[str] = flag(help="the two configurations' names in the table", nargs=2, factory=lambda: ["A", "B"])
     near_cap: int = flag(NEAR_CAP, "answers of this many tokens or more are left out", unit="tokens", range="[1, inf)",
                          shown=f"{NEAR_CAP} of the 4096 budget, the paper's")
@@ -328,31 +328,33 @@ class LengthsConfig:
                               choices=list(NEAR_CAP_RULES))
     resamples: int = flag(10_000, "bootstrap resamples", range="[1, 1000000]")
     seed: int = flag(SEED, "bootstrap seed", shown=f"{SEED}, the paper's")
-    out: str | None = flag(None, "also write the JSON here")
+    out: str | None = flag(None, "also write the JSON here", writes=True)
 
 
 @dataclass
 class DescriptorsConfig:
     """`evaluate.py descriptors`'s flags."""
-    data: list[str] = flag(None, "VLMEvalKit TSVs, named <benchmark>.tsv", positional=True, nargs="+")
-    model: str = flag(None, "checkpoint whose tokenizer counts the tokens", required=True)
-    report: str | None = flag(None, "report.json of evaluate.py report: its best configuration per benchmark")
+    data: list[str] = flag(None, "VLMEvalKit TSVs, named <benchmark>.tsv", positional=True, nargs="+", reads=True)
+    model: str = flag(None, "checkpoint whose tokenizer counts the tokens", required=True, reads=True)
+    report: str | None = flag(None, "report.json of evaluate.py report: its best configuration per benchmark",
+                              reads=True)
     predictions: list[str] | None = flag(None, "predictions (evaluate.py run; with --report): per benchmark, the "
                                                "file of its best configuration gives the mean response tokens",
-                                         nargs="+", metavar="JSONL")
+                                         nargs="+", metavar="JSONL", reads=True)
     near_cap: int = flag(NEAR_CAP, "responses of this many tokens or more are left out", unit="tokens",
                          range="[1, inf)", shown=f"{NEAR_CAP} of the 4096 budget, the paper's")
-    out: str | None = flag(None, "also write the JSON here")
+    out: str | None = flag(None, "also write the JSON here", writes=True)
 
 
 @dataclass
 class CostConfig:
     """`evaluate.py cost`'s flags."""
-    report: str = flag(None, "report.json of evaluate.py report", required=True)
+    report: str = flag(None, "report.json of evaluate.py report", required=True, reads=True)
     latency: list[str] = flag(None, "outputs of profiling.py latency --json (their batch-1 rows), one per "
-                                    "configuration", nargs="+", required=True)
+                                    "configuration", nargs="+", required=True, reads=True)
     column: str = flag("All", "the score column")
-    out: str | None = flag(None, "folder for score_cost.json and, with matplotlib, score_cost.png")
+    out: str | None = flag(None, "folder for score_cost.json and, with matplotlib, score_cost.png",
+                           writes=("score_cost.json", "score_cost.png"))
 
 
 def lengths_cmd(cfg: LengthsConfig) -> int:

@@ -32,11 +32,12 @@ COLUMNS = list(BENCHMARKS) + ["General", "Math", "OCR", "All"]
 class ReportConfig:
     """`evaluate.py report`'s flags."""
     runs: list[str] = flag(None, "score JSON files written by `evaluate.py score --out` (or its stdout)",
-                           positional=True, nargs="+")
+                           positional=True, nargs="+", reads=True)
     reference: list[str] = flag(help="score files of reference models (Table 1's public checkpoints, such as "
                                      "InternVL3.5-Instruct): rows of their own, outside the grids and the best choice",
-                                nargs="+", factory=list, metavar="JSON")
-    out: str = flag("report", "output folder for report.md, report.json and the heatmaps")
+                                nargs="+", factory=list, metavar="JSON", reads=True)
+    out: str = flag("report", "output folder for report.md, report.json and the heatmaps",
+                    writes=("report.md", "report.json", "heatmap_*.png", "figure3_*.png"))
     arch: str = flag("1b", "backbone for the FLOPs tie-break (flops.py)")
     tie_decimals: int = flag(1, "scores equal at this many decimals tie", range="[0, inf)", shown="1, the paper's")
     best_with_shared_kv: bool = flag(False, "let shared-KV runs compete for the best configuration")

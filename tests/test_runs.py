@@ -88,14 +88,17 @@ def test_overwrite_discards_the_old_run_explicitly(model_dir, meta, base_run, tm
 
 @pytest.mark.parametrize("case", ["file", "proc", "sys"])
 def test_unusable_out_is_one_line(model_dir, meta, tmp_path, case):
-    out = {"file": meta, "proc": Path("/proc/parvl_test/run"), "sys": Path("/sys/parvl_test")}[case]
+    """An --out that is a file (not the --data meta JSON: that is an output onto an input, exit 2 at parse,
+    test_shell.py), or on a file system that cannot be written."""
+    (tmp_path / "a_file").write_text("x")
+    out = {"file": tmp_path / "a_file", "proc": Path("/proc/parvl_test/run"), "sys": Path("/sys/parvl_test")}[case]
     before = meta.read_bytes()
     res = train_here("--model", model_dir, "--data", meta, "--out", out, *COMMON, check=False)
     code, err = res.returncode, res.stderr
     line = one_line(err)
     needle = {"file": "is a file, not a folder", "proc": "cannot write there", "sys": "cannot write there"}[case]
     assert code == 1 and line.startswith("error: ") and needle in line, line
-    assert meta.read_bytes() == before and not (tmp_path / "new").exists()
+    assert meta.read_bytes() == before and (tmp_path / "a_file").read_text() == "x"
 
 
 def test_an_out_that_cannot_hold_a_run_is_one_line_before_training(model_dir, meta, tmp_path):

@@ -231,6 +231,146 @@ def test_text_that_is_not_unicode_is_named_where_it_is(model_dir, tmp_path, caps
     assert code == 1 and err == [f"error: {pred}: line 1 is not valid Unicode (a lone surrogate U+DCFF)"], err
 
 
+# -- an output is never an input ----------------------------------------------------------------------
+
+
+OVERLAPS = {  # case: (command, argv, the input flag whose file or folder the output would have written)
+    "generate.py --batch --out, a link to the questions": (
+        "generate", ["--batch", "{q}", "--out", "{q_link}", "--model", "{m}"], "--batch"),
+    "evaluate.py run --out onto --data": (
+        "evaluate", ["run", "--benchmark", "OCRBench", "--data", "{tsv}", "--model", "{m}", "--out", "{tsv}"],
+        "--data"),
+    "evaluate.py run --out in the model": (
+        "evaluate", ["run", "--benchmark", "OCRBench", "--data", "{tsv}", "--model", "{m}", "--out", "{m}/p.jsonl"],
+        "--model"),
+    "evaluate.py score --out, a link to the predictions": (
+        "evaluate", ["score", "--benchmark", "OCRBench", "--data", "{tsv}", "--predictions", "{p}", "--out",
+                     "{p_link}"], "--predictions"),
+    "evaluate.py score --rows-out, a hard link to the predictions": (
+        "evaluate", ["score", "--benchmark", "OCRBench", "--data", "{tsv}", "--predictions", "{p}", "--rows-out",
+                     "{p_hard}"], "--predictions"),
+    "evaluate.py score --out onto --data": (
+        "evaluate", ["score", "--benchmark", "OCRBench", "--data", "{tsv}", "--predictions", "{p}", "--out", "{tsv}"],
+        "--data"),
+    "evaluate.py score --judge-cache onto the predictions": (
+        "evaluate", ["score", "--benchmark", "OCRBench", "--data", "{tsv}", "--predictions", "{p}", "--judge-cache",
+                     "{p}"], "--predictions"),
+    "evaluate.py score --out onto --rows-out": (
+        "evaluate", ["score", "--benchmark", "OCRBench", "--data", "{tsv}", "--predictions", "{p}", "--out", "{s}",
+                     "--rows-out", "{s}"], "--rows-out"),
+    "evaluate.py report --out over its score file": (
+        "evaluate", ["report", "{rep}/report.json", "--out", "{rep}"], "RUNS"),
+    "evaluate.py lengths --out onto --b": (
+        "evaluate", ["lengths", "--model", "{m}", "--a", "{p}", "--b", "{p2}", "--out", "{p2}"], "--b"),
+    "evaluate.py descriptors --out onto its TSV": (
+        "evaluate", ["descriptors", "{tsv}", "--model", "{m}", "--out", "{tsv}"], "DATA"),
+    "evaluate.py cost --out over a profile": (
+        "evaluate", ["cost", "--report", "{rep}/report.json", "--latency", "{rep}/score_cost.json", "--out", "{rep}"],
+        "--latency"),
+    "train.py --out onto --model": ("train", ["--model", "{m}", "--data", "{meta}", "--out", "{m}"], "--model"),
+    "train.py plot --out onto RUN/metrics.jsonl": ("train", ["plot", "{run}", "--out", "{run}/metrics.jsonl"], "RUN"),
+    "train.py export --out onto the run": ("train", ["export", "{run}", "--step", 1, "--out", "{run}"], "RUN"),
+    "router.py label --out in the model": (
+        "router", ["label", "--model", "{m}", "--data", "{meta}", "--out", "{m}"], "--model"),
+    "router.py train --out in the model": (
+        "router", ["train", "--model", "{m}", "--labels", "{labels}", "--out", "{m}"], "--model"),
+    "router.py eval --out onto LABELS/labels.json": (
+        "router", ["eval", "--model", "{m}", "--router", "{r}", "--labels", "{labels}", "--out",
+                   "{labels}/labels.json"], "--labels"),
+    "profiling.py latency --plot in the model": (
+        "profiling", ["latency", "--model", "{m}", "--plot", "{m}/latency.png"], "--model"),
+    "profiling.py latency --trace in the model": ("profiling", ["latency", "--model", "{m}", "--trace", "{m}"],
+                                                  "--model"),
+    "study.py --out holding its TSVs": (
+        "study", ["--model", "{m}", "--data", "{meta}", "--tsv", "{tsvs}", "--out", "{tsvs}", "--plan"], "--tsv"),
+}
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    """Every kind of input a command reads, as files and folders in tmp_path (contents that need not be valid:
+    the refusal comes first), and links to some of them; {name in OVERLAPS: path}."""
+    files = {"m/config.json": "{}", "run/metrics.jsonl": '{"step": 1}\n', "run/checkpoints/step_1/done": "",
+             "labels/labels.json": "{}", "r/config.json": "{}", "rep/report.json": "{}", "rep/score_cost.json": "{}",
+             "tsvs/OCRBench.tsv": "index\tquestion\n", "q.jsonl": '{"question": "Hi"}\n', "meta.json": "{}",
+             "b.tsv": "index\tquestion\tanswer\n1\tq\ta\n", "p.jsonl": '{"index": "1", "prediction": "a"}\n',
+             "p2.jsonl": '{"index": "1", "prediction": "b"}\n'}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "q_link").symlink_to("q.jsonl")
+    (tmp_path / "p_link").symlink_to(tmp_path / "p.jsonl")
+    os.link(tmp_path / "p.jsonl", tmp_path / "p_hard")
+    names = {"m": "m", "run": "run", "labels": "labels", "r": "r", "rep": "rep", "tsvs": "tsvs", "q": "q.jsonl",
+             "q_link": "q_link", "tsv": "b.tsv", "p": "p.jsonl", "p2": "p2.jsonl", "p_link": "p_link",
+             "p_hard": "p_hard", "meta": "meta.json", "s": "s.json"}
+    return {k: str(tmp_path / v) for k, v in names.items()}
+
+
+@pytest.mark.parametrize("case", list(OVERLAPS))
+def test_an_output_that_is_an_input_is_refused_in_every_command(inputs, tmp_path, capsys, case):
+    """Issue 38, item 1 (and 2's --out onto --model): every command that writes refuses an output that is, or
+    resolves to (a symbolic or a hard link), a file or folder it reads, or another of its outputs, in one line,
+    exit 2, naming both flags, before anything is read or written; each case exited 0 (or failed later) having
+    replaced its input. One rule (flags.output_is_input, at parse) over the paths each flag declares."""
+    import study
+
+    command, argv, reader = OVERLAPS[case]
+    main = {"generate": generate.main, "evaluate": evaluate.main, "train": train.main, "router": router.main,
+            "profiling": profiling.main, "study": study.main}[command]
+    before = tree(tmp_path)
+    code, err = run_main(capsys, main, [str(a).format(**inputs) for a in argv])
+    assert code == 2 and len(err) == 1 and err[0].endswith("(see --help)"), (case, err)
+    assert f", which {reader} " in err[0] and ("an output is never an input" in err[0] or "two outputs" in err[0]), err
+    assert tree(tmp_path) == before and not (tmp_path / "s.json").exists()
+
+
+# str flags that name no file or folder, by field name, and what they name instead
+NOT_PATHS = {"benchmark": "a benchmark", "revision": "a hub revision", "device": "a torch device",
+             "judge_url": "a URL", "judge_model": "a model's name", "system": "a system message",
+             "inputs": "images and the question (--out goes only with --batch, which takes neither)",
+             "names": "two configurations' names", "column": "a score column", "arch": "a size preset",
+             "allocations": "Pv:Pl", "ablation_base": "Pv:Pl", "router_allocation": "Pv:Pl", "lengths": "Pv:Pl",
+             "benchmarks": "benchmarks", "ablations": "ablation names", "cost_column": "a score column",
+             **dict.fromkeys(("slurm_flags", "train_flags", "eval_flags", "label_flags", "router_flags",
+                              "profile_flags"), "a command's flags")}
+
+
+def command_configs():
+    """(command, subcommand, config class) of every command of the repository: each top-level module with a
+    COMMANDS table (flags.dispatch's), found by reading the files, so a new command is walked too."""
+    import importlib
+
+    for path in sorted(ROOT.glob("*.py")):
+        if "\nCOMMANDS = {" in path.read_text():
+            for name, c in importlib.import_module(path.stem).COMMANDS.items():
+                yield path.name, name, c.config
+
+
+def flag_fields(config):
+    from dataclasses import fields
+
+    for f in fields(config):
+        if "help" in f.metadata:
+            kind = f.type if isinstance(f.type, str) else f.type.__name__
+            yield f, kind.removeprefix("list[").removesuffix("]").split("|")[0].strip()
+
+
+def test_every_path_flag_says_whether_it_is_read_or_written():
+    """The rule of the test above holds for every command because every flag that names a path declares it (a
+    new command's too): each str flag without choices reads or writes (flag()'s reads, writes), or names no
+    path (NOT_PATHS, with what it names)."""
+    seen, undeclared = set(), []
+    for script, sub, config in command_configs():
+        for f, kind in flag_fields(config):
+            if kind == "str" and "choices" not in f.metadata:
+                seen.add(script)
+                if not {"reads", "writes"} & f.metadata.keys() and f.name not in NOT_PATHS:
+                    undeclared.append((script, sub, f.name))
+    assert seen == {"generate.py", "train.py", "evaluate.py", "router.py", "profiling.py", "study.py"}, seen
+    assert not undeclared, undeclared
+
+
 # -- one output, one writer ----------------------------------------------------------------------------
 
 
