@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, fields, replace
@@ -44,10 +45,11 @@ from torch.distributed.device_mesh import init_device_mesh
 from aggregate import entropy
 from batches import filler_batch, make_loader
 from checkpoint import check_not_run_folder, open_checkpoint
-from cli import SEED, allocation, check_shared, command, hms, log, peak_memory_gib, rank, start_processes
+from cli import (SEED, allocation, check_folder, check_shared, command, hms, log, peak_memory_gib, rank,
+                 start_processes)
 from config import ParConfig
 from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, report_bad_rows
-from flags import Command, branch_conflict, branch_flags, dispatch, flag, resolve_branch_flags
+from flags import Command, branch_conflict, branch_flags, dispatch, flag, overlap, resolve_branch_flags
 from fsdp import Trained, build_model, param_groups, train_flops_per_token
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL
@@ -149,7 +151,10 @@ class ExportConfig:
     run: str = flag(help="run folder (train.py --out)", positional=True, reads=("checkpoints",))
     step: int = flag(None, "the step to export: a checkpoint RUN/checkpoints/step_N the run still keeps (--keep-last)",
                      range="[1, inf)", required=True)
-    out: str | None = flag(None, "folder to write the ParVL checkpoint into", shown="RUN/export_step_N", writes=True)
+    out: str | None = flag(None, "a new or empty folder to write the ParVL checkpoint into", shown="RUN/export_step_N",
+                           writes=True)
+    overwrite: bool = flag(False, "replace what --out holds (never the run's base model)")
+
 
 
 def prepare(cfg: TrainConfig) -> int:
@@ -206,13 +211,35 @@ def export_step(e: ExportConfig) -> int:
     if not Path(cfg.model).is_dir():
         raise ValueError(f"{folder}: trained from --model {cfg.model!r}, which is not a folder any more (the export "
                          f"takes its config and tokenizer)")
+    out = Path(e.out) if e.out else run / f"export_step_{e.step}"
+    check_export_out(out, e.overwrite, Path(cfg.model))
     device = start_processes(torch.cuda.is_available(), always=True)
     model = build_model(cfg, device, init_device_mesh(device.type, (dist.get_world_size(),)))
     load_model_state(model, folder)
-    out = Path(e.out) if e.out else run / f"export_step_{e.step}"
-    export(model, out, Path(cfg.model))
+    tmp = out.with_name(out.name + ".tmp")  # written whole beside --out, then put in its place
+    try:
+        export(model, tmp, Path(cfg.model))
+        if rank() == 0:
+            shutil.rmtree(out, ignore_errors=True)  # empty, or --overwrite's
+            tmp.rename(out)
+    finally:  # an export cut short leaves nothing half written, and --out as it was
+        if rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
     log(f"exported step {e.step} of {run} to {out}", sys.stdout)
     return 0
+
+
+def check_export_out(out: Path, overwrite: bool, base: Path) -> None:
+    """An export goes to a new or empty folder, as a run goes to a new --out; --overwrite replaces what is there,
+    but never the run's base model, whose config and tokenizer the export reads. One line, before anything loads."""
+    check_folder(out, "--out")  # a file in the way
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held and not overwrite:
+        raise ValueError(f"--out {out} already holds {', '.join(held[:4])}{', ...' * (len(held) > 4)}: an export goes "
+                         f"to a new or empty folder; pick another --out, or pass --overwrite to replace what is there")
+    if overlap((out.resolve(), None), (base.resolve(), None)) is not None:
+        raise ValueError(f"--out {out}: the run's base model {base} is there, which the export reads; an output is "
+                         f"never an input: pick another --out")
 
 
 # -- model -------------------------------------------------------------------------------------

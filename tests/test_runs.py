@@ -30,7 +30,7 @@ import generate
 import runs
 import train
 from config import ParConfig
-from conftest import (COMMON, ROOT, metrics, notes, one_line, png_ok, run_train, train_here, tree,
+from conftest import (COMMON, ROOT, metrics, notes, one_line, png_ok, run_main, run_train, train_here, tree,
                       worker_lines, write_dataset)
 from parvl import ParVL
 from schedule import lr_lambda
@@ -408,6 +408,40 @@ def test_export_refuses_a_step_not_kept_or_broken(run3, tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: {ckpts / 'step_2'}: does not verify ({shard.name} is {size} bytes, the save wrote {size + 8})"]
     assert not (tmp_path / "run" / "export_step_2").exists()
+
+
+def test_an_export_goes_to_a_new_or_empty_folder(run3, model_dir, meta, tmp_path, capsys):
+    """Issue 38, item 2: `train.py export --out` into an existing model folder or over the end-of-run export
+    replaced what was there, into the run folder it mixed a model into the run, and train.py --out equal to
+    --model replaced the model's config.json. Each is refused in one line before anything loads, every file as it
+    was (exit 1: a folder that holds something, as train.py's --out; 2: flags naming one folder, at parse).
+    --overwrite replaces an export, written whole beside it and put in its place, but never the run's base model."""
+    run, model = tmp_path / "run", tmp_path / "model"
+    shutil.copytree(run3[0], run)  # a copy: its end-of-run export is replaced below
+    shutil.copytree(model_dir, model)
+    export = ["export", run, "--step", 3]
+    held = ", ".join(sorted(p.name for p in model.iterdir())[:4])
+    cases = [(export + ["--out", model], 1, f"error: --out {model} already holds {held}, ...: an export goes to a new "
+                                            f"or empty folder; pick another --out, or pass --overwrite to replace "
+                                            f"what is there"),
+             (export + ["--out", run / "export"], 1, f"error: --out {run / 'export'} already holds added_tokens"),
+             (export + ["--out", run], 2, f"error: --out {run}: would write {run / 'checkpoints'}, which RUN {run} "
+                                          f"reads; an output is never an input"),
+             (["--model", model, "--data", meta, "--out", model], 2, f"error: --out {model}: would write "
+                                                                     f"{model / 'config.json'}, which --model {model} "
+                                                                     f"reads; an output is never an input"),
+             (export + ["--out", model_dir, "--overwrite"], 1, f"error: --out {model_dir}: the run's base model "
+                                                               f"{model_dir} is there, which the export reads")]
+    before, base = tree(tmp_path), tree(model_dir)
+    for argv, want, needle in cases:
+        code, err = run_main(capsys, train.main, argv)
+        assert code == want and len(err) == 1 and needle in err[0], (argv, err)
+    assert tree(tmp_path) == before and tree(model_dir) == base
+    assert train.main([str(a) for a in export + ["--out", run / "export", "--overwrite"]]) == 0
+    assert not (run / "export.tmp").exists()  # written there, then put in place
+    got, want = load_file(str(run / "export" / "model.safetensors")), load_file(str(run3[0] / "export" /
+                                                                                    "model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)  # step 3 is the run's end
 
 
 # -- metrics.jsonl, the progress line, train.py plot ---------------------------------------------------
