@@ -126,8 +126,8 @@ def train(cfg: TrainRouterConfig) -> int:
         out.mkdir(parents=True, exist_ok=True)
         for name in held:  # --overwrite: the old router's files go, its eval.json too (it would be stale)
             (out / name).unlink()
-        for old in (out / name for name in TRACKER_FILES):  # a new router: new curves
-            shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)
+        for old in (out / name for name in TRACKER_FILES if held):  # and its curves; a folder that held no router
+            shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)  # keeps them (train.py's rule)
         (out / "metrics.jsonl").write_text("")
     tracker.start(0, asdict(cfg))
     with tracker:

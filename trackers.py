@@ -48,6 +48,8 @@ class Tracker:
 
     def __init__(self, kind: str | None, folder: Path):
         self.kind, self.folder, self.sink = kind, folder, None
+        if kind is not None and (folder / kind).exists() and not (folder / kind).is_dir():  # a file of the user's
+            raise ValueError(f"--tracker {kind}: {folder / kind} is a file, where {kind} keeps its folder")
         try:
             if kind == "tensorboard":  # torch's writer needs the tensorboard package for its protobufs
                 from torch.utils.tensorboard import SummaryWriter

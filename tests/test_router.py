@@ -23,7 +23,7 @@ import router
 import router_labels
 from checkpoint import open_checkpoint
 from config import PRESETS, ParConfig
-from conftest import two_nodes, write_dataset
+from conftest import tree, two_nodes, write_dataset
 from data import SFTData
 from engine import Engine, GenerateConfig
 from gates import Router, RouterConfig, RouterError, path_teacher, router_loss
@@ -617,6 +617,30 @@ def test_router_tensorboard_curves_equal_metrics(model23, labelled, tmp_path):
     want = expected_scalars(lines)
     assert [s for s, _ in want["loss"]] == [1, 2, 3] and {"lr", "pair_acc", "pair_histogram/5"} <= want.keys()
     assert event_scalars(tmp_path / "R" / "tensorboard") == want
+
+
+def test_train_keeps_the_tracker_files_it_did_not_write(model23, labelled, tmp_path, capsys):
+    """Issue 38, item 3: `router.py train` into a folder holding a tensorboard/, wandb/ or wandb_id it did not
+    write deleted them, and turned a user's file named tensorboard into its event folder. As train.py, a new
+    router keeps what the folder holds (only --overwrite of a router takes that router's curves with it), and a
+    file where a tracker keeps its folder is one line, before any work, every file as it was."""
+    _, labels = labelled
+    out = tmp_path / "R"
+    for name, text in (("tensorboard/events.mine", "mine"), ("wandb/run-mine/x", "mine"), ("wandb_id", "mine42")):
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
+    theirs = tree(out)
+    args = ["train", "--model", model23, "--labels", labels, "--steps", 2, "--global-batch", 4, "--check-samples", 0]
+    assert run_router(*args, "--out", out) == 0
+    assert {k: v for k, v in tree(out).items() if k in theirs} == theirs
+    mine = tmp_path / "S"
+    mine.mkdir()
+    (mine / "tensorboard").write_text("a file of mine")
+    capsys.readouterr()
+    assert run_router(*args, "--out", mine, "--tracker", "tensorboard") == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: --tracker tensorboard: {mine / 'tensorboard'} is a file, where tensorboard keeps its folder"]
+    assert tree(mine) == {"tensorboard": hashlib.sha256(b"a file of mine").hexdigest()}
 
 
 @pytest.mark.parametrize("pv, pl", [(2, 1), (1, 2)])
