@@ -202,6 +202,7 @@ def predict_all(cfg: RunConfig) -> int:
         make_folder(out.parent, "--out")
     check_shared(out.parent, "--out")  # more than one machine: every rank writes its part beside it
     parts = LineParts(out, read_jsonl, key=lambda p: str(p["index"]))
+    resumed(parts.mend)  # a line an interrupted run cut short goes, before any rank reads the parts
     done = resumed(parts.done)  # rows finished by an earlier run, of any world size
     todo = [r for r in rows if r["index"] not in done]
     folder, _, tok = open_model(cfg)  # checked before the weights load

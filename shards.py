@@ -9,7 +9,8 @@ router's teacher labels, chunk by chunk). Under torchrun every rank runs the sam
     share   rank r of W takes the units r, r + W, r + 2W, ... of a list every rank holds alike (share);
     keep    each result is written the moment it is complete, and whole: a batch of JSON lines appended
             to the rank's own part file in one write call (LineParts; signals run between calls, so an
-            interrupt leaves whole lines), or one file per unit written beside its name and renamed
+            interrupt leaves whole lines, and a line a kill -9 or a full disk cut short is dropped before
+            the next run appends: LineParts.mend), or one file per unit written beside its name and renamed
             into place (FileParts);
     merge   once every part is written, rank 0 merges the parts in the command's canonical order (the
             TSV's rows, the chunks' numbers), so the result depends neither on the world size nor on
@@ -27,7 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
-from cli import barrier, rank, world_size
+from cli import barrier, log, rank, world_size
 
 T = TypeVar("T")
 
@@ -66,6 +67,32 @@ class LineParts:
         """The merged file first, then the part files of every rank of every earlier run."""
         return [self.out] + sorted(self.out.parent.glob(self.out.name + ".part*"))
 
+    def part(self) -> Path:
+        """This rank's part file."""
+        return self.out.with_name(f"{self.out.name}.part{rank()}")
+
+    def mend(self) -> None:
+        """This rank's part file cut after its last whole line, said in a line: a line without its newline (a run
+        killed or out of disk mid-write) is dropped, its unit redone, and the next record starts a line of its own.
+        Every rank mends its own part before any rank reads one (resumed(mend), then resumed(done))."""
+        if not self.part().is_file():
+            return
+        with open(self.part(), "r+b") as f:
+            end = f.seek(0, os.SEEK_END)
+            keep, stop = 0, end
+            while stop > 0:  # back from the end, 64 KiB at a time, to the last newline
+                start = max(0, stop - 2**16)
+                f.seek(start)
+                cut = f.read(stop - start).rfind(b"\n")
+                if cut >= 0:
+                    keep = start + cut + 1
+                    break
+                stop = start
+            if keep < end:
+                f.truncate(keep)
+                log(f"{self.part()}: dropped its last {end - keep} bytes, a line cut short by an interrupted run; its "
+                    f"row is redone", every_rank=True)
+
     def done(self) -> set[str]:
         """The units some earlier run finished."""
         return {self.key(p) for f in self.files() for p in self.read(f)}
@@ -73,7 +100,7 @@ class LineParts:
     @contextmanager
     def appending(self) -> Iterator[Callable[[list[dict]], None]]:
         """keep(records): this rank's records appended to its part file, one write call and a flush."""
-        with open(self.out.with_name(f"{self.out.name}.part{rank()}"), "a", encoding="utf-8") as f:
+        with open(self.part(), "a", encoding="utf-8") as f:
             def keep(records: list[dict]) -> None:
                 f.write("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in records))
                 f.flush()

@@ -136,6 +136,24 @@ def test_run_resume_gives_the_same_file(bench, full_run, tmp_path, capsys):
     assert out.read_text() == full_run.read_text()
 
 
+def test_run_drops_the_torn_last_line_of_its_part_and_goes_on(bench, full_run, tmp_path, capsys):
+    """Issue 38, item 4: a part file whose last line a kill -9 or a full disk cut short was appended to without a
+    newline, and every later rerun stopped on "line 2 is not JSON". The rerun drops the torn line, says so in
+    a line, answers its row again and ends with the file a run never interrupted writes."""
+    folder, tsv, _, _ = bench
+    out = tmp_path / "pred.jsonl"
+    lines = full_run.read_text().splitlines(keepends=True)
+    part = out.with_name("pred.jsonl.part0")
+    part.write_text(lines[0] + lines[1][:-1])  # a whole line, then one cut before its newline (still JSON)
+    rc, stdout, err = main_out(capsys, "run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder,
+                               "--out", out, "--batch-size", "2", "--max-new-tokens", NEW)
+    assert rc == 0 and json.loads(stdout.splitlines()[-1])["new"] == 3, err
+    torn = len(lines[1][:-1].encode())
+    assert f"{part}: dropped its last {torn} bytes, a line cut short by an interrupted run; its row is redone" in \
+        err.splitlines()
+    assert out.read_text() == full_run.read_text() and not part.exists()
+
+
 def test_run_resumes_only_its_own_run(bench, full_run, checkpoint, tmp_path, capsys):
     """Every prediction records what produced it (evaluate.RECORD_FIELDS); a rerun into the same --out
     with another generation budget or another model is refused with one line naming the difference,
