@@ -246,20 +246,25 @@ def one_writer(out: Path | None, flag: str = "--out"):
     line before it reads or writes anything there; the kernel releases the lock of a process that dies
     however it dies (kill -9 too), so a crash never leaves a stale lock, only an empty OUT.lock that the
     next run takes over. Under torchrun one process holds it for the job: RANK 0, before the process
-    group starts (the other ranks take none, so they cannot block one another). out None: no output, no lock."""
+    group starts (the other ranks take none, so they cannot block one another). The lock is the output's
+    where it lands (links resolved: another path to it meets the same lock), and it is never a link: one
+    at OUT.lock is refused, not followed to create a file elsewhere. out None: no output, no lock."""
     if out is None or rank() != 0:
         yield
         return
     import fcntl  # POSIX: here, so that cli imports everywhere
 
     out = Path(os.path.abspath(out))
-    lock = out.with_name(out.name + ".lock")
     check_folder(out.parent, flag, given=out)
+    lock = out.resolve().with_name(out.resolve().name + ".lock")
     while True:
         try:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as e:  # a read-only or virtual file system (/proc), a folder without write permission
+            if e.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+                raise ValueError(f"{flag} {out}: {lock} is a link to {os.readlink(lock)}, not a lock file; remove "
+                                 f"it") from None
             raise ValueError(f"{flag} {out}: cannot write there ({os_cause(e)})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -268,7 +273,7 @@ def one_writer(out: Path | None, flag: str = "--out"):
             raise ValueError(f"{flag} {out}: another process is writing it (it holds {lock}); wait for it to "
                              f"finish or stop it, or pick another {flag}") from None
         try:  # the lock file may have been removed by its last holder between our open and our lock
-            same = os.fstat(fd).st_ino == os.stat(lock).st_ino
+            same = os.fstat(fd).st_ino == os.lstat(lock).st_ino
         except FileNotFoundError:
             same = False
         if same:

@@ -382,11 +382,14 @@ def hold(lock: Path) -> int:
     return fd
 
 
+@pytest.mark.parametrize("through", ["its path", "a link"])
 @pytest.mark.parametrize("command", ["generate.py --batch", "evaluate.py run", "router.py label", "router.py train",
                                      "train.py"])
-def test_a_second_writer_of_one_output_is_refused(model_dir, tmp_path, capsys, command):
+def test_a_second_writer_of_one_output_is_refused(model_dir, tmp_path, capsys, command, through):
     """While another process writes an output (it holds OUT.lock), each command that writes a resumable
-    output or a run folder is refused in one line naming the output, and leaves what is there untouched."""
+    output or a run folder is refused in one line naming the output, and leaves what is there untouched;
+    also when it names the output through a symbolic link to it (issue 38, item 5: the lock is now taken where
+    the output lands; it was OUT.lock beside the link, so the second writer ran and both wrote one output)."""
     questions = tmp_path / "q.jsonl"
     questions.write_text('{"question": "Hi"}\n')
     meta = write_dataset(tmp_path / "d", rows=4)
@@ -409,11 +412,14 @@ def test_a_second_writer_of_one_output_is_refused(model_dir, tmp_path, capsys, c
         (out / "metrics.jsonl").write_text('{"step": 1}\n')
     fd = hold(out.with_name(out.name + ".lock"))
     before = tree(out.parent)
+    given = out if through == "its path" else tmp_path / f"alias{out.suffix}"  # a link to the output itself
+    if through == "a link":
+        given.symlink_to(out)
     try:
-        code, err = run_main(capsys, main, [*argv, "--out", out])
+        code, err = run_main(capsys, main, [*argv, "--out", given])
     finally:
         os.close(fd)
-    assert code == 1 and err == [f"error: --out {out}: another process is writing it (it holds {out}.lock); wait "
+    assert code == 1 and err == [f"error: --out {given}: another process is writing it (it holds {out}.lock); wait "
                                  f"for it to finish or stop it, or pick another --out"], (command, err)
     assert tree(out.parent) == before
 
@@ -440,6 +446,46 @@ def test_a_killed_writer_leaves_no_lock(model_dir, tmp_path, capsys):
     assert code == 0, err
     assert [json.loads(x)["line"] for x in out.read_text().splitlines()] == [1, 2]
     assert not Path(str(out) + ".lock").exists()
+
+
+def test_a_link_at_the_lock_is_refused_and_followed_nowhere(model_dir, tmp_path, capsys):
+    """Issue 38, item 5: a symbolic link at OUT.lock (to a file that does not exist) made the lock create that
+    file, wherever it pointed, and the command ran. The lock file is opened without following links
+    (O_NOFOLLOW): one line naming the link, exit 1, nothing created or written."""
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question": "Hi"}\n')
+    out, target = tmp_path / "a.jsonl", tmp_path / "elsewhere" / "target"
+    target.parent.mkdir()
+    Path(f"{out}.lock").symlink_to(target)
+    before = tree(tmp_path)
+    code, err = run_main(capsys, generate.main, ["--batch", questions, "--out", out, "--model", model_dir])
+    assert code == 1 and err == [f"error: --out {out}: {out}.lock is a link to {target}, not a lock file; remove "
+                                 f"it"], err
+    assert tree(tmp_path) == before and not target.exists() and not out.exists()
+
+
+def test_a_writer_through_a_link_holds_the_output_against_another_process(model_dir, meta, tmp_path):
+    """Issue 38, item 5, as it was met: one train.py at --out runs/alias (a link to runs/lk2/run), another at
+    --out runs/lk2/run, both trained and metrics.jsonl ended with its steps out of order. Here a process that
+    took the lock through the link (cli.one_writer, as every command takes it) holds the run; train.py at the
+    run's own path is refused in one line and writes nothing. Two processes: run 20 times in a row, under
+    load, when changed."""
+    real, alias = tmp_path / "runs" / "lk2" / "run", tmp_path / "runs" / "alias"
+    real.mkdir(parents=True)
+    alias.symlink_to(real)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom pathlib import Path\nimport cli\n"
+                               f"with cli.one_writer(Path({str(alias)!r})):\n    print('held', flush=True)\n"
+                               "    time.sleep(600)"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"  # the lock is taken: no sleep to guess when
+        res = run_train("--model", model_dir, "--data", meta, "--out", real, "--max-steps", 1, *COMMON, check=False)
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+    assert res.returncode == 1 and one_line(res.stderr) == (
+        f"error: --out {real}: another process is writing it (it holds {real}.lock); wait for it to finish or stop "
+        f"it, or pick another --out"), res.stderr[-3000:]
+    assert not any(real.iterdir())
 
 
 def test_a_second_writer_under_torchrun_is_refused_and_every_rank_ends_at_once(model_dir, meta, tmp_path):
