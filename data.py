@@ -17,6 +17,7 @@ Rows that cannot be used come back as `BadRow(reason, detail)` and are skipped b
 never raised. Run the tests: python -m pytest tests/test_data.py -q
 """
 
+import hashlib
 import io
 import json
 import os
@@ -79,7 +80,8 @@ class SFTData(torch.utils.data.Dataset):
         self.ignore_len = len(tokenizer.encode(IM_START + "assistant\n"))
 
         meta = _read_meta(os.fspath(meta_path))
-        folder = os.path.dirname(os.path.abspath(meta_path))
+        self.meta_path = os.path.abspath(meta_path)
+        folder = os.path.dirname(self.meta_path)
         self.datasets = []  # dicts: name, root, path, offsets, lines, kept, repeat, augment, max_tiles
         for name, m in meta.items():
             path = os.path.join(folder, m["annotation"])  # join keeps an absolute path as is
@@ -283,6 +285,31 @@ def check_bad_fraction(bad: dict, rows: int, max_bad_frac: float) -> None:
     if n > max_bad_frac * rows:
         raise ValueError(f"{n} of the data set's {rows} rows are bad ({n / rows:.2%} > --max-bad-frac "
                          f"{max_bad_frac:.2%}): { {r: bad[r] for r in BAD_REASONS if bad.get(r)} }")
+
+
+def data_files(data: SFTData) -> dict[str, str]:
+    """What the rows are read from, file by file: the meta JSON and every annotation file it names, each as
+    "BYTES bytes, sha256 HEX16", by its role ("meta JSON", "dataset NAME": a copy elsewhere is the same data).
+    train.py records it in the run; a resume on files that changed since is refused (data_change)."""
+    files = {"meta JSON": data.meta_path} | {f"dataset {d['name']}": d["path"] for d in data.datasets}
+    found = {}
+    for role, path in files.items():
+        with open(path, "rb") as f:
+            digest = hashlib.file_digest(f, "sha256").hexdigest()[:16]
+            found[role] = f"{os.fstat(f.fileno()).st_size} bytes, sha256 {digest}"
+    return found
+
+
+def data_change(was: dict[str, str], now: dict[str, str], data: SFTData) -> str | None:
+    """How the data files `now` (data_files of `data`) differ from those a run recorded, `was`: one line naming
+    both fingerprints (a hash of all the files) and the first file that changed; None when none did."""
+    if was == now:
+        return None
+    role = next(k for k in [*now, *was] if was.get(k) != now.get(k))
+    paths = {"meta JSON": data.meta_path} | {f"dataset {d['name']}": d["path"] for d in data.datasets}
+    whole = [hashlib.sha256(json.dumps(x, sort_keys=True).encode()).hexdigest()[:16] for x in (was, now)]
+    return (f"data {whole[0]} then, {whole[1]} now: {role} ({paths.get(role, 'not in the meta JSON now')}) was "
+            f"{was.get(role, 'not there')}, is {now.get(role, 'not there')} now")
 
 
 # ---------------------------------------------------------------------------------------------

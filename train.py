@@ -48,7 +48,8 @@ from checkpoint import check_not_run_folder, open_checkpoint
 from cli import (SEED, allocation, check_folder, check_shared, command, hms, log, peak_memory_gib, rank,
                  start_processes)
 from config import ParConfig
-from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, report_bad_rows
+from data import (BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, data_change, data_files,
+                  report_bad_rows)
 from flags import Command, branch_conflict, branch_flags, dispatch, flag, overlap, resolve_branch_flags
 from fsdp import Trained, build_model, param_groups, train_flops_per_token
 from loss import chunked_sft_loss, loss_weights
@@ -156,7 +157,6 @@ class ExportConfig:
     overwrite: bool = flag(False, "replace what --out holds (never the run's base model)")
 
 
-
 def prepare(cfg: TrainConfig) -> int:
     """train.py's job (its files checked first, TrainConfig.check_files): the branch flags resolved against
     the checkpoint (and the run, on --resume), the data opened, then training, or with --validate-data the
@@ -178,8 +178,12 @@ def prepare(cfg: TrainConfig) -> int:
     if cfg.validate_data:
         report_bad_rows(data, cfg.max_bad_frac)
         return 0
+    files = data_files(data) if rank() == 0 else {}  # hashed by the rank that records them in the run
+    if was and rank() == 0 and (why := data_change(was.get("data_files", files), files, data)):
+        raise ValueError(f"--resume: {newest} was trained on {why}; resume on the data the run was trained on, or "
+                         f"start a new run in another --out")
     with tracker:
-        return train(cfg, data, tracker)
+        return train(cfg, data, tracker, files)
 
 
 def stopped_words(out: Path) -> str:
@@ -337,8 +341,10 @@ def start_run(cfg: TrainConfig, data: SFTData) -> tuple[TrainConfig, torch.devic
     return cfg, device, cfg.max_steps or steps_per_epoch
 
 
-def train(cfg: TrainConfig, data: SFTData, tracker: Tracker) -> int:
+def train(cfg: TrainConfig, data: SFTData, tracker: Tracker, files: dict[str, str]) -> int:
+    """The run: --out's config.json and every checkpoint record its flags and its data files (data_files)."""
     cfg, device, total = start_run(cfg, data)
+    record = asdict(cfg) | {"data_files": files}
     world, out = dist.get_world_size(), Path(cfg.out)
     model = build_model(cfg, device, init_device_mesh(device.type, (world,)))
     optim = torch.optim.AdamW(param_groups(model, cfg), weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8)
@@ -349,7 +355,7 @@ def train(cfg: TrainConfig, data: SFTData, tracker: Tracker) -> int:
         sys.stdout)
     step, meta = resume(model, optim, sched, out, asdict(cfg)) if cfg.resume else (0, {})
     if rank() == 0:  # the resume is accepted: only now does the folder's config describe this run
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        (out / "config.json").write_text(json.dumps(record, indent=2))
         if cfg.resume:
             trim_metrics(out, step)  # metrics.jsonl then continues with step + 1
     tracker.start(step, asdict(cfg))  # rank 0; a resumed run's curves go on from its step
@@ -380,7 +386,7 @@ def train(cfg: TrainConfig, data: SFTData, tracker: Tracker) -> int:
         if step % cfg.log_every == 0 or step == total:
             meter.log(step, r, time.perf_counter() - t0, bad_total)
         if step % cfg.save_every == 0 or step == total:
-            save_checkpoint(model, optim, sched, step, out, asdict(cfg), {"seen": seen_total, "bad": bad_total},
+            save_checkpoint(model, optim, sched, step, out, record, {"seen": seen_total, "bad": bad_total},
                             cfg.keep_last)
         if step >= total:
             break

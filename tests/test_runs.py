@@ -7,6 +7,7 @@ metrics.jsonl and the progress line, and `train.py plot`. Each test checks the e
 it in one line, and that what was saved before is intact (files byte-identical). Runs that must train run
 in this process (conftest.train_here) where they can, as subprocesses (two under torchrun with 2 ranks)
 where the point is another process or a fault (tests/faults.py)."""
+import hashlib
 import io
 import json
 import os
@@ -306,6 +307,32 @@ def test_resume_with_no_checkpoint_says_it_starts_fresh_and_names_bad_rows(model
                                  f"{meta.parent / 'train.jsonl'}"
                                  in x and "missing.png [missing_image]" in x for x in bad), bad
     assert {x.split(" line ")[1].split()[0] for x in bad} == {"2", "5"}  # write_dataset puts them there
+
+
+def test_a_resume_on_changed_data_is_refused_naming_both_fingerprints(model_dir, tmp_path):
+    """Issue 38, item 7: rows appended to the annotation file at the same path, then --resume: it was accepted
+    and trained on another sample order. The run records its data files (size and sha256 of the meta JSON and
+    of each annotation file, data.data_files); a resume on changed files is refused in one line naming both
+    fingerprints and the file, the run as it was; the same files again resume."""
+    data, out = write_dataset(tmp_path / "d", rows=8), tmp_path / "run"
+    args = ["--model", model_dir, "--data", data, "--out", out, "--save-every", 1, *COMMON]
+    train_here(*args, "--max-steps", 1)
+    annotation = tmp_path / "d" / "train.jsonl"
+    rows = annotation.read_bytes()
+    was = f"{len(rows)} bytes, sha256 {hashlib.sha256(rows).hexdigest()[:16]}"
+    annotation.write_bytes(rows + rows.splitlines(keepends=True)[0])  # a row appended
+    before = tree(out)
+    res = train_here(*args, "--max-steps", 2, "--resume", check=False)
+    line = one_line(res.stderr)
+    assert res.returncode == 1 and re.fullmatch(
+        rf"error: --resume: {re.escape(str(out / 'checkpoints' / 'step_1'))} was trained on data [0-9a-f]{{16}} then, "
+        rf"[0-9a-f]{{16}} now: dataset tiny \({re.escape(str(annotation))}\) was {was}, is "
+        rf"{len(rows) + len(rows.splitlines(keepends=True)[0])} bytes, sha256 [0-9a-f]{{16}} now; resume on the data "
+        rf"the run was trained on, or start a new run in another --out", line), line
+    assert tree(out) == before and json.loads((out / "config.json").read_text())["data_files"]["dataset tiny"] == was
+    annotation.write_bytes(rows)
+    res = train_here(*args, "--max-steps", 2, "--resume")
+    assert [m["step"] for m in metrics(out)] == [1, 2], res.stderr
 
 
 # -- saving and interrupting keep every complete checkpoint --------------------------------------------
