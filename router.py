@@ -146,11 +146,14 @@ def fit(router: Router, optim, sched, t: dict, stream: torch.Tensor, cfg: TrainR
         loss = router_loss(logits_v, logits_l, t["nll"][idx], v, t["has_image"][idx], cfg.tau).sum() / G
         optim.zero_grad(set_to_none=True)
         loss.backward()
-        if world > 1:  # sum the ranks' shares of the global-batch mean: one flat all-reduce
-            grads = torch.cat([p.grad.flatten() for p in router.parameters()])
-            dist.all_reduce(grads)
-            for p, g in zip(router.parameters(), grads.split([p.numel() for p in router.parameters()])):
+        flat = torch.cat([p.grad.flatten() for p in router.parameters()] + [loss.detach().reshape(1)])
+        if world > 1:  # sum the ranks' shares of the global-batch mean (and of its loss): one flat all-reduce
+            dist.all_reduce(flat)
+            for p, g in zip(router.parameters(), flat[:-1].split([p.numel() for p in router.parameters()])):
                 p.grad.copy_(g.view_as(p))
+        if not bool(torch.isfinite(flat).all()):  # alike on every rank; a host sync a step, the gates are small
+            raise ValueError(f"step {step + 1}: non-finite loss {flat[-1].item()} or gradient at --lr {cfg.lr}; "
+                             f"stopped before the update, nothing saved as the router")
         lr = sched.get_last_lr()[0]
         optim.step()
         sched.step()

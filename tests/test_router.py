@@ -5,6 +5,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -641,6 +642,24 @@ def test_train_keeps_the_tracker_files_it_did_not_write(model23, labelled, tmp_p
     assert capsys.readouterr().err.strip().splitlines() == [
         f"error: --tracker tensorboard: {mine / 'tensorboard'} is a file, where tensorboard keeps its folder"]
     assert tree(mine) == {"tensorboard": hashlib.sha256(b"a file of mine").hexdigest()}
+
+
+def test_train_stops_on_a_non_finite_loss_and_saves_no_router(model23, labelled, tmp_path, capsys):
+    """Issue 38, item 8: `router.py train --lr 1e30` wrote "loss": NaN (not JSON) from step 3 on and saved an
+    all-NaN router, with which generate.py --router always picked [0,0]. It stops as train.py does: one line
+    naming the step, exit 1, before the update; no router saved, and metrics.jsonl holds finite JSON only."""
+    _, labels = labelled
+    out = tmp_path / "R"
+    assert run_router("train", "--model", model23, "--labels", labels, "--steps", 8, "--global-batch", 4,
+                      "--log-every", 1, "--check-samples", 0, "--lr", "1e30", "--warmup-ratio", 0, "--out", out) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    lines = [x for x in err if x.startswith("error")]
+    assert len(lines) == 1 and "Traceback" not in "\n".join(err), err
+    assert re.fullmatch(r"error: step \d: non-finite loss \S+ or gradient at --lr 1e\+30; stopped before the update, "
+                        r"nothing saved as the router", lines[0]), lines[0]
+    assert not (out / "router.safetensors").exists()
+    for line in (out / "metrics.jsonl").read_text().splitlines():  # strict JSON: NaN refused
+        json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
 
 
 @pytest.mark.parametrize("pv, pl", [(2, 1), (1, 2)])
