@@ -29,6 +29,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 
 SEED = 42  # the paper's seed for every SFT and router-training job (Appendix A.1), and ours for every draw
+SEEDS = "[0, 4294967295]"  # every seed flag's range: numpy's, and far below torch's 2**64 once train.py adds steps
 
 
 class UsageError(ValueError):

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from cli import SEED, allocation, check_shared, command, log, make_folder, one_line, rank, world_size
+from cli import SEED, SEEDS, allocation, check_shared, command, log, make_folder, one_line, rank, world_size
 from config import branch_variant
 from engine import GenerateConfig, context_check
 from evaluation import analysis, tables
@@ -90,7 +90,7 @@ class RunConfig(InferenceFlags):
                                shown=f"{MAX_NEW_TOKENS}, VLMEvalKit's")
     random_pair: bool = flag(False, "one branch pair per row drawn at random, seeded by --seed and the row's index "
                                     "(Table 3's baseline)")
-    seed: int = flag(SEED, "seed of --random-pair", shown=f"{SEED}, the paper's")
+    seed: int = flag(SEED, "seed of --random-pair", shown=f"{SEED}, the paper's", range=SEEDS)
 
     def check(self) -> None:
         super().check()

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import cli
-from cli import command, error, hms, log, one_line, peak_memory_gib, resolve_device
+from cli import SEEDS, command, error, hms, log, one_line, peak_memory_gib, resolve_device
 from engine import Engine, GenerateConfig, context_check
 from flags import Command, dispatch, flag
 from inference import InferenceFlags, load_engine, open_model
@@ -43,7 +43,7 @@ class GenerateFlags(InferenceFlags):
     temperature: float = flag(0.0, "sampling temperature; 0 = greedy", range="[0, inf)")
     top_p: float = flag(1.0, "nucleus sampling probability mass, 1 = off", range="(0, 1]")
     top_k: int = flag(0, "sample among the k most likely tokens, 0 = off", range="[0, inf)")
-    seed: int = flag(0, "random seed for sampling")
+    seed: int = flag(0, "random seed for sampling", range=SEEDS)
     system: str | None = flag(None, "system message text", shown="InternVL's own")
     chat: bool = flag(False, "interactive multi-turn session; images enter the first turn")
     json: bool = flag(False, "print one JSON line with the answer and metrics instead of text")

@@ -67,8 +67,10 @@ class InferenceFlags(DeviceFlags):
                                        "VLMEvalKit's budget for the benchmark")
     shared_kv: bool = flag(False, "ParVL: one mean-reduced token KV cache per sample instead of one per language "
                            "branch (less memory, an approximation; paper Appendix C.2)")
-    vision_branch: int | None = flag(None, "ParVL: run only vision branch 0..Pv-1 (Table S9)", shown="all, fused")
-    language_branch: int | None = flag(None, "ParVL: run only language branch 0..Pl-1", shown="all, fused")
+    vision_branch: int | None = flag(None, "ParVL: run only vision branch 0..Pv-1 (Table S9)", shown="all, fused",
+                                     range="[0, inf)")
+    language_branch: int | None = flag(None, "ParVL: run only language branch 0..Pl-1", shown="all, fused",
+                                       range="[0, inf)")
     router: str | None = flag(None, "ParVL: a router folder (router.py train); runs one (vision, language) branch "
                               "pair per prompt, chosen by the router (Table 3)", shown="none", reads=ROUTER_SAVED)
 

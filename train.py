@@ -45,7 +45,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from aggregate import entropy
 from batches import filler_batch, make_loader
 from checkpoint import check_not_run_folder, open_checkpoint
-from cli import (SEED, allocation, check_folder, check_shared, command, hms, log, peak_memory_gib, rank,
+from cli import (SEED, SEEDS, allocation, check_folder, check_shared, command, hms, log, peak_memory_gib, rank,
                  start_processes)
 from config import ParConfig
 from data import (BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, data_change, data_files,
@@ -96,7 +96,7 @@ class TrainConfig(BranchFlags):
     max_tiles: int = flag(0, "448 px image tiles per sample, shared by its images; 0 = the checkpoint's "
                           "max_dynamic_patch, 12 for InternVL3.5", range="[0, inf)")
     max_steps: int = flag(0, "optimizer steps, 0 = one epoch", range="[0, inf)")
-    seed: int = flag(SEED, "data order and RNG seed")
+    seed: int = flag(SEED, "data order and RNG seed", range=SEEDS)
     dtype: str = flag("auto", "parameter dtype inside FSDP mixed precision (gradients reduce in fp32); auto = bf16 "
                       "on CUDA, fp32 on CPU", choices=["auto", "bf16", "fp32"])
     compile: bool = flag(False, "torch.compile every ViT and LLM block")
@@ -118,7 +118,7 @@ class TrainConfig(BranchFlags):
     max_bad_frac: float = flag(0.01, "abort once more than this fraction of the data set's rows are bad "
                                "(--validate-data's rule)", range="[0, 1]")
     peak_tflops: float = flag(0.0, "per-device bf16 peak in TFLOP/s for MFU, 0 = from the device name "
-                              "(H100/H200: 989)")
+                              "(H100/H200: 989)", range="[0, inf)")
     validate_data: bool = flag(False, "count and name bad rows, then exit without training")
 
     def check(self) -> None:

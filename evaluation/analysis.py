@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cli import SEED, pyplot
+from cli import SEED, SEEDS, pyplot
 from evaluation.scoring import BENCHMARKS, GROUPS
 from evaluation.tables import config_label
 from evaluation.tsv import DataError, as_list, read_jsonl, read_tsv
@@ -327,7 +327,7 @@ class LengthsConfig:
                                              "paper's) or the generated tokens the run recorded",
                               choices=list(NEAR_CAP_RULES))
     resamples: int = flag(10_000, "bootstrap resamples", range="[1, 1000000]")
-    seed: int = flag(SEED, "bootstrap seed", shown=f"{SEED}, the paper's")
+    seed: int = flag(SEED, "bootstrap seed", shown=f"{SEED}, the paper's", range=SEEDS)
     out: str | None = flag(None, "also write the JSON here", writes=True)
 
 

@@ -15,6 +15,7 @@ from evaluation.scoring import can_infer, mmmu_choices
 from evaluation.tsv import DataError, options, read_jsonl
 
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
+MAX_REPLY = 2**20  # bytes of one reply: an extracted answer is a few bytes, a whole chat completion a few KiB
 
 
 
@@ -72,7 +73,11 @@ class Judge:
                                          headers={"Content-Type": "application/json"})
             try:
                 with urllib.request.urlopen(req, timeout=120) as r:
-                    reply = json.loads(r.read())["choices"][0]["message"]["content"]
+                    body = r.read(MAX_REPLY + 1)  # no more than that is read, nor cached
+                    if len(body) > MAX_REPLY:
+                        raise DataError(f"judge {self.url}: a reply of more than {MAX_REPLY:,} bytes, where an answer "
+                                        f"is a few; is --judge-url a chat completions endpoint? nothing of it cached")
+                    reply = json.loads(body)["choices"][0]["message"]["content"]
             except (urllib.error.URLError, OSError, KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
                 raise DataError(f"judge {self.url}: request failed: {e}") from None
             self.cache[key], self.calls = reply, self.calls + 1

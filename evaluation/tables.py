@@ -39,7 +39,8 @@ class ReportConfig:
     out: str = flag("report", "output folder for report.md, report.json and the heatmaps",
                     writes=("report.md", "report.json", "heatmap_*.png", "figure3_*.png"))
     arch: str = flag("1b", "backbone for the FLOPs tie-break (flops.py)")
-    tie_decimals: int = flag(1, "scores equal at this many decimals tie", range="[0, inf)", shown="1, the paper's")
+    tie_decimals: int = flag(1, "scores equal at this many decimals tie; score files hold 4 (evaluate.py score)",
+                             range="[0, 4]", shown="1, the paper's")
     best_with_shared_kv: bool = flag(False, "let shared-KV runs compete for the best configuration")
 
 

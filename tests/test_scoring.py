@@ -420,6 +420,47 @@ def test_judge_extracts_only_unresolved_rows_and_caches(tmp_path, capsys):
     assert StubJudge.requests[-1]["max_tokens"] == 128 and StubJudge.requests[-1]["temperature"] == 0.0
 
 
+def test_a_judge_reply_past_its_bound_is_one_line_and_not_cached(tmp_path, capsys, monkeypatch):
+    """Issue 38, item 9: a judge that replied 100 MB a request filled a 1.2 GB cache silently. A reply is read
+    up to judge.MAX_REPLY bytes (here lowered to 1 KiB, the stub sends 4 KiB): past it, one line naming the
+    judge, exit 1, nothing cached."""
+    from evaluation import judge
+
+    kit = tmp_path / "VLMEvalKit" / "vlmeval" / "dataset" / "utils"
+    kit.mkdir(parents=True)
+    for name, text in FAKE_VLMEVALKIT.items():
+        (kit / name).write_text(text)
+    tsv = write_tsv(tmp_path / "m.tsv", [{"index": "1", "question": "Pet?", "A": "cat", "B": "dog", "answer": "B",
+                                          "split": "validation", "image": png_b64(8, 8, 0)}])
+    preds = tmp_path / "p.jsonl"
+    preds.write_text(json.dumps({"index": "1", "prediction": "the animal that barks"}) + "\n")
+
+    class Flood(StubJudge):
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            data = json.dumps({"choices": [{"message": {"content": "B" * 4096}}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+    monkeypatch.setattr(judge, "MAX_REPLY", 1024)
+    server = HTTPServer(("127.0.0.1", 0), Flood)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url, cache = f"http://127.0.0.1:{server.server_port}/v1", tmp_path / "cache.jsonl"
+    try:
+        rc, _, err = main_out(capsys, "score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", preds,
+                              "--judge-url", url, "--judge-model", "stub", "--vlmevalkit", tmp_path / "VLMEvalKit",
+                              "--judge-cache", cache)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert rc == 1 and err.strip().splitlines() == [
+        f"error: judge {url}: a reply of more than 1,024 bytes, where an answer is a few; is --judge-url a chat "
+        f"completions endpoint? nothing of it cached"], err
+    assert not cache.exists() or cache.read_text() == ""
+
+
 def test_judge_wemath_mathvision_logicvista(tmp_path, capsys):
     kit = tmp_path / "VLMEvalKit" / "vlmeval" / "dataset" / "utils"
     kit.mkdir(parents=True)

@@ -57,6 +57,10 @@ def test_a_flag_out_of_range_exits_2_in_every_command(model_dir, png, tmp_path, 
         "router.py train": (router.main,
                             ["train", "--model", m, "--labels", m, "--out", str(tmp_path / "t"), "--tau", "0"],
                             "--tau"),
+        "router.py train --check-samples": (router.main, ["train", "--model", m, "--labels", m, "--out",
+                                                          str(tmp_path / "t"), "--check-samples", "-1"],
+                                            "--check-samples must be >= 0, got -1"),
+        "generate.py --seed": (generate.main, [str(png), "q", "--model", m, "--seed", "-1"], "--seed must be in [0, "),
         "evaluate.py run": (evaluate.main, ["run", "--benchmark", "TextVQA_VAL", "--data", d, "--model", m, "--out",
                                             str(tmp_path / "p.jsonl"), "--batch-size", "0"], "--batch-size"),
         "profiling.py": (profiling.main, ["latency", "--batch", "0"], "--batch"),
@@ -147,7 +151,10 @@ LINES = {  # case: (command, argv, exit code, the line (or its start and end, ".
         "evaluate.py: error: --resamples must be in [1, 1000000], got 1000000000 (see --help)"),
     "report: --tie-decimals -3": (
         "evaluate", ["report", "{score}", "--out", "{folder}/r", "--tie-decimals", -3], 2,
-        "evaluate.py: error: --tie-decimals must be >= 0, got -3 (see --help)"),
+        "evaluate.py: error: --tie-decimals must be in [0, 4], got -3 (see --help)"),
+    "report: --tie-decimals 1000000": (
+        "evaluate", ["report", "{score}", "--out", "{folder}/r", "--tie-decimals", 10**6], 2,
+        "evaluate.py: error: --tie-decimals must be in [0, 4], got 1000000 (see --help)"),
     "report: a NaN score": (
         "evaluate", ["report", "{nan}", "--out", "{folder}/r"], 1,
         "error: {nan}: not a score file with benchmark, score, pv, pl (ValueError: score must be a number in "
@@ -594,6 +601,21 @@ def test_every_flag_has_help(monkeypatch, capsys):
     assert not missing, missing  # train's test-only flags carry argparse.SUPPRESS, which is a help value
     generate_help = {names[0]: h for c, names, h in seen if c == "generate"}
     assert "tokens" in generate_help["--max-new-tokens"] and "(0, 1]" in generate_help["--top-p"]
+
+
+def test_every_numeric_flag_has_a_range():
+    """Issue 38, item 9: every int and float flag of every command declares its interval (flag()'s range, checked
+    at parse for every command alike), so a value that cannot mean anything (--check-samples -1, a 6 MB report
+    from --tie-decimals 1000000) is a flag error; --check-samples and --tie-decimals had none."""
+    seen, missing = set(), []
+    for script, sub, config in command_configs():
+        for f, kind in flag_fields(config):
+            if kind in ("int", "float"):
+                seen.add(script)
+                if "range" not in f.metadata:
+                    missing.append((script, sub, f.name))
+    assert seen == {"generate.py", "train.py", "evaluate.py", "router.py", "profiling.py", "study.py"}, seen
+    assert not missing, missing
 
 
 def test_every_flag_says_its_default_once(capsys):
