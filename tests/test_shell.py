@@ -1,10 +1,11 @@
 """What every command shares (cli.py, flags.py): the exit codes (0 ok, 1 bad input or failure, 2 usage, 130 /
 143 interrupted) and one line, no traceback, for a flag out of range, flags that cannot mean anything
 together, a bad file or argument, text that is not valid Unicode; one output, one writer (the lock, in one
-process and under torchrun); an error under torchrun reaches the user once, as the root cause of torchrun's
-report, and a flag error is said by rank 0 only; a closed stdout pipe; an OSError named by its cause; every
-flag's help, its default said once. Each case runs the command as a user does: its main in this process
-where that is the same thing, a subprocess where the point is another process."""
+process and under torchrun, through a link too); an output is never an input (every command that writes,
+and every path flag declared); every numeric flag has a range; an error under torchrun reaches the user once,
+as the root cause of torchrun's report, and a flag error is said by rank 0 only; a closed stdout pipe; an
+OSError named by its cause; every flag's help, its default said once. Each case runs the command as a user
+does: its main in this process where that is the same thing, a subprocess where the point is another process."""
 import errno
 import fcntl
 import io
