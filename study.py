@@ -44,7 +44,8 @@ class StudyConfig:
     model: str = flag("", "the starting checkpoint (the paper's: InternVL3.5 *pretrained*)", required=True, reads=True)
     data: str = flag("", "SFT meta JSON (official InternVL format)", required=True, reads=True)
     tsv: str = flag("", "folder of the benchmarks' VLMEvalKit TSVs, named BENCHMARK.tsv", required=True, reads=True)
-    out: str = flag("study", "the study's folder (on a shared file system with --launcher slurm)", writes=True)
+    out: str = flag("study", "the study's folder (on a shared file system with --launcher slurm)",
+                    writes=("runs", "pred", "score", "router", "profile", "tables", "report"))  # the layout above
     allocations: list[str] = flag(help="Pv:Pl allocations trained and evaluated", factory=lambda: list(ALLOCATIONS),
                                   shown="the nine of Table 2")
     benchmarks: list[str] = flag(help="benchmarks run for every model", factory=lambda: list(BENCHMARKS),
