@@ -12,10 +12,11 @@
 
 A field's metadata is its flag: the help as --help shows it (with the unit, the range and the default),
 its range as an interval checked once for every command (config.out_of_range: "--top-p must be in (0, 1],
-got 1.5"), its choices, and what argparse needs beyond that. ParConfig's fields (config.py) are flags too
-(branch_flag), so every command that takes a branch flag shares its help and range; the rules that tie the
-branch flags together (branch_conflict, resolve_branch_flags) are here, beside them. A bad flag is one line
-and exit 2 (OneLineParser), from rank 0 alone under torchrun.
+got 1.5"), its choices, what a path flag's command does there (reads, writes: an output is never an input,
+output_is_input, checked once for every command too), and what argparse needs beyond that. ParConfig's
+fields (config.py) are flags too (branch_flag), so every command that takes a branch flag shares its help and
+range; the rules that tie the branch flags together (branch_conflict, resolve_branch_flags) are here, beside
+them. A bad flag is one line and exit 2 (OneLineParser), from rank 0 alone under torchrun.
 """
 from __future__ import annotations
 
