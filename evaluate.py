@@ -44,7 +44,7 @@ from cli import SEED, allocation, check_shared, command, log, make_folder, one_l
 from config import branch_variant
 from engine import GenerateConfig, context_check
 from evaluation import analysis, tables
-from evaluation.judge import Judge
+from evaluation.judge import KEY_ENV, PAPER_JUDGE, Judge, judge_flags_problem
 from evaluation.scaling_law import GRID, fit_law
 from evaluation.scoring import BENCHMARKS, SCORE_COLUMNS, score
 from evaluation.tsv import DataError, as_list, options, read_jsonl, read_tsv
@@ -111,9 +111,16 @@ class ScoreConfig:
     out: str | None = flag(None, "also write the score JSON here")
     rows_out: str | None = flag(None, "write per-row results (JSONL) here")
     judge_url: str | None = flag(None, "OpenAI-compatible base URL (…/v1) of an answer extractor")
-    judge_model: str | None = flag(None, "model name sent to the answer extractor (the paper: gpt-4o-2024-11-20)")
+    judge_model: str | None = flag(None, f"model name sent to the answer extractor (the paper: {PAPER_JUDGE})")
     judge_cache: str | None = flag(None, "reply cache", shown="PREDICTIONS.judge-MODEL.jsonl")
     vlmevalkit: str | None = flag(None, "a VLMEvalKit checkout, whose extraction prompts the judge is sent")
+    judge_key_env: str = flag(KEY_ENV, "environment variable holding the extractor's API key, sent as a bearer "
+                                       "token (a key is never a flag); unset: none sent")
+
+    def check(self) -> None:
+        """The answer extractor's flags (judge.judge_flags_problem): a flag error, exit 2."""
+        if why := judge_flags_problem(self.judge_url, self.judge_model, self.vlmevalkit, self.judge_key_env):
+            raise ValueError(why)
 
 
 @dataclass
@@ -333,8 +340,9 @@ def score_cmd(cfg: ScoreConfig) -> int:
     config = {k: preds[0].get(k) for k in CONFIG_FIELDS} if preds else {}
     line = {"benchmark": cfg.benchmark, "score": round(result.value, 4), "n": result.n,
             "unresolved": result.unresolved, "missing": missing, "missing_indices": absent, **config, **result.extra}
-    if judge is not None:
-        line |= {"judge_model": cfg.judge_model, "judge_calls": judge.calls}
+    # which answer extractor made it, None for none: a report refuses a study that mixes the two (Table S6: "Both
+    # variants use the same gpt-4o-2024-11-20 answer extractor")
+    line |= {"judge_model": cfg.judge_model if judge else None, "judge_calls": judge.calls if judge else 0}
     if cfg.out:
         Path(cfg.out).write_text(json.dumps(line) + "\n")
     print(json.dumps(line))
@@ -372,11 +380,9 @@ def read_predictions(path: Path, rows: list[dict], cfg: ScoreConfig) -> list[dic
 def make_judge(cfg: ScoreConfig) -> Judge | None:
     """The answer extractor --judge-url names (judge.py), its replies cached beside the predictions; None without."""
     if not cfg.judge_url:
-        return None
-    if not cfg.judge_model or not cfg.vlmevalkit:
-        raise DataError("--judge-url needs --judge-model and --vlmevalkit (a VLMEvalKit checkout, for its prompts)")
+        return None  # the flags were checked at parse (ScoreConfig.check)
     cache = Path(cfg.judge_cache or str(cfg.predictions) + f".judge-{cfg.judge_model.replace('/', '_')}.jsonl")
-    return Judge(cfg.judge_url, cfg.judge_model, cache, Path(cfg.vlmevalkit), cfg.benchmark)
+    return Judge(cfg.judge_url, cfg.judge_model, cache, Path(cfg.vlmevalkit), cfg.benchmark, cfg.judge_key_env)
 
 
 # -- fit-law: ParScale's parallel scaling law (scaling_law.py) ------------------------------------

@@ -32,7 +32,7 @@ import numpy as np
 
 from cli import SEED, pyplot
 from evaluation.scoring import BENCHMARKS, GROUPS
-from evaluation.tables import config_label
+from evaluation.tables import COLUMNS, config_label
 from evaluation.tsv import DataError, as_list, read_jsonl, read_tsv
 from flags import flag
 from hub import resolve_model
@@ -351,7 +351,7 @@ class CostConfig:
     report: str = flag(None, "report.json of evaluate.py report", required=True)
     latency: list[str] = flag(None, "outputs of profiling.py latency --json (their batch-1 rows), one per "
                                     "configuration", nargs="+", required=True)
-    column: str = flag("All", "the score column")
+    column: str = flag("All", "the score column: a benchmark or an aggregate (Eq. A3)", choices=COLUMNS)
     out: str | None = flag(None, "folder for score_cost.json and, with matplotlib, score_cost.png")
 
 

@@ -23,7 +23,7 @@ from config import ParConfig
 from evaluation.scoring import BENCHMARKS, aggregates
 from evaluation.tsv import DataError
 from flags import flag
-from flops import profile_params
+from flops import ARCHS, profile_params
 
 COLUMNS = list(BENCHMARKS) + ["General", "Math", "OCR", "All"]
 
@@ -37,7 +37,7 @@ class ReportConfig:
                                      "InternVL3.5-Instruct): rows of their own, outside the grids and the best choice",
                                 nargs="+", factory=list, metavar="JSON")
     out: str = flag("report", "output folder for report.md, report.json and the heatmaps")
-    arch: str = flag("1b", "backbone for the FLOPs tie-break (flops.py)")
+    arch: str = flag("1b", "backbone for the FLOPs tie-break (flops.py)", choices=sorted(ARCHS))
     tie_decimals: int = flag(1, "scores equal at this many decimals tie", range="[0, inf)", shown="1, the paper's")
     best_with_shared_kv: bool = flag(False, "let shared-KV runs compete for the best configuration")
 

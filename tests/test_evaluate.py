@@ -393,6 +393,32 @@ def test_score_and_run_bad_input_is_one_line(bench, full_run, tmp_path, capsys):
         assert rc == 1 and err.count("\n") == 1 and message in err and "Traceback" not in err, (argv, err)
 
 
+def test_the_extractor_report_and_cost_flags_are_flag_errors(bench, full_run, tmp_path, capsys):
+    """Issue 38, item 22: --judge-url without --judge-model (was exit 1), a --judge-url that is not a URL (was
+    not named), the extractor's flags without --judge-url, `report --arch bogus` (was exit 1 after reading every
+    score, where profiling.py exits 2) and `cost --column Foo`: each a flag error, exit 2, one line naming the
+    flag, before any file is read."""
+    _, tsv, _, _ = bench
+    score = ["score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", full_run]
+    kit = ["--vlmevalkit", tmp_path]
+    cases = [([*score, "--judge-url", "http://127.0.0.1:9/v1", *kit], "--judge-url needs --judge-model"),
+             ([*score, "--judge-url", "127.0.0.1:9/v1", "--judge-model", "m", *kit],
+              "--judge-url '127.0.0.1:9/v1': not an http(s) URL"),
+             ([*score, "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m"], "--judge-url needs --vlmevalkit"),
+             ([*score, "--judge-model", "m"], "--judge-model is the answer extractor's and needs --judge-url"),
+             ([*score, "--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m", *kit, "--judge-key-env", "A-B"],
+              "--judge-key-env 'A-B': not the name of an environment variable"),
+             (["report", full_run, "--arch", "bogus", "--out", tmp_path / "r"], "argument --arch: invalid choice"),
+             (["cost", "--report", full_run, "--latency", full_run, "--column", "Foo"],
+              "argument --column: invalid choice: 'Foo'")]
+    for argv, needle in cases:
+        with pytest.raises(SystemExit) as e:
+            evaluate.main([str(a) for a in argv])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and needle in err[0], (argv, err)
+    assert not (tmp_path / "r").exists()
+
+
 def test_score_refuses_a_file_without_predictions_and_counts_a_partial_one(bench, full_run, tmp_path, capsys):
     """No prediction at all is a wrong path or a run that never started: one line, exit 1. A partial
     file still scores, its missing rows wrong: one of the 3 validation rows answered (row 10), so the
