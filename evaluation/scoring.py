@@ -57,7 +57,10 @@ GROUPS = {"General": ("MMMU_DEV_VAL",), "Math": ("MathVista_MINI", "MathVision_M
 # columns each benchmark's prompt (evaluate.question_text) and scorer read beyond index, question, answer, image:
 # what VLMEvalKit's TSV of the benchmark holds, checked before a run or a score, so that a TSV run or scored
 # under another benchmark's name (MMMU on ChartQA's TSV: every row an open question) is refused
-SCORE_COLUMNS = {"MMMU_DEV_VAL": ("A", "B", "split"), "MathVista_MINI": ("question_type", "answer_type", "choices"),
+# (MathVista's answer_option is the letter its multiple-choice rows are scored against: without the column every
+# such row would be silently wrong)
+SCORE_COLUMNS = {"MMMU_DEV_VAL": ("A", "B", "split"),
+                 "MathVista_MINI": ("question_type", "answer_type", "choices", "answer_option"),
                  "MathVision_MINI": ("choices",), "WeMath": ("A", "B", "key", "ID"), "OCRBench": ("category",)}
 FAIL_MSG = "Failed to obtain answer via API"  # VLMEvalKit's marker of a failed judge call
 

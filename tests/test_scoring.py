@@ -182,6 +182,24 @@ def test_mathvista_post_check():
     assert s.unresolved == 2  # 14.0 and the list; a wrong letter is still an extraction
 
 
+def test_mathvista_needs_its_answer_option_column(tmp_path, capsys):
+    """Issue 37, item 7: MathVista's multiple-choice rows are scored against `answer_option`; a TSV without that
+    column scored every such row wrong, silently (100 here would have been 0). It is a required column: one
+    line naming it, exit 1, nothing written."""
+    row = {"index": "0", "question": "Which?", "question_type": "multi_choice", "answer_type": "text",
+           "choices": "['3/11', '8/11']", "answer": "8/11", "answer_option": "B", "image": png_b64(8, 8, 0)}
+    preds = tmp_path / "p.jsonl"
+    preds.write_text(json.dumps({"index": "0", "prediction": "(B) 8/11"}) + "\n")
+    argv = ["score", "--benchmark", "MathVista_MINI", "--predictions", preds, "--out", tmp_path / "s.json"]
+    rc, out, _ = main_out(capsys, *argv, "--data", write_tsv(tmp_path / "full.tsv", [row]))
+    assert rc == 0 and json.loads(out.splitlines()[-1])["score"] == 100.0
+    (tmp_path / "s.json").unlink()
+    no_option = write_tsv(tmp_path / "no_option.tsv", [{k: v for k, v in row.items() if k != "answer_option"}])
+    rc, out, err = main_out(capsys, *argv, "--data", no_option)
+    assert rc == 1 and out == "" and err.count("\n") == 1 and "missing required column(s) answer_option" in err
+    assert not (tmp_path / "s.json").exists()
+
+
 def test_mathvision_equivalence_1e6_and_no_eval():
     free = {"index": "0", "choices": "[]", "answer": "3/5"}
     assert S.mathvision_check(free, "0.6")[0]
@@ -403,7 +421,8 @@ def test_judge_extracts_only_unresolved_rows_and_caches(tmp_path, capsys):
     assert rc == 0 and again["score"] == 100.0 and again["judge_calls"] == 0
     # MathVista: a numeric reply that int() refuses goes to the extractor, whose "14" is then checked
     mv = write_tsv(tmp_path / "mv.tsv", [{"index": "0", "question": "Q?", "question_type": "free_form",
-                                          "answer_type": "integer", "choices": "", "answer": "14", "image": img}])
+                                          "answer_type": "integer", "choices": "", "answer_option": "",
+                                          "answer": "14", "image": img}])
     (tmp_path / "mv.jsonl").write_text(json.dumps({"index": "0", "prediction": "It is fourteen"}) + "\n")
     server = HTTPServer(("127.0.0.1", 0), StubJudge)
     threading.Thread(target=server.serve_forever, daemon=True).start()
