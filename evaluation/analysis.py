@@ -3,10 +3,11 @@ two configurations are), Table S2's workload descriptors (what each benchmark as
 (each configuration's score against its batch-1 latency and peak memory, from `evaluate.py report`'s
 report.json and `profiling.py latency --json`).
 
-Table S5. Each answer is re-tokenised with the checkpoint's tokenizer (the text `evaluate.py run` kept, not its
-token count, so every configuration is measured alike). An answer whose re-tokenised length is at or
-above the near-cap threshold (Appendix B.4: 4090 of the 4096-token budget) is a truncated run-on, not
-a length, and is left out: the clean mean of a configuration is over its answers below the
+Table S5. Each answer is re-tokenised (the text `evaluate.py run` kept, not its token count, so every configuration
+is measured alike) with --tokenizer, read as the paper's Qwen2Tokenizer (use_fast=False) reads its folder, else with
+the checkpoint's tokenizer; no special tokens are added (B.4: add_special_tokens=False). An answer whose
+re-tokenised length is at or above the near-cap threshold (Appendix B.4: 4090 of the 4096-token budget) is a
+truncated run-on, not a length, and is left out: the clean mean of a configuration is over its answers below the
 threshold, the paired difference over the rows below it in both; only rows both configurations
 answered, from the same TSV and budgets, pair. Domain and overall columns average their benchmarks
 with equal weight (Eq. A3's grouping). The intervals come from one benchmark-balanced paired
@@ -312,10 +313,25 @@ def plot_score_cost(points: list[dict], column: str, png: Path) -> None:
 # -- the commands (evaluate.py lengths, descriptors, cost) and their flags ---------------------------
 
 
+TOKENIZER_HELP = ("folder of the tokenizer that counts tokens (the paper's: Qwen3-VL-2B-Instruct's Qwen2Tokenizer, "
+                  "use_fast=False, no special tokens): its vocab.json + merges.txt, the files the slow tokenizer reads")
+
+
+def counting_tokenizer(folder: str | None, model: str) -> Tokenizer:
+    """The tokenizer Tables S5 and S2 count with: --tokenizer's folder read as the slow Qwen2Tokenizer reads
+    it (vocab.json + merges.txt; Appendix B.1, B.4), else --model's."""
+    if folder is None:
+        return Tokenizer.from_pretrained(resolve_model(model))
+    if not Path(folder).is_dir():
+        raise DataError(f"--tokenizer {folder}: not a folder (a tokenizer's files: vocab.json, merges.txt)")
+    return Tokenizer.from_pretrained(folder, slow_files=True)
+
+
 @dataclass
 class LengthsConfig:
     """`evaluate.py lengths`'s flags."""
-    model: str = flag(None, "checkpoint whose tokenizer re-tokenises the answers", required=True)
+    model: str = flag(None, "checkpoint whose tokenizer re-tokenises the answers (without --tokenizer)", required=True)
+    tokenizer: str | None = flag(None, TOKENIZER_HELP, shown="--model's", metavar="DIR")
     a: list[str] = flag(None, "configuration A's predictions (evaluate.py run), one file per benchmark", nargs="+",
                         required=True, metavar="JSONL")
     b: list[str] = flag(None, "configuration B's predictions (evaluate.py run), one file per benchmark", nargs="+",
@@ -335,7 +351,8 @@ class LengthsConfig:
 class DescriptorsConfig:
     """`evaluate.py descriptors`'s flags."""
     data: list[str] = flag(None, "VLMEvalKit TSVs, named <benchmark>.tsv", positional=True, nargs="+")
-    model: str = flag(None, "checkpoint whose tokenizer counts the tokens", required=True)
+    model: str = flag(None, "checkpoint whose tokenizer counts the tokens (without --tokenizer)", required=True)
+    tokenizer: str | None = flag(None, TOKENIZER_HELP, shown="--model's", metavar="DIR")
     report: str | None = flag(None, "report.json of evaluate.py report: its best configuration per benchmark")
     predictions: list[str] | None = flag(None, "predictions (evaluate.py run; with --report): per benchmark, the "
                                                "file of its best configuration gives the mean response tokens",
@@ -356,7 +373,7 @@ class CostConfig:
 
 
 def lengths_cmd(cfg: LengthsConfig) -> int:
-    encode = Tokenizer.from_pretrained(resolve_model(cfg.model)).encode
+    encode = counting_tokenizer(cfg.tokenizer, cfg.model).encode
     pa, pb = read_predictions(cfg.a), read_predictions(cfg.b)
     check_alike(pa, pb)
     a, b = ({k: row_lengths(rows, encode, cfg.near_cap, cfg.near_cap_rule) for k, (_, rows) in p.items()}
@@ -393,7 +410,7 @@ def descriptors_cmd(cfg: DescriptorsConfig) -> int:
             raise DataError(f"{cfg.report}: not a report.json of evaluate.py report (no best configurations)")
     if cfg.predictions and best is None:
         raise DataError("--predictions needs --report: each benchmark's response tokens are its best configuration's")
-    encode = Tokenizer.from_pretrained(resolve_model(cfg.model)).encode
+    encode = counting_tokenizer(cfg.tokenizer, cfg.model).encode
     responses, left = best_responses(cfg.predictions, best, encode, cfg.near_cap) if cfg.predictions else (None, [])
     table = descriptors(cfg.data, encode, best, responses)
     print(descriptors_markdown(table, left), end="")

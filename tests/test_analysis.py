@@ -90,6 +90,93 @@ def test_lengths_command_retokenises_the_answers(bench, full_run, tmp_path, caps
     assert list(analysis.lengths([cut], tok.encode)["MMMU_DEV_VAL"].values())[0] is not None  # the paper's rule
 
 
+def slow_qwen2_encode(folder: Path):
+    """transformers 4's slow Qwen2Tokenizer (use_fast=False) in plain Python, as the paper ran it: NFC, the Qwen2
+    split regex, bytes to unicode, then byte-level BPE by merge rank on vocab.json + merges.txt; plain text only
+    (no added tokens to split out)."""
+    import unicodedata
+
+    import regex
+
+    from tiny_tokenizer import QWEN2_SPLIT_REGEX
+
+    vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
+    lines = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
+    ranks = {tuple(x.split(" ")): k for k, x in enumerate(x for x in lines if x and not x.startswith("#version"))}
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    byte_char = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
+
+    def bpe(word: list[str]) -> list[str]:
+        while len(word) > 1:
+            rank, _, a, b = min((ranks.get(p, math.inf), k, *p) for k, p in enumerate(zip(word, word[1:])))
+            if rank == math.inf:
+                return word
+            merged, k = [], 0
+            while k < len(word):  # every occurrence of the best pair, left to right
+                if word[k:k + 2] == [a, b]:
+                    merged.append(a + b)
+                    k += 2
+                else:
+                    merged.append(word[k])
+                    k += 1
+            word = merged
+        return word
+
+    def encode(text: str) -> list[int]:
+        pieces = regex.findall(QWEN2_SPLIT_REGEX, unicodedata.normalize("NFC", text))
+        return [vocab[t] for p in pieces for t in bpe([byte_char[b] for b in p.encode("utf-8")])]
+
+    return encode
+
+
+def test_tables_s2_and_s5_count_with_the_slow_qwen2_tokenizer(bench, full_run, tmp_path, capsys):
+    """Issue 37, item 7: Tables S2 and S5 count tokens with "the Qwen3-VL-2B-Instruct Qwen2Tokenizer
+    (use_fast=False, no special tokens)"; the study counted with --model's fast tokenizer. `--tokenizer DIR`
+    (here one the test builds: the tiny BPE cut to its first 100 merges, so not the model's) is read from
+    vocab.json + merges.txt, as the slow tokenizer reads them. On plain text its ids equal transformers'
+    Qwen2Tokenizer(use_fast=False), transformers 4's slow algorithm in plain Python, and the fast tokenizer.json
+    transformers writes for it; `lengths` and `descriptors` count with it."""
+    from transformers import AutoTokenizer
+
+    from tiny_tokenizer import write_tiny_tokenizer
+
+    slow, fast = tmp_path / "qwen3vl", tmp_path / "qwen3vl_fast"
+    write_tiny_tokenizer(slow, layout="vocab")
+    merges = (slow / "merges.txt").read_text(encoding="utf-8").splitlines()
+    (slow / "merges.txt").write_text("\n".join(merges[:101]) + "\n", encoding="utf-8")  # "#version" + 100 merges
+    AutoTokenizer.from_pretrained(slow, use_fast=True).save_pretrained(fast)
+    assert (fast / "tokenizer.json").is_file()
+    ours, reference = analysis.counting_tokenizer(str(slow), "unused").encode, slow_qwen2_encode(slow)
+    transformers_slow = AutoTokenizer.from_pretrained(slow, use_fast=False)
+    texts = ["The quick brown fox jumps over 42 lazy dogs.", "  two  spaces\n\nand\ttabs  ", "It's 3.14159, café!",
+             "你好，世界！图片里有一只猫坐在红色的椅子上。", "don't CAN'T we've I'M", "x" * 40 + " 1234567",
+             *(p["prediction"] for p in read_preds(full_run))]
+    for text in texts:
+        want = reference(text)
+        assert ours(text) == want == transformers_slow.encode(text, add_special_tokens=False), text
+        assert Tokenizer.from_pretrained(fast).encode(text) == want, text
+    model_tok = Tokenizer.from_pretrained(bench[0])
+    answers = [p["prediction"] for p in read_preds(full_run)]
+    assert [len(reference(a)) for a in answers] != [len(model_tok.encode(a)) for a in answers]  # another tokenizer
+    rc, _, err = main_out(capsys, "lengths", "--model", bench[0], "--tokenizer", slow, "--a", full_run, "--b",
+                          full_run, "--out", tmp_path / "s5.json")
+    got = json.loads((tmp_path / "s5.json").read_text())["table"]["MMMU_DEV_VAL"]
+    assert rc == 0 and got["a"] == pytest.approx(sum(len(reference(a)) for a in answers) / len(answers)), err
+    clean = write_tsv(tmp_path / "MMMU_DEV_VAL.tsv", [r | {"explanation": "Because cats meow."} for r in bench[2]
+                                                     if r["index"] != "13"])
+    rc, _, err = main_out(capsys, "descriptors", clean, "--model", bench[0], "--tokenizer", slow, "--out",
+                          tmp_path / "s2.json")
+    got = json.loads((tmp_path / "s2.json").read_text())["benchmarks"]["MMMU_DEV_VAL"]
+    questions = [r["question"] for r in bench[2] if r["index"] != "13"]
+    assert rc == 0 and got["question_tokens"] == pytest.approx(sum(len(reference(q)) for q in questions) / 4), err
+    assert got["reference_tokens"] == len(reference("Because cats meow."))
+    rc, _, err = main_out(capsys, "lengths", "--model", bench[0], "--tokenizer", tmp_path / "none", "--a", full_run,
+                          "--b", full_run)
+    assert rc == 1 and err.strip() == f"error: --tokenizer {tmp_path / 'none'}: not a folder (a tokenizer's files: " \
+                                      f"vocab.json, merges.txt)"
+
+
 def test_lengths_pairs_only_answers_produced_alike(bench, full_run, tmp_path, capsys):
     """B lacking a row of A: the row is left out of both means and said; predictions of another TSV or
     another max_new_tokens do not pair (one line). Answers by hand: A's row lengths w(1), w(2), w(3) words;
