@@ -292,19 +292,35 @@ def score_cost(report: dict, latency: dict, column: str = "All") -> tuple[list[d
     if not points:
         raise DataError(f"no configuration of the report has both a {column} score and its own batch-1 profile"
                         + (f" ({'; '.join(left)})" if left else ""))
-    return points, left
+    return cost_ratios(points, profile.get(profile_key(1, 1, False, {})), left), left
+
+
+def cost_ratios(points: list[dict], base: dict | None, left: list[str]) -> list[dict]:
+    """Figure 4's axes as the paper states them, ratios to 1:1 ("increasing per-sample latency and peak memory to
+    1.04x and 1.23x those of 1:1"): each point's latency and peak memory over standard 1:1's batch-1 profile, None
+    without one (said in `left`)."""
+    if base is None:
+        left.append(f"the ratios to 1:1: no batch-1 profile of standard 1:1 ({profile_command((1, 1, False, ()))})")
+    for p in points:
+        p |= {"latency_x": p["latency_s"] / base["latency_s"] if base else None,
+              "peak_x": p["peak_gib"] / base["peak_gib"] if base else None}
+    return points
 
 
 def plot_score_cost(points: list[dict], column: str, png: Path) -> None:
-    """Figure 4: the score against per-sample latency and against peak memory, a point per configuration."""
+    """Figure 4: the score against per-sample latency and against peak memory, a point per configuration, both as
+    ratios to 1:1 (the paper's axes; absolute where there is no 1:1 profile)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
-    for ax, key, name in ((axes[0], "latency_s", "latency per sample (s), batch 1"),
-                          (axes[1], "peak_gib", "peak memory (GiB)")):
+    ratios = all(p["latency_x"] is not None for p in points)
+    axis = ((axes[0], "latency_x", "per-sample latency (× 1:1), batch 1"), (axes[1], "peak_x", "peak memory (× 1:1)"))
+    for ax, key, name in axis if ratios else ((axes[0], "latency_s", "latency per sample (s), batch 1"),
+                                               (axes[1], "peak_gib", "peak memory (GiB)")):
         ax.scatter([p[key] for p in points], [p["score"] for p in points])
         for p in points:
             ax.annotate(p["label"], (p[key], p["score"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.set_xlabel(name), ax.set_ylabel(f"{column} score")
+    fig.suptitle("Figure 4: performance-cost trade-off at batch size 1", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
@@ -425,9 +441,13 @@ def cost_cmd(cfg: CostConfig) -> int:
     if "configs" not in report or not all("rows" in p for p in profiles):
         raise DataError(f"{cfg.report} / {' '.join(cfg.latency)}: need report.json's configs and the profiles' rows")
     points, left = score_cost(report, {"rows": [r for p in profiles for r in p["rows"]]}, cfg.column)
-    print(f"| configuration | {cfg.column} | latency per sample (s) | peak memory (GiB) |\n| --- | --- | --- | --- |")
+    ratio = lambda x: "-" if x is None else f"{x:.2f}×"  # noqa: E731
+    print(f"Figure 4: performance-cost trade-off at batch size 1 ({cfg.column} score; ratios to standard 1:1)\n\n"
+          f"| configuration | {cfg.column} | latency (× 1:1) | peak memory (× 1:1) | latency per sample (s) | "
+          f"peak memory (GiB) |\n|" + " --- |" * 6)
     for p in points:
-        print(f"| {p['label']} | {p['score']:.1f} | {p['latency_s']:.4f} | {p['peak_gib']:.3f} |")
+        print(f"| {p['label']} | {p['score']:.1f} | {ratio(p['latency_x'])} | {ratio(p['peak_x'])} | "
+              f"{p['latency_s']:.4f} | {p['peak_gib']:.3f} |")
     for line in left:
         print(f"Left out: {line}")
     if cfg.out:

@@ -260,7 +260,10 @@ def test_cost_puts_each_configuration_at_its_own_profile(tmp_path, capsys):
     with --baseline (its 1:1 row too), and a profile of the dense 4:1 run. Each configuration sits at
     its own profile's batch-1 latency and memory, the variant at the variant's; a configuration without
     its own profile (the LoRA run) is named with the command that profiles it and left out, never given
-    the dense 4:1's; one configuration profiled on two architectures is refused."""
+    the dense 4:1's; one configuration profiled on two architectures is refused. Issue 37, item 5: the axes are
+    the paper's, ratios to 1:1 ("increasing per-sample latency and peak memory to 1.04x and 1.23x those of
+    1:1"), by hand each point's latency and peak over standard 1:1's profile, tabulated first; without a 1:1
+    profile they are missing and said so."""
     d = tmp_path / "scores"
     files = write_scores(d, "11", [40.0] * 9) + write_scores(d, "41", [41.0] * 9, pv=4)
     files += write_scores(d, "41p72", [42.0] * 9, pv=4, branches={"vit_prefix_len": 72})
@@ -285,15 +288,23 @@ def test_cost_puts_each_configuration_at_its_own_profile(tmp_path, capsys):
                             dense, "--out", tmp_path / "fig4")
     assert rc == 0, err
     got = json.loads((tmp_path / "fig4" / "score_cost.json").read_text())
+    lat, mem = rows[0]["latency_s"], rows[0]["peak_gib"]  # standard 1:1's, the ratios' denominators
     assert got["points"] == [
-        {"label": "1:1", "score": 40.0, "latency_s": rows[0]["latency_s"], "peak_gib": rows[0]["peak_gib"],
-         "arch": "tiny"},
-        {"label": "4:1", "score": 41.0, "latency_s": 9.0, "peak_gib": 7.0, "arch": "tiny"},
+        {"label": "1:1", "score": 40.0, "latency_s": lat, "peak_gib": mem, "arch": "tiny", "latency_x": 1.0,
+         "peak_x": 1.0},
+        {"label": "4:1", "score": 41.0, "latency_s": 9.0, "peak_gib": 7.0, "arch": "tiny", "latency_x": 9.0 / lat,
+         "peak_x": 7.0 / mem},
         {"label": "4:1 vit_prefix_len=72", "score": 42.0, "latency_s": rows[1]["latency_s"],
-         "peak_gib": rows[1]["peak_gib"], "arch": "tiny"}]
+         "peak_gib": rows[1]["peak_gib"], "arch": "tiny", "latency_x": rows[1]["latency_s"] / lat,
+         "peak_x": rows[1]["peak_gib"] / mem}]
     assert got["left_out"] == ["4:1 vision_branches=lora: no batch-1 profile of its own (profiling.py latency --pv 4 "
                                "--pl 1 --vision-branches lora --batch 1)"]
-    assert "Left out: 4:1 vision_branches=lora" in out and "| 4:1 | 41.0 | 9.0000 | 7.000 |" in out
+    assert "Left out: 4:1 vision_branches=lora" in out and out.startswith("Figure 4: performance-cost trade-off")
+    assert f"| 4:1 | 41.0 | {9.0 / lat:.2f}× | {7.0 / mem:.2f}× | 9.0000 | 7.000 |" in out
+    rc, out, _ = main_out(capsys, "cost", "--report", tmp_path / "report" / "report.json", "--latency", dense)
+    assert rc == 0 and "| 4:1 | 41.0 | - | - | 9.0000 | 7.000 |" in out
+    assert "Left out: the ratios to 1:1: no batch-1 profile of standard 1:1 (profiling.py latency --pv 1 --pl 1 " \
+           "--batch 1)" in out
     other = tmp_path / "lat_41_1b.json"  # the dense 4:1 profiled on another architecture as well
     other.write_text(json.dumps({"rows": [rows[1] | {"branches": {}, "arch": "1b"}]}) + "\n")
     rc, _, err = main_out(capsys, "cost", "--report", tmp_path / "report" / "report.json", "--latency", dense, other)
