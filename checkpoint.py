@@ -190,6 +190,14 @@ def llm_config_from_json(t: dict, family: str, tied: bool | None, default_theta:
     )
 
 
+def trained_step(folder: Path) -> int | None:
+    """The training step an export of train.py records (config.json's parvl.step, runs.export), None for a
+    checkpoint that records none (a hub model, an older export)."""
+    raw = read_json(Path(folder) / "config.json")
+    step = raw.get("parvl", {}).get("step") if isinstance(raw.get("parvl"), dict) else None
+    return step if type(step) is int and step >= 0 else None
+
+
 def par_from_json(block, folder: Path | None) -> ParConfig:
     """The "parvl": {"par": ...} block this project writes into config.json: a bad value is one line naming
     the file and the field, as a flag's would be."""

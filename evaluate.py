@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
+from checkpoint import trained_step
 from cli import SEED, allocation, check_shared, command, log, make_folder, one_line, rank, world_size
 from config import branch_variant
 from engine import GenerateConfig, context_check
@@ -71,8 +72,8 @@ MAX_FIT_ROWS = 1000  # fit-law's rows: about half a minute on 2 CPU cores at thi
 RECORD_FIELDS = ("benchmark", "model_fingerprint", "data_fingerprint", "pv", "pl", "vision_branch", "language_branch",
                  "shared_kv", "router", "random_pair", "branches", "max_new_tokens", "max_tiles", "dtype")
 # what a score file copies of the predictions' record: the configuration, and the checkpoint it belongs to
-CONFIG_FIELDS = ("model", "model_fingerprint", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router",
-                 "random_pair", "branches")
+CONFIG_FIELDS = ("model", "model_fingerprint", "model_step", "pv", "pl", "vision_branch", "language_branch",
+                 "shared_kv", "router", "random_pair", "branches")
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 
 
@@ -244,6 +245,7 @@ def run_record(cfg: RunConfig, folder: Path, model, dtype: torch.dtype) -> dict:
     """What every prediction row records of the run that produced it: RECORD_FIELDS and the model's folder."""
     par = model.cfg.par
     return {"benchmark": cfg.benchmark, "model": str(folder), "model_fingerprint": fingerprint(model),
+            "model_step": trained_step(folder),  # the run's step it was exported at (Table 3 names its checkpoint)
             "data_fingerprint": file_fingerprint(cfg.data), "pv": par.pv, "pl": par.pl,
             "vision_branch": cfg.vision_branch, "language_branch": cfg.language_branch, "shared_kv": cfg.shared_kv,
             "router": cfg.router, "random_pair": cfg.seed if cfg.random_pair else None,

@@ -209,7 +209,7 @@ def export_step(e: ExportConfig) -> int:
     model = build_model(cfg, device, init_device_mesh(device.type, (dist.get_world_size(),)))
     load_model_state(model, folder)
     out = Path(e.out) if e.out else run / f"export_step_{e.step}"
-    export(model, out, Path(cfg.model))
+    export(model, out, Path(cfg.model), e.step)
     log(f"exported step {e.step} of {run} to {out}", sys.stdout)
     return 0
 
@@ -356,7 +356,7 @@ def train(cfg: TrainConfig, data: SFTData, tracker: Tracker) -> int:
                             cfg.keep_last)
         if step >= total:
             break
-    export(model, out / "export", Path(cfg.model))
+    export(model, out / "export", Path(cfg.model), step)
     log(f"exported {out / 'export'}", sys.stdout)
     return 0
 

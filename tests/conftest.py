@@ -923,7 +923,7 @@ def run3(checkpoint, tmp_path_factory):
     def save_and_export(model, optim, sched, step, *args):
         save(model, optim, sched, step, *args)
         if step == 2:
-            runs.export(model, at_two, Path(model_dir))
+            runs.export(model, at_two, Path(model_dir), step)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(train, "save_checkpoint", save_and_export)
