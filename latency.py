@@ -230,14 +230,16 @@ def paper_layout(rows: list[dict], delta: list[dict]) -> str:
         vals = [format(cell[c + (b,)][key], fmt) + unit if c + (b,) in cell else "-" for b in batches]
         return f"| {name} | {'✓' if c[2] else '✗'} | {metric} | " + " | ".join(vals) + " |"
 
-    md = ["Absolute (Table S7's layout):", "", head, rule]
+    md = ["Table S7: Absolute profiling results. Latency in seconds per sample, memory the peak (GB: 2^30 bytes); "
+          "the settings profiled one after the other on the same device.", "", head, rule]
     for c in configs:  # GB as the paper prints them: 2**30 bytes
         md += [line(c, "Latency (s)", "latency_s", ".3f"), line(c, mem, "peak_gib", ".3f")]
-    md += ["", "Relative to the first row at each batch size (Table 4's layout):", "", head, rule]
+    md += ["", "Table 4: Relative inference costs. Per-sample latency and peak memory, normalized by the first row "
+               "(standard 1:1 with --baseline) at each batch size.", "", head, rule]
     for c in configs[1:]:
         md += [line(c, "Latency", "latency_x", ".2f", "×"), line(c, "Memory", "peak_x", ".2f", "×")]
     if delta:
-        md += ["", "Δ (Shared − Standard), % of standard:", "",
+        md += ["", "Appendix C.2: Δ (Shared − Standard), % of standard:", "",
                "| Pv:Pl | Metric | " + " | ".join(map(str, batches)) + " |", "|" + " --- |" * (len(batches) + 2)]
         for pv, pl in dict.fromkeys((d["pv"], d["pl"]) for d in delta):
             mine = {d["batch"]: d for d in delta if (d["pv"], d["pl"]) == (pv, pl)}

@@ -152,7 +152,10 @@ def markdown(result: dict, names: tuple[str, str]) -> str:
     """The Table S5 layout: benchmarks, then domains and the overall average, as columns; the paired
     bootstrap's 95 % interval under each; the near-cap rule and what was left out."""
     cols = list(result["table"])
-    md = ["| Statistic | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 1)]
+    md = [f"Table S5: Decoded output length, {names[0]} against {names[1]}. Mean lengths exclude outputs at or above "
+          f"the near-cap threshold; paired differences keep only examples below it for both configurations; domain "
+          f"and overall columns average the benchmark-level means with equal weight.", "",
+          "| Statistic | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 1)]
     for key, label in (("a", f"Clean mean ({names[0]})"), ("b", f"Clean mean ({names[1]})"),
                        ("delta", f"Clean paired Δ ({names[1]} − {names[0]})")):
         md.append(f"| {label} | " + " | ".join(f"{result['table'][c][key]:+.1f}" if key == "delta" else
@@ -236,16 +239,18 @@ def descriptors(tsvs: list, encode, best: dict | None = None, responses: dict | 
 
 
 def descriptors_markdown(table: dict, left: list[str] = ()) -> str:
-    md = ["| Benchmark | rows | source pixels | question tokens | reference tokens (column) | best Pv:Pl "
-          "| its response tokens |",
-          "|" + " --- |" * 7]
+    """Table S2 in the paper's columns (dataset, source pixels, question and reference tokens, the best Pv:Pl),
+    then what it does not print: the rows, the reference column, the best configuration's response tokens."""
+    md = ["Table S2: Dataset workload descriptors and empirically best branch-count configurations (from Table S4; "
+          "ties favor the lower-FLOP configuration).", "",
+          "| Dataset | Avg. Source Pixels | Avg. Question Tokens | Avg. Reference Tokens | Best Empirical Pv:Pl | rows "
+          "| reference column | its response tokens |", "|" + " --- |" * 8]
     for b, d in table.items():
         response = "-" if d["response_tokens"] is None else f"{d['response_tokens']:.1f}"
         if d["responses_near_cap"]:
             response += f" ({d['responses_near_cap']} near cap left out)"
-        md.append(f"| {b} | {d['rows']} | {d['pixels']:,.0f} | {d['question_tokens']:.1f} | "
-                  f"{d['reference_tokens']:.1f} ({d['reference']}, {d['empty_references']} empty) | {d['best'] or '-'} "
-                  f"| {response} |")
+        md.append(f"| {b} | {d['pixels']:,.0f} | {d['question_tokens']:.1f} | {d['reference_tokens']:.1f} | "
+                  f"{d['best'] or '-'} | {d['rows']} | {d['reference']} ({d['empty_references']} empty) | {response} |")
     md += [f"Left out: {f}" for f in left]
     return "\n".join(md) + "\n"
 

@@ -81,6 +81,7 @@ def test_lengths_command_retokenises_the_answers(bench, full_run, tmp_path, caps
     want = [len(tok.encode(p["prediction"] + " yes")) - len(tok.encode(p["prediction"])) for p in read_preds(full_run)]
     assert rc == 0 and result["table"]["MMMU_DEV_VAL"]["delta"] == pytest.approx(sum(want) / len(want))
     assert "| Clean mean (1:1) |" in out and "Clean paired Δ (4:4 − 1:1)" in out and "95 % interval" in out
+    assert out.startswith("Table S5: Decoded output length, 1:1 against 4:4.")
     rc, _, err = main_out(capsys, "lengths", "--model", folder, "--a", full_run, full_run, "--b", longer)
     assert rc == 1 and "a second predictions file of MMMU_DEV_VAL" in err
     cut = tmp_path / "cut.jsonl"  # one answer cut at the budget: out by its new_tokens under --near-cap-rule generated
@@ -235,7 +236,10 @@ def test_descriptors_count_pixels_and_tokens_per_benchmark(bench, full_run, tmp_
     assert got["reference_tokens"] == pytest.approx(len(tok.encode("Because cats meow.")) / 4)
     responses = [len(tok.encode(p["prediction"])) for p in read_preds(full_run)]
     assert got["response_tokens"] == pytest.approx(sum(responses) / len(responses))
-    assert "| MMMU_DEV_VAL | 4 |" in out and out.rstrip().endswith(f"| 1:1 | {sum(responses) / len(responses):.1f} |")
+    assert out.startswith("Table S2: Dataset workload descriptors and empirically best branch-count configurations")
+    assert out.rstrip().endswith(f"| {sum(pixels) / 4:,.0f} | {got['question_tokens']:.1f} | "
+                                 f"{got['reference_tokens']:.1f} | 1:1 | 4 | explanation (3 empty) | "
+                                 f"{sum(responses) / len(responses):.1f} |")
     # an answer at the near cap (here 2 tokens, --near-cap 2): left out and said, no traceback
     rc, out, err = main_out(capsys, "descriptors", clean, "--model", folder, "--report", report, "--near-cap",
                             str(min(responses)), "--predictions", full_run)
@@ -247,7 +251,7 @@ def test_descriptors_count_pixels_and_tokens_per_benchmark(bench, full_run, tmp_
     report.write_text(json.dumps({"best": {"MMMU_DEV_VAL": "2:4"}}, indent=1))
     rc, out, _ = main_out(capsys, "descriptors", clean, "--model", folder, "--report", report, "--predictions",
                           full_run)
-    assert rc == 0 and out.splitlines()[2].endswith("| 2:4 | - |")
+    assert rc == 0 and out.splitlines()[4].endswith("| 2:4 | 4 | explanation (3 empty) | - |")
     assert f"Left out: {full_run} (1:1; the best of MMMU_DEV_VAL: 2:4)" in out
 
 

@@ -355,6 +355,7 @@ def test_table_4_and_the_shared_kv_delta_from_table_s7():
     assert "| 4:4 | ✗ | Memory | 1.23× | 1.41× | 1.69× | 2.12× |" in md
     assert "| 4:4 | ✓ | Memory | 1.11× | 1.18× | 1.30× | 1.47× |" in md
     assert "| 1:1 | ✗ | Latency (s) | 1.963 | 0.977 | 0.498 | 0.256 |" in md  # Table S7's layout
+    assert md.startswith("Table S7: Absolute profiling results.") and "\nTable 4: Relative inference costs." in md
     assert "| 4:4 | Peak memory | -9.4 % | -15.9 % | -23.3 % | -30.8 % |" in md
     assert "| 4:4 | Latency | +18.3 % | +21.4 % | +22.0 % | +32.3 % |" in md
     assert "| 4:4 | Incremental peak (C.2) | -45.8 % |" in md
