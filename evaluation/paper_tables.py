@@ -197,10 +197,11 @@ def heatmaps(grids_: dict, pvs: list, pls: list, out: Path) -> None:
             continue
         rows = math.ceil(len(panels) / 3)
         fig, axes = plt.subplots(rows, 3, figsize=(9, 2.6 * rows), squeeze=False)
-        for ax, col, letter in itertools.zip_longest(axes.flat, panels, "abcdefghi"):
-            if col is None:
+        for k, ax in enumerate(axes.flat):
+            if k >= len(panels):
                 ax.axis("off")
                 continue
+            col, letter = panels[k], "abcdefghi"[k]
             vals = [[math.nan if v is None else v for v in row] for row in grids_[col]]
             ax.imshow(vals, cmap="Blues")
             ax.set_xticks(range(len(pvs)), pvs), ax.set_yticks(range(len(pls)), pls)

@@ -23,6 +23,7 @@ import evaluate
 import generate
 import profiling
 import router
+import study
 import train
 from conftest import (COMMON, NOT_UTF8, ROOT, one_line, parse_flags, root_cause, run_main, run_train, tree,
                       worker_lines, write_dataset)
@@ -417,7 +418,7 @@ def test_every_flag_says_its_default_once(capsys):
     helps = []
     for main, argv in [(generate.main, []), (train.main, []), (train.main, ["plot"])] + [
             (evaluate.main, [s]) for s in evaluate.COMMANDS] + [(profiling.main, [s]) for s in profiling.COMMANDS] + [
-            (router.main, [s]) for s in router.COMMANDS]:
+            (router.main, [s]) for s in router.COMMANDS] + [(study.main, []), (study.main, ["subsample"])]:
         with pytest.raises(SystemExit):
             main([*argv, "--help"])
         helps.append(capsys.readouterr().out)
