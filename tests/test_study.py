@@ -99,72 +99,64 @@ def tiny_study(checkpoint, model_dir, tmp_path, monkeypatch):
             "--cost-column", "MMMU_DEV_VAL", "--nproc-per-node", "1", "--vlmevalkit",
             str(fake_vlmevalkit(tmp_path / "VLMEvalKit")), "--judge-model", "stub", "--judge-key-env",
             "STUDY_JUDGE_KEY",
-            "--train-flags", " ".join([*COMMON, "--max-steps", "2", "--save-every", "1", "--keep-last", "2"]),
+            "--train-flags", " ".join([*COMMON, "--max-steps", "2", "--save-every", "1", "--keep-last", "2",
+                                       "--global-batch", "2", "--max-tiles", "1"]),  # 2 steps of 2 rows, one tile
             "--eval-flags", "--max-new-tokens 3 --batch-size 4",
-            "--label-flags", "--num-workers 0 --max-tiles 2 --batch-size 2",
+            "--label-flags", "--num-workers 0 --max-tiles 1 --batch-size 2",
             "--router-flags", "--steps 2 --global-batch 2 --log-every 1 --check-samples 0",
             "--profile-flags", "--batch 1 --iters 1 --warmup 0 --new-tokens 2 --tiles 1 --text-tokens 8"]
     return out, argv
 
 
-def test_study_end_to_end_makes_every_table_of_the_paper(tiny_study, checkpoint, model_dir, capsys, monkeypatch):
-    """Issue 37: a tiny study, run as a user runs it, produces every table and figure the paper names, under its
-    names, from these runs: Table 1 with a second scale and reference rows, Tables 2, 3 (all of one checkpoint:
-    step 1's), S2, S4, S5, S6, S8, S9, Figure 3 (prefix lengths 48 and 96, LoRA ranks 2 and 4), Figure 4 in ratios
-    to 1:1; every score with the answer extractor (its key from the environment only), each by hand; the data
-    the subsample of Table S1's mixture. A second call runs nothing."""
-    out, argv = tiny_study
-    with judge_server(key=KEY) as url:
-        assert study.main([*argv, "--judge-url", url]) == 0, capsys.readouterr().err[-3000:]
-        log = capsys.readouterr()
-    read = lambda path: json.loads((out / path).read_text())  # noqa: E731
-    # the data: 48 rows x 1/4 = 12, math 15 %, OCR 15 %, general 70 %: 1.8, 1.8, 8.4 -> 2, 2, 8
-    assert {d: v["kept"] for d, v in read("data/subsample.json")["domains"].items()} == {"math": 2, "ocr": 2,
-                                                                                          "general": 8}
-    # every score with the extractor, by hand
-    report = read("report/report.json")
+RUNS = {"1:1": "1x1", "2:2": "2x2", "2:2 aggregation=mean": "2x2_mean", "2:2 vit_prefix_len=48": "2x2_prefix48",
+        "2:2 lora_rank=2 vision_branches=lora": "2x2_lora2", "2:2 lora_rank=4 vision_branches=lora": "2x2_lora4",
+        "2:2 sharedKV": "2x2_sharedkv", **{f"2:2 pair ({v},{lb})": f"2x2_pair{v}{lb}" for v in (0, 1) for lb in (0, 1)}}
+OTHERS = ["2x2_random", "2x2_router", "2x2_step1", "tiny2_1x1", "tiny2_2x2"]  # scored, not configurations of the grid
+
+
+def read(out: Path, path: str):
+    return json.loads((out / path).read_text())
+
+
+def assert_scored_by_hand(out: Path, report: dict, log: str) -> None:
+    """Every configuration of the report is a run of the study, its scores the score files', each made with the
+    extractor and equal to the paper's definition by hand (A.3): MMMU's accuracy over its validation rows, a row
+    deterministic extraction leaves unresolved extracted by the stub ("B"); LogicVista's set match, every row sent
+    ("A and C" refused, then "AC" taken, as upstream retries). The key is in no output and no file."""
     configs = {c["label"]: c for c in report["configs"]}
-    runs_of = {"1:1": "1x1", "2:2": "2x2", "2:2 aggregation=mean": "2x2_mean", "2:2 vit_prefix_len=48": "2x2_prefix48",
-               "2:2 lora_rank=2 vision_branches=lora": "2x2_lora2", "2:2 lora_rank=4 vision_branches=lora": "2x2_lora4",
-               "2:2 sharedKV": "2x2_sharedkv",
-               **{f"2:2 pair ({v},{lb})": f"2x2_pair{v}{lb}" for v in (0, 1) for lb in (0, 1)}}
-    assert {k for k, c in configs.items() if not c["reference"]} == runs_of.keys()
-    for label, run in runs_of.items():
+    assert {k for k, c in configs.items() if not c["reference"]} == RUNS.keys()
+    for label, run in RUNS.items():
         for b in ("MMMU_DEV_VAL", "LogicVista"):
-            score = read(f"score/{run}/{b}.json")
+            score = read(out, f"score/{run}/{b}.json")
             assert (score["judge_model"], score["model_fingerprint"]) == ("stub", configs[label]["model"])
             assert configs[label]["scores"][b] == score["score"]
-    tsv = out.parent / "tsv"
-    rows = {r["index"]: r for r in read_tsv(tsv / "MMMU_DEV_VAL.tsv")}
-    for run in [*runs_of.values(), "2x2_random", "2x2_router", "2x2_step1", "tiny2_1x1", "tiny2_2x2"]:
+    rows = {r["index"]: r for r in read_tsv(out.parent / "tsv" / "MMMU_DEV_VAL.tsv")}
+    for run in [*RUNS.values(), *OTHERS]:
         preds = [json.loads(x) for x in (out / "pred" / run / "MMMU_DEV_VAL.jsonl").read_text().splitlines()]
-        # MMMU (A.3): accuracy over the validation rows, a row deterministic extraction leaves unresolved extracted
-        # by the stub, "B"
         hits = [(can_infer(p["prediction"], mmmu_choices(rows[p["index"]])[0]) or "B") == rows[p["index"]]["answer"]
                 for p in preds]
-        assert read(f"score/{run}/MMMU_DEV_VAL.json")["score"] == pytest.approx(100 * sum(hits) / 3, abs=1e-4), run
-        logic = read(f"score/{run}/LogicVista.json")  # every row sent: "A and C" refused, "AC" taken, as upstream
+        assert read(out, f"score/{run}/MMMU_DEV_VAL.json")["score"] == pytest.approx(100 * sum(hits) / 3, abs=1e-4)
+        logic = read(out, f"score/{run}/LogicVista.json")
         assert (logic["score"], logic["judge_calls"]) in ((100.0, 6), (100.0, 0)), run  # 0: the cache answered
-    assert KEY not in log.out + log.err and KEY not in json.dumps(tree(out))
-    assert not [f for f in out.rglob("*") if f.is_file() and f.suffix in (".json", ".jsonl", ".md")
-                and KEY in f.read_text(errors="replace")]
-    # Table 1: two scales, the reference rows first, then the baseline and ParVL
-    t1 = [(r["scale"], r["kind"], r["label"]) for r in report["table1"]]
-    assert t1 == [("TINY", "reference", model_dir.name),
-                  ("TINY", "reference", checkpoint("qwen3", "original", seed=1).name),
-                  ("TINY", "baseline", "Baseline (Pv=1, Pl=1)"), ("TINY", "parvl", "ParVL-TINY (Pv=2, Pl=2)"),
-                  ("TINY2", "reference", checkpoint("qwen2", "original").name),
-                  ("TINY2", "baseline", "Baseline (Pv=1, Pl=1)"), ("TINY2", "parvl", "ParVL-TINY2 (Pv=2, Pl=2)")]
-    t1_22 = next(r for r in report["table1"] if r["label"] == "ParVL-TINY2 (Pv=2, Pl=2)")
-    assert t1_22["scores"]["MMMU_DEV_VAL"] == read("score/tiny2_2x2/MMMU_DEV_VAL.json")["score"]
-    # Table 3: every row the step-1 export's, named with its step; its dense row that checkpoint's, not the grid's
-    step_one = read("score/2x2_step1/MMMU_DEV_VAL.json")["model_fingerprint"]
+    assert KEY not in log and not [f for f in out.rglob("*") if f.is_file() and f.suffix in (".json", ".jsonl", ".md")
+                                   and KEY in f.read_text(errors="replace")]
+
+
+def assert_tables(out: Path, report: dict, names: list[str]) -> None:
+    """Table 1 (two scales; references, baseline, ParVL), Table 3 of one checkpoint (step 1's, named, its dense
+    row that checkpoint's, not the grid's), S6, S8, S9, Figure 3; every title the paper's."""
+    configs = {c["label"]: c for c in report["configs"]}
+    assert [(r["scale"], r["kind"], r["label"]) for r in report["table1"]] == [
+        ("TINY", "reference", names[0]), ("TINY", "reference", names[1]), ("TINY", "baseline", "Baseline (Pv=1, Pl=1)"),
+        ("TINY", "parvl", "ParVL-TINY (Pv=2, Pl=2)"), ("TINY2", "reference", names[2]),
+        ("TINY2", "baseline", "Baseline (Pv=1, Pl=1)"), ("TINY2", "parvl", "ParVL-TINY2 (Pv=2, Pl=2)")]
+    assert report["table1"][-1]["scores"]["MMMU_DEV_VAL"] == read(out, "score/tiny2_2x2/MMMU_DEV_VAL.json")["score"]
+    step_one = read(out, "score/2x2_step1/MMMU_DEV_VAL.json")["model_fingerprint"]
     assert [(r["policy"], r["checkpoint"], r["step"]) for r in report["table3"]] == [
         ("Random pair (seed 42)", step_one, 1), ("Learned router", step_one, 1), ("Aggregation", step_one, 1)]
     assert step_one != configs["2:2"]["model"] and configs["2:2"]["model_step"] == 2
-    assert report["table3"][2]["scores"]["General"] == read("score/2x2_step1/MMMU_DEV_VAL.json")["score"]
+    assert report["table3"][2]["scores"]["General"] == read(out, "score/2x2_step1/MMMU_DEV_VAL.json")["score"]
     assert {configs[f"2:2 pair ({v},{lb})"]["model"] for v in (0, 1) for lb in (0, 1)} == {step_one}
-    # Table S6, S8, S9, Figure 3
     s6 = report["table_s6"]["2:2"]
     assert s6["delta"]["MMMU_DEV_VAL"] == pytest.approx(configs["2:2 sharedKV"]["scores"]["MMMU_DEV_VAL"]
                                                         - configs["2:2"]["scores"]["MMMU_DEV_VAL"])
@@ -174,7 +166,6 @@ def test_study_end_to_end_makes_every_table_of_the_paper(tiny_study, checkpoint,
     fig3 = report["figure3"]["2:2"]
     assert [p["vit_prefix_len"] for p in fig3["prefix"]] == [48, 96]
     assert [p["lora_rank"] for p in fig3["lora"]] == [2, 4]
-    # every table and figure under the paper's name
     md = (out / "report" / "report.md").read_text()
     for title in ("Answer extractor: stub", "Table 1:", "Table 2:", "Figure 3 (2:2)", "Table 3:", "Table S2, last "
                   "column", "Table S4:", "Table S6:", "Table S8:", "Table S9:"):
@@ -182,32 +173,59 @@ def test_study_end_to_end_makes_every_table_of_the_paper(tiny_study, checkpoint,
     for path, title in (("S5.md", "Table S5:"), ("S2.md", "Table S2:"), ("figure4.md", "Figure 4:"),
                         ("table4.md", "Table S7:"), ("table4.md", "Table 4:")):
         assert title in (out / "tables" / path).read_text(), (path, title)
-    # Table S5 and S2 counted with --tokenizer; Figure 4 in ratios to 1:1
-    encode = Tokenizer.from_pretrained(out.parent / "qwen3vl", slow_files=True).encode
-    answers = lambda run, b: [json.loads(x)["prediction"] for x in  # noqa: E731
-                              (out / "pred" / run / f"{b}.jsonl").read_text().splitlines()]
-    s5 = read("tables/S5.json")["table"]
-    assert s5["LogicVista"]["a"] == pytest.approx(np.mean([len(encode(a)) for a in answers("1x1", "LogicVista")]))
-    s2 = read("tables/S2.json")["benchmarks"]["MMMU_DEV_VAL"]
-    assert s2["best"] == report["best"]["MMMU_DEV_VAL"] and s2["reference_tokens"] == len(encode("It looks like one."))
-    points = {p["label"]: p for p in read("tables/figure4/score_cost.json")["points"]}
-    base = points["1:1"]["latency_s"]
-    assert set(points) == set(runs_of) - {k for k in runs_of if "pair" in k}
-    assert all(p["latency_x"] == pytest.approx(p["latency_s"] / base) for p in points.values())
     assert (out / "report" / "table2.png").is_file() and (out / "tables" / "figure4" / "score_cost.png").is_file()
-    # resumable: a second call runs nothing
+
+
+def assert_analyses(out: Path, report: dict) -> None:
+    """Tables S5 and S2 counted with --tokenizer (not the model's), Figure 4 in ratios to 1:1, by hand."""
+    encode = Tokenizer.from_pretrained(out.parent / "qwen3vl", slow_files=True).encode
+    lines = (out / "pred" / "1x1" / "LogicVista.jsonl").read_text().splitlines()
+    lengths = [len(encode(json.loads(x)["prediction"])) for x in lines]
+    assert read(out, "tables/S5.json")["table"]["LogicVista"]["a"] == pytest.approx(np.mean(lengths))
+    s2 = read(out, "tables/S2.json")["benchmarks"]["MMMU_DEV_VAL"]
+    assert s2["best"] == report["best"]["MMMU_DEV_VAL"] and s2["reference_tokens"] == len(encode("It looks like one."))
+    points = {p["label"]: p for p in read(out, "tables/figure4/score_cost.json")["points"]}
+    assert set(points) == set(RUNS) - {k for k in RUNS if "pair" in k}
+    assert all(p["latency_x"] == pytest.approx(p["latency_s"] / points["1:1"]["latency_s"]) for p in points.values())
+
+
+def test_study_end_to_end_makes_every_table_of_the_paper(tiny_study, checkpoint, model_dir, capsys, monkeypatch):
+    """Issue 37: a tiny study, run as a user runs it, produces every table and figure the paper names, under its
+    names, from these runs: Table 1 with a second scale and reference rows, Tables 2, 3 (all of one checkpoint:
+    step 1's), S2, S4, S5, S6, S8, S9, Figure 3 (prefix lengths 48 and 96, LoRA ranks 2 and 4), Figure 4 in ratios
+    to 1:1; every score with the answer extractor (its key from the environment only), each by hand; the data
+    the subsample of Table S1's mixture (48 rows x 1/4 = 12: 1.8, 1.8, 8.4 -> 2, 2, 8). A second call runs
+    nothing. Issue 38, items 6 and 11: then what a changed flag changes is made again or refused in one line
+    naming the flag, and the report takes this plan's scores only, naming the rest."""
+    out, argv = tiny_study
+    with judge_server(key=KEY) as url:
+        assert study.main([*argv, "--judge-url", url]) == 0, capsys.readouterr().err[-3000:]
+        log = capsys.readouterr()
+    assert {d: v["kept"] for d, v in read(out, "data/subsample.json")["domains"].items()} == {
+        "math": 2, "ocr": 2, "general": 8}
+    report = read(out, "report/report.json")
+    assert_scored_by_hand(out, report, log.out + log.err)
+    assert_tables(out, report, [model_dir.name, checkpoint("qwen3", "original", seed=1).name,
+                                checkpoint("qwen2", "original").name])
+    assert_analyses(out, report)
     ran = []
     monkeypatch.setattr(study, "execute", lambda cmd, stdout: ran.append(cmd) or in_process(cmd, stdout))
-    assert study.main([*argv, "--judge-url", url]) == 0 and ran == []
+    assert study.main([*argv, "--judge-url", url]) == 0 and ran == []  # resumable: all done
+    changes_are_made_again_or_refused(out, [*argv, "--judge-url", url], ran, capsys,
+                                      str(checkpoint("qwen3", "original", seed=1)), str(model_dir))
 
-    # issue 38, item 6: what a changed flag changes is made again, or refused in one line naming the flag
+
+def changes_are_made_again_or_refused(out: Path, argv: list[str], ran: list, capsys, other: str, model: str) -> None:
+    """Issue 38, item 6 on the finished study: another --model or --train-flags is refused before anything runs
+    (one line naming the flag, exit 2, nothing changed); another --eval-flags would make every benchmark run again
+    (--plan); another --cost-column makes Figure 4 again and nothing else, the old one kept. Item 11: a score left
+    by another plan is left out of the report and named."""
     def changed(flag: str, value: str) -> list[str]:
-        return [*argv[:argv.index(flag) + 1], value, *argv[argv.index(flag) + 2:], "--judge-url", url]
+        return [*argv[:argv.index(flag) + 1], value, *argv[argv.index(flag) + 2:]]
 
     capsys.readouterr()
     before = tree(out)
-    for flag, value, then in (("--model", str(checkpoint("qwen3", "original", seed=1)), str(model_dir)),
-                              ("--train-flags", "--max-steps 3", None)):
+    for flag, value, then in (("--model", other, model), ("--train-flags", "--max-steps 3", None)):
         assert study.main(changed(flag, value)) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"error: train 1x1 was made with {flag} ") and err.count("\n") == 0, err
@@ -219,15 +237,14 @@ def test_study_end_to_end_makes_every_table_of_the_paper(tiny_study, checkpoint,
              "'--max-new-tokens 3 --batch-size 2' now)" in x]
     assert len(again) == 38 and all("] run " in x for x in again)  # 19 models x 2 benchmarks; then their scores:
     assert sum("] score " in x and ": done; made again if what run " in x for x in plan) == 38 and ran == []
+    one_one = read(out, "tables/figure4/score_cost.json")["points"][0]["score"]
     assert study.main(changed("--cost-column", "LogicVista")) == 0
     assert [Path(cmd[1]).name + " " + cmd[2] for cmd in ran] == ["evaluate.py cost"]
-    assert {p["score"] for p in read("tables/figure4/score_cost.json")["points"]} == {100.0}  # LogicVista's
-    old = out / "replaced" / "1" / "tables" / "figure4" / "score_cost.json"
-    assert json.loads(old.read_text())["points"][0]["score"] == points["1:1"]["score"]  # kept, not lost
-    # issue 38, item 11: the report takes this plan's scores only, and names what it leaves out
+    assert {p["score"] for p in read(out, "tables/figure4/score_cost.json")["points"]} == {100.0}  # LogicVista's
+    assert read(out, "replaced/1/tables/figure4/score_cost.json")["points"][0]["score"] == one_one  # kept, not lost
     foreign = out / "score" / "4x4_router" / "MMMU_DEV_VAL.json"  # left by an earlier --router-allocation 4:4
     foreign.parent.mkdir()
-    foreign.write_text(json.dumps(read("score/1x1/MMMU_DEV_VAL.json") | {"pv": 4, "pl": 4, "router": "g"}))
+    foreign.write_text(json.dumps(read(out, "score/1x1/MMMU_DEV_VAL.json") | {"pv": 4, "pl": 4, "router": "g"}))
     assert study.main([*changed("--cost-column", "LogicVista"), "--plan"]) == 0
     assert f"the report would leave out 1 score file(s) this plan did not make: {foreign}" in capsys.readouterr().out
     (out / "report" / "report.json").unlink()
@@ -235,7 +252,7 @@ def test_study_end_to_end_makes_every_table_of_the_paper(tiny_study, checkpoint,
     assert study.main(changed("--cost-column", "LogicVista")) == 0
     assert [Path(cmd[1]).name + " " + cmd[2] for cmd in ran] == ["evaluate.py report"]
     assert f"report: leaves out 1 score file(s) this plan did not make: {foreign}" in capsys.readouterr().out
-    assert [r["trained"] for r in read("report/report.json")["table3"]] == ["2:2"] * 3
+    assert [r["trained"] for r in read(out, "report/report.json")["table3"]] == ["2:2"] * 3
 
 
 def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsys):
