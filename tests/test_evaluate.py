@@ -251,10 +251,11 @@ def test_run_with_a_router_gives_the_routed_engines_answers(checkpoint, tmp_path
     rc, _, _ = main_out(capsys, "report", score, tmp_path / "r.json", tmp_path / "d.json", "--out", tmp_path / "rep")
     data = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert rc == 0 and [c["label"] for c in data["configs"]] == ["2:2"]  # the allocation tables: the dense run only
-    assert [t["label"] for t in data["table3"]] == ["2:2 dense", "2:2 random pair (seed 3)",
-                                                    f"2:2 router {tmp_path / 'R'}"]
+    # Table 3 in the paper's row order (random pair, learned router, aggregation), all of one checkpoint
+    assert [t["policy"] for t in data["table3"]] == ["Random pair (seed 3)", "Learned router", "Aggregation"]
     assert [t["scores"]["TextVQA_VAL"] for t in data["table3"]] == [
-        json.loads((tmp_path / f).read_text())["score"] for f in ("d.json", "r.json", "score.json")]
+        json.loads((tmp_path / f).read_text())["score"] for f in ("r.json", "score.json", "d.json")]
+    assert {t["checkpoint"] for t in data["table3"]} == {data["configs"][0]["model"]}
 
 
 # -- run: rows and failures ----------------------------------------------------------------------------
