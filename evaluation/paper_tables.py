@@ -53,11 +53,12 @@ def table_1(rows: list[dict], fmt) -> list[str]:
 
 
 def grids(title: str, columns, pvs: list, pls: list, grids_: dict, fmt) -> list[str]:
-    """Table 2 or S4: a Pl x Pv subtable (a), (b), ... per column the runs scored, in `columns`' order."""
-    md, letter = ["", title], iter("abcdefghijklmnopqrstuvwxyz")
+    """Table 2 or S4: a Pl x Pv subtable per column the runs scored, in `columns`' order, lettered as the paper
+    letters it ((b) LogicVista in Table 2 whether or not MathVista ran)."""
+    md = ["", title]
     for col in (c for c in columns if c in grids_):
-        md += ["", f"({next(letter)}) {PAPER_NAMES[col]}", "", "| Pl \\ Pv | " + " | ".join(map(str, pvs)) + " |",
-               "|" + " --- |" * (len(pvs) + 1)]
+        md += ["", f"({'abcdefghi'[columns.index(col)]}) {PAPER_NAMES[col]}", "",
+               "| Pl \\ Pv | " + " | ".join(map(str, pvs)) + " |", "|" + " --- |" * (len(pvs) + 1)]
         md += [f"| {pl} | " + " | ".join(fmt(v) for v in row) + " |" for pl, row in zip(pls, grids_[col])]
     return md
 
@@ -201,7 +202,8 @@ def heatmaps(grids_: dict, pvs: list, pls: list, out: Path) -> None:
             if k >= len(panels):
                 ax.axis("off")
                 continue
-            col, letter = panels[k], "abcdefghi"[k]
+            col = panels[k]
+            letter = "abcdefghi"[columns.index(col)]  # the paper's letter, whichever subtables ran
             vals = [[math.nan if v is None else v for v in row] for row in grids_[col]]
             ax.imshow(vals, cmap="Blues")
             ax.set_xticks(range(len(pvs)), pvs), ax.set_yticks(range(len(pls)), pls)

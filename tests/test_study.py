@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import study
-from conftest import COMMON, ROOT, fake_vlmevalkit, judge_server, png_b64, tree, write_dataset, write_tsv
+from conftest import COMMON, ROOT, StubJudge, fake_vlmevalkit, judge_server, png_b64, tree, write_dataset, write_tsv
 from evaluation.scoring import can_infer, mmmu_choices
 from evaluation.tsv import read_tsv
 from processor import Tokenizer
@@ -118,11 +118,12 @@ def read(out: Path, path: str):
     return json.loads((out / path).read_text())
 
 
-def assert_scored_by_hand(out: Path, report: dict, log: str) -> None:
+def assert_scored_by_hand(out: Path, report: dict, log: str, requests: list[dict]) -> None:
     """Every configuration of the report is a run of the study, its scores the score files', each made with the
-    extractor and equal to the paper's definition by hand (A.3): MMMU's accuracy over its validation rows, a row
-    deterministic extraction leaves unresolved extracted by the stub ("B"); LogicVista's set match, every row sent
-    ("A and C" refused, then "AC" taken, as upstream retries). The key is in no output and no file."""
+    extractor and equal to the paper's definition by hand (A.3): MMMU's accuracy over its validation rows, each
+    row deterministic extraction leaves unresolved (some are) sent to the stub, which says "B"; LogicVista's set
+    match, every row sent ("A and C" refused, then "AC" taken, as upstream retries: two requests a row). The
+    server saw exactly the requests the scores count, each with the key; the key is in no output and no file."""
     configs = {c["label"]: c for c in report["configs"]}
     assert {k for k, c in configs.items() if not c["reference"]} == RUNS.keys()
     for label, run in RUNS.items():
@@ -131,13 +132,19 @@ def assert_scored_by_hand(out: Path, report: dict, log: str) -> None:
             assert (score["judge_model"], score["model_fingerprint"]) == ("stub", configs[label]["model"])
             assert configs[label]["scores"][b] == score["score"]
     rows = {r["index"]: r for r in read_tsv(out.parent / "tsv" / "MMMU_DEV_VAL.tsv")}
-    for run in [*RUNS.values(), *OTHERS]:
+    models, unresolved, calls = sorted(p.name for p in (out / "pred").iterdir()), 0, 0
+    assert set(models) >= {*RUNS.values(), *OTHERS} and sum(m.startswith("ref_") for m in models) == 3
+    for run in models:
         preds = [json.loads(x) for x in (out / "pred" / run / "MMMU_DEV_VAL.jsonl").read_text().splitlines()]
-        hits = [(can_infer(p["prediction"], mmmu_choices(rows[p["index"]])[0]) or "B") == rows[p["index"]]["answer"]
-                for p in preds]
-        assert read(out, f"score/{run}/MMMU_DEV_VAL.json")["score"] == pytest.approx(100 * sum(hits) / 3, abs=1e-4)
-        logic = read(out, f"score/{run}/LogicVista.json")
-        assert (logic["score"], logic["judge_calls"]) in ((100.0, 6), (100.0, 0)), run  # 0: the cache answered
+        found = [can_infer(p["prediction"], mmmu_choices(rows[p["index"]])[0]) for p in preds]
+        hits = [(f or "B") == rows[p["index"]]["answer"] for f, p in zip(found, preds)]
+        mmmu, logic = read(out, f"score/{run}/MMMU_DEV_VAL.json"), read(out, f"score/{run}/LogicVista.json")
+        assert mmmu["score"] == pytest.approx(100 * sum(hits) / 3, abs=1e-4), run
+        assert mmmu["judge_calls"] == found.count(False) + found.count(None) and logic == logic | {
+            "score": 100.0, "judge_calls": 6}, run
+        unresolved, calls = unresolved + len(found) - sum(map(bool, found)), calls + mmmu["judge_calls"] + 6
+    assert unresolved > 0 and len(requests) == calls  # the extractor reached MMMU's unresolved rows too
+    assert sum(r["messages"][0]["content"].startswith("LOGIC") for r in requests) == 6 * len(models)
     assert KEY not in log and not [f for f in out.rglob("*") if f.is_file() and f.suffix in (".json", ".jsonl", ".md")
                                    and KEY in f.read_text(errors="replace")]
 
@@ -167,6 +174,9 @@ def assert_tables(out: Path, report: dict, names: list[str]) -> None:
     assert [p["vit_prefix_len"] for p in fig3["prefix"]] == [48, 96]
     assert [p["lora_rank"] for p in fig3["lora"]] == [2, 4]
     md = (out / "report" / "report.md").read_text()
+    t2, s4 = md.index("Table 2: Ablation"), md.index("Table S4: Full")  # subtables lettered as the paper's
+    assert md.index("(b) LogicVista", t2) < md.index("(g) General", t2) < md.index("Figure 3", t2) < s4
+    assert s4 < md.index("(a) MMMU dev-val", s4) < md.index("(d) LogicVista", s4) and "(b) General" not in md
     for title in ("Answer extractor: stub", "Table 1:", "Table 2:", "Figure 3 (2:2)", "Table 3:", "Table S2, last "
                   "column", "Table S4:", "Table S6:", "Table S8:", "Table S9:"):
         assert title in md, title
@@ -198,13 +208,14 @@ def test_study_end_to_end_makes_every_table_of_the_paper(tiny_study, checkpoint,
     nothing. Issue 38, items 6 and 11: then what a changed flag changes is made again or refused in one line
     naming the flag, and the report takes this plan's scores only, naming the rest."""
     out, argv = tiny_study
-    with judge_server(key=KEY) as url:
+    seen = len(StubJudge.requests)
+    with judge_server(key=KEY) as url:  # it records only requests that carry the key
         assert study.main([*argv, "--judge-url", url]) == 0, capsys.readouterr().err[-3000:]
         log = capsys.readouterr()
     assert {d: v["kept"] for d, v in read(out, "data/subsample.json")["domains"].items()} == {
         "math": 2, "ocr": 2, "general": 8}
     report = read(out, "report/report.json")
-    assert_scored_by_hand(out, report, log.out + log.err)
+    assert_scored_by_hand(out, report, log.out + log.err, StubJudge.requests[seen:])
     assert_tables(out, report, [model_dir.name, checkpoint("qwen3", "original", seed=1).name,
                                 checkpoint("qwen2", "original").name])
     assert_analyses(out, report)
