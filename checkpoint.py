@@ -198,6 +198,18 @@ def trained_step(folder: Path) -> int | None:
     return step if type(step) is int and step >= 0 else None
 
 
+def record_step(folder: Path, step: int | None) -> None:
+    """config.json's "parvl" block gets the training step of the weights beside it (written whole, then renamed;
+    None: nothing), which trained_step reads: Table 3 and Appendix E name "training step 7,000"."""
+    if step is None:
+        return
+    raw = json.loads((folder / "config.json").read_text())
+    raw.setdefault("parvl", {})["step"] = step
+    tmp = folder / "config.json.tmp"
+    tmp.write_text(json.dumps(raw, indent=2))
+    tmp.replace(folder / "config.json")
+
+
 def par_from_json(block, folder: Path | None) -> ParConfig:
     """The "parvl": {"par": ...} block this project writes into config.json: a bad value is one line naming
     the file and the field, as a flag's would be."""

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageIn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from checkpoint import record_step
 from cli import check_file_out, log, one_line, os_cause, pyplot, rank
 from parvl import ParVL
 from trackers import TRACKER_FILES
@@ -426,10 +427,8 @@ def load_model_state(model, folder: Path) -> None:
 
 
 def export(model: ParVL, folder: Path, tokenizer_from: Path, step: int | None = None) -> None:
-    """The model as a ParVL safetensors checkpoint (InternVL layout + branch tensors) in `folder`: OUT/export
-    at the end of a run, OUT/export_step_N for `train.py export OUT --step N`. config.json's "parvl" block
-    records the training step it is (`step`, checkpoint.trained_step): the predictions of every command that
-    runs it say which checkpoint of the run they are (Table 3 and Appendix E name "training step 7,000")."""
+    """The model as a ParVL safetensors checkpoint (InternVL layout + branch tensors) in `folder` (OUT/export, or
+    OUT/export_step_N of `train.py export OUT --step N`), its training step in config.json (record_step)."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     failure = None
     if rank() == 0:
@@ -439,22 +438,12 @@ def export(model: ParVL, folder: Path, tokenizer_from: Path, step: int | None = 
         plain.language_model.model.init_rope("cpu")
         try:
             plain.save(folder, tokenizer_from=tokenizer_from)
-            if step is not None:
-                record_step(folder, step)
+            record_step(folder, step)
         except OSError as e:  # the checkpoints stay; a half-written weights file does not
             (folder / "model.safetensors.tmp").unlink(missing_ok=True)
             failure = f"cannot write the export {folder}: {os_cause(e, folder.parent)}"
     if all_sum(float(failure is not None), device=next(model.parameters()).device)[0]:
         raise ValueError(failure or "the export failed on rank 0")
-
-
-def record_step(folder: Path, step: int) -> None:
-    """config.json's "parvl" block gets the training step of the weights beside it (written whole, then renamed)."""
-    raw = json.loads((folder / "config.json").read_text())
-    raw.setdefault("parvl", {})["step"] = step
-    tmp = folder / "config.json.tmp"
-    tmp.write_text(json.dumps(raw, indent=2))
-    tmp.replace(folder / "config.json")
 
 
 # -- train.py plot RUN: the metrics as one PNG ----------------------------------------------------
