@@ -188,6 +188,13 @@ def test_run_branch_options_pass_through(checkpoint, tmp_path, capsys, monkeypat
         assert want != dense
 
 
+def textvqa_prompt(row: dict, tok) -> tuple[list[int], torch.Tensor]:
+    """A TextVQA row's prompt ids and tiles as `evaluate.py run` builds them (VLMEvalKit's InternVL path)."""
+    tiles = load_image(Image.open(io.BytesIO(base64.b64decode(row["image"]))).convert("RGB"), max_tiles=6)
+    return tok.encode(build_prompt(f"<image>\n{row['question']}\nAnswer the question using a single word or "
+                                   f"phrase.", [tiles.shape[0]])), tiles
+
+
 def test_run_with_a_router_gives_the_routed_engines_answers(checkpoint, tmp_path, capsys):
     """--router: each row runs the pair the router picks; predictions and pairs equal Engine(router=...);
     --random-pair: each row its own seeded pair; report puts both beside the dense run (Table 3), out
@@ -207,17 +214,13 @@ def test_run_with_a_router_gives_the_routed_engines_answers(checkpoint, tmp_path
     rows = [{"index": str(k), "question": q, "answer": "['x']", "image": png_b64(16 + 8 * k, 16, k)}
             for k, q in enumerate(["Read it.", "What colour?", "Count them."])]
     tsv = write_tsv(tmp_path / "t.tsv", rows)
-    rc, _, _ = main_out(capsys, "run", "--benchmark", "TextVQA_VAL", "--data", tsv, "--model", tmp_path / "parvl",
-                        "--out", tmp_path / "p.jsonl", "--max-new-tokens", NEW, "--router", tmp_path / "R",
-                        "--batch-size", 1)
-    assert rc == 0
+    assert main_out(capsys, "run", "--benchmark", "TextVQA_VAL", "--data", tsv, "--model", tmp_path / "parvl",
+                    "--out", tmp_path / "p.jsonl", "--max-new-tokens", NEW, "--router", tmp_path / "R",
+                    "--batch-size", 1)[0] == 0
     preds = {p["index"]: p for p in read_preds(tmp_path / "p.jsonl")}
     engine = Engine(model, router=gates.load_router(tmp_path / "R", model))
     for r in rows:
-        pil = Image.open(io.BytesIO(base64.b64decode(r["image"]))).convert("RGB")
-        tiles = load_image(pil, max_tiles=6)
-        ids = tok.encode(build_prompt(f"<image>\n{r['question']}\nAnswer the question using a single word or phrase.",
-                                      [tiles.shape[0]]))
+        ids, tiles = textvqa_prompt(r, tok)
         res = engine.generate([ids], tiles, GenerateConfig(max_new_tokens=NEW), tok.eos_ids)
         assert preds[r["index"]]["prediction"] == tok.decode(res.tokens[0], skip_special_tokens=True).strip()
         assert preds[r["index"]]["pair"] == list(res.pairs[0]) and preds[r["index"]]["router"] == str(tmp_path / "R")
@@ -232,11 +235,7 @@ def test_run_with_a_router_gives_the_routed_engines_answers(checkpoint, tmp_path
     assert len(set(drawn.values())) > 1  # the rows of one batch run different pairs
     plain = Engine(model)
     for p in read_preds(tmp_path / "r.jsonl"):
-        r = rows[int(p["index"])]
-        pil = Image.open(io.BytesIO(base64.b64decode(r["image"]))).convert("RGB")
-        tiles = load_image(pil, max_tiles=6)
-        ids = tok.encode(build_prompt(f"<image>\n{r['question']}\nAnswer the question using a single word or phrase.",
-                                      [tiles.shape[0]]))
+        ids, tiles = textvqa_prompt(rows[int(p["index"])], tok)
         v, l = drawn[p["index"]]
         res = plain.generate([ids], tiles, GenerateConfig(max_new_tokens=NEW), tok.eos_ids, vision_branch=v,
                              language_branch=l)
