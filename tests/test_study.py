@@ -100,7 +100,7 @@ def tiny_study(checkpoint, model_dir, tmp_path, monkeypatch):
             str(fake_vlmevalkit(tmp_path / "VLMEvalKit")), "--judge-model", "stub", "--judge-key-env",
             "STUDY_JUDGE_KEY",
             "--train-flags", " ".join([*COMMON, "--max-steps", "2", "--save-every", "1", "--keep-last", "2",
-                                       "--global-batch", "2", "--max-tiles", "1"]),  # 2 steps of 2 rows, one tile
+                                       "--global-batch", "1", "--max-tiles", "1"]),  # 2 steps of 1 row, one tile
             "--eval-flags", "--max-new-tokens 3 --batch-size 4",
             "--label-flags", "--num-workers 0 --max-tiles 1 --batch-size 2",
             "--router-flags", "--steps 2 --global-batch 2 --log-every 1 --check-samples 0",
