@@ -183,11 +183,13 @@ def assert_tables(out: Path, report: dict, names: list[str]) -> None:
     for path, title in (("S5.md", "Table S5:"), ("S2.md", "Table S2:"), ("figure4.md", "Figure 4:"),
                         ("table4.md", "Table S7:"), ("table4.md", "Table 4:")):
         assert title in (out / "tables" / path).read_text(), (path, title)
-    assert (out / "report" / "table2.png").is_file() and (out / "tables" / "figure4" / "score_cost.png").is_file()
+    assert all((out / "report" / f).is_file() for f in ("table2.png", "table_s4.png", "figure3_2x2.png"))
+    assert (out / "tables" / "figure4" / "score_cost.png").is_file()
 
 
 def assert_analyses(out: Path, report: dict) -> None:
-    """Tables S5 and S2 counted with --tokenizer (not the model's), Figure 4 in ratios to 1:1, by hand."""
+    """Tables S5 and S2 counted with --tokenizer (not the model's), Figure 4 in ratios to 1:1 (latency and peak
+    memory of each run's own profile), by hand."""
     encode = Tokenizer.from_pretrained(out.parent / "qwen3vl", slow_files=True).encode
     lines = (out / "pred" / "1x1" / "LogicVista.jsonl").read_text().splitlines()
     lengths = [len(encode(json.loads(x)["prediction"])) for x in lines]
@@ -196,7 +198,10 @@ def assert_analyses(out: Path, report: dict) -> None:
     assert s2["best"] == report["best"]["MMMU_DEV_VAL"] and s2["reference_tokens"] == len(encode("It looks like one."))
     points = {p["label"]: p for p in read(out, "tables/figure4/score_cost.json")["points"]}
     assert set(points) == set(RUNS) - {k for k in RUNS if "pair" in k}
-    assert all(p["latency_x"] == pytest.approx(p["latency_s"] / points["1:1"]["latency_s"]) for p in points.values())
+    own = {label: read(out, f"profile/{RUNS[label]}.json")["rows"][0] for label in points}  # each run's profile
+    for label, p in points.items():  # ratios to 1:1's own profile, latency and peak memory
+        assert (p["latency_x"], p["peak_x"]) == pytest.approx((own[label]["latency_s"] / own["1:1"]["latency_s"],
+                                                               own[label]["peak_gib"] / own["1:1"]["peak_gib"]))
 
 
 def test_study_end_to_end_makes_every_table_of_the_paper(tiny_study, checkpoint, model_dir, capsys, monkeypatch):
