@@ -41,7 +41,8 @@ from study_run import Plan, execute, launch
 
 def check_inputs(c: StudyConfig) -> None:
     """The folders and files the flags name, before anything runs (exit 1): --model, --tsv, each scale's and
-    reference's checkpoint, --tokenizer, --vlmevalkit; --data."""
+    reference's checkpoint, --tokenizer, --vlmevalkit; --data, --router-data, --router-eval-data and every
+    benchmark's TSV (a missing one found now, not after the training)."""
     folders = [(c.model, "--model"), (c.tsv, "--tsv")] + [(d, f"--scale-model {s}=") for s, d in pairs_of(
         c.scale_model, "--scale-model")] + [(d, f"--reference-model {s}=") for s, d in pairs_of(
             c.reference_model, "--reference-model")] + [(x, f) for x, f in ((c.tokenizer, "--tokenizer"),
@@ -49,8 +50,13 @@ def check_inputs(c: StudyConfig) -> None:
     for path, what in folders:
         if not Path(path).is_dir():
             raise ValueError(f"{what}{'' if what.endswith('=') else ' '}{path}: not a folder")
-    if not Path(c.data).is_file():
-        raise ValueError(f"--data {c.data}: no such file (a meta JSON)")
+    files = [(c.data, "--data"), (c.router_data, "--router-data"), (c.router_eval_data, "--router-eval-data")]
+    for path, what in files:
+        if path and not Path(path).is_file():
+            raise ValueError(f"{what} {path}: no such file (a meta JSON)")
+    if missing := [b for b in c.benchmarks if not (Path(c.tsv) / f"{b}.tsv").is_file()]:
+        raise ValueError(f"--tsv {c.tsv}: no {', '.join(f'{b}.tsv' for b in missing)} there (VLMEvalKit's TSV of "
+                         f"each of --benchmarks)")
 
 
 def left_out(c: StudyConfig, report: Piece) -> list[Path]:

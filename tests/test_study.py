@@ -366,6 +366,30 @@ def test_study_flag_errors_exit_2_at_plan(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_study_missing_inputs_exit_1_before_anything_runs(tmp_path, capsys, monkeypatch):
+    """A benchmark's TSV missing from --tsv (found by `evaluate.py run` after all the training), a --router-data
+    or --router-eval-data that is no file, --model not a folder: one line naming it, exit 1, before any piece
+    runs or anything is written."""
+    ran = []
+    monkeypatch.setattr(study, "execute", lambda cmd, stdout: ran.append(cmd) or 0)
+    (tmp_path / "M").mkdir()
+    tsv = benchmark_tsvs(tmp_path / "T")
+    (tmp_path / "d.json").write_text("{}")
+    out = tmp_path / "s"
+    base = ["--model", str(tmp_path / "M"), "--data", str(tmp_path / "d.json"), "--tsv", str(tsv), "--out", str(out),
+            "--allocations", "1:1", "2:2", "--lengths", "1:1", "2:2", "--ablation-base", "2:2", "--router-allocation",
+            "2:2", "--shared-kv-allocation", "2:2", "--data-fraction", "0", "--cost-column", "MMMU_DEV_VAL"]
+    cases = [(["OCRBench"], f"--tsv {tsv}: no OCRBench.tsv there"),
+             (["--router-data", str(tmp_path / "r.json")], f"--router-data {tmp_path / 'r.json'}: no such file"),
+             (["--router-eval-data", str(tsv)], f"--router-eval-data {tsv}: no such file"),
+             (["--model", str(tmp_path / "none")], f"--model {tmp_path / 'none'}: not a folder")]
+    for flags, needle in cases:
+        assert study.main([*base, "--benchmarks", "MMMU_DEV_VAL", "LogicVista", *flags]) == 1  # OCRBench: a third
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {needle}") and "\n" not in err, (flags, err)
+    assert ran == [] and not out.exists()
+
+
 def test_subsample_draws_table_s1s_mixture(tmp_path, capsys):
     """The study's first piece (Setup: "a 1/20 subsample of the InternVL3.5 SFT collection"; Table S1: 15 % math,
     15 % OCR and documents, 70 % general): domains from the meta entry's "domain" or the dataset's name; rows as
