@@ -190,6 +190,26 @@ def llm_config_from_json(t: dict, family: str, tied: bool | None, default_theta:
     )
 
 
+def trained_step(folder: Path) -> int | None:
+    """The training step an export of train.py records (config.json's parvl.step, runs.export), None for a
+    checkpoint that records none (a hub model, an older export)."""
+    raw = read_json(Path(folder) / "config.json")
+    step = raw.get("parvl", {}).get("step") if isinstance(raw.get("parvl"), dict) else None
+    return step if type(step) is int and step >= 0 else None
+
+
+def record_step(folder: Path, step: int | None) -> None:
+    """config.json's "parvl" block gets the training step of the weights beside it (written whole, then renamed;
+    None: nothing), which trained_step reads: Table 3 and Appendix E name "training step 7,000"."""
+    if step is None:
+        return
+    raw = json.loads((folder / "config.json").read_text())
+    raw.setdefault("parvl", {})["step"] = step
+    tmp = folder / "config.json.tmp"
+    tmp.write_text(json.dumps(raw, indent=2))
+    tmp.replace(folder / "config.json")
+
+
 def par_from_json(block, folder: Path | None) -> ParConfig:
     """The "parvl": {"par": ...} block this project writes into config.json: a bad value is one line naming
     the file and the field, as a flag's would be."""

@@ -40,11 +40,12 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
+from checkpoint import trained_step
 from cli import SEED, SEEDS, allocation, check_shared, command, log, make_folder, one_line, rank, world_size
 from config import branch_variant
 from engine import GenerateConfig, context_check
 from evaluation import analysis, tables
-from evaluation.judge import Judge
+from evaluation.judge import KEY_ENV, PAPER_JUDGE, Judge, judge_flags_problem
 from evaluation.scaling_law import GRID, fit_law
 from evaluation.scoring import BENCHMARKS, SCORE_COLUMNS, score
 from evaluation.tsv import DataError, as_list, options, read_jsonl, read_tsv
@@ -71,8 +72,8 @@ MAX_FIT_ROWS = 1000  # fit-law's rows: about half a minute on 2 CPU cores at thi
 RECORD_FIELDS = ("benchmark", "model_fingerprint", "data_fingerprint", "pv", "pl", "vision_branch", "language_branch",
                  "shared_kv", "router", "random_pair", "branches", "max_new_tokens", "max_tiles", "dtype")
 # what a score file copies of the predictions' record: the configuration, and the checkpoint it belongs to
-CONFIG_FIELDS = ("model", "model_fingerprint", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router",
-                 "random_pair", "branches")
+CONFIG_FIELDS = ("model", "model_fingerprint", "model_step", "pv", "pl", "vision_branch", "language_branch",
+                 "shared_kv", "router", "random_pair", "branches")
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 
 
@@ -111,10 +112,17 @@ class ScoreConfig:
     out: str | None = flag(None, "also write the score JSON here", writes=True)
     rows_out: str | None = flag(None, "write per-row results (JSONL) here", writes=True)
     judge_url: str | None = flag(None, "OpenAI-compatible base URL (…/v1) of an answer extractor")
-    judge_model: str | None = flag(None, "model name sent to the answer extractor (the paper: gpt-4o-2024-11-20)")
+    judge_model: str | None = flag(None, f"model name sent to the answer extractor (the paper: {PAPER_JUDGE})")
     judge_cache: str | None = flag(None, "reply cache", shown="PREDICTIONS.judge-MODEL.jsonl", writes=True)
     vlmevalkit: str | None = flag(None, "a VLMEvalKit checkout, whose extraction prompts the judge is sent",
                                   reads=True)
+    judge_key_env: str = flag(KEY_ENV, "environment variable holding the extractor's API key, sent as a bearer "
+                                       "token (a key is never a flag); unset: none sent")
+
+    def check(self) -> None:
+        """The answer extractor's flags (judge.judge_flags_problem): a flag error, exit 2."""
+        if why := judge_flags_problem(self.judge_url, self.judge_model, self.vlmevalkit, self.judge_key_env):
+            raise ValueError(why)
 
 
 @dataclass
@@ -239,6 +247,7 @@ def run_record(cfg: RunConfig, folder: Path, model, dtype: torch.dtype) -> dict:
     """What every prediction row records of the run that produced it: RECORD_FIELDS and the model's folder."""
     par = model.cfg.par
     return {"benchmark": cfg.benchmark, "model": str(folder), "model_fingerprint": fingerprint(model),
+            "model_step": trained_step(folder),  # the run's step it was exported at (Table 3 names its checkpoint)
             "data_fingerprint": file_fingerprint(cfg.data), "pv": par.pv, "pl": par.pl,
             "vision_branch": cfg.vision_branch, "language_branch": cfg.language_branch, "shared_kv": cfg.shared_kv,
             "router": cfg.router, "random_pair": cfg.seed if cfg.random_pair else None,
@@ -335,8 +344,9 @@ def score_cmd(cfg: ScoreConfig) -> int:
     config = {k: preds[0].get(k) for k in CONFIG_FIELDS} if preds else {}
     line = {"benchmark": cfg.benchmark, "score": round(result.value, 4), "n": result.n,
             "unresolved": result.unresolved, "missing": missing, "missing_indices": absent, **config, **result.extra}
-    if judge is not None:
-        line |= {"judge_model": cfg.judge_model, "judge_calls": judge.calls}
+    # which answer extractor made it, None for none: a report refuses a study that mixes the two (Table S6: "Both
+    # variants use the same gpt-4o-2024-11-20 answer extractor")
+    line |= {"judge_model": cfg.judge_model if judge else None, "judge_calls": judge.calls if judge else 0}
     if cfg.out:
         Path(cfg.out).write_text(json.dumps(line) + "\n")
     print(json.dumps(line))
@@ -374,11 +384,9 @@ def read_predictions(path: Path, rows: list[dict], cfg: ScoreConfig) -> list[dic
 def make_judge(cfg: ScoreConfig) -> Judge | None:
     """The answer extractor --judge-url names (judge.py), its replies cached beside the predictions; None without."""
     if not cfg.judge_url:
-        return None
-    if not cfg.judge_model or not cfg.vlmevalkit:
-        raise DataError("--judge-url needs --judge-model and --vlmevalkit (a VLMEvalKit checkout, for its prompts)")
+        return None  # the flags were checked at parse (ScoreConfig.check)
     cache = Path(cfg.judge_cache or str(cfg.predictions) + f".judge-{cfg.judge_model.replace('/', '_')}.jsonl")
-    return Judge(cfg.judge_url, cfg.judge_model, cache, Path(cfg.vlmevalkit), cfg.benchmark)
+    return Judge(cfg.judge_url, cfg.judge_model, cache, Path(cfg.vlmevalkit), cfg.benchmark, cfg.judge_key_env)
 
 
 # -- fit-law: ParScale's parallel scaling law (scaling_law.py) ------------------------------------

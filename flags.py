@@ -148,7 +148,10 @@ def areas(cfg, role: str) -> list[tuple[str, str, Path, str | None]]:
     for f in fields(cfg):
         names, value = f.metadata.get(role), getattr(cfg, f.name)
         name = f.name.upper() if f.metadata.get("positional") else "--" + f.name.replace("_", "-")
-        for v in (value if isinstance(value, list) else [value]) if names else ():
+        values = value if isinstance(value, list) else [value]
+        if values and isinstance(values[0], list):  # action="append" groups: a name (a scale's), then its paths
+            values = [v for group in values for v in group[1:]]
+        for v in values if names else ():
             if v:  # None or "": not given
                 found += [(name, str(v), Path(v).resolve(), n) for n in ([None] if names is True else names)]
     return found

@@ -242,12 +242,15 @@ class Tokenizer:
         self.folder = folder
 
     @classmethod
-    def from_pretrained(cls, folder) -> "Tokenizer":
-        """Load tokenizer.json if present, else vocab.json + merges.txt (+ added tokens)."""
+    def from_pretrained(cls, folder, slow_files: bool = False) -> "Tokenizer":
+        """Load tokenizer.json if present, else vocab.json + merges.txt (+ added tokens). slow_files: those two
+        first, the files transformers' slow Qwen2Tokenizer (use_fast=False) reads, as Tables S2 and S5 count
+        tokens (Appendix B.1); tokenizer.json where they are absent."""
         folder = os.fspath(folder)
         json_path = os.path.join(folder, "tokenizer.json")
+        vocab = all(os.path.isfile(os.path.join(folder, f)) for f in ("vocab.json", "merges.txt"))
         try:
-            if os.path.isfile(json_path):
+            if os.path.isfile(json_path) and not (slow_files and vocab):
                 backend = _BackendTokenizer.from_file(json_path)
             elif os.path.isfile(os.path.join(folder, "vocab.json")):
                 backend = _from_vocab_files(folder)

@@ -98,7 +98,8 @@ def print_rows(rows: list[dict], columns: dict[str, str]) -> None:
 
 LATENCY_COLUMNS = {"shared_kv": "", "batch": "d", "latency_s": ".4f", "latency_median_s": ".4f", "prefill_ms": ".1f",
                    "decode_ms_per_step": ".2f", "compile_s": ".2f", "resident_gib": ".3f", "peak_gib": ".3f",
-                   "kv_cache_bytes": "d", "latency_x": ".3f", "peak_x": ".3f", "kv_cache_x": ".3f"}
+                   "incremental_peak_gib": ".3f", "kv_cache_bytes": "d", "latency_x": ".3f", "peak_x": ".3f",
+                   "kv_cache_x": ".3f"}
 FORWARD_COLUMNS = {"pair": "", "median_ms": ".1f", "min_ms": ".1f", "time_x": ".3f", "gflops": ".1f", "gflops_x": ".3f",
                    "gflop_s": ".1f"}
 

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from aggregate import fold, per_branch
 from batches import collate
 from checkpoint import check_not_run_folder, open_checkpoint, read_json
-from cli import SEEDS, allocation, barrier, check_shared, log, rank, resolve_dtype, start_processes, world_size
+from cli import SEED, SEEDS, allocation, barrier, check_shared, log, rank, resolve_dtype, start_processes, world_size
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction
 from flags import flag, flag_of
 from gates import RouterError, fingerprint, image_tiles, pool_tiles, question_span, text_feature, thumbnail_feature
@@ -76,7 +76,8 @@ class LabelConfig(RouterInputs):
                                   "a longer row runs alone", unit="tokens", range="[1, inf)")
     max_tiles: int = flag(12, "448 px tiles per row", range="[1, inf)")
     max_seq_len: int = flag(32768, "longer rows are skipped", unit="tokens", range="[1, inf)")
-    seed: int = flag(0, "data augmentation seed (data.SFTData)", shown="0", range=SEEDS)
+    seed: int = flag(SEED, "data augmentation seed (data.SFTData); A.2: \"All SFT and router-training jobs use random "
+                           "seed 42\"", shown=f"{SEED}, the paper's", range=SEEDS)
     dtype: str | None = flag_of(DeviceFlags, "dtype")
     max_bad_frac: float = flag(0.01, "abort when more than this fraction of the data set's rows are bad",
                                range="[0, 1]")

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageIn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from checkpoint import record_step
 from cli import check_file_out, log, one_line, os_cause, pyplot, rank
 from parvl import ParVL
 from trackers import TRACKER_FILES
@@ -425,9 +426,9 @@ def load_model_state(model, folder: Path) -> None:
     set_model_state_dict(model, state["model"])
 
 
-def export(model: ParVL, folder: Path, tokenizer_from: Path) -> None:
-    """The model as a ParVL safetensors checkpoint (InternVL layout + branch tensors) in `folder`: OUT/export
-    at the end of a run, OUT/export_step_N for `train.py export OUT --step N`."""
+def export(model: ParVL, folder: Path, tokenizer_from: Path, step: int | None = None) -> None:
+    """The model as a ParVL safetensors checkpoint (InternVL layout + branch tensors) in `folder` (OUT/export, or
+    OUT/export_step_N of `train.py export OUT --step N`), its training step in config.json (record_step)."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     failure = None
     if rank() == 0:
@@ -437,6 +438,7 @@ def export(model: ParVL, folder: Path, tokenizer_from: Path) -> None:
         plain.language_model.model.init_rope("cpu")
         try:
             plain.save(folder, tokenizer_from=tokenizer_from)
+            record_step(folder, step)
         except OSError as e:  # the checkpoints stay; a half-written weights file does not
             (folder / "model.safetensors.tmp").unlink(missing_ok=True)
             failure = f"cannot write the export {folder}: {os_cause(e, folder.parent)}"

@@ -222,7 +222,7 @@ def export_step(e: ExportConfig) -> int:
     load_model_state(model, folder)
     tmp = out.with_name(out.name + ".tmp")  # written whole beside --out, then put in its place
     try:
-        export(model, tmp, Path(cfg.model))
+        export(model, tmp, Path(cfg.model), e.step)
         if rank() == 0:
             shutil.rmtree(out, ignore_errors=True)  # empty, or --overwrite's
             tmp.rename(out)
@@ -390,7 +390,7 @@ def train(cfg: TrainConfig, data: SFTData, tracker: Tracker, files: dict[str, st
                             cfg.keep_last)
         if step >= total:
             break
-    export(model, out / "export", Path(cfg.model))
+    export(model, out / "export", Path(cfg.model), step)
     log(f"exported {out / 'export'}", sys.stdout)
     return 0
 

@@ -3,10 +3,11 @@ two configurations are), Table S2's workload descriptors (what each benchmark as
 (each configuration's score against its batch-1 latency and peak memory, from `evaluate.py report`'s
 report.json and `profiling.py latency --json`).
 
-Table S5. Each answer is re-tokenised with the checkpoint's tokenizer (the text `evaluate.py run` kept, not its
-token count, so every configuration is measured alike). An answer whose re-tokenised length is at or
-above the near-cap threshold (Appendix B.4: 4090 of the 4096-token budget) is a truncated run-on, not
-a length, and is left out: the clean mean of a configuration is over its answers below the
+Table S5. Each answer is re-tokenised (the text `evaluate.py run` kept, not its token count, so every configuration
+is measured alike) with --tokenizer, read as the paper's Qwen2Tokenizer (use_fast=False) reads its folder, else with
+the checkpoint's tokenizer; no special tokens are added (B.4: add_special_tokens=False). An answer whose
+re-tokenised length is at or above the near-cap threshold (Appendix B.4: 4090 of the 4096-token budget) is a
+truncated run-on, not a length, and is left out: the clean mean of a configuration is over its answers below the
 threshold, the paired difference over the rows below it in both; only rows both configurations
 answered, from the same TSV and budgets, pair. Domain and overall columns average their benchmarks
 with equal weight (Eq. A3's grouping). The intervals come from one benchmark-balanced paired
@@ -32,7 +33,7 @@ import numpy as np
 
 from cli import SEED, SEEDS, pyplot
 from evaluation.scoring import BENCHMARKS, GROUPS
-from evaluation.tables import config_label
+from evaluation.tables import COLUMNS, config_label
 from evaluation.tsv import DataError, as_list, read_jsonl, read_tsv
 from flags import flag
 from hub import resolve_model
@@ -151,7 +152,10 @@ def markdown(result: dict, names: tuple[str, str]) -> str:
     """The Table S5 layout: benchmarks, then domains and the overall average, as columns; the paired
     bootstrap's 95 % interval under each; the near-cap rule and what was left out."""
     cols = list(result["table"])
-    md = ["| Statistic | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 1)]
+    md = [f"Table S5: Decoded output length, {names[0]} against {names[1]}. Mean lengths exclude outputs at or above "
+          f"the near-cap threshold; paired differences keep only examples below it for both configurations; domain "
+          f"and overall columns average the benchmark-level means with equal weight.", "",
+          "| Statistic | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 1)]
     for key, label in (("a", f"Clean mean ({names[0]})"), ("b", f"Clean mean ({names[1]})"),
                        ("delta", f"Clean paired Δ ({names[1]} − {names[0]})")):
         md.append(f"| {label} | " + " | ".join(f"{result['table'][c][key]:+.1f}" if key == "delta" else
@@ -235,16 +239,18 @@ def descriptors(tsvs: list, encode, best: dict | None = None, responses: dict | 
 
 
 def descriptors_markdown(table: dict, left: list[str] = ()) -> str:
-    md = ["| Benchmark | rows | source pixels | question tokens | reference tokens (column) | best Pv:Pl "
-          "| its response tokens |",
-          "|" + " --- |" * 7]
+    """Table S2 in the paper's columns (dataset, source pixels, question and reference tokens, the best Pv:Pl),
+    then what it does not print: the rows, the reference column, the best configuration's response tokens."""
+    md = ["Table S2: Dataset workload descriptors and empirically best branch-count configurations (from Table S4; "
+          "ties favor the lower-FLOP configuration).", "",
+          "| Dataset | Avg. Source Pixels | Avg. Question Tokens | Avg. Reference Tokens | Best Empirical Pv:Pl | rows "
+          "| reference column | its response tokens |", "|" + " --- |" * 8]
     for b, d in table.items():
         response = "-" if d["response_tokens"] is None else f"{d['response_tokens']:.1f}"
         if d["responses_near_cap"]:
             response += f" ({d['responses_near_cap']} near cap left out)"
-        md.append(f"| {b} | {d['rows']} | {d['pixels']:,.0f} | {d['question_tokens']:.1f} | "
-                  f"{d['reference_tokens']:.1f} ({d['reference']}, {d['empty_references']} empty) | {d['best'] or '-'} "
-                  f"| {response} |")
+        md.append(f"| {b} | {d['pixels']:,.0f} | {d['question_tokens']:.1f} | {d['reference_tokens']:.1f} | "
+                  f"{d['best'] or '-'} | {d['rows']} | {d['reference']} ({d['empty_references']} empty) | {response} |")
     md += [f"Left out: {f}" for f in left]
     return "\n".join(md) + "\n"
 
@@ -291,19 +297,35 @@ def score_cost(report: dict, latency: dict, column: str = "All") -> tuple[list[d
     if not points:
         raise DataError(f"no configuration of the report has both a {column} score and its own batch-1 profile"
                         + (f" ({'; '.join(left)})" if left else ""))
-    return points, left
+    return cost_ratios(points, profile.get(profile_key(1, 1, False, {})), left), left
+
+
+def cost_ratios(points: list[dict], base: dict | None, left: list[str]) -> list[dict]:
+    """Figure 4's axes as the paper states them, ratios to 1:1 ("increasing per-sample latency and peak memory to
+    1.04x and 1.23x those of 1:1"): each point's latency and peak memory over standard 1:1's batch-1 profile, None
+    without one (said in `left`)."""
+    if base is None:
+        left.append(f"the ratios to 1:1: no batch-1 profile of standard 1:1 ({profile_command((1, 1, False, ()))})")
+    for p in points:
+        p |= {"latency_x": p["latency_s"] / base["latency_s"] if base else None,
+              "peak_x": p["peak_gib"] / base["peak_gib"] if base else None}
+    return points
 
 
 def plot_score_cost(points: list[dict], column: str, png: Path) -> None:
-    """Figure 4: the score against per-sample latency and against peak memory, a point per configuration."""
+    """Figure 4: the score against per-sample latency and against peak memory, a point per configuration, both as
+    ratios to 1:1 (the paper's axes; absolute where there is no 1:1 profile)."""
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
-    for ax, key, name in ((axes[0], "latency_s", "latency per sample (s), batch 1"),
-                          (axes[1], "peak_gib", "peak memory (GiB)")):
+    ratios = all(p["latency_x"] is not None for p in points)
+    axis = ((axes[0], "latency_x", "per-sample latency (× 1:1), batch 1"), (axes[1], "peak_x", "peak memory (× 1:1)"))
+    for ax, key, name in axis if ratios else ((axes[0], "latency_s", "latency per sample (s), batch 1"),
+                                               (axes[1], "peak_gib", "peak memory (GiB)")):
         ax.scatter([p[key] for p in points], [p["score"] for p in points])
         for p in points:
             ax.annotate(p["label"], (p[key], p["score"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.set_xlabel(name), ax.set_ylabel(f"{column} score")
+    fig.suptitle("Figure 4: performance-cost trade-off at batch size 1", fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=100)
     plt.close(fig)
@@ -312,10 +334,26 @@ def plot_score_cost(points: list[dict], column: str, png: Path) -> None:
 # -- the commands (evaluate.py lengths, descriptors, cost) and their flags ---------------------------
 
 
+TOKENIZER_HELP = ("folder of the tokenizer that counts tokens (the paper's: Qwen3-VL-2B-Instruct's Qwen2Tokenizer, "
+                  "use_fast=False, no special tokens): its vocab.json + merges.txt, the files the slow tokenizer reads")
+
+
+def counting_tokenizer(folder: str | None, model: str) -> Tokenizer:
+    """The tokenizer Tables S5 and S2 count with: --tokenizer's folder read as the slow Qwen2Tokenizer reads
+    it (vocab.json + merges.txt; Appendix B.1, B.4), else --model's."""
+    if folder is None:
+        return Tokenizer.from_pretrained(resolve_model(model))
+    if not Path(folder).is_dir():
+        raise DataError(f"--tokenizer {folder}: not a folder (a tokenizer's files: vocab.json, merges.txt)")
+    return Tokenizer.from_pretrained(folder, slow_files=True)
+
+
 @dataclass
 class LengthsConfig:
     """`evaluate.py lengths`'s flags."""
-    model: str = flag(None, "checkpoint whose tokenizer re-tokenises the answers", required=True, reads=True)
+    model: str = flag(None, "checkpoint whose tokenizer re-tokenises the answers (without --tokenizer)", required=True,
+                      reads=True)
+    tokenizer: str | None = flag(None, TOKENIZER_HELP, shown="--model's", metavar="DIR", reads=True)
     a: list[str] = flag(None, "configuration A's predictions (evaluate.py run), one file per benchmark", nargs="+",
                         required=True, metavar="JSONL", reads=True)
     b: list[str] = flag(None, "configuration B's predictions (evaluate.py run), one file per benchmark", nargs="+",
@@ -335,7 +373,9 @@ class LengthsConfig:
 class DescriptorsConfig:
     """`evaluate.py descriptors`'s flags."""
     data: list[str] = flag(None, "VLMEvalKit TSVs, named <benchmark>.tsv", positional=True, nargs="+", reads=True)
-    model: str = flag(None, "checkpoint whose tokenizer counts the tokens", required=True, reads=True)
+    model: str = flag(None, "checkpoint whose tokenizer counts the tokens (without --tokenizer)", required=True,
+                      reads=True)
+    tokenizer: str | None = flag(None, TOKENIZER_HELP, shown="--model's", metavar="DIR", reads=True)
     report: str | None = flag(None, "report.json of evaluate.py report: its best configuration per benchmark",
                               reads=True)
     predictions: list[str] | None = flag(None, "predictions (evaluate.py run; with --report): per benchmark, the "
@@ -352,13 +392,13 @@ class CostConfig:
     report: str = flag(None, "report.json of evaluate.py report", required=True, reads=True)
     latency: list[str] = flag(None, "outputs of profiling.py latency --json (their batch-1 rows), one per "
                                     "configuration", nargs="+", required=True, reads=True)
-    column: str = flag("All", "the score column")
+    column: str = flag("All", "the score column: a benchmark or an aggregate (Eq. A3)", choices=COLUMNS)
     out: str | None = flag(None, "folder for score_cost.json and, with matplotlib, score_cost.png",
                            writes=("score_cost.json", "score_cost.png"))
 
 
 def lengths_cmd(cfg: LengthsConfig) -> int:
-    encode = Tokenizer.from_pretrained(resolve_model(cfg.model)).encode
+    encode = counting_tokenizer(cfg.tokenizer, cfg.model).encode
     pa, pb = read_predictions(cfg.a), read_predictions(cfg.b)
     check_alike(pa, pb)
     a, b = ({k: row_lengths(rows, encode, cfg.near_cap, cfg.near_cap_rule) for k, (_, rows) in p.items()}
@@ -395,7 +435,7 @@ def descriptors_cmd(cfg: DescriptorsConfig) -> int:
             raise DataError(f"{cfg.report}: not a report.json of evaluate.py report (no best configurations)")
     if cfg.predictions and best is None:
         raise DataError("--predictions needs --report: each benchmark's response tokens are its best configuration's")
-    encode = Tokenizer.from_pretrained(resolve_model(cfg.model)).encode
+    encode = counting_tokenizer(cfg.tokenizer, cfg.model).encode
     responses, left = best_responses(cfg.predictions, best, encode, cfg.near_cap) if cfg.predictions else (None, [])
     table = descriptors(cfg.data, encode, best, responses)
     print(descriptors_markdown(table, left), end="")
@@ -410,9 +450,13 @@ def cost_cmd(cfg: CostConfig) -> int:
     if "configs" not in report or not all("rows" in p for p in profiles):
         raise DataError(f"{cfg.report} / {' '.join(cfg.latency)}: need report.json's configs and the profiles' rows")
     points, left = score_cost(report, {"rows": [r for p in profiles for r in p["rows"]]}, cfg.column)
-    print(f"| configuration | {cfg.column} | latency per sample (s) | peak memory (GiB) |\n| --- | --- | --- | --- |")
+    ratio = lambda x: "-" if x is None else f"{x:.2f}×"  # noqa: E731
+    print(f"Figure 4: performance-cost trade-off at batch size 1 ({cfg.column} score; ratios to standard 1:1)\n\n"
+          f"| configuration | {cfg.column} | latency (× 1:1) | peak memory (× 1:1) | latency per sample (s) | "
+          f"peak memory (GiB) |\n|" + " --- |" * 6)
     for p in points:
-        print(f"| {p['label']} | {p['score']:.1f} | {p['latency_s']:.4f} | {p['peak_gib']:.3f} |")
+        print(f"| {p['label']} | {p['score']:.1f} | {ratio(p['latency_x'])} | {ratio(p['peak_x'])} | "
+              f"{p['latency_s']:.4f} | {p['peak_gib']:.3f} |")
     for line in left:
         print(f"Left out: {line}")
     if cfg.out:

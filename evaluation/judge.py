@@ -1,13 +1,19 @@
 """evaluate.py score's optional LLM answer extractor (--judge-url): VLMEvalKit's extraction prompts,
 read (parsed, not run) from a VLMEvalKit checkout, sent to an OpenAI-compatible endpoint for exactly
-the rows VLMEvalKit would send to its judge; replies cached beside the predictions."""
+the rows VLMEvalKit would send to its judge; replies cached beside the predictions. The paper (Appendix
+A.3): "Unresolved cases, and all LogicVista cases, use gpt-4o-2024-11-20 as a fixed answer extractor".
+
+The endpoint's API key is read from an environment variable (--judge-key-env, OPENAI_API_KEY by default)
+and sent as a bearer token: never a flag, so it shows in no command line (ps, a study's log) and no file."""
 from __future__ import annotations
 
 import ast
 import hashlib
 import json
+import os
 import re
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -16,7 +22,28 @@ from evaluation.tsv import DataError, options, read_jsonl
 
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 MAX_REPLY = 2**20  # bytes of one reply: an extracted answer is a few bytes, a whole chat completion a few KiB
+JUDGED = ("MMMU_DEV_VAL", "MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath")  # A.3's five with an extractor
+PAPER_JUDGE = "gpt-4o-2024-11-20"  # Appendix A.3's fixed answer extractor
+KEY_ENV = "OPENAI_API_KEY"  # where the key is read from by default: the variable OpenAI's own clients read
 
+
+def judge_flags_problem(url: str | None, model: str | None, vlmevalkit: str | None, key_env: str | None) -> str | None:
+    """The answer extractor's flags that cannot work together, as one line naming the flag, or None: a URL
+    that is not an http(s) one, --judge-url without --judge-model or --vlmevalkit, or those without it.
+    A flag error (exit 2), found before anything runs: `evaluate.py score` and `study.py` share it."""
+    if not url:
+        given = [f for f, v in (("--judge-model", model), ("--vlmevalkit", vlmevalkit)) if v]
+        return f"{given[0]} is the answer extractor's and needs --judge-url" if given else None
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"--judge-url {url!r}: not an http(s) URL (an OpenAI-compatible base URL, as http://127.0.0.1:8000/v1)"
+    if not model:
+        return f"--judge-url needs --judge-model, the model name sent to it (the paper's: {PAPER_JUDGE})"
+    if not vlmevalkit:
+        return "--judge-url needs --vlmevalkit, a VLMEvalKit checkout whose extraction prompts are sent"
+    if not key_env or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key_env):
+        return f"--judge-key-env {key_env!r}: not the name of an environment variable"
+    return None
 
 
 def upstream_strings(path: Path, function: str) -> dict[str, str]:
@@ -45,8 +72,10 @@ class Judge:
     """An OpenAI-compatible chat endpoint used the way VLMEvalKit uses its judge, with every reply
     cached in a JSONL file (keyed by model, prompt, temperature and attempt), so a rerun is free."""
 
-    def __init__(self, url: str, model: str, cache: Path, vlmevalkit: Path, benchmark: str):
+    def __init__(self, url: str, model: str, cache: Path, vlmevalkit: Path, benchmark: str,
+                 key_env: str = KEY_ENV):
         self.url, self.model, self.cache_path = url.rstrip("/"), model, cache
+        self.key = os.environ.get(key_env) or None  # unset or empty: no key sent (a local server needs none)
         self.cache = {c["key"]: c["reply"] for c in read_jsonl(cache)}
         self.calls, self.benchmark = 0, benchmark
         utils = Path(vlmevalkit) / "vlmeval" / "dataset" / "utils"
@@ -69,8 +98,10 @@ class Judge:
             body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": temperature}
             if max_tokens:
                 body["max_tokens"] = max_tokens
+            headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {self.key}"} if self.key
+                                                              else {})
             req = urllib.request.Request(self.url + "/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+                                         headers=headers)
             try:
                 with urllib.request.urlopen(req, timeout=120) as r:
                     body = r.read(MAX_REPLY + 1)  # no more than that is read, nor cached

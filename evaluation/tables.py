@@ -1,52 +1,79 @@
-"""The allocation study's tables from the score files of several configurations (`evaluate.py report`):
-every configuration's scores with the domain aggregates (Eq. A3, scoring.aggregates) beside its FLOPs
-(Tables 1 and S4), the best configuration per column with ties going to fewer FLOPs (Table S2's best
-Pv:Pl), the Pl x Pv grids of the dense runs (Table 2 / S4, drawn as heatmaps too), the fixed-pair
-matrix (Table S9) and the routed and random-pair runs beside their dense one (Table 3).
+"""The allocation study's tables from the score files of several configurations (`evaluate.py report`), each
+titled and laid out as the paper numbers it (evaluation/paper_tables.py): Table 1 (every scale's references,
+same-recipe baseline and ParVL rows), Table 2 and S4 (the Pl x Pv grids, drawn as heatmaps too), Table 3 (the
+routed and random-pair runs beside the dense one, all of one checkpoint), Figure 3 (prefix lengths and LoRA
+ranks), Table S2's best configuration per benchmark (ties to fewer FLOPs), Table S6 (shared KV), Table S8 (mean
+aggregation), Table S9 (fixed pairs), and every configuration with its FLOPs and Eq. A3's aggregates.
 
-    python evaluate.py report runs/*/score_*.json --out report/
+    python evaluate.py report score/*/*.json --reference ref/*.json --scale 2b score_2b/*/*.json --out report/
 
-A configuration is (pv, pl, vision branch, language branch, shared KV, branch variant): a fixed pair
-names its branches, a variant (Figure 3, Table S8) its ParConfig fields that are not the paper's.
-Writes OUT/report.md (also printed), OUT/report.json and, with matplotlib, OUT/heatmap_COLUMN.png.
+A configuration is (pv, pl, vision branch, language branch, shared KV, branch variant): a fixed pair names
+its branches, a variant (Figure 3, Table S8) its ParConfig fields that are not the paper's. Each belongs to one
+checkpoint (its model fingerprint). Writes OUT/report.md (also printed), OUT/report.json and, with matplotlib,
+OUT/table2.png, OUT/table_s4.png (the heatmaps) and OUT/figure3_PVxPL.png.
 """
 from __future__ import annotations
 
-import itertools
+import functools
 import json
-import math
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from cli import check_folder, log, pyplot
+from cli import check_folder
 from config import ParConfig
-from evaluation.scoring import BENCHMARKS, aggregates
+from evaluation import paper_tables as paper
+from evaluation.judge import JUDGED
+from evaluation.scoring import BENCHMARKS, COLUMNS, aggregates
 from evaluation.tsv import DataError
 from flags import flag
-from flops import profile_params
+from flops import ARCHS, profile_params
 
-COLUMNS = list(BENCHMARKS) + ["General", "Math", "OCR", "All"]
+__all__ = ["COLUMNS", "ReportConfig", "config_label", "report"]  # COLUMNS: analysis.py reads it from here
+TABLE1_ORDER = ("4:1", "1:4", "4:4", "2:2")  # Table 1's ParVL rows in the paper's order; others follow
 
 
 @dataclass
 class ReportConfig:
     """`evaluate.py report`'s flags."""
-    runs: list[str] = flag(None, "score JSON files written by `evaluate.py score --out` (or its stdout)",
-                           positional=True, nargs="+", reads=True)
+    runs: list[str] = flag(None, "score JSON files written by `evaluate.py score --out` (or its stdout), of the "
+                                 "study's scale (--arch)", positional=True, nargs="+", reads=True)
     reference: list[str] = flag(help="score files of reference models (Table 1's public checkpoints, such as "
                                      "InternVL3.5-Instruct): rows of their own, outside the grids and the best choice",
                                 nargs="+", factory=list, metavar="JSON", reads=True)
+    scale: list[list[str]] = flag(help="another model scale's same-recipe runs for Table 1 (its rows only): the "
+                                       "scale's name (2b), then its score files; once per scale",
+                                  nargs="+", action="append", factory=list, metavar=("SCALE", "JSON"), reads=True)
+    scale_reference: list[list[str]] = flag(help="another scale's reference models for Table 1: the scale's name, "
+                                                 "then their score files", nargs="+", action="append",
+                                            factory=list, metavar=("SCALE", "JSON"), reads=True)
     out: str = flag("report", "output folder for report.md, report.json and the heatmaps",
-                    writes=("report.md", "report.json", "heatmap_*.png", "figure3_*.png"))
-    arch: str = flag("1b", "backbone for the FLOPs tie-break (flops.py)")
+                    writes=("report.md", "report.json", "table2.png", "table_s4.png", "figure3_*.png"))
+    arch: str = flag("1b", "backbone of the positional files: the FLOPs tie-break (flops.py), Table 1's scale",
+                     choices=sorted(ARCHS))
     tie_decimals: int = flag(1, "scores equal at this many decimals tie; score files hold 4 (evaluate.py score)",
                              range="[0, 4]", shown="1, the paper's")
     best_with_shared_kv: bool = flag(False, "let shared-KV runs compete for the best configuration")
+
+    def check(self) -> None:
+        """--scale and --scale-reference: a scale's name, then its files; the study's own scale is --arch."""
+        for name, groups in (("--scale", self.scale), ("--scale-reference", self.scale_reference)):
+            for g in groups:
+                if len(g) < 2 or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", g[0]):
+                    raise ValueError(f"{name} {' '.join(g)}: give the scale's name (as 2b), then its score files")
+                if g[0].lower() == self.arch:
+                    raise ValueError(f"{name} {g[0]}: the positional files are --arch {self.arch}'s")
+        if len({g[0] for g in self.scale}) < len(self.scale):
+            raise ValueError("--scale: one scale twice; give each scale's files once")
 
 
 def dense(pv: int, pl: int) -> tuple:
     """The configuration of all branches in the paper's parameterisation."""
     return pv, pl, None, None, False, ()
+
+
+def is_dense(c: tuple) -> bool:
+    return len(c) >= 6 and c[2] is None and c[3] is None and not c[4] and not c[5]
 
 
 def config_label(c: tuple) -> str:
@@ -68,53 +95,121 @@ def model_of(s: dict) -> str | None:
     return s.get("model_fingerprint") or s.get("model")
 
 
-def read_scores(files: list[str], reference: list[str] = ()) -> tuple[dict, dict, dict]:
-    """The score files as {configuration: {benchmark: score}} and, apart, Table 3's routed and
-    random-pair runs as {(pv, pl, policy): {benchmark: score}}; a second score of one benchmark for
-    one configuration is refused, and so are the scores of two checkpoints for one configuration (a
-    1:1 run and InternVL3.5-Instruct would land in one row). Reference models' files are rows of their
-    own: their configuration carries the model (its folder) as a 7th element. Also returns
-    {configuration: model fingerprint or folder}."""
-    runs: dict[tuple, dict[str, float]] = {}
-    policies: dict[tuple, dict[str, float]] = {}  # (pv, pl, "random pair (seed S)" or "router R") -> scores
-    models: dict[tuple, str | None] = {}
-    for name, is_reference in [*((f, False) for f in files), *((f, True) for f in reference)]:
-        try:
-            text = Path(name).read_text().strip()
-            s = json.loads(text.splitlines()[-1])
-            bench, value = s["benchmark"], s["score"]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
-                raise ValueError(f"score must be a number in [0, 100], got {value!r}")  # NaN is none
-            value = float(value)
-            key = (int(s["pv"]), int(s["pl"]), s.get("vision_branch"), s.get("language_branch"),
-                   bool(s.get("shared_kv")), tuple(sorted((s.get("branches") or {}).items())))  # Table S8 apart
-        except (OSError, IndexError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
-            why = f"{type(e).__name__}: {e}"
-            raise DataError(f"{name}: not a score file with benchmark, score, pv, pl ({why})") from None
-        if bench not in BENCHMARKS:
-            raise DataError(f"{name}: unknown benchmark {bench!r}")
-        into = runs  # a routed or random-pair run goes to Table 3 alone, beside its dense configuration
-        if s.get("router") or s.get("random_pair") is not None:
-            policy = f"router {s['router']}" if s.get("router") else f"random pair (seed {s['random_pair']})"
-            key, into = (key[0], key[1], policy), policies
-        if is_reference:
-            key = key + (str(s.get("model") or model_of(s) or name),)  # a reference model: a row of its own
-        if key in models and models[key] != model_of(s):
-            raise DataError(f"{name}: a score of checkpoint {model_of(s)} for configuration {config_label(key)}, "
-                            f"which holds checkpoint {models[key]}'s: one checkpoint per configuration (pass a "
-                            f"reference model with --reference; other model sizes in a report of their own)")
-        models[key] = model_of(s)
-        if bench in into.setdefault(key, {}):
-            raise DataError(f"{name}: a second {bench} score for configuration {config_label(key)}")
-        into[key][bench] = value
-    return runs, policies, models
+# -- reading the score files ----------------------------------------------------------------------
+
+
+@dataclass
+class Scores:
+    """One scale's score files: {configuration: {benchmark: score}} (a reference model's configuration carries
+    the model as a 7th element), Table 3's routed and random-pair runs apart as {(pv, pl, policy): scores}, the
+    dense scores of Table 3's checkpoint where the grid's configuration is another checkpoint's (a --router-step
+    export beside the end of the run), each key's checkpoint, each checkpoint's training step, and per answer
+    extractor (None: none) the first file of A.3's five benchmarks scored with it."""
+    runs: dict = field(default_factory=dict)
+    policies: dict = field(default_factory=dict)
+    table3_dense: dict = field(default_factory=dict)
+    models: dict = field(default_factory=dict)
+    steps: dict = field(default_factory=dict)
+    judges: dict = field(default_factory=dict)
+
+
+def read_record(name: str, is_reference: bool) -> dict:
+    """One score file: its benchmark, score, configuration key, checkpoint, step, Table 3 policy and extractor."""
+    try:
+        text = Path(name).read_text().strip()
+        s = json.loads(text.splitlines()[-1])
+        bench, value = s["benchmark"], s["score"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
+            raise ValueError(f"score must be a number in [0, 100], got {value!r}")  # NaN is none
+        key = (int(s["pv"]), int(s["pl"]), s.get("vision_branch"), s.get("language_branch"),
+               bool(s.get("shared_kv")), tuple(sorted((s.get("branches") or {}).items())))  # Table S8 apart
+    except (OSError, IndexError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise DataError(f"{name}: not a score file with benchmark, score, pv, pl ({type(e).__name__}: {e})") from None
+    if bench not in BENCHMARKS:
+        raise DataError(f"{name}: unknown benchmark {bench!r}")
+    policy = None  # a routed or random-pair run goes to Table 3 alone, beside its dense configuration
+    if s.get("router") or s.get("random_pair") is not None:
+        policy = f"router {s['router']}" if s.get("router") else f"random pair (seed {s['random_pair']})"
+        key = (key[0], key[1], policy)
+    if is_reference:
+        key = key + (str(s.get("model") or model_of(s) or name),)  # a reference model: a row of its own
+    return {"file": name, "bench": bench, "value": float(value), "key": key, "checkpoint": model_of(s),
+            "step": s.get("model_step"), "policy": policy, "judge": s.get("judge_model"), "reference": is_reference}
+
+
+def table_3_checkpoints(records: list[dict]) -> dict[tuple, str]:
+    """{(pv, pl): the checkpoint of Table 3's policy rows}; rows of two checkpoints are refused (Table 3: "All
+    rows use the same checkpoint"), never averaged together."""
+    out: dict[tuple, tuple] = {}
+    for r in records:
+        if r["policy"] and not r["reference"]:
+            at = r["key"][:2]
+            if at in out and out[at][0] != r["checkpoint"]:
+                raise DataError(f"{r['file']}: Table 3 at {at[0]}:{at[1]} holds rows of checkpoint {r['checkpoint']} "
+                                f"and of {out[at][0]} ({out[at][1]}): all its rows use one checkpoint")
+            out.setdefault(at, (r["checkpoint"], r["file"]))
+    return {k: v[0] for k, v in out.items()}
+
+
+def read_scores(files: list[str], reference: list[str] = ()) -> Scores:
+    """The score files of one scale (read_record), refused where two checkpoints would share a row: a second
+    score of one benchmark for one configuration, or the scores of two checkpoints for one configuration (a
+    1:1 run and InternVL3.5-Instruct would land in one row). One exception, Table 3's own: the dense scores of
+    its policies' checkpoint, when the configuration's grid row is another checkpoint (the end of the run
+    beside --router-step's export), are kept apart as Table 3's dense row."""
+    records = [read_record(f, False) for f in files] + [read_record(f, True) for f in reference]
+    table3 = table_3_checkpoints(records)
+    grid: dict[tuple, set] = {}  # dense configuration -> the checkpoints scored for it
+    for r in records:
+        if is_dense(r["key"]) and not r["reference"]:
+            grid.setdefault(r["key"], set()).add(r["checkpoint"])
+    s = Scores()
+    for r in records:
+        s.steps.setdefault(r["checkpoint"], r["step"])
+        if r["bench"] in JUDGED:
+            s.judges.setdefault(r["judge"], r["file"])
+        into, key = (s.policies if r["policy"] else s.runs), r["key"]
+        if key in grid and len(grid[key]) > 1 and table3.get(key[:2]) == r["checkpoint"]:
+            into, key = s.table3_dense, key[:2]
+        if key in s.models and s.models[key] != r["checkpoint"]:
+            raise DataError(f"{r['file']}: a score of checkpoint {r['checkpoint']} for configuration "
+                            f"{config_label(r['key'])}, which holds checkpoint {s.models[key]}'s: one checkpoint per "
+                            f"configuration (pass a reference model with --reference; other model sizes with "
+                            f"--scale)")
+        s.models[key] = r["checkpoint"]
+        if r["bench"] in into.setdefault(key, {}):
+            raise DataError(f"{r['file']}: a second {r['bench']} score for configuration {config_label(r['key'])}")
+        into[key][r["bench"]] = r["value"]
+    return s
+
+
+def one_judge(scales: list[tuple[str, Scores]]) -> str | None:
+    """The answer extractor of every score of A.3's five benchmarks (None: none); a report mixing scores with
+    and without one, or of two, is refused (Table S6: "Both variants use the same gpt-4o-2024-11-20 answer
+    extractor wherever API extraction is required")."""
+    judges = {j: f for _, s in scales for j, f in s.judges.items()}
+    if len(judges) > 1:
+        (a, fa), (b, fb) = list(judges.items())[:2]
+        say = lambda j: f"with answer extractor {j}" if j else "without an answer extractor"  # noqa: E731
+        raise DataError(f"{fb} was scored {say(b)}, {fa} {say(a)}: one report, one extractor (A.3); score them "
+                        f"again alike (evaluate.py score --judge-url ... --judge-model ...)")
+    return next(iter(judges), None)
+
+
+# -- the tables -------------------------------------------------------------------------------------
 
 
 def gflops(configs: list, arch: str) -> dict:
     """The Table S3 workload's GFLOPs of each configuration on arch; a fixed branch runs alone: one vision
     or language branch's cost."""
-    return {c: profile_params(arch, 1 if c[2] is not None else c[0], 1 if c[3] is not None else c[1],
-                              **dict(c[5]))["total_gflops"] for c in configs}
+    return {c: total_gflops(arch, 1 if c[2] is not None else c[0], 1 if c[3] is not None else c[1], c[5])
+            for c in configs}
+
+
+@functools.cache
+def total_gflops(arch: str, pv: int, pl: int, variant: tuple) -> float:
+    """flops.profile_params' total (a meta model built per call: once per cost, not per configuration)."""
+    return profile_params(arch, pv, pl, **dict(variant))["total_gflops"]
 
 
 def best_configs(table: dict, configs: list, flops: dict, decimals: int, with_shared_kv: bool) -> dict:
@@ -136,7 +231,7 @@ def best_configs(table: dict, configs: list, flops: dict, decimals: int, with_sh
 def allocation_grids(table: dict, configs: list) -> tuple[list, list, dict]:
     """Table 2 / S4 as the paper prints them, dense runs only: (Pv values, Pl values, {column: Pl rows x
     Pv columns}) for every column some run scored."""
-    runs = [c for c in configs if c[2] is None and c[3] is None and not c[4] and not c[5]]
+    runs = [c for c in configs if is_dense(c)]
     pvs, pls = sorted({c[0] for c in runs}), sorted({c[1] for c in runs})
     out = {}
     for col in COLUMNS:
@@ -146,65 +241,83 @@ def allocation_grids(table: dict, configs: list) -> tuple[list, list, dict]:
     return pvs, pls, out
 
 
-def fixed_pairs(table: dict, configs: list, columns: list) -> dict:
-    """Table S9 from fixed-pair runs (both branches set): per column the vision x language matrix, each
-    branch's mean over its partners (only where all partners were run) and the post-hoc best pair."""
-    runs = [c for c in configs if c[2] is not None and c[3] is not None]
-    out = {}
-    for col in columns:
-        mine = [c for c in runs if table[c].get(col) is not None]
-        if not mine:
-            continue
-        got = {(c[2], c[3]): table[c][col] for c in mine}
-        vs, ls = list(range(max(c[0] for c in mine))), list(range(max(c[1] for c in mine)))  # every branch
-        grid = [[got.get((v, l)) for l in ls] for v in vs]
-        mean = lambda xs: sum(xs) / len(xs) if None not in xs else None  # noqa: E731
-        top = max(got.values())
-        out[col] = {"v": vs, "l": ls, "grid": grid, "vision_mean": [mean(row) for row in grid],
-                    "language_mean": [mean([row[j] for row in grid]) for j in range(len(ls))],
-                    "best": [list(k) for k, x in got.items() if x == top]}
-    return out
-
-
-def table_3(runs: dict, policies: dict) -> list[dict]:
-    """Table 3: per Pv:Pl with a routed or random-pair run, its dense row (when run), then each policy's
-    row (one branch pair per sample), every row with its aggregates."""
+def table_1(scales: list[tuple[str, Scores]]) -> list[dict]:
+    """Table 1 per scale, in the paper's row order: the reference models (in the order given), the
+    same-recipe single-branch baseline 1:1, then the ParVL configurations (TABLE1_ORDER first); dense
+    standard runs only (pairs, variants and shared KV are other tables'). Each row with Eq. A3's aggregates."""
     rows = []
-    for pv, pl in sorted({k[:2] for k in policies}):
-        mine = [(f"{pv}:{pl} dense", runs[dense(pv, pl)])] if dense(pv, pl) in runs else []
-        mine += [(config_label(k), policies[k]) for k in sorted(policies) if k[:2] == (pv, pl)]
-        rows += [{"label": label, "pv": pv, "pl": pl, "scores": scores | aggregates(scores)} for label, scores in mine]
+    for scale, s in scales:
+        name = scale.upper()
+        for c in (c for c in s.runs if len(c) == 7):
+            rows.append({"scale": name, "kind": "reference", "label": Path(c[6]).name, "config": f"{c[0]}:{c[1]}",
+                         "checkpoint": s.models[c], "scores": s.runs[c] | aggregates(s.runs[c])})
+        mine = [c for c in s.runs if len(c) == 6 and is_dense(c)]
+        order = {a: k for k, a in enumerate(TABLE1_ORDER)}
+        for c in sorted(mine, key=lambda c: (c != dense(1, 1), order.get(f"{c[0]}:{c[1]}", len(order)),
+                                             c[0] + c[1], -c[0])):
+            label = "Baseline (Pv=1, Pl=1)" if c == dense(1, 1) else f"ParVL-{name} (Pv={c[0]}, Pl={c[1]})"
+            rows.append({"scale": name, "kind": "baseline" if c == dense(1, 1) else "parvl", "label": label,
+                         "config": f"{c[0]}:{c[1]}", "checkpoint": s.models[c],
+                         "scores": s.runs[c] | aggregates(s.runs[c])})
     return rows
 
 
-def markdown(table: dict, configs: list, flops: dict, best: dict, pvs: list, pls: list, grids: dict, pairs: dict,
-             table3: list, decimals: int) -> list[str]:
-    """report.md's lines: every configuration, the best per column, the grids, the fixed pairs, Table 3."""
-    fmt = lambda v: "-" if v is None else f"{v:.{decimals}f}"  # noqa: E731
-    md = ["| Pv:Pl | GFLOPs | " + " | ".join(COLUMNS) + " |", "|" + " --- |" * (len(COLUMNS) + 2)]
-    md += [f"| {config_label(c)} | {flops[c]:.2f} | " + " | ".join(fmt(table[c].get(k)) for k in COLUMNS) + " |"
-           for c in configs]
-    md += ["", "Best configuration (ties to fewer FLOPs):", ""]
-    md += ["| " + " | ".join(best) + " |", "|" + " --- |" * len(best),
-           "| " + " | ".join(config_label(c) for c in best.values()) + " |"]
-    for col, g in grids.items():
-        md += ["", f"{col}", "", "| Pl \\ Pv | " + " | ".join(map(str, pvs)) + " |", "|" + " --- |" * (len(pvs) + 1)]
-        md += [f"| {pl} | " + " | ".join(fmt(v) for v in row) + " |" for pl, row in zip(pls, g)]
-    for col, p in pairs.items():
-        md += ["", f"{col}: fixed pairs (vision branch rows, language branch columns; marginals; best {p['best']})", "",
-               "| v \\ l | " + " | ".join(map(str, p["l"])) + " | mean |", "|" + " --- |" * (len(p["l"]) + 2)]
-        md += [f"| {v} | " + " | ".join(fmt(x) for x in row) + f" | {fmt(m)} |"
-               for v, row, m in zip(p["v"], p["grid"], p["vision_mean"])]
-        md += ["| mean | " + " | ".join(fmt(m) for m in p["language_mean"]) + " | |"]
-    for pv, pl in dict.fromkeys((t["pv"], t["pl"]) for t in table3):  # in Table 3's order
-        md += ["", f"Table 3, {pv}:{pl}: one branch pair per sample", "", "| policy | " + " | ".join(COLUMNS) + " |",
-               "|" + " --- |" * (len(COLUMNS) + 1)]
-        md += [f"| {t['label']} | " + " | ".join(fmt(t["scores"].get(k)) for k in COLUMNS) + " |"
-               for t in table3 if (t["pv"], t["pl"]) == (pv, pl)]
-    return md
+def fixed_pairs(table: dict, configs: list, models: dict) -> dict:
+    """Table S9 per Pv:Pl from its fixed-pair runs (both branches set), all of one checkpoint (refused
+    otherwise): per column the vision x language matrix, each branch's mean over its partners (only where all
+    partners were run: the upper block) and the post-hoc best pairs with their score (the lower block)."""
+    runs = [c for c in configs if c[2] is not None and c[3] is not None]
+    out = {}
+    for pv, pl in sorted({c[:2] for c in runs}):
+        mine = [c for c in runs if c[:2] == (pv, pl)]
+        if len(ckpts := {models[c] for c in mine}) > 1:
+            raise DataError(f"Table S9 at {pv}:{pl}: fixed pairs of checkpoints {', '.join(map(str, sorted(ckpts)))}; "
+                            f"its pairs come from one checkpoint")
+        vs, ls, cols = list(range(pv)), list(range(pl)), {}
+        for col in COLUMNS:
+            got = {(c[2], c[3]): table[c][col] for c in mine if table[c].get(col) is not None}
+            if not got:
+                continue
+            grid = [[got.get((v, l)) for l in ls] for v in vs]
+            mean = lambda xs: sum(xs) / len(xs) if None not in xs else None  # noqa: E731
+            top = max(got.values())
+            cols[col] = {"grid": grid, "vision_mean": [mean(row) for row in grid],
+                         "language_mean": [mean([row[j] for row in grid]) for j in range(len(ls))],
+                         "best": [list(k) for k, x in sorted(got.items()) if x == top], "best_score": top}
+        out[f"{pv}:{pl}"] = {"v": vs, "l": ls, "checkpoint": models[mine[0]], "columns": cols}
+    return out
 
 
-FIGURE3_DOMAINS = ("General", "Math", "OCR", "All")
+def table_3(s: Scores) -> list[dict]:
+    """Table 3 per Pv:Pl with routed or random-pair runs, in the paper's row order (random pair, learned
+    router, aggregation), every row from one checkpoint: the dense row is that checkpoint's (its --router-step
+    export's when the grid's is the end of the run); a dense score of another checkpoint only is refused."""
+    rows = []
+    for pv, pl in sorted({k[:2] for k in s.policies if len(k) == 3}):
+        keys = sorted(k for k in s.policies if len(k) == 3 and k[:2] == (pv, pl))  # random pair, then routers
+        ckpt, routers = s.models[keys[0]], sum(k[2].startswith("router") for k in keys)
+        mine = [(policy_label(k[2], routers > 1), "1:1", s.policies[k], k[2]) for k in keys]
+        scores = s.table3_dense.get((pv, pl))
+        if scores is None and dense(pv, pl) in s.runs:
+            if s.models[dense(pv, pl)] != ckpt:
+                raise DataError(f"Table 3 at {pv}:{pl}: its random-pair and router rows are checkpoint {ckpt} (step "
+                                f"{s.steps.get(ckpt)}), the dense {pv}:{pl} scores checkpoint "
+                                f"{s.models[dense(pv, pl)]} (step {s.steps.get(s.models[dense(pv, pl)])}): every row "
+                                f"of Table 3 is one checkpoint's; score that checkpoint's dense model too")
+            scores = s.runs[dense(pv, pl)]
+        mine += [("Aggregation", f"{pv}:{pl}", scores, None)] if scores is not None else []
+        rows += [{"trained": f"{pv}:{pl}", "active": active, "policy": policy, "pv": pv, "pl": pl, "run": run,
+                  "checkpoint": ckpt, "step": s.steps.get(ckpt), "scores": sc | aggregates(sc)}
+                 for policy, active, sc, run in mine]
+    return rows
+
+
+def policy_label(policy: str, name_router: bool) -> str:
+    """Table 3's name of a policy ("random pair (seed 42)", "router R"): the paper's, the router named when
+    more than one was scored."""
+    if policy.startswith("random pair"):
+        return "Random pair" + policy.removeprefix("random pair")
+    return "Learned router" + (f" ({policy.removeprefix('router ')})" if name_router else "")
 
 
 def figure_3(table: dict, configs: list) -> dict:
@@ -225,7 +338,7 @@ def figure_3(table: dict, configs: list) -> dict:
             series, x = "lora", ("lora_rank", v.get("lora_rank", default.lora_rank))
         else:
             continue
-        scores = {d: table[c].get(d) for d in FIGURE3_DOMAINS}
+        scores = {d: table[c].get(d) for d in paper.FIGURE3_DOMAINS}
         out.setdefault(f"{pv}:{pl}", {"prefix": [], "lora": []})[series].append({x[0]: x[1], "scores": scores})
     for key in list(out):
         f = out[key]
@@ -237,123 +350,63 @@ def figure_3(table: dict, configs: list) -> dict:
     return out
 
 
-def figure_3_markdown(fig3: dict, decimals: int) -> list[str]:
-    fmt = lambda v: "-" if v is None else f"{v:.{decimals}f}"  # noqa: E731
-    md = []
-    for key, f in fig3.items():
-        for series, x, title in (("prefix", "vit_prefix_len", "vision prefix length"), ("lora", "lora_rank",
-                                                                                         "LoRA rank")):
-            if f[series]:
-                md += ["", f"Figure 3, {key}: domain scores against the {title}", "",
-                       f"| {title} | " + " | ".join(FIGURE3_DOMAINS) + " |", "|" + " --- |" * 5]
-                md += [f"| {p[x]} | " + " | ".join(fmt(p["scores"][d]) for d in FIGURE3_DOMAINS) + " |"
-                       for p in f[series]]
-    return md
-
-
-def plot_figure_3(fig3: dict, out: Path) -> None:
-    """figure3_PVxPL.png: the domain scores against the vision prefix length, the LoRA ranks beside
-    (matplotlib is optional, as for the heatmaps)."""
-    try:
-        plt = pyplot()
-    except ValueError:
-        log("matplotlib is not installed: Figure 3 skipped (its table is written)")
-        return
-    for key, f in fig3.items():
-        fig, axes = plt.subplots(1, 2, figsize=(8, 3.2), sharey=True)
-        for ax, series, x, name in ((axes[0], "prefix", "vit_prefix_len", "vision prefix length (tokens)"),
-                                    (axes[1], "lora", "lora_rank", "LoRA rank")):
-            for d in FIGURE3_DOMAINS:
-                pts = [(p[x], p["scores"][d]) for p in f[series] if p["scores"][d] is not None]
-                if pts:
-                    ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=d)
-            ax.set_xlabel(name), ax.set_title(f"{key}, {'prefix' if series == 'prefix' else 'LoRA'}")
-        axes[0].set_ylabel("score"), axes[0].legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / f"figure3_{key.replace(':', 'x')}.png", dpi=100)
-        plt.close(fig)
-
-
-def table_s6(table: dict, configs: list) -> dict:
-    """Table S6 per Pv:Pl with both a standard and a shared-KV dense run: the two rows and their
-    difference Δ (shared − standard) in every column."""
+def table_s6(table: dict, configs: list, models: dict) -> dict:
+    """Table S6 per Pv:Pl with both a standard and a shared-KV dense run of one checkpoint ("Both rows use the
+    same checkpoint": two are refused): the two rows and their difference Δ (shared − standard) per column."""
     out = {}
     for c in configs:
         std = c[:4] + (False,) + c[5:]
         if c[4] and c[2] is None and c[3] is None and std in table:
             label = config_label(std)
-            out[label] = {"standard": table[std], "shared": table[c],
+            if models[std] != models[c]:
+                raise DataError(f"Table S6 at {label}: its standard run is checkpoint {models[std]}, its shared-KV "
+                                f"run {models[c]}: both rows use one checkpoint")
+            out[label] = {"standard": table[std], "shared": table[c], "checkpoint": models[c],
                           "delta": {k: (None if table[c].get(k) is None or table[std].get(k) is None
                                         else table[c][k] - table[std][k]) for k in COLUMNS}}
     return out
 
 
-def table_s6_markdown(s6: dict, decimals: int) -> list[str]:
-    def fmt(v, sign=""):
-        text = "-" if v is None else f"{v:{sign}.{decimals}f}"
-        return "0." + "0" * decimals if text.lstrip("+-") == "0." + "0" * decimals else text  # Table S6's "0.0"
-
-    md = []
-    for label, t in s6.items():
-        md += ["", f"Table S6, {label}: shared KV against the standard cache", "",
-               "| KV cache | " + " | ".join(COLUMNS) + " |", "|" + " --- |" * (len(COLUMNS) + 1),
-               "| Standard | " + " | ".join(fmt(t["standard"].get(k)) for k in COLUMNS) + " |",
-               "| Shared | " + " | ".join(fmt(t["shared"].get(k)) for k in COLUMNS) + " |",
-               "| Δ (Shared − Standard) | " + " | ".join(fmt(t["delta"][k], "+") for k in COLUMNS) + " |"]
-    return md
-
-
-def heatmaps(grids: dict, pvs: list, pls: list, out: Path) -> None:
-    """One PNG per grid (the Table S4 heatmaps); matplotlib is optional."""
-    try:
-        plt = pyplot()
-    except ValueError:  # matplotlib is optional
-        log("matplotlib is not installed: heatmaps skipped (the tables are written)")
-        return
-    for col, grid in grids.items():
-        fig, ax = plt.subplots(figsize=(3.2, 2.8))
-        vals = [[math.nan if v is None else v for v in row] for row in grid]
-        im = ax.imshow(vals, cmap="viridis")
-        ax.set_xticks(range(len(pvs)), pvs), ax.set_yticks(range(len(pls)), pls)
-        ax.set_xlabel("Pv"), ax.set_ylabel("Pl"), ax.set_title(col)
-        for i, j in itertools.product(range(len(pls)), range(len(pvs))):
-            if not math.isnan(vals[i][j]):
-                ax.text(j, i, f"{vals[i][j]:.1f}", ha="center", va="center", color="w")
-        fig.colorbar(im, ax=ax)
-        fig.tight_layout()
-        fig.savefig(out / f"heatmap_{col}.png", dpi=100)
-        plt.close(fig)
+def table_s8(table: dict, configs: list) -> dict:
+    """Table S8 per Pv:Pl with a mean-aggregation variant beside its dense (MLP) run: {"Pv:Pl": {"mean",
+    "mlp"}}, each a row of scores with Eq. A3's aggregates."""
+    return {f"{c[0]}:{c[1]}": {"mean": table[c], "mlp": table[dense(c[0], c[1])]} for c in configs
+            if len(c) == 6 and dict(c[5]) == {"aggregation": "mean"} and c[2] is None and c[3] is None and not c[4]
+            and dense(c[0], c[1]) in table}
 
 
 def report(cfg: ReportConfig) -> int:
-    """`evaluate.py report`: the tables of the score files cfg.runs, written into cfg.out and printed."""
+    """`evaluate.py report`: the tables of the score files, written into cfg.out and printed."""
     check_folder(Path(cfg.out), "--out")  # a file in the way is named before any work
-    runs, policies, models = read_scores(cfg.runs, cfg.reference)
-    configs = sorted(runs, key=lambda c: (len(c) == 7, c[4], c[2] is not None or c[3] is not None, c[5], c[0], c[1],
-                                          c[2] or 0, c[3] or 0, c[6:]))
+    main = read_scores(cfg.runs, cfg.reference)
+    refs = {g[0]: g[1:] for g in cfg.scale_reference}
+    scales = [(cfg.arch, main)] + [(g[0], read_scores(g[1:], refs.pop(g[0], []))) for g in cfg.scale]
+    scales += [(name, read_scores([], files)) for name, files in refs.items()]
+    judge = one_judge(scales)
+    configs = sorted(main.runs, key=lambda c: (len(c) == 7, c[4], c[2] is not None or c[3] is not None, c[5],
+                                               c[0], c[1], c[2] or 0, c[3] or 0, c[6:]))
     study = [c for c in configs if len(c) == 6]  # the reference models' rows stay out of every other table
-    table = {c: runs[c] | aggregates(runs[c]) for c in configs}
+    table = {c: main.runs[c] | aggregates(main.runs[c]) for c in configs}
     flops = gflops(configs, cfg.arch)
-    best = best_configs(table, study, flops, cfg.tie_decimals, cfg.best_with_shared_kv)
     pvs, pls, grids = allocation_grids(table, study)
-    pairs = fixed_pairs(table, study, COLUMNS)
-    table3 = table_3(runs, {k: v for k, v in policies.items() if len(k) == 3})
-    fig3, s6 = figure_3(table, study), table_s6(table, study)
-    md = markdown(table, configs, flops, best, pvs, pls, grids, pairs, table3, cfg.tie_decimals)
-    md += figure_3_markdown(fig3, cfg.tie_decimals) + table_s6_markdown(s6, cfg.tie_decimals)
+    data = {"arch": cfg.arch, "judge": judge,
+            "configs": [{"label": config_label(c), "pv": c[0], "pl": c[1], "vision_branch": c[2],
+                         "language_branch": c[3], "shared_kv": c[4], "branches": dict(c[5]), "model": main.models[c],
+                         "model_step": main.steps.get(main.models[c]), "reference": len(c) == 7,
+                         "gflops": flops[c], "scores": table[c]} for c in configs],
+            "table1": table_1(scales),
+            "best": {k: config_label(c) for k, c in best_configs(table, study, flops, cfg.tie_decimals,
+                                                                 cfg.best_with_shared_kv).items()},
+            "grid_pv": pvs, "grid_pl": pls, "grids": grids, "pairs": fixed_pairs(table, study, main.models),
+            "table3": table_3(main), "figure3": figure_3(table, study), "table_s6": table_s6(table, study, main.models),
+            "table_s8": table_s8(table, study)}
+    md = paper.markdown(data, cfg.tie_decimals)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(md) + "\n")
-    data = {"arch": cfg.arch,
-            "configs": [{"label": config_label(c), "pv": c[0], "pl": c[1], "vision_branch": c[2],
-                         "language_branch": c[3], "shared_kv": c[4], "branches": dict(c[5]), "model": models[c],
-                         "reference": len(c) == 7, "gflops": flops[c], "scores": table[c]}
-                        for c in configs],
-            "best": {k: config_label(c) for k, c in best.items()}, "grid_pv": pvs, "grid_pl": pls, "grids": grids,
-            "pairs": pairs, "table3": table3, "figure3": fig3, "table_s6": s6}
     (out / "report.json").write_text(json.dumps(data, indent=1) + "\n")
     print("\n".join(md))
-    heatmaps(grids, pvs, pls, out)
-    plot_figure_3(fig3, out)
+    paper.heatmaps(grids, pvs, pls, out)
+    paper.plot_figure_3(data["figure3"], out)
     print(json.dumps({"report": str(out / "report.md"), "configs": len(configs), "best": data["best"]}))
     return 0

@@ -81,6 +81,7 @@ def test_lengths_command_retokenises_the_answers(bench, full_run, tmp_path, caps
     want = [len(tok.encode(p["prediction"] + " yes")) - len(tok.encode(p["prediction"])) for p in read_preds(full_run)]
     assert rc == 0 and result["table"]["MMMU_DEV_VAL"]["delta"] == pytest.approx(sum(want) / len(want))
     assert "| Clean mean (1:1) |" in out and "Clean paired Δ (4:4 − 1:1)" in out and "95 % interval" in out
+    assert out.startswith("Table S5: Decoded output length, 1:1 against 4:4.")
     rc, _, err = main_out(capsys, "lengths", "--model", folder, "--a", full_run, full_run, "--b", longer)
     assert rc == 1 and "a second predictions file of MMMU_DEV_VAL" in err
     cut = tmp_path / "cut.jsonl"  # one answer cut at the budget: out by its new_tokens under --near-cap-rule generated
@@ -88,6 +89,93 @@ def test_lengths_command_retokenises_the_answers(bench, full_run, tmp_path, caps
                            for k, p in enumerate(read_preds(longer))))
     assert list(analysis.lengths([cut], tok.encode, rule="generated")["MMMU_DEV_VAL"].values())[0] is None
     assert list(analysis.lengths([cut], tok.encode)["MMMU_DEV_VAL"].values())[0] is not None  # the paper's rule
+
+
+def slow_qwen2_encode(folder: Path):
+    """transformers 4's slow Qwen2Tokenizer (use_fast=False) in plain Python, as the paper ran it: NFC, the Qwen2
+    split regex, bytes to unicode, then byte-level BPE by merge rank on vocab.json + merges.txt; plain text only
+    (no added tokens to split out)."""
+    import unicodedata
+
+    import regex
+
+    from tiny_tokenizer import QWEN2_SPLIT_REGEX
+
+    vocab = json.loads((folder / "vocab.json").read_text(encoding="utf-8"))
+    lines = (folder / "merges.txt").read_text(encoding="utf-8").splitlines()
+    ranks = {tuple(x.split(" ")): k for k, x in enumerate(x for x in lines if x and not x.startswith("#version"))}
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    byte_char = {b: chr(b) for b in printable} | {b: chr(256 + k) for k, b in enumerate(others)}
+
+    def bpe(word: list[str]) -> list[str]:
+        while len(word) > 1:
+            rank, _, a, b = min((ranks.get(p, math.inf), k, *p) for k, p in enumerate(zip(word, word[1:])))
+            if rank == math.inf:
+                return word
+            merged, k = [], 0
+            while k < len(word):  # every occurrence of the best pair, left to right
+                if word[k:k + 2] == [a, b]:
+                    merged.append(a + b)
+                    k += 2
+                else:
+                    merged.append(word[k])
+                    k += 1
+            word = merged
+        return word
+
+    def encode(text: str) -> list[int]:
+        pieces = regex.findall(QWEN2_SPLIT_REGEX, unicodedata.normalize("NFC", text))
+        return [vocab[t] for p in pieces for t in bpe([byte_char[b] for b in p.encode("utf-8")])]
+
+    return encode
+
+
+def test_tables_s2_and_s5_count_with_the_slow_qwen2_tokenizer(bench, full_run, tmp_path, capsys):
+    """Issue 37, item 7: Tables S2 and S5 count tokens with "the Qwen3-VL-2B-Instruct Qwen2Tokenizer
+    (use_fast=False, no special tokens)"; the study counted with --model's fast tokenizer. `--tokenizer DIR`
+    (here one the test builds: the tiny BPE cut to its first 100 merges, so not the model's) is read from
+    vocab.json + merges.txt, as the slow tokenizer reads them. On plain text its ids equal transformers'
+    Qwen2Tokenizer(use_fast=False), transformers 4's slow algorithm in plain Python, and the fast tokenizer.json
+    transformers writes for it; `lengths` and `descriptors` count with it."""
+    from transformers import AutoTokenizer
+
+    from tiny_tokenizer import write_tiny_tokenizer
+
+    slow, fast = tmp_path / "qwen3vl", tmp_path / "qwen3vl_fast"
+    write_tiny_tokenizer(slow, layout="vocab")
+    merges = (slow / "merges.txt").read_text(encoding="utf-8").splitlines()
+    (slow / "merges.txt").write_text("\n".join(merges[:101]) + "\n", encoding="utf-8")  # "#version" + 100 merges
+    AutoTokenizer.from_pretrained(slow, use_fast=True).save_pretrained(fast)
+    assert (fast / "tokenizer.json").is_file()
+    ours, reference = analysis.counting_tokenizer(str(slow), "unused").encode, slow_qwen2_encode(slow)
+    transformers_slow = AutoTokenizer.from_pretrained(slow, use_fast=False)
+    texts = ["The quick brown fox jumps over 42 lazy dogs.", "  two  spaces\n\nand\ttabs  ", "It's 3.14159, café!",
+             "你好，世界！图片里有一只猫坐在红色的椅子上。", "don't CAN'T we've I'M", "x" * 40 + " 1234567",
+             *(p["prediction"] for p in read_preds(full_run))]
+    for text in texts:
+        want = reference(text)
+        assert ours(text) == want == transformers_slow.encode(text, add_special_tokens=False), text
+        assert Tokenizer.from_pretrained(fast).encode(text) == want, text
+    model_tok = Tokenizer.from_pretrained(bench[0])
+    answers = [p["prediction"] for p in read_preds(full_run)]
+    assert [len(reference(a)) for a in answers] != [len(model_tok.encode(a)) for a in answers]  # another tokenizer
+    rc, _, err = main_out(capsys, "lengths", "--model", bench[0], "--tokenizer", slow, "--a", full_run, "--b",
+                          full_run, "--out", tmp_path / "s5.json")
+    got = json.loads((tmp_path / "s5.json").read_text())["table"]["MMMU_DEV_VAL"]
+    assert rc == 0 and got["a"] == pytest.approx(sum(len(reference(a)) for a in answers) / len(answers)), err
+    clean = write_tsv(tmp_path / "MMMU_DEV_VAL.tsv", [r | {"explanation": "Because cats meow."} for r in bench[2]
+                                                     if r["index"] != "13"])
+    rc, _, err = main_out(capsys, "descriptors", clean, "--model", bench[0], "--tokenizer", slow, "--out",
+                          tmp_path / "s2.json")
+    got = json.loads((tmp_path / "s2.json").read_text())["benchmarks"]["MMMU_DEV_VAL"]
+    questions = [r["question"] for r in bench[2] if r["index"] != "13"]
+    assert rc == 0 and got["question_tokens"] == pytest.approx(sum(len(reference(q)) for q in questions) / 4), err
+    assert got["reference_tokens"] == len(reference("Because cats meow."))
+    rc, _, err = main_out(capsys, "lengths", "--model", bench[0], "--tokenizer", tmp_path / "none", "--a", full_run,
+                          "--b", full_run)
+    assert rc == 1 and err.strip() == f"error: --tokenizer {tmp_path / 'none'}: not a folder (a tokenizer's files: " \
+                                      f"vocab.json, merges.txt)"
 
 
 def test_lengths_pairs_only_answers_produced_alike(bench, full_run, tmp_path, capsys):
@@ -148,7 +236,10 @@ def test_descriptors_count_pixels_and_tokens_per_benchmark(bench, full_run, tmp_
     assert got["reference_tokens"] == pytest.approx(len(tok.encode("Because cats meow.")) / 4)
     responses = [len(tok.encode(p["prediction"])) for p in read_preds(full_run)]
     assert got["response_tokens"] == pytest.approx(sum(responses) / len(responses))
-    assert "| MMMU_DEV_VAL | 4 |" in out and out.rstrip().endswith(f"| 1:1 | {sum(responses) / len(responses):.1f} |")
+    assert out.startswith("Table S2: Dataset workload descriptors and empirically best branch-count configurations")
+    assert out.rstrip().endswith(f"| {sum(pixels) / 4:,.0f} | {got['question_tokens']:.1f} | "
+                                 f"{got['reference_tokens']:.1f} | 1:1 | 4 | explanation (3 empty) | "
+                                 f"{sum(responses) / len(responses):.1f} |")
     # an answer at the near cap (here 2 tokens, --near-cap 2): left out and said, no traceback
     rc, out, err = main_out(capsys, "descriptors", clean, "--model", folder, "--report", report, "--near-cap",
                             str(min(responses)), "--predictions", full_run)
@@ -160,7 +251,7 @@ def test_descriptors_count_pixels_and_tokens_per_benchmark(bench, full_run, tmp_
     report.write_text(json.dumps({"best": {"MMMU_DEV_VAL": "2:4"}}, indent=1))
     rc, out, _ = main_out(capsys, "descriptors", clean, "--model", folder, "--report", report, "--predictions",
                           full_run)
-    assert rc == 0 and out.splitlines()[2].endswith("| 2:4 | - |")
+    assert rc == 0 and out.splitlines()[4].endswith("| 2:4 | 4 | explanation (3 empty) | - |")
     assert f"Left out: {full_run} (1:1; the best of MMMU_DEV_VAL: 2:4)" in out
 
 
@@ -173,7 +264,10 @@ def test_cost_puts_each_configuration_at_its_own_profile(tmp_path, capsys):
     with --baseline (its 1:1 row too), and a profile of the dense 4:1 run. Each configuration sits at
     its own profile's batch-1 latency and memory, the variant at the variant's; a configuration without
     its own profile (the LoRA run) is named with the command that profiles it and left out, never given
-    the dense 4:1's; one configuration profiled on two architectures is refused."""
+    the dense 4:1's; one configuration profiled on two architectures is refused. Issue 37, item 5: the axes are
+    the paper's, ratios to 1:1 ("increasing per-sample latency and peak memory to 1.04x and 1.23x those of
+    1:1"), by hand each point's latency and peak over standard 1:1's profile, tabulated first; without a 1:1
+    profile they are missing and said so."""
     d = tmp_path / "scores"
     files = write_scores(d, "11", [40.0] * 9) + write_scores(d, "41", [41.0] * 9, pv=4)
     files += write_scores(d, "41p72", [42.0] * 9, pv=4, branches={"vit_prefix_len": 72})
@@ -198,15 +292,23 @@ def test_cost_puts_each_configuration_at_its_own_profile(tmp_path, capsys):
                             dense, "--out", tmp_path / "fig4")
     assert rc == 0, err
     got = json.loads((tmp_path / "fig4" / "score_cost.json").read_text())
+    lat, mem = rows[0]["latency_s"], rows[0]["peak_gib"]  # standard 1:1's, the ratios' denominators
     assert got["points"] == [
-        {"label": "1:1", "score": 40.0, "latency_s": rows[0]["latency_s"], "peak_gib": rows[0]["peak_gib"],
-         "arch": "tiny"},
-        {"label": "4:1", "score": 41.0, "latency_s": 9.0, "peak_gib": 7.0, "arch": "tiny"},
+        {"label": "1:1", "score": 40.0, "latency_s": lat, "peak_gib": mem, "arch": "tiny", "latency_x": 1.0,
+         "peak_x": 1.0},
+        {"label": "4:1", "score": 41.0, "latency_s": 9.0, "peak_gib": 7.0, "arch": "tiny", "latency_x": 9.0 / lat,
+         "peak_x": 7.0 / mem},
         {"label": "4:1 vit_prefix_len=72", "score": 42.0, "latency_s": rows[1]["latency_s"],
-         "peak_gib": rows[1]["peak_gib"], "arch": "tiny"}]
+         "peak_gib": rows[1]["peak_gib"], "arch": "tiny", "latency_x": rows[1]["latency_s"] / lat,
+         "peak_x": rows[1]["peak_gib"] / mem}]
     assert got["left_out"] == ["4:1 vision_branches=lora: no batch-1 profile of its own (profiling.py latency --pv 4 "
                                "--pl 1 --vision-branches lora --batch 1)"]
-    assert "Left out: 4:1 vision_branches=lora" in out and "| 4:1 | 41.0 | 9.0000 | 7.000 |" in out
+    assert "Left out: 4:1 vision_branches=lora" in out and out.startswith("Figure 4: performance-cost trade-off")
+    assert f"| 4:1 | 41.0 | {9.0 / lat:.2f}× | {7.0 / mem:.2f}× | 9.0000 | 7.000 |" in out
+    rc, out, _ = main_out(capsys, "cost", "--report", tmp_path / "report" / "report.json", "--latency", dense)
+    assert rc == 0 and "| 4:1 | 41.0 | - | - | 9.0000 | 7.000 |" in out
+    assert "Left out: the ratios to 1:1: no batch-1 profile of standard 1:1 (profiling.py latency --pv 1 --pl 1 " \
+           "--batch 1)" in out
     other = tmp_path / "lat_41_1b.json"  # the dense 4:1 profiled on another architecture as well
     other.write_text(json.dumps({"rows": [rows[1] | {"branches": {}, "arch": "1b"}]}) + "\n")
     rc, _, err = main_out(capsys, "cost", "--report", tmp_path / "report" / "report.json", "--latency", dense, other)

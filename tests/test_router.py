@@ -697,3 +697,15 @@ def test_length_groups_bucket_by_length_within_the_token_budget():
     assert router_labels.length_groups([100] * 5, 250) == [[0, 1], [2, 3], [4]]  # ties keep their order
     assert router_labels.length_groups([60, 40, 31, 29], 10**6) == [[0, 1, 2], [3]]  # 29 < 60 / 2
     assert router_labels.length_groups([], 8) == []
+
+
+def test_every_router_job_uses_the_papers_seed():
+    """Issue 37, item 7: A.2, "All SFT and router-training jobs use random seed 42"; `router.py label`
+    augmented its data with seed 0. label's augmentation, train's sample order and gates, eval's random pair:
+    42 by default, as train.py's."""
+    from conftest import parse_flags
+
+    argv = {"label": ["--model", "M", "--data", "d.json", "--out", "L"],
+            "train": ["--model", "M", "--labels", "L", "--out", "R"],
+            "eval": ["--model", "M", "--router", "R", "--labels", "L"]}
+    assert {sub: parse_flags(router, [sub, *a]).seed for sub, a in argv.items()} == dict.fromkeys(argv, 42)

@@ -30,6 +30,7 @@ import cli
 import generate
 import runs
 import train
+from checkpoint import trained_step
 from config import ParConfig
 from conftest import (COMMON, ROOT, metrics, notes, one_line, png_ok, run_main, run_train, train_here, tree,
                       worker_lines, write_dataset)
@@ -399,7 +400,8 @@ def answer(capsys, model: Path, png: Path) -> str:
 
 def test_export_of_a_kept_step_is_the_model_at_that_step(run3, model_dir, tmp_path, capsys):
     """`train.py export RUN --step N`: step 2 gives the weights the run held in memory after step 2, step 3
-    the run's own end-of-run export, in the same layout; generate.py answers alike from each pair."""
+    the run's own end-of-run export, in the same layout; generate.py answers alike from each pair. Each export
+    records its training step in config.json (issue 37, item 2: Table 3 names its checkpoint's step)."""
     out, at_two, _ = run3
     assert train.main(["export", str(out), "--step", "2", "--out", str(tmp_path / "two")]) == 0
     assert train.main(["export", str(out), "--step", "3"]) == 0
@@ -408,6 +410,7 @@ def test_export_of_a_kept_step_is_the_model_at_that_step(run3, model_dir, tmp_pa
         a, b = load_file(str(got / "model.safetensors")), load_file(str(want / "model.safetensors"))
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
         assert json.loads((got / "config.json").read_text()) == json.loads((want / "config.json").read_text())
+    assert (trained_step(tmp_path / "two"), trained_step(out / "export")) == (2, 3)
     first = load_file(str(model_dir / "model.safetensors"))
     two = load_file(str(tmp_path / "two" / "model.safetensors"))
     three = load_file(str(out / "export" / "model.safetensors"))

@@ -8,11 +8,11 @@ import sys
 import threading
 import time
 import types
-from http.server import BaseHTTPRequestHandler, HTTPServer
+from http.server import HTTPServer
 
 import pytest
 
-from conftest import main_out, png_b64, write_tsv
+from conftest import StubJudge, fake_vlmevalkit, judge_server, main_out, png_b64, write_tsv
 from evaluation import mathv as M
 from evaluation import scoring as S
 
@@ -182,6 +182,24 @@ def test_mathvista_post_check():
     assert s.unresolved == 2  # 14.0 and the list; a wrong letter is still an extraction
 
 
+def test_mathvista_needs_its_answer_option_column(tmp_path, capsys):
+    """Issue 37, item 7: MathVista's multiple-choice rows are scored against `answer_option`; a TSV without that
+    column scored every such row wrong, silently (100 here would have been 0). It is a required column: one
+    line naming it, exit 1, nothing written."""
+    row = {"index": "0", "question": "Which?", "question_type": "multi_choice", "answer_type": "text",
+           "choices": "['3/11', '8/11']", "answer": "8/11", "answer_option": "B", "image": png_b64(8, 8, 0)}
+    preds = tmp_path / "p.jsonl"
+    preds.write_text(json.dumps({"index": "0", "prediction": "(B) 8/11"}) + "\n")
+    argv = ["score", "--benchmark", "MathVista_MINI", "--predictions", preds, "--out", tmp_path / "s.json"]
+    rc, out, _ = main_out(capsys, *argv, "--data", write_tsv(tmp_path / "full.tsv", [row]))
+    assert rc == 0 and json.loads(out.splitlines()[-1])["score"] == 100.0
+    (tmp_path / "s.json").unlink()
+    no_option = write_tsv(tmp_path / "no_option.tsv", [{k: v for k, v in row.items() if k != "answer_option"}])
+    rc, out, err = main_out(capsys, *argv, "--data", no_option)
+    assert rc == 1 and out == "" and err.count("\n") == 1 and "missing required column(s) answer_option" in err
+    assert not (tmp_path / "s.json").exists()
+
+
 def test_mathvision_equivalence_1e6_and_no_eval():
     free = {"index": "0", "choices": "[]", "answer": "3/5"}
     assert S.mathvision_check(free, "0.6")[0]
@@ -306,75 +324,8 @@ def test_wemath_strict_score_mixed_groups():
 # -- the LLM answer extractor --------------------------------------------------------------------------
 
 
-FAKE_VLMEVALKIT = {
-    "multiple_choice.py": '''
-def build_prompt(question, options, prediction):
-    tmpl = 'MCQ-EXTRACT Q:{} O:{} A:{} ->'
-    return tmpl.format(question, options, prediction)
-def build_prompt_cn(question, options, prediction):
-    tmpl = 'CN {} {} {}'
-    return tmpl
-def build_prompt_wemath(question, options, prediction):
-    tmpl = 'MCQ-EXTRACT WEMATH Q:{} O:{} A:{}'
-    question = question.replace('FORMAT-RULE', '')
-    return tmpl
-''',
-    "logicvista.py": '''
-def build_prompt_logicvista(line):
-    tmpl = 'LOGIC Q:{} A:{}'
-    return tmpl
-''',
-    "wemath.py": "",
-    "mathv.py": '''
-def get_gpt4_ICE():
-    example_1 = "V1"
-    return [example_1]
-def build_mathv_gpt4_prompt(line):
-    task_description = "MATHV "
-    return task_description
-''',
-    "mathvista.py": '''
-def get_gpt4_ICE():
-    example_1 = "EX1"
-    example_2 = "EX2"
-    return [example_1, example_2]
-def build_mathvista_gpt4_prompt(line):
-    task_description = "MATH-EXTRACT "
-    return task_description
-''',
-}
-
-
-class StubJudge(BaseHTTPRequestHandler):
-    """Answers chat completions on the loopback address: option B for option prompts, 14 for maths."""
-    requests: list = []
-
-    def do_POST(self):
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        StubJudge.requests.append(body)
-        prompt = body["messages"][0]["content"]
-        if prompt.startswith("LOGIC"):  # first try not letters only: the extractor must retry
-            reply = "AC" if body["temperature"] > 0 else "A and C"
-        elif prompt.startswith("MATHV"):
-            reply = "0.6"
-        else:
-            reply = "B" if prompt.startswith("MCQ-EXTRACT") else "14"
-        data = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply}}]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
-
-
 def test_judge_extracts_only_unresolved_rows_and_caches(tmp_path, capsys):
-    kit = tmp_path / "VLMEvalKit" / "vlmeval" / "dataset" / "utils"
-    kit.mkdir(parents=True)
-    for name, text in FAKE_VLMEVALKIT.items():
-        (kit / name).write_text(text)
+    fake_vlmevalkit(tmp_path / "VLMEvalKit")
     img = png_b64(8, 8, 0)
     tsv = write_tsv(tmp_path / "m.tsv", [
         {"index": "1", "question": "Pet?", "A": "cat", "B": "dog", "answer": "B", "split": "validation", "image": img},
@@ -382,38 +333,28 @@ def test_judge_extracts_only_unresolved_rows_and_caches(tmp_path, capsys):
     preds = tmp_path / "p.jsonl"
     preds.write_text(json.dumps({"index": "1", "prediction": "the animal that barks"}) + "\n"
                      + json.dumps({"index": "2", "prediction": "A"}) + "\n")
-    server = HTTPServer(("127.0.0.1", 0), StubJudge)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_port}/v1"
-    argv = ["score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", preds, "--judge-url", url,
-            "--judge-model", "stub", "--vlmevalkit", tmp_path / "VLMEvalKit"]
-    try:
+    with judge_server() as url:
+        argv = ["score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", preds, "--judge-url", url,
+                "--judge-model", "stub", "--vlmevalkit", tmp_path / "VLMEvalKit"]
         rc, out, _ = main_out(capsys, *argv)
         first = json.loads(out.splitlines()[-1])
         assert rc == 0 and first["score"] == 100.0 and first["judge_calls"] == 1  # only row 1 needed it
         sent = StubJudge.requests[-1]["messages"][0]["content"]
         assert sent == "MCQ-EXTRACT Q:Pet? O:There are several options: \nA. cat\nB. dog\n A:the animal that barks ->"
         rc, _, _ = main_out(capsys, "score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", preds)
-    finally:
-        server.shutdown()
-        server.server_close()
     # without a judge row 1 is unresolved; with the (now stopped) judge the cache answers: no request
     rc, out, _ = main_out(capsys, *argv)
     again = json.loads(out.splitlines()[-1])
     assert rc == 0 and again["score"] == 100.0 and again["judge_calls"] == 0
     # MathVista: a numeric reply that int() refuses goes to the extractor, whose "14" is then checked
     mv = write_tsv(tmp_path / "mv.tsv", [{"index": "0", "question": "Q?", "question_type": "free_form",
-                                          "answer_type": "integer", "choices": "", "answer": "14", "image": img}])
+                                          "answer_type": "integer", "choices": "", "answer_option": "",
+                                          "answer": "14", "image": img}])
     (tmp_path / "mv.jsonl").write_text(json.dumps({"index": "0", "prediction": "It is fourteen"}) + "\n")
-    server = HTTPServer(("127.0.0.1", 0), StubJudge)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with judge_server() as url:
         rc, out, _ = main_out(capsys, "score", "--benchmark", "MathVista_MINI", "--data", mv, "--predictions",
-                              tmp_path / "mv.jsonl", "--judge-url", f"http://127.0.0.1:{server.server_port}/v1",
-                              "--judge-model", "stub", "--vlmevalkit", tmp_path / "VLMEvalKit")
-    finally:
-        server.shutdown()
-        server.server_close()
+                              tmp_path / "mv.jsonl", "--judge-url", url, "--judge-model", "stub", "--vlmevalkit",
+                              tmp_path / "VLMEvalKit")
     assert rc == 0 and json.loads(out.splitlines()[-1])["score"] == 100.0
     assert StubJudge.requests[-1]["messages"][0]["content"] == ("MATH-EXTRACT EX1\nEX2\nQ?\nModel respone: It is "
                                                                 "fourteenExtracted answer:")
@@ -426,10 +367,7 @@ def test_a_judge_reply_past_its_bound_is_one_line_and_not_cached(tmp_path, capsy
     judge, exit 1, nothing cached."""
     from evaluation import judge
 
-    kit = tmp_path / "VLMEvalKit" / "vlmeval" / "dataset" / "utils"
-    kit.mkdir(parents=True)
-    for name, text in FAKE_VLMEVALKIT.items():
-        (kit / name).write_text(text)
+    fake_vlmevalkit(tmp_path / "VLMEvalKit")
     tsv = write_tsv(tmp_path / "m.tsv", [{"index": "1", "question": "Pet?", "A": "cat", "B": "dog", "answer": "B",
                                           "split": "validation", "image": png_b64(8, 8, 0)}])
     preds = tmp_path / "p.jsonl"
@@ -462,10 +400,7 @@ def test_a_judge_reply_past_its_bound_is_one_line_and_not_cached(tmp_path, capsy
 
 
 def test_judge_wemath_mathvision_logicvista(tmp_path, capsys):
-    kit = tmp_path / "VLMEvalKit" / "vlmeval" / "dataset" / "utils"
-    kit.mkdir(parents=True)
-    for name, text in FAKE_VLMEVALKIT.items():
-        (kit / name).write_text(text)
+    fake_vlmevalkit(tmp_path / "VLMEvalKit")
     img = png_b64(8, 8, 0)
     cases = {  # benchmark -> (rows, predictions, expected score)
         "WeMath": ([{"index": "1", "question": "Angle? FORMAT-RULE", "A": "30", "B": "60", "answer": "B",
@@ -479,24 +414,45 @@ def test_judge_wemath_mathvision_logicvista(tmp_path, capsys):
                             {"1": "about three fifths"}, 100.0),
         "LogicVista": ([{"index": "1", "question": "Which?", "answer": "A, C"}], {"1": "I pick A and C"}, 100.0),
     }
-    server = HTTPServer(("127.0.0.1", 0), StubJudge)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with judge_server() as url:
         for bench, (rows, preds, expected) in cases.items():
             tsv = write_tsv(tmp_path / f"{bench}.tsv", [r | {"image": img} for r in rows])
             pj = tmp_path / f"{bench}.jsonl"
             pj.write_text("".join(json.dumps({"index": k, "prediction": v}) + "\n" for k, v in preds.items()))
             plain = main_out(capsys, "score", "--benchmark", bench, "--data", tsv, "--predictions", pj)[1]
             rc, out, _ = main_out(capsys, "score", "--benchmark", bench, "--data", tsv, "--predictions", pj,
-                                  "--judge-url", f"http://127.0.0.1:{server.server_port}/v1", "--judge-model", "stub",
+                                  "--judge-url", url, "--judge-model", "stub",
                                   "--vlmevalkit", tmp_path / "VLMEvalKit")
             assert rc == 0 and json.loads(out.splitlines()[-1])["score"] == expected, bench
             assert json.loads(plain.splitlines()[-1])["score"] < expected, bench  # the extractor made the difference
-    finally:
-        server.shutdown()
-        server.server_close()
     sent = [r["messages"][0]["content"] for r in StubJudge.requests]
     # WeMath: only the unresolved row is sent, with its template and the format rule removed
     assert "MCQ-EXTRACT WEMATH Q:Angle?  O:There are several options: \nA. 30\nB. 60\n A:sixty degrees" in sent
     assert "MATHV V1\nRatio?\nModel respone: about three fifthsExtracted answer:" in sent
     assert sent.count("LOGIC Q:Which? A:I pick A and C") == 2  # retried at temperature 0.5
+
+
+def test_the_extractor_key_comes_from_the_environment_only(tmp_path, capsys, monkeypatch):
+    """Issue 37, item 1: the endpoint's API key is read from an environment variable (--judge-key-env, by default
+    OPENAI_API_KEY) and sent as a bearer token, never a flag: a server that wants it refuses a request without
+    it (one line naming the judge, exit 1) and answers one with it; the key shows in no output and no file."""
+    fake_vlmevalkit(tmp_path / "VLMEvalKit")
+    tsv = write_tsv(tmp_path / "l.tsv", [{"index": "1", "question": "Which?", "answer": "A, C",
+                                          "image": png_b64(8, 8, 0)}])
+    preds = tmp_path / "p.jsonl"
+    preds.write_text(json.dumps({"index": "1", "prediction": "I pick A and C"}) + "\n")
+    key = "sk-test-0123456789abcdef"
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    with judge_server(key=key) as url:
+        argv = ["score", "--benchmark", "LogicVista", "--data", tsv, "--predictions", preds, "--judge-url", url,
+                "--judge-model", "stub", "--vlmevalkit", tmp_path / "VLMEvalKit", "--out", tmp_path / "s.json"]
+        rc, out, err = main_out(capsys, *argv)
+        assert rc == 1 and out == "" and err.count("\n") == 1 and "request failed: HTTP Error 401" in err
+        monkeypatch.setenv("MY_JUDGE_KEY", key)
+        rc, out, err = main_out(capsys, *argv, "--judge-key-env", "MY_JUDGE_KEY")
+        assert rc == 0 and json.loads(out.splitlines()[-1])["score"] == 100.0, err
+        monkeypatch.setenv("OPENAI_API_KEY", key)  # the default variable
+        (tmp_path / "p.jsonl.judge-stub.jsonl").unlink()  # no cached reply: ask again
+        rc, out, err = main_out(capsys, *argv)
+        assert rc == 0 and json.loads(out.splitlines()[-1])["judge_calls"] == 2, err
+    assert key not in out + err and not [f for f in tmp_path.rglob("*") if f.is_file() and key in f.read_text()]
