@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NoReturn
 
@@ -116,10 +117,14 @@ def error(line: str, every_rank: bool = False, wait: bool = True) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+_process = {"main": False}  # whether command() runs this process, which then exits when the job ends
+
+
 def command(main):
     """The __main__ of a command: main() under torch.distributed.elastic's `record`, which writes an
     uncaught exception (a bug: its traceback is the useful report) to the error file torchrun reads,
     then exit_process with main's code."""
+    _process["main"] = True
     exit_process(record(main)() or 0)
 
 
@@ -154,15 +159,17 @@ def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None =
     same end, or at once (os._exit) when this rank's peers may be mid-collective or gone (end)."""
     code, alone, lost, waits = 0, False, False, False  # alone: leave without the last barrier
     try:
-        with interruptible() as received:
+        with interruptible() as signals:
             try:
                 code = job() or 0
                 sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+                signals.armed = False  # each path disarms as its last step: a later signal raises nowhere
             except BrokenPipeError:  # the reader left (`| head`): stop quietly, as command-line tools do
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-                code = 1
+                code, signals.armed = 1, False
             except (KeyboardInterrupt, *dcp_errors(), Exception) as e:
-                code, alone, lost, waits = report(e, received, interrupted)
+                code, alone, lost, waits = report(e, signals.received, interrupted)
+                signals.armed = False
     finally:  # the handlers are gone: torchrun's SIGTERM to a rank that waits for it ends that rank quietly
         end(code, alone, lost, waits)
     return code
@@ -347,24 +354,40 @@ class Interrupted(KeyboardInterrupt):
         self.code = 128 + signum
 
 
+@dataclass
+class Signals:
+    """The signals a command received, first first (what a signal then caused elsewhere, a peer's exit seen as
+    a lost connection, is still the signal's), and whether the next one raises Interrupted (`armed`: while the
+    job runs; shell disarms it once the job has ended, however it ended)."""
+    received: list[int] = field(default_factory=list)
+    armed: bool = True
+
+
 @contextmanager
 def interruptible():
     """SIGINT and SIGTERM raise Interrupted inside, so the command stops through its own finally
     blocks (a file half written removed, the ones complete kept) and says so in one line; the
-    previous handlers come back after. Yields the list of signals received, first first: what a
-    signal then caused elsewhere (a peer's exit seen as a lost connection) is still the signal's."""
-    received: list[int] = []
+    previous handlers come back after. Yields the Signals received.
+
+    Idempotent: a signal that comes while an interrupt is being handled (a finally block, shell's line)
+    or once the job has ended is recorded, not raised. Slurm signals every rank and torchrun forwards its
+    own, so a second SIGTERM often follows the first within milliseconds; raised inside the print of the
+    first's line, or in this block's own exit, it escaped as a traceback instead of 143. A process that was
+    interrupted (command) then ignores every signal until it has exited with 130 / 143: their default action
+    would end it as killed."""
+    signals = Signals()
 
     def on_signal(signum, frame):
-        received.append(signum)
-        raise Interrupted(signum)
+        signals.received.append(signum)
+        if signals.armed and not isinstance(sys.exc_info()[1], KeyboardInterrupt):  # none is being handled
+            raise Interrupted(signum)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield received
+        yield signals
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if signals.received and _process["main"] else handler)
 
 
 CAUSES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",

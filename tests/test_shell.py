@@ -10,8 +10,11 @@ import fcntl
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -423,3 +426,81 @@ def test_every_flag_says_its_default_once(capsys):
         helps.append(capsys.readouterr().out)
     flags = [" ".join(b.split()) for h in helps for b in re.split(r"\n  (?=-)", h)[1:]]
     assert len(flags) > 100 and not [f for f in flags if f.lower().count("default") > 1]
+
+
+# -- a second signal while the first is handled --------------------------------------------------------
+
+
+def test_a_second_signal_while_the_first_is_handled_changes_nothing(monkeypatch, capsys):
+    """Slurm signals every rank and torchrun forwards its own: a second SIGTERM comes 1 to 500 ms after the
+    first. Wherever it lands while the first is handled (the job's cleanup, the words on what stays, the print
+    of the line) it is recorded, not raised again: 143 and the one line, never a traceback (issue 38, item
+    16). The print case is forced: the second signal is sent from inside the line's own write."""
+    def shell(job, words=None) -> int:  # an Interrupted that escapes is this test's failure, not pytest's abort
+        try:
+            return cli.shell(job, interrupted=words)
+        except KeyboardInterrupt as e:
+            pytest.fail(f"{type(e).__name__} escaped the shell: {e!r}")
+
+    def send(delay: float, sent: threading.Event) -> None:
+        time.sleep(0.02)  # the job is running
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(delay)
+        os.kill(os.getpid(), signal.SIGTERM)
+        sent.set()
+
+    def words(sent: threading.Event) -> str:  # what stays, said while the second signal comes (a slow look)
+        assert sent.wait(5)
+        return "what stays"
+
+    def job(sender: threading.Thread) -> None:
+        sender.start()
+        while True:
+            time.sleep(0.001)
+
+    for delay in (0.001, 0.003, 0.01, 0.03, 0.06, 0.1, 0.2, 0.3, 0.4, 0.5):
+        sent = threading.Event()
+        sender = threading.Thread(target=send, args=(delay, sent), daemon=True)
+        assert shell(lambda sender=sender: job(sender), lambda sent=sent: words(sent)) == 143, delay
+        assert capsys.readouterr().err == "interrupted by SIGTERM: what stays\n", delay
+
+    class Stderr(io.StringIO):
+        def write(self, text):  # the second SIGTERM arrives in the middle of the print
+            if not self.getvalue():
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().write(text)
+
+    def signalled():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    err = Stderr()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert shell(signalled) == 143 and err.getvalue() == "interrupted by SIGTERM\n"
+
+
+def test_a_command_signalled_twice_exits_143_with_one_line(model_dir):
+    """The same as processes: generate.py --chat waiting at its prompt gets SIGTERM, then another 1 or 30 ms
+    later, which lands in the line or in the interpreter's exit: always 143 and the one line (a signal after
+    the job is ignored; its default action would have ended the process as killed). The processes start
+    together, so that their start-ups overlap."""
+    delays = (0.001, 0.03)
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "generate.py"), "--chat", "--model", str(model_dir)],
+                              stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1")) for _ in delays]
+    try:
+        for proc, delay in zip(procs, delays):
+            assert proc.stderr.readline().startswith("loaded "), delay  # at the prompt
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(delay)
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:  # it has exited already
+                pass
+        for proc, delay in zip(procs, delays):
+            err = proc.stderr.read()
+            assert proc.wait(timeout=60) == 143 and err.strip().splitlines() == ["interrupted by SIGTERM"], (delay, err)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
