@@ -20,7 +20,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from config import LLMConfig, ParConfig, ParVLConfig, ViTConfig
-from processor import IM_END, IM_START, IMG_CONTEXT, IMG_END, IMG_START, Tokenizer
+from processor import IM_END, IM_START, IMG_CONTEXT, IMG_END, IMG_START, MAX_TILES, Tokenizer
 
 
 class CheckpointError(ValueError):
@@ -298,6 +298,9 @@ def multimodal_fields(raw: dict, vit: ViTConfig, hf: bool, folder: Path | None) 
     select = raw.get(select_key, -1)
     if isinstance(select, bool) or not isinstance(select, int) or not -layers - 1 <= select <= layers:
         raise top.bad(select_key, f"an integer in [{-layers - 1}, {layers}]", select)
+    if top.int("max_dynamic_patch", 12) > MAX_TILES:  # the default tile budget of every command
+        raise top.bad("max_dynamic_patch", f"in [1, {MAX_TILES}] (the most tiles InternVL's pipelines give)",
+                      raw["max_dynamic_patch"])
     template = raw.get("template", "internvl2_5")
     if template != "internvl2_5":  # the one chat template processor.py implements (InternVL3 and 3.5 use it)
         raise CheckpointError(f"config.json: chat template {template!r} is not supported (internvl2_5)")

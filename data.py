@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from processor import (DEFAULT_SYSTEM_MESSAGE, IMAGE_PLACEHOLDER, IMAGE_SIZE, IMG_CONTEXT, IM_START,
+from processor import (DEFAULT_SYSTEM_MESSAGE, IMAGE_PLACEHOLDER, IMAGE_SIZE, IMG_CONTEXT, IM_START, MAX_TILES,
                        NUM_IMAGE_TOKENS, ImageError, expand_images, load_image, not_unicode, tile_image,
                        turn)
 from processor import open_rgb  # the decoder processor.load_image uses, with its error handling
@@ -89,10 +89,15 @@ class SFTData(torch.utils.data.Dataset):
                 raise ValueError(f"{meta_path}: dataset {name!r} has repeat_time={r}, need > 0")
             # InternVL's LazySupervisedDataset: r < 1 keeps the first floor(len * r) lines, r > 1 repeats int(r) times.
             kept = int(len(offsets) * r) if r < 1 else len(offsets)
+            tiles = m.get("max_dynamic_patch", max_tiles)  # the meta file's, checked; else the caller's
+            if "max_dynamic_patch" in m and (isinstance(tiles, bool) or not isinstance(tiles, int)
+                                             or not 1 <= tiles <= MAX_TILES):
+                raise ValueError(f"{meta_path}: dataset {name!r} has max_dynamic_patch={tiles!r}, need an integer in "
+                                 f"[1, {MAX_TILES}] (the most tiles InternVL's pipelines give)")
             self.datasets.append(dict(
                 name=name, root=os.path.join(folder, m["root"]), path=path, offsets=offsets, lines=lines,
                 kept=kept, repeat=int(r) if r > 1 else 1, augment=bool(m.get("data_augment", False)),
-                max_tiles=int(m.get("max_dynamic_patch", max_tiles))))
+                max_tiles=tiles))
         sizes = [d["kept"] * d["repeat"] for d in self.datasets]
         self.starts = np.cumsum([0] + sizes).tolist()  # global row range of dataset k: starts[k:k+2]
 

@@ -51,7 +51,7 @@ from evaluation.tsv import DataError, as_list, options, read_jsonl, read_tsv
 from flags import Command, dispatch, flag
 from gates import fingerprint
 from inference import InferenceFlags, load_engine, open_model, process_device
-from processor import ImageError, build_prompt, load_image, open_base64, place_images
+from processor import MAX_TILES, ImageError, build_prompt, load_image, open_base64, place_images
 from shards import LineParts, merged, resumed, share
 
 # Per benchmark: prompt kind (InternVLChat.build_prompt by DATASET_TYPE), tile budget (set_max_num:
@@ -63,7 +63,7 @@ PROTOCOL = {
     "TextVQA_VAL": ("short", 6), "DocVQA_VAL": ("short", 18), "OCRBench": ("short", 24),
 }
 MAX_NEW_TOKENS = 4096
-TOTAL_MAX_TILES = 64  # set_max_num's total_max_num: a row's images share 64 tiles
+TOTAL_MAX_TILES = MAX_TILES  # set_max_num's total_max_num: a row's images share 64 tiles
 FIT_PARAMETERS = 4  # E, A, alpha, k of scaling_law.law
 MAX_FIT_ROWS = 1000  # fit-law's rows: about half a minute on 2 CPU cores at this size (300 starts x rows per step)
 # what a prediction row records of the run that produced it; a resume must match every one (the

@@ -27,7 +27,7 @@ from flags import flag
 from gates import load_router
 from hub import DEFAULT_MODEL, resolve_model
 from parvl import ParVL
-from processor import Tokenizer
+from processor import MAX_TILES, Tokenizer
 
 
 def default_device() -> str:
@@ -62,7 +62,7 @@ class InferenceFlags(DeviceFlags):
     revision: str | None = flag(None, "hub branch, tag or commit of --model", shown="main")
     compile: bool | None = flag(None, "torch.compile the decode step (CUDA graphs on GPU)",
                                 shown="on for CUDA, off for CPU")
-    max_tiles: int | None = flag(None, "448 px tiles per image, thumbnail excluded", range="[1, inf)",
+    max_tiles: int | None = flag(None, "448 px tiles per image, thumbnail excluded", range=f"[1, {MAX_TILES}]",
                                  shown="the checkpoint's max_dynamic_patch, 12 for InternVL3.5; evaluate.py run: "
                                        "VLMEvalKit's budget for the benchmark")
     shared_kv: bool = flag(False, "ParVL: one mean-reduced token KV cache per sample instead of one per language "

@@ -42,7 +42,7 @@ from inference import DeviceFlags
 from llm import prompt_positions
 from loss import IGNORE, answer_nll
 from parvl import ParVL
-from processor import IM_START
+from processor import IM_START, MAX_TILES
 from shards import FileParts, merged, resumed, share
 from weights import read_safetensors
 
@@ -72,7 +72,7 @@ class LabelConfig(RouterInputs):
     batch_size: int = flag(4, "rows per chunk and forward", range="[1, inf)")
     max_tokens: int = flag(16384, "padded tokens per forward (rows x longest): a chunk over it is split by length, "
                                   "a longer row runs alone", unit="tokens", range="[1, inf)")
-    max_tiles: int = flag(12, "448 px tiles per row", range="[1, inf)")
+    max_tiles: int = flag(12, "448 px tiles per row", range=f"[1, {MAX_TILES}]")
     max_seq_len: int = flag(32768, "longer rows are skipped", unit="tokens", range="[1, inf)")
     seed: int = flag(0, "data augmentation seed (data.SFTData)", shown="0")
     dtype: str | None = flag_of(DeviceFlags, "dtype")

@@ -51,6 +51,7 @@ from flags import Command, branch_conflict, branch_flags, dispatch, flag, resolv
 from fsdp import Trained, build_model, param_groups, train_flops_per_token
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL
+from processor import MAX_TILES
 from runs import (check_out, checkpoints, discard_run, export, finite, load_model_state, plot_run, recorded_run, resume,
                   save_checkpoint, trim_metrics, verify_checkpoint)
 from schedule import lr_lambda
@@ -90,7 +91,7 @@ class TrainConfig(BranchFlags):
     max_seq_len: int = flag(32768, "tokens per sample, image tokens included (longer samples are skipped as "
                             "too_long), and with --packing the length of a packed row", unit="tokens", range="[1, inf)")
     max_tiles: int = flag(0, "448 px image tiles per sample, shared by its images; 0 = the checkpoint's "
-                          "max_dynamic_patch, 12 for InternVL3.5", range="[0, inf)")
+                          "max_dynamic_patch, 12 for InternVL3.5", range=f"[0, {MAX_TILES}]")
     max_steps: int = flag(0, "optimizer steps, 0 = one epoch", range="[0, inf)")
     seed: int = flag(SEED, "data order and RNG seed")
     dtype: str = flag("auto", "parameter dtype inside FSDP mixed precision (gradients reduce in fp32); auto = bf16 "

@@ -187,6 +187,9 @@ SPOILED_CONFIGS = {  # what is changed in the tiny checkpoint's config.json -> t
               "config.json: downsample_ratio must be 1/k for a k that divides the 32-patch grid, got 0.3"),
     "a list": (lambda c: [c], "{d}/config.json: a JSON list, not the object of names and values it must be"),
     "block a list": (lambda c: c.update(llm_config=[1]), "config.json: llm_config must be a JSON object, got list"),
+    "tiles 10**9": (lambda c: c.update(max_dynamic_patch=10**9),  # issue 38, item 13: every command's default budget
+                    "config.json: max_dynamic_patch must be in [1, 64] (the most tiles InternVL's pipelines give), got "
+                    "1000000000"),
 }
 
 

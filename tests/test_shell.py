@@ -28,7 +28,7 @@ import profiling
 import router
 import train
 from conftest import (COMMON, NOT_UTF8, ROOT, one_line, parse_flags, root_cause, run_main, run_train, tree,
-                      worker_lines, write_dataset)
+                      worker_lines, write_dataset, write_tsv)
 
 
 # -- flags: exit 2 and one line, said once -------------------------------------------------------------
@@ -232,6 +232,27 @@ def test_text_that_is_not_unicode_is_named_where_it_is(model_dir, tmp_path, caps
     pred.write_text('{"index": "1", "prediction": "a \\udcff", "benchmark": "OCRBench"}\n')
     code, err = run_main(capsys, evaluate.main, ["lengths", "--model", model_dir, "--a", pred, "--b", pred])
     assert code == 1 and err == [f"error: {pred}: line 1 is not valid Unicode (a lone surrogate U+DCFF)"], err
+
+
+def test_max_tiles_past_internvls_most_is_a_flag_error(model_dir, meta, tmp_path, capsys):
+    """--max-tiles 10**9 filled the memory before it was killed (the tile grid's candidates grow with it): every
+    tile budget is bounded by InternVL's own most, 64 (processor.MAX_TILES: VLMEvalKit's total_max_num for
+    InternVL), exit 2 in one line at parse, in every command that takes it (issue 38, item 13). No file is written."""
+    m, d, out = str(model_dir), str(meta), str(tmp_path / "o")
+    tsv = write_tsv(tmp_path / "t.tsv", [{"index": "0", "question": "q", "answer": "a", "image": "x" * 80}])
+    run = ["run", "--benchmark", "TextVQA_VAL", "--data", tsv, "--model", m, "--out", f"{out}/p.jsonl"]
+    cases = [
+        (generate.main, ["Hi", "--model", m, "--max-tiles", 10**9], "--max-tiles must be in [1, 64], got 1000000000"),
+        (evaluate.main, [*run, "--max-tiles", 65], "--max-tiles must be in [1, 64], got 65"),
+        (train.main, ["--model", m, "--data", d, "--out", out, "--max-tiles", 10**9],
+         "--max-tiles must be in [0, 64], got 1000000000"),
+        (router.main, ["label", "--model", m, "--data", d, "--out", out, "--max-tiles", 10**9],
+         "--max-tiles must be in [1, 64], got 1000000000"),
+    ]
+    for main, argv, want in cases:
+        code, err = run_main(capsys, main, argv)
+        assert code == 2 and len(err) == 1 and want in err[0] and err[0].endswith("(see --help)"), (argv, err)
+    assert not Path(out).exists()
 
 
 # -- one output, one writer ----------------------------------------------------------------------------
