@@ -17,10 +17,13 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, NoReturn
 
@@ -63,7 +66,8 @@ def log(msg: str, stream=None, every_rank: bool = False) -> None:
 def start_processes(cuda: bool, always: bool = False) -> torch.device:
     """The process group torchrun asks for (RANK set: NCCL on CUDA, gloo on CPU), and this process's
     device. A plain `python` process runs alone with no group, or, with always (FSDP2 wants one), in a
-    world of one over an in-process store."""
+    world of one over an in-process store. Ranks started without torchrun (RANK set by hand or by srun)
+    meet at MASTER_ADDR:MASTER_PORT within RENDEZVOUS_S (rendezvous)."""
     if not dist.is_initialized():
         if "RANK" in os.environ:
             # Rank 0 may leave before the group is up (a second writer refused, cli.one_writer): torchrun then
@@ -72,7 +76,10 @@ def start_processes(cuda: bool, always: bool = False) -> torch.device:
             # 30 s grace and its SIGKILL
             handler = signal.signal(signal.SIGTERM, signal.SIG_DFL)
             try:
-                dist.init_process_group("nccl" if cuda else "gloo")
+                if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's store, already up
+                    dist.init_process_group("nccl" if cuda else "gloo")
+                else:
+                    rendezvous("nccl" if cuda else "gloo")
             finally:
                 signal.signal(signal.SIGTERM, handler)
         elif always:
@@ -81,6 +88,60 @@ def start_processes(cuda: bool, always: bool = False) -> torch.device:
     if cuda:
         torch.cuda.set_device(device)
     return device
+
+
+RENDEZVOUS_S = 900  # how long ranks started without torchrun wait for each other: torchrun's own default
+WAITING_NOTE_S = 5  # after this long, a waiting rank says what it waits for
+
+
+def rendezvous(backend: str) -> None:
+    """The process group of ranks started without torchrun (RANK and WORLD_SIZE set by hand, or by srun from
+    SLURM_PROCID): rank 0 hosts the store at MASTER_ADDR:MASTER_PORT and the others join it, within
+    RENDEZVOUS_S; a rank still waiting after WAITING_NOTE_S says what it waits for. torch's own env://
+    rendezvous waits the process group's timeout (30 min; the group keeps it here, for the collectives of a long
+    job) in silence, then prints C++ stack frames: this wait is quiet, polled from Python. A rank left alone is
+    one line, said by that rank (RankError)."""
+    me, world = rank(), int(os.environ.get("WORLD_SIZE", 1))
+    who, addr, port = f"rank {me} of {world}", os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
+    start = "start every rank (torchrun --nproc-per-node N ... starts and joins them), or unset RANK to run alone"
+    if not addr or not port.isdigit():
+        raise RankError(f"{who}: RANK is set, so this process waits for its peers, but MASTER_ADDR and MASTER_PORT "
+                        f"({addr!r}, {port!r}) name no place to meet; {start}")
+    waits = f"for rank 0 at {addr}:{port}" if me else f"at {addr}:{port} for the other {world - 1} rank(s)"
+    note = threading.Timer(WAITING_NOTE_S, log, (f"{who}: waiting {waits} (RANK and WORLD_SIZE are set, without "
+                                                 f"torchrun; at most {RENDEZVOUS_S} s)",), {"every_rank": True})
+    note.daemon, deadline, joined = True, time.monotonic() + RENDEZVOUS_S, 0
+    note.start()
+    try:
+        if me:  # the port must accept before the store's client connects: its own retries log C++ frames
+            while not port_open(addr, int(port)):
+                if time.monotonic() > deadline:
+                    raise RankError(f"{who}: no rendezvous {waits} within {RENDEZVOUS_S} s (nothing listens "
+                                    f"there); {start}")
+                time.sleep(0.2)
+        store = dist.TCPStore(addr, int(port), world, is_master=me == 0, wait_for_workers=False, multi_tenant=True,
+                              timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+        joined = store.add("parvl/joined", 1)
+        while joined < world and time.monotonic() < deadline:  # every rank waits for all, rank 0 included
+            time.sleep(0.2)
+            joined = store.add("parvl/joined", 0)
+    except RuntimeError as e:  # DistNetworkError: no rank 0 there; an address in use
+        raise RankError(f"{who}: no rendezvous {waits} ({one_line(e)[:160]}); {start}") from None
+    finally:
+        note.cancel()
+    if joined < world:
+        raise RankError(f"{who}: no rendezvous {waits} within {RENDEZVOUS_S} s ({joined} of {world} ranks came); "
+                        f"{start}")
+    dist.init_process_group(backend, store=store, rank=me, world_size=world)
+
+
+def port_open(addr: str, port: int) -> bool:
+    """Whether something accepts connections at addr:port (a store that is up)."""
+    try:
+        socket.create_connection((addr, port), timeout=1).close()
+        return True
+    except OSError:
+        return False
 
 
 def barrier() -> None:
@@ -146,8 +207,8 @@ def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None =
                    "error: LINE" from rank 0 (every rank meets it alike); 2 for a UsageError;
                    a failed read or write: the file and its cause (os_error), from the rank that met it;
                    DCP's failed save: its cause (os_cause);
-                   an allocation failure: the sizes and the flags that lower them (OutOfMemory), from
-                   the rank that met it;
+                   an allocation failure: the sizes and the flags that lower them (OutOfMemory), and
+                   any failure only one rank meets (RankError), from the rank that met it;
                    a lost peer under torchrun: said by this rank, which leaves the report to the peer;
                    a closed output pipe (`| head`): quietly;
         130 / 143  SIGINT / SIGTERM (interruptible): "interrupted by SIGINT", then the job's own words
@@ -187,7 +248,7 @@ def report(e: BaseException, received: list[int],
         words = interrupted() if interrupted is not None else ""
         log(f"interrupted by {signal.Signals(signum).name}" + (f": {words}" if words else ""))
         return 128 + signum, many, False, False
-    if isinstance(e, OutOfMemory):  # this rank's batch: the others may be mid-collective
+    if isinstance(e, RankError):  # this rank's alone (its batch, its tracker): the others may be mid-collective
         error(f"error: {who}{e}", every_rank=True)
         return 1, many, False, False
     if isinstance(e, (ValueError, *dcp_errors())):  # alike on every rank
@@ -217,6 +278,21 @@ def end(code: int, alone: bool, lost: bool, waits: bool) -> None:
         end_processes()  # its barrier: rank 0 has reported before any rank leaves
     elif waits and rank() != 0:
         wait_for_torchrun()
+
+
+def regular_file(path, what: str = "") -> Path:
+    """A file a command reads, refused in one line unless it is a regular file (a link to one is): reading a FIFO
+    blocks until some process writes it, maybe forever, and a device or a folder holds no data. A missing file
+    passes: the opener's own line says so. `what` names the file's role ("--batch")."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return Path(path)
+    if not stat.S_ISREG(mode):
+        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
+                else "a socket" if stat.S_ISSOCK(mode) else "a device")
+        raise ValueError(f"{what + ' ' if what else ''}{path}: {kind}, not a regular file; a command reads files only")
+    return Path(path)
 
 
 def check_folder(folder: Path, flag: str, given: Path | None = None) -> None:
@@ -433,7 +509,13 @@ def os_error(e: BaseException, folder: Path | None = None) -> str:
     return f"{e.filename}: {os_cause(e, folder)}" if isinstance(e, OSError) and e.filename else os_cause(e, folder)
 
 
-class OutOfMemory(ValueError):
+class RankError(ValueError):
+    """Bad input or a failure that only this rank meets (its batch's allocation, its wait for the others): said
+    by this rank, named as its own under torchrun, and it leaves at once (the others may be in a collective it
+    will never join)."""
+
+
+class OutOfMemory(RankError):
     """An allocation failed: one line naming the sizes that asked for it (a ValueError, so every
     command's one-line error path reports it)."""
 

@@ -32,7 +32,7 @@ from processor import (DEFAULT_SYSTEM_MESSAGE, IMAGE_PLACEHOLDER, IMAGE_SIZE, IM
                        NUM_IMAGE_TOKENS, ImageError, expand_images, load_image, not_unicode, tile_image,
                        turn)
 from processor import open_rgb  # the decoder processor.load_image uses, with its error handling
-from cli import one_line
+from cli import one_line, regular_file
 from loss import IGNORE
 
 BAD_REASONS = ("missing_image", "corrupt_image", "placeholder_mismatch", "too_long", "bad_row")
@@ -312,6 +312,7 @@ def _bad_or_good(s) -> "BadRow | str":
 
 
 def _read_meta(path: str) -> dict:
+    regular_file(path, "meta file")  # a FIFO would block the read
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -346,6 +347,7 @@ def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray | None]:
     """Byte offsets of the non-blank lines of a JSONL file (rows are parsed only when read), and their
     1-based line numbers in the file when blank lines make them differ from the row numbers."""
     offsets, lines, pos, n = array("q"), array("q"), 0, 0  # 8 bytes a line, not a parsed row
+    regular_file(path, "annotation")  # a FIFO would block the read
     try:
         with open(path, "rb") as f:
             for n, line in enumerate(f, 1):

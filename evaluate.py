@@ -40,7 +40,8 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from cli import SEED, allocation, check_shared, command, log, make_folder, one_line, rank, world_size
+from cli import (SEED, allocation, check_shared, command, log, make_folder, one_line, rank, regular_file,
+                 world_size)
 from config import branch_variant
 from engine import GenerateConfig, context_check
 from evaluation import analysis, tables
@@ -384,7 +385,8 @@ def make_judge(cfg: ScoreConfig) -> Judge | None:
 
 def fit_law_cmd(cfg) -> int:
     try:
-        with open(cfg.csv, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not a column name
+        # -sig: a byte-order mark is not a column name; regular_file: a FIFO would block the read
+        with open(regular_file(cfg.csv), newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f)
             missing = [c for c in ("params", "p", "loss") if c not in (reader.fieldnames or ("params", "p", "loss"))]
             if missing:  # before the rows: a TSV's base64 image cells would pass csv's field limit

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import cli
-from cli import command, error, hms, log, one_line, peak_memory_gib, resolve_device
+from cli import command, error, hms, log, one_line, peak_memory_gib, regular_file, resolve_device
 from engine import Engine, GenerateConfig, context_check
 from flags import Command, dispatch, flag
 from inference import InferenceFlags, load_engine, open_model
@@ -224,7 +224,7 @@ def read_questions(path: Path) -> list[dict]:
     """The rows of a --batch file: {"line", "image" (as written), "question", "paths"}; every image path
     (relative to the file) must exist. A bad row is one line naming it, before any weights load."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = regular_file(path, "--batch").read_text(encoding="utf-8")  # a FIFO would block the read
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--batch {path}: cannot read ({e})") from None
     rows = []

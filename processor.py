@@ -151,6 +151,9 @@ def open_rgb(path_or_pil, name: str | None = None) -> Image.Image:
     PIL image or a binary file object (named by `name` in errors)."""
     if name is None:
         name = "<PIL image>" if isinstance(path_or_pil, Image.Image) else os.fspath(path_or_pil)
+    if isinstance(path_or_pil, (str, os.PathLike)) and os.path.exists(path_or_pil) and not os.path.isfile(path_or_pil):
+        # a FIFO would block Image.open until some process writes it, maybe forever; a folder holds no image
+        raise ImageError(f"cannot read image {name}: not a regular file (a folder, a FIFO or a device)")
     try:
         if isinstance(path_or_pil, Image.Image):
             return _to_rgb(path_or_pil, name)

@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from aggregate import fold, per_branch
 from batches import collate
 from checkpoint import check_not_run_folder, open_checkpoint, read_json
-from cli import allocation, barrier, check_shared, log, rank, resolve_dtype, start_processes, world_size
+from cli import allocation, barrier, check_shared, log, rank, regular_file, resolve_dtype, start_processes, world_size
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction
 from flags import flag, flag_of
 from gates import RouterError, fingerprint, image_tiles, pool_tiles, question_span, text_feature, thumbnail_feature
@@ -59,6 +59,8 @@ class RouterInputs:
         for name in ("model", "router", "labels"):
             if getattr(self, name, None) and not Path(getattr(self, name)).is_dir():
                 raise RouterError(f"--{name} {getattr(self, name)}: not a folder")
+        if getattr(self, "data", ""):
+            regular_file(self.data, "--data")  # a FIFO would block the read
         if getattr(self, "data", "") and not Path(self.data).is_file():
             raise RouterError(f"--data {self.data}: no such meta JSON file")
 

@@ -44,7 +44,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from aggregate import entropy
 from batches import filler_batch, make_loader
 from checkpoint import check_not_run_folder, open_checkpoint
-from cli import SEED, allocation, check_shared, command, hms, log, peak_memory_gib, rank, start_processes
+from cli import (SEED, allocation, check_shared, command, hms, log, peak_memory_gib, rank, regular_file,
+                 start_processes)
 from config import ParConfig
 from data import BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, report_bad_rows
 from flags import Command, branch_conflict, branch_flags, dispatch, flag, resolve_branch_flags
@@ -134,6 +135,8 @@ class TrainConfig(BranchFlags):
         if not self.model or not Path(self.model).is_dir():
             raise ValueError(f"--model {self.model!r}: not a checkpoint folder")
         check_not_run_folder(Path(self.model))  # runs/11 for runs/11/export: say which folder is meant
+        if self.data:
+            regular_file(self.data, "--data")  # a FIFO would block the read
         if not self.data or not Path(self.data).is_file():
             raise ValueError(f"--data {self.data!r}: no such meta JSON file")
 

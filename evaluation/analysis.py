@@ -30,7 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
-from cli import SEED, pyplot
+from cli import SEED, pyplot, regular_file
 from evaluation.scoring import BENCHMARKS, GROUPS
 from evaluation.tables import config_label
 from evaluation.tsv import DataError, as_list, read_jsonl, read_tsv
@@ -372,7 +372,7 @@ def read_json(path: str, what: str) -> dict:
     """A JSON file as a command wrote it: the whole file (report.json, indented), else its last line
     (profiling.py latency prints its table first, its JSON last)."""
     try:
-        text = Path(path).read_text()
+        text = regular_file(path).read_text()  # a FIFO would block the read
     except OSError as e:
         raise DataError(f"{path}: not {what} ({type(e).__name__})") from None
     for candidate in (text, (text.strip().splitlines() or [""])[-1]):

@@ -7,14 +7,17 @@ import ast
 import hashlib
 import json
 import re
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from cli import regular_file
 from evaluation.scoring import can_infer, mmmu_choices
 from evaluation.tsv import DataError, options, read_jsonl
 
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
+REQUEST_SECONDS = 120  # one request, whole: connection, headers and reply (urllib's timeout bounds each read alone)
 
 
 
@@ -23,7 +26,7 @@ def upstream_strings(path: Path, function: str) -> dict[str, str]:
     plus the first argument of its .replace(...) calls under "replace:<k>", read with ast (the
     file is parsed, never run)."""
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = ast.parse(regular_file(path).read_text(encoding="utf-8"))  # a FIFO would block the read
     except (OSError, SyntaxError) as e:
         raise DataError(f"{path}: cannot read VLMEvalKit source: {e}") from None
     for node in ast.walk(tree):
@@ -38,6 +41,32 @@ def upstream_strings(path: Path, function: str) -> dict[str, str]:
                     found[f"replace:{k}"], k = sub.args[0].value, k + 1
             return found
     raise DataError(f"{path}: has no function {function} (is this a VLMEvalKit checkout?)")
+
+
+def post(url: str, body: dict, seconds: float | None = None) -> bytes:
+    """The reply to `body` POSTed as JSON to `url`, the whole request within `seconds` (REQUEST_SECONDS): urllib's
+    timeout bounds each read alone, so a server that sends a byte every 2 s never timed out. The request runs in a
+    thread this one waits for; one that outlives the bound is left behind (a daemon), the command ending with its
+    line. A failure is urllib's exception, or a TimeoutError (an OSError)."""
+    seconds = REQUEST_SECONDS if seconds is None else seconds
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    got: dict = {}
+
+    def fetch() -> None:
+        try:
+            with urllib.request.urlopen(req, timeout=seconds) as r:
+                got["reply"] = r.read()
+        except Exception as e:  # handed to the waiting thread, which raises it
+            got["error"] = e
+
+    worker = threading.Thread(target=fetch, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise TimeoutError(f"no whole reply within {seconds:g} s")
+    if "error" in got:
+        raise got["error"]
+    return got["reply"]
 
 
 class Judge:
@@ -68,11 +97,8 @@ class Judge:
             body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": temperature}
             if max_tokens:
                 body["max_tokens"] = max_tokens
-            req = urllib.request.Request(self.url + "/chat/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(req, timeout=120) as r:
-                    reply = json.loads(r.read())["choices"][0]["message"]["content"]
+                reply = json.loads(post(self.url + "/chat/completions", body))["choices"][0]["message"]["content"]
             except (urllib.error.URLError, OSError, KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
                 raise DataError(f"judge {self.url}: request failed: {e}") from None
             self.cache[key], self.calls = reply, self.calls + 1

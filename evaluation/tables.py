@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from cli import check_folder, log, pyplot
+from cli import check_folder, log, pyplot, regular_file
 from config import ParConfig
 from evaluation.scoring import BENCHMARKS, aggregates
 from evaluation.tsv import DataError
@@ -78,7 +78,7 @@ def read_scores(files: list[str], reference: list[str] = ()) -> tuple[dict, dict
     models: dict[tuple, str | None] = {}
     for name, is_reference in [*((f, False) for f in files), *((f, True) for f in reference)]:
         try:
-            text = Path(name).read_text().strip()
+            text = regular_file(name).read_text().strip()  # a FIFO would block the read
             s = json.loads(text.splitlines()[-1])
             bench, value = s["benchmark"], s["score"]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:

@@ -15,6 +15,8 @@ import string
 import sys
 from pathlib import Path
 
+from cli import regular_file
+
 
 class DataError(ValueError):
     """A TSV or prediction file that cannot be used; the message names the file and the problem."""
@@ -31,6 +33,7 @@ def read_tsv(path, required: tuple[str, ...] = ("index", "question", "answer")) 
     """Rows of a VLMEvalKit TSV as {column: str or None}, image references resolved, rows without an
     image dropped (image_base.py ImageBaseDataset.__init__, skip_noimg)."""
     csv.field_size_limit(sys.maxsize)  # base64 images are far longer than csv's default limit
+    regular_file(path)  # a FIFO would block the read
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not a column name
             reader = csv.reader(f, delimiter="\t")
@@ -76,6 +79,7 @@ def read_jsonl(path: Path) -> list[dict]:
     """JSON lines; a last line cut short by an interrupted run is dropped (its row is redone)."""
     if not path.exists():
         return []
+    regular_file(path)  # a FIFO would block the read
     lines = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
     out = []
     for k, line in enumerate(lines):

@@ -255,6 +255,75 @@ def test_max_tiles_past_internvls_most_is_a_flag_error(model_dir, meta, tmp_path
     assert not Path(out).exists()
 
 
+def unblock(fifo: Path, stop: threading.Event) -> threading.Thread:
+    """A thread that, until `stop` is set, opens `fifo` for writing as soon as some reader waits on it and closes
+    it at once: a command that opened it (as before: blocked until a writer came) then reads an empty file instead
+    of hanging the test. Opening without a reader fails at once (O_NONBLOCK), so it never blocks itself."""
+    def run():
+        while not stop.wait(0.05):
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # ENXIO: nobody reads it yet
+                pass
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_file_that_is_not_a_regular_file_is_refused(model_dir, meta, tmp_path, capsys):
+    """An image, a --batch file, a benchmark TSV, a predictions file or a meta JSON that is a FIFO blocked the
+    command until some process wrote it, maybe forever: every image and data file opener refuses what is not a
+    regular file, in one line naming it, exit 1 (issue 38, item 14)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    tsv = write_tsv(tmp_path / "t.tsv", [{"index": "0", "question": "q", "answer": "a", "image": "x" * 80}])
+    kind = "a FIFO (named pipe), not a regular file; a command reads files only"
+    cases = [
+        (generate.main, [fifo, "What is it?", "--model", model_dir],
+         f"error: cannot read image {fifo}: not a regular file (a folder, a FIFO or a device)"),
+        (generate.main, ["--batch", fifo, "--model", model_dir], f"error: --batch {fifo}: {kind}"),
+        (evaluate.main, ["run", "--benchmark", "TextVQA_VAL", "--data", fifo, "--model", model_dir, "--out",
+                         tmp_path / "p.jsonl"], f"error: {fifo}: {kind}"),
+        (evaluate.main, ["score", "--benchmark", "TextVQA_VAL", "--data", tsv, "--predictions", fifo],
+         f"error: {fifo}: {kind}"),
+        (train.main, ["--model", model_dir, "--data", fifo, "--validate-data", "--num-workers", "0"],
+         f"error: --data {fifo}: {kind}"),
+    ]
+    for main, argv, want in cases:
+        stop = threading.Event()
+        helper = unblock(fifo, stop)
+        code, err = run_main(capsys, main, argv)
+        stop.set()
+        helper.join()
+        assert code == 1 and err == [want], (argv, err)
+
+
+def test_ranks_started_without_torchrun_say_what_they_wait_for_and_time_out(model_dir, tmp_path, capsys,
+                                                                            monkeypatch):
+    """RANK=1 WORLD_SIZE=2 without torchrun (and no rank 0) waited silently for a peer forever: the rank says
+    what it waits for, then gives up after cli.RENDEZVOUS_S in one line (exit 1); here 2 s, the note after
+    0.5 s (issue 38, item 14)."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(cli, "RENDEZVOUS_S", 2, raising=False)
+    monkeypatch.setattr(cli, "WAITING_NOTE_S", 0.5, raising=False)
+    tsv = write_tsv(tmp_path / "t.tsv", [{"index": "0", "question": "q", "answer": "a", "image": "x" * 80}])
+    t0 = time.monotonic()
+    code, err = run_main(capsys, evaluate.main, ["run", "--benchmark", "TextVQA_VAL", "--data", tsv, "--model",
+                                                 model_dir, "--out", tmp_path / "p.jsonl"])
+    where = f"for rank 0 at 127.0.0.1:{port}"
+    assert code == 1 and err == [
+        f"rank 1 of 2: waiting {where} (RANK and WORLD_SIZE are set, without torchrun; at most 2 s)",
+        f"error: rank 1 of 2: no rendezvous {where} within 2 s (nothing listens there); start every rank (torchrun "
+        f"--nproc-per-node N ... starts and joins them), or unset RANK to run alone"], err
+    assert time.monotonic() - t0 < 30 and not cli.dist.is_initialized()
+
+
 # -- one output, one writer ----------------------------------------------------------------------------
 
 
