@@ -65,6 +65,8 @@ def read_json(path: Path) -> dict:
         value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:  # Python's JSON reader recurses once per level
+        raise CheckpointError(f"{path}: not usable JSON (nested deeper than Python's JSON reader goes)") from None
     if not isinstance(value, dict):  # every JSON file of a checkpoint, router or labels folder is one object
         raise CheckpointError(f"{path}: a JSON {type(value).__name__}, not the object of names and values it must be")
     return value
@@ -214,6 +216,9 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
     hf = "text_config" in raw
     t = raw.get("text_config") if hf else raw.get("llm_config")
     extra = raw.get("parvl", {})
+    where = folder / "config.json" if folder is not None else "config.json"
+    if not isinstance(extra, dict):  # this project's block: {"par": {...}, "language_only": bool}
+        raise CheckpointError(f"{where}: parvl must be an object of par and language_only, got {extra!r:.40}")
     language_only = bool(extra.get("language_only", False))
     if t is None or (raw.get("vision_config") is None and not language_only):
         raise CheckpointError("config.json: needs llm_config (or text_config) and vision_config")

@@ -29,6 +29,7 @@ from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from torch.distributed.elastic.multiprocessing.errors import record
 
 
@@ -509,8 +510,25 @@ def os_error(e: BaseException, folder: Path | None = None) -> str:
     return f"{e.filename}: {os_cause(e, folder)}" if isinstance(e, OSError) and e.filename else os_cause(e, folder)
 
 
+@contextmanager
+def writing(path):
+    """Writes to the file `path` inside: a failure is an OSError naming it, so that shell's line says which file
+    ("OUT.part0: no space left on the device"). A write's or a close's OSError carries no file name (only an
+    open's does, and a full disk shows at the write), and safetensors' SafetensorError neither a name nor an
+    errno (its text holds the cause, which os_cause reads)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is not None:
+            raise
+        raise OSError(e.errno, e.strerror, os.fspath(path)) from e
+    except SafetensorError as e:
+        raise OSError(None, one_line(e), os.fspath(path)) from e
+
+
 class RankError(ValueError):
-    """Bad input or a failure that only this rank meets (its batch's allocation, its wait for the others): said
+    """Bad input or a failure that only this rank meets (its batch's allocation, rank 0's tracker, its wait for the
+    others): said
     by this rank, named as its own under torchrun, and it leaves at once (the others may be in a collective it
     will never join)."""
 

@@ -317,7 +317,7 @@ def _read_meta(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             text = f.read()
         meta = json.loads(text)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested deeper than the JSON reader goes
         hint = ""
         if isinstance(e, json.JSONDecodeError) and e.msg == "Extra data" and _looks_like_rows(text):
             hint = (" (this looks like a JSONL annotation file; --data takes the meta JSON that names it: "
@@ -338,7 +338,7 @@ def _looks_like_rows(text: str) -> bool:
     """Whether a would-be meta file starts with an annotation row (a JSONL file given by mistake)."""
     try:
         first = json.loads(text.lstrip().split("\n", 1)[0])
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return isinstance(first, dict) and ("conversations" in first or "image" in first)
 

@@ -282,10 +282,11 @@ def predict(cfg: RunConfig, engine, tok, mcfg, items: list, meta: dict, device, 
     par, gen = mcfg.par, GenerateConfig(max_new_tokens=cfg.max_new_tokens, temperature=0.0)
     for b in range(0, len(items), cfg.batch_size):
         batch = items[b:b + cfg.batch_size]
-        pixels = [p for p in (row_inputs(cfg.benchmark, r, cfg.max_tiles, mcfg)[1] for r, _ in batch) if p is not None]
-        pv = torch.cat(pixels).to(device, dtype) if pixels else None
         with allocation(f"--batch-size {cfg.batch_size} (longest prompt {len(batch[0][1])} tokens, up to "
                         f"{gen.max_new_tokens} new)", "--batch-size, --max-tiles or --max-new-tokens"):
+            pixels = [p for p in (row_inputs(cfg.benchmark, r, cfg.max_tiles, mcfg)[1] for r, _ in batch)
+                      if p is not None]  # the batch's tiles, on the device
+            pv = torch.cat(pixels).to(device, dtype) if pixels else None
             drawn = [random_pair(cfg.seed, r["index"], par.pv, par.pl) for r, _ in batch] if cfg.random_pair else None
             kw = {"vision_branch": [v for v, _ in drawn], "language_branch": [l for _, l in drawn]} if drawn else {}
             res = engine.generate([ids for _, ids in batch], pv, gen, stop_ids=tok.eos_ids, pad_id=0, **kw)

@@ -235,6 +235,8 @@ def read_questions(path: Path) -> list[dict]:
             row = json.loads(raw)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} line {n}: not JSON ({e.msg})") from None
+        except RecursionError:  # Python's JSON reader recurses once per level
+            raise ValueError(f"{path} line {n}: nested deeper than Python's JSON reader goes") from None
         if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not row["question"].strip():
             raise ValueError(f'{path} line {n}: needs a "question" string')
         check_text(row["question"], f"{path} line {n}: the question")  # before any weights load
@@ -265,7 +267,7 @@ def answered_lines(out: Path, rows: list[dict], questions: Path) -> set[int]:
         try:
             rec = json.loads(raw)
             line = rec["line"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
             raise ValueError(f"{out}: not an answers file of generate.py --batch; pass another --out") from None
         if by_line.get(line) != rec.get("question"):
             raise ValueError(f"{out}: answers another file (line {line} is not that question of {questions}); "

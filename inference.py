@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import open_checkpoint
-from cli import UsageError, log, resolve_device, resolve_dtype, start_processes
+from cli import UsageError, allocation, log, resolve_device, resolve_dtype, start_processes
 from config import ParConfig, ParVLConfig
 from engine import Engine
 from flags import flag
@@ -117,7 +117,9 @@ def load_engine(flags: InferenceFlags, folder: Path, device: torch.device) -> En
     the Engine that runs them with the branch flags."""
     dtype = resolve_dtype(flags.dtype, device)
     t0 = time.perf_counter()
-    model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
+    with allocation(f"loading {folder} ({str(dtype).removeprefix('torch.')} on {device})",
+                    "the precision (--dtype bf16), or use a device with more free memory"):
+        model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
     par = model.cfg.par
     log(f"loaded {folder} in {time.perf_counter() - t0:.2f} s ({dtype}, {device}, Pv:Pl = {par.pv}:{par.pl})")
     router = None

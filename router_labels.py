@@ -34,7 +34,8 @@ from safetensors.torch import save_file
 from aggregate import fold, per_branch
 from batches import collate
 from checkpoint import check_not_run_folder, open_checkpoint, read_json
-from cli import allocation, barrier, check_shared, log, rank, regular_file, resolve_dtype, start_processes, world_size
+from cli import (allocation, barrier, check_shared, log, rank, regular_file, resolve_dtype, start_processes, world_size,
+                 writing)
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction
 from flags import flag, flag_of
 from gates import RouterError, fingerprint, image_tiles, pool_tiles, question_span, text_feature, thumbnail_feature
@@ -287,7 +288,8 @@ def merge(parts: FileParts, out: Path, job: dict, chunks: int) -> None:
     labels = {k: torch.cat(v) for k, v in tensors.items()}
     meta = job | {"samples": len(labels["rows"])}
     bad = job["bad_rows"]
-    save_file(labels, str(out / "labels.safetensors"), metadata={"format": "pt"})
+    with writing(out / "labels.safetensors"):  # a full disk names the file, not safetensors' own error
+        save_file(labels, str(out / "labels.safetensors"), metadata={"format": "pt"})
     (out / "labels.json").write_text(json.dumps(meta, indent=2))  # written last: marks the labels complete
     parts.remove()
     log(f"labels: {meta['samples']} samples, bad rows {bad} -> {out}")

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -225,7 +226,7 @@ def verify_checkpoint(folder: Path) -> str | None:
         meta = json.loads((folder / "train.json").read_text())
     except FileNotFoundError:
         return "train.json is missing"
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         return f"train.json is unreadable ({type(e).__name__}: {one_line(e)})"
     if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or "scheduler" not in meta:
         return "train.json has no step or scheduler"
@@ -437,7 +438,7 @@ def export(model: ParVL, folder: Path, tokenizer_from: Path) -> None:
         plain.language_model.model.init_rope("cpu")
         try:
             plain.save(folder, tokenizer_from=tokenizer_from)
-        except OSError as e:  # the checkpoints stay; a half-written weights file does not
+        except (OSError, SafetensorError) as e:  # the checkpoints stay; a half-written weights file does not
             (folder / "model.safetensors.tmp").unlink(missing_ok=True)
             failure = f"cannot write the export {folder}: {os_cause(e, folder.parent)}"
     if all_sum(float(failure is not None), device=next(model.parameters()).device)[0]:
@@ -462,7 +463,7 @@ def plot_run(run: Path, png: Path | None = None) -> Path:
     for raw in lines:
         try:
             rows.append(json.loads(raw))
-        except json.JSONDecodeError:  # the last line of a run that is writing it
+        except (json.JSONDecodeError, RecursionError):  # the last line of a run that is writing it, or not JSON
             continue
         if not isinstance(rows[-1], dict) or type(rows[-1].get("step")) is not int:  # not a log step of train.py
             rows.pop()

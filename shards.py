@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
-from cli import barrier, rank, world_size
+from cli import barrier, rank, world_size, writing
 
 T = TypeVar("T")
 
@@ -109,7 +109,8 @@ class FileParts:
 
     def keep(self, k: int, write: Callable[[str], None]) -> None:
         """write(path) writes unit k's file beside its name; the rename makes it appear whole."""
-        write(str(self.path(k)) + ".tmp")
+        with writing(str(self.path(k)) + ".tmp"):  # safetensors' failure too names the file
+            write(str(self.path(k)) + ".tmp")
         os.replace(str(self.path(k)) + ".tmp", self.path(k))
 
     def remove(self) -> None:

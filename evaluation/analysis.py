@@ -378,7 +378,7 @@ def read_json(path: str, what: str) -> dict:
     for candidate in (text, (text.strip().splitlines() or [""])[-1]):
         try:
             value = json.loads(candidate)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(value, dict):
             return value

@@ -101,6 +101,9 @@ class Judge:
                 reply = json.loads(post(self.url + "/chat/completions", body))["choices"][0]["message"]["content"]
             except (urllib.error.URLError, OSError, KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
                 raise DataError(f"judge {self.url}: request failed: {e}") from None
+            except RecursionError:  # Python's JSON reader recurses once per level
+                raise DataError(f"judge {self.url}: the reply is nested deeper than Python's JSON reader "
+                                f"goes") from None
             self.cache[key], self.calls = reply, self.calls + 1
             with open(self.cache_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"key": key, "reply": reply}, ensure_ascii=False) + "\n")

@@ -86,7 +86,7 @@ def read_scores(files: list[str], reference: list[str] = ()) -> tuple[dict, dict
             value = float(value)
             key = (int(s["pv"]), int(s["pl"]), s.get("vision_branch"), s.get("language_branch"),
                    bool(s.get("shared_kv")), tuple(sorted((s.get("branches") or {}).items())))  # Table S8 apart
-        except (OSError, IndexError, json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        except (OSError, IndexError, json.JSONDecodeError, KeyError, TypeError, ValueError, RecursionError) as e:
             why = f"{type(e).__name__}: {e}"
             raise DataError(f"{name}: not a score file with benchmark, score, pv, pl ({why})") from None
         if bench not in BENCHMARKS:

@@ -89,6 +89,8 @@ def read_jsonl(path: Path) -> list[dict]:
             if k < len(lines) - 1:
                 raise DataError(f"{path}: line {k + 1} is not JSON") from None
             continue
+        except RecursionError:  # Python's JSON reader recurses once per level
+            raise DataError(f"{path}: line {k + 1} is nested deeper than Python's JSON reader goes") from None
         try:  # a "\udcff" escape decodes to a lone surrogate, which no tokenizer or file takes
             json.dumps(out[-1], ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as e:

@@ -190,6 +190,8 @@ SPOILED_CONFIGS = {  # what is changed in the tiny checkpoint's config.json -> t
     "tiles 10**9": (lambda c: c.update(max_dynamic_patch=10**9),  # issue 38, item 13: every command's default budget
                     "config.json: max_dynamic_patch must be in [1, 64] (the most tiles InternVL's pipelines give), got "
                     "1000000000"),
+    "parvl a string": (lambda c: c.update(parvl="x"),  # issue 38, item 15: an AttributeError traceback
+                       "{d}/config.json: parvl must be an object of par and language_only, got 'x'"),
 }
 
 

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -329,6 +330,40 @@ def test_run_interrupted_keeps_whole_predictions_and_resumes(bench, full_run, tm
     monkeypatch.setattr(Engine, "generate", real)
     rc, stdout, _ = main_out(capsys, *args)
     assert rc == 0 and json.loads(stdout.splitlines()[-1])["new"] == 2 and out.read_text() == full_run.read_text()
+
+
+def test_run_allocation_failures_beyond_generation_are_one_line(bench, tmp_path, capsys, monkeypatch):
+    """The CPU allocator's failure while loading the model or moving a batch's tiles to the device was a raw
+    RuntimeError traceback, where docs/reliability.md promises one line (issue 38, item 15): one line naming
+    what asked for the memory and what lowers it, exit 1."""
+    import inference
+
+    folder, tsv, _, _ = bench
+    cannot = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 37591663152 bytes.")
+    args = ["run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder, "--batch-size", "2",
+            "--max-new-tokens", NEW]
+
+    def cannot_load(*args, **kwargs):
+        raise cannot
+
+    monkeypatch.setattr(inference.ParVL, "from_pretrained", cannot_load)
+    rc, _, err = main_out(capsys, *args, "--out", tmp_path / "a.jsonl")
+    assert rc == 1 and err.strip().splitlines()[-1] == (
+        f"error: out of memory at loading {folder} (float32 on cpu); lower the precision (--dtype bf16), or use a "
+        f"device with more free memory"), err
+    monkeypatch.undo()
+    real = torch.cat
+
+    def cat(tensors, *a, **k):  # the batch's tiles, joined in predict to move them to the device
+        if sys._getframe(1).f_code.co_name == "predict":
+            raise cannot
+        return real(tensors, *a, **k)
+
+    monkeypatch.setattr(evaluate.torch, "cat", cat)
+    rc, _, err = main_out(capsys, *args, "--out", tmp_path / "b.jsonl")
+    assert rc == 1 and re.fullmatch(r"error: out of memory at --batch-size 2 \(longest prompt \d+ tokens, up to \d+ "
+                                    r"new\); lower --batch-size, --max-tiles or --max-new-tokens",
+                                    err.strip().splitlines()[-1]), err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")

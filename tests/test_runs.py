@@ -30,7 +30,7 @@ import generate
 import runs
 import train
 from config import ParConfig
-from conftest import (COMMON, ROOT, metrics, notes, one_line, png_ok, run_train, train_here, tree,
+from conftest import (COMMON, ROOT, metrics, notes, one_line, png_ok, run_main, run_train, train_here, tree,
                       worker_lines, write_dataset)
 from parvl import ParVL
 from schedule import lr_lambda
@@ -387,6 +387,23 @@ def test_export_of_a_kept_step_is_the_model_at_that_step(run3, model_dir, tmp_pa
     Image.fromarray(np.random.default_rng(0).integers(0, 255, (60, 90, 3), dtype=np.uint8)).save(png)
     assert answer(capsys, tmp_path / "two", png) == answer(capsys, at_two, png)
     assert answer(capsys, out / "export_step_3", png) == answer(capsys, out / "export", png)
+
+
+def test_a_full_disk_while_exporting_is_one_line(model_dir, base_run, tmp_path, capsys, monkeypatch):
+    """A full disk while `train.py export` writes the weights was safetensors' SafetensorError traceback (its words,
+    injected here): one line naming the export, exit 1, no half-written weights (issue 38, item 15)."""
+    import parvl
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space "
+                              "left on device\" })")
+
+    monkeypatch.setattr(parvl, "save_file", full)
+    out = copy_run(base_run, tmp_path)
+    code, err = run_main(capsys, train.main, ["export", out, "--step", 3, "--out", tmp_path / "x"])
+    assert code == 1 and err[-1] == f"error: cannot write the export {tmp_path / 'x'}: no space left on the device", err
+    assert not list((tmp_path / "x").glob("model.safetensors*"))
 
 
 def test_export_refuses_a_step_not_kept_or_broken(run3, tmp_path, capsys):

@@ -462,16 +462,20 @@ def test_judge_wemath_mathvision_logicvista(tmp_path, capsys):
 
 
 class SlowJudge(BaseHTTPRequestHandler):
-    """A judge that answers well-formed JSON a few bytes every 0.2 s (3 s in all)."""
+    """A judge that answers well-formed JSON a byte every 0.2 s (3 s in all), or, for the model "deep", a reply
+    nested 200,000 deep."""
 
     def do_POST(self):
-        self.rfile.read(int(self.headers["Content-Length"]))  # the request, read whole
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         reply = json.dumps({"choices": [{"message": {"content": "B"}}]})
-        data = reply.encode()
+        data = ("[" * 200_000 + "]" * 200_000 if body["model"] == "deep" else reply).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
+        if body["model"] == "deep":
+            self.wfile.write(data)
+            return
         step = max(1, len(data) // 15)
         for k in range(0, len(data), step):  # urllib's per-read timeout never fires: each read gets bytes
             self.wfile.write(data[k:k + step])
@@ -482,10 +486,10 @@ class SlowJudge(BaseHTTPRequestHandler):
         pass
 
 
-def test_judge_request_is_bounded_as_a_whole(tmp_path, capsys, monkeypatch):
+def test_judge_request_is_bounded_as_a_whole_and_a_deep_reply_is_one_line(tmp_path, capsys, monkeypatch):
     """A judge that sends its reply a few bytes every 0.2 s never timed out (urllib's timeout is per read): the
-    whole request is bounded (judge.REQUEST_SECONDS, here 1 s; issue 38, item 14): one line naming the judge,
-    exit 1, nothing cached."""
+    whole request is bounded (judge.REQUEST_SECONDS, here 1 s; item 14). A reply nested 200,000 deep was a
+    RecursionError traceback (item 15). Each: one line naming the judge, exit 1, nothing cached."""
     from evaluation import judge
 
     kit = tmp_path / "VLMEvalKit" / "vlmeval" / "dataset" / "utils"
@@ -501,7 +505,8 @@ def test_judge_request_is_bounded_as_a_whole(tmp_path, capsys, monkeypatch):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_port}/v1"
     try:
-        for model, why in (("slow", "request failed: no whole reply within 1 s"),):
+        for model, why in (("slow", "request failed: no whole reply within 1 s"),
+                           ("deep", "the reply is nested deeper than Python's JSON reader goes")):
             t0 = time.monotonic()
             rc, out, err = main_out(capsys, "score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions",
                                     preds, "--judge-url", url, "--judge-model", model, "--vlmevalkit",
