@@ -225,6 +225,9 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
     llm = decoder_config(t, "text_config" if hf else "llm_config", tied)
     par = par_from_json(extra.get("par", {}), folder)
     if language_only:
+        if par.pv != 1:
+            raise CheckpointError(f"{where}: parvl.language_only is true, but parvl.par.pv is {par.pv}: a "
+                                  f"language-only model has no vision branches")
         return ParVLConfig(vit=None, llm=llm, par=par, image_token_id=-1)
     vit = vision_config(raw["vision_config"], hf)
     return ParVLConfig(vit=vit, llm=llm, par=par, **multimodal_fields(raw, vit, hf, folder))

@@ -1,6 +1,6 @@
 """The command shell: what every command shares and that knows no model. `shell` runs a command's job
 and turns each way it can end into its exit code and one line (one-line errors, also into torchrun's
-error file; the causes of failed reads and writes; allocation failures; SIGINT / SIGTERM); around it,
+error file; the causes of failed reads and writes, files.py's; allocation failures; SIGINT / SIGTERM); around it,
 the process group torchrun asks for, the check that every node sees a shared folder, logging from
 rank 0 and the process exit; device and dtype resolution, the paper's seed, small figures (h:mm:ss,
 peak memory) and the optional matplotlib import. The flags are flags.py's. generate.py, train.py,
@@ -9,31 +9,29 @@ house can sit on it.
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import resource
 import secrets
-import shutil
 import signal
 import socket
-import stat
 import sys
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
-from safetensors import SafetensorError
 from torch.distributed.elastic.multiprocessing.errors import record
+
+import rendezvous
+from files import dcp_errors, os_cause, os_error
 
 
 SEED = 42  # the paper's seed for every SFT and router-training job (Appendix A.1), and ours for every draw
+SEED_RANGE = "[0, 18446744073709551616)"  # every --seed: torch.manual_seed's 0 to 2**64 - 1 (numpy takes no negative)
 
 
 class UsageError(ValueError):
@@ -68,7 +66,7 @@ def start_processes(cuda: bool, always: bool = False) -> torch.device:
     """The process group torchrun asks for (RANK set: NCCL on CUDA, gloo on CPU), and this process's
     device. A plain `python` process runs alone with no group, or, with always (FSDP2 wants one), in a
     world of one over an in-process store. Ranks started without torchrun (RANK set by hand or by srun)
-    meet at MASTER_ADDR:MASTER_PORT within RENDEZVOUS_S (rendezvous)."""
+    meet at MASTER_ADDR:MASTER_PORT (rendezvous.py)."""
     if not dist.is_initialized():
         if "RANK" in os.environ:
             # Rank 0 may leave before the group is up (a second writer refused, cli.one_writer): torchrun then
@@ -79,8 +77,10 @@ def start_processes(cuda: bool, always: bool = False) -> torch.device:
             try:
                 if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's store, already up
                     dist.init_process_group("nccl" if cuda else "gloo")
-                else:
-                    rendezvous("nccl" if cuda else "gloo")
+                else:  # RANK set by hand or by srun
+                    rendezvous.join("nccl" if cuda else "gloo", rank(), lambda note: log(note, every_rank=True))
+            except rendezvous.NoRendezvous as e:  # this rank's own wait
+                raise RankError(str(e)) from None
             finally:
                 signal.signal(signal.SIGTERM, handler)
         elif always:
@@ -89,60 +89,6 @@ def start_processes(cuda: bool, always: bool = False) -> torch.device:
     if cuda:
         torch.cuda.set_device(device)
     return device
-
-
-RENDEZVOUS_S = 900  # how long ranks started without torchrun wait for each other: torchrun's own default
-WAITING_NOTE_S = 5  # after this long, a waiting rank says what it waits for
-
-
-def rendezvous(backend: str) -> None:
-    """The process group of ranks started without torchrun (RANK and WORLD_SIZE set by hand, or by srun from
-    SLURM_PROCID): rank 0 hosts the store at MASTER_ADDR:MASTER_PORT and the others join it, within
-    RENDEZVOUS_S; a rank still waiting after WAITING_NOTE_S says what it waits for. torch's own env://
-    rendezvous waits the process group's timeout (30 min; the group keeps it here, for the collectives of a long
-    job) in silence, then prints C++ stack frames: this wait is quiet, polled from Python. A rank left alone is
-    one line, said by that rank (RankError)."""
-    me, world = rank(), int(os.environ.get("WORLD_SIZE", 1))
-    who, addr, port = f"rank {me} of {world}", os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT", "")
-    start = "start every rank (torchrun --nproc-per-node N ... starts and joins them), or unset RANK to run alone"
-    if not addr or not port.isdigit():
-        raise RankError(f"{who}: RANK is set, so this process waits for its peers, but MASTER_ADDR and MASTER_PORT "
-                        f"({addr!r}, {port!r}) name no place to meet; {start}")
-    waits = f"for rank 0 at {addr}:{port}" if me else f"at {addr}:{port} for the other {world - 1} rank(s)"
-    note = threading.Timer(WAITING_NOTE_S, log, (f"{who}: waiting {waits} (RANK and WORLD_SIZE are set, without "
-                                                 f"torchrun; at most {RENDEZVOUS_S} s)",), {"every_rank": True})
-    note.daemon, deadline, joined = True, time.monotonic() + RENDEZVOUS_S, 0
-    note.start()
-    try:
-        if me:  # the port must accept before the store's client connects: its own retries log C++ frames
-            while not port_open(addr, int(port)):
-                if time.monotonic() > deadline:
-                    raise RankError(f"{who}: no rendezvous {waits} within {RENDEZVOUS_S} s (nothing listens "
-                                    f"there); {start}")
-                time.sleep(0.2)
-        store = dist.TCPStore(addr, int(port), world, is_master=me == 0, wait_for_workers=False, multi_tenant=True,
-                              timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
-        joined = store.add("parvl/joined", 1)
-        while joined < world and time.monotonic() < deadline:  # every rank waits for all, rank 0 included
-            time.sleep(0.2)
-            joined = store.add("parvl/joined", 0)
-    except RuntimeError as e:  # DistNetworkError: no rank 0 there; an address in use
-        raise RankError(f"{who}: no rendezvous {waits} ({one_line(e)[:160]}); {start}") from None
-    finally:
-        note.cancel()
-    if joined < world:
-        raise RankError(f"{who}: no rendezvous {waits} within {RENDEZVOUS_S} s ({joined} of {world} ranks came); "
-                        f"{start}")
-    dist.init_process_group(backend, store=store, rank=me, world_size=world)
-
-
-def port_open(addr: str, port: int) -> bool:
-    """Whether something accepts connections at addr:port (a store that is up)."""
-    try:
-        socket.create_connection((addr, port), timeout=1).close()
-        return True
-    except OSError:
-        return False
 
 
 def barrier() -> None:
@@ -185,17 +131,13 @@ _process = {"main": False}  # whether command() runs this process, which then ex
 def command(main):
     """The __main__ of a command: main() under torch.distributed.elastic's `record`, which writes an
     uncaught exception (a bug: its traceback is the useful report) to the error file torchrun reads,
-    then exit_process with main's code."""
+    then exit_process with main's code. Its output never fails on a character its stream cannot encode
+    (PYTHONIOENCODING=ascii, a C locale without UTF-8): such a character is written as a backslash escape."""
     _process["main"] = True
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     exit_process(record(main)() or 0)
-
-
-def dcp_errors() -> tuple[type, ...]:
-    """DCP's CheckpointException (a BaseException that wraps each rank's failure of a save or load), when DCP is
-    loaded: only a job that imported torch.distributed.checkpoint can raise it, and importing it here would cost
-    every command (generate.py among them) 1.5-3.4 s of start-up, measured on the 2-core machine."""
-    api = sys.modules.get("torch.distributed.checkpoint.api")
-    return (api.CheckpointException,) if api is not None else ()
 
 
 def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None = None) -> int:
@@ -279,21 +221,6 @@ def end(code: int, alone: bool, lost: bool, waits: bool) -> None:
         end_processes()  # its barrier: rank 0 has reported before any rank leaves
     elif waits and rank() != 0:
         wait_for_torchrun()
-
-
-def regular_file(path, what: str = "") -> Path:
-    """A file a command reads, refused in one line unless it is a regular file (a link to one is): reading a FIFO
-    blocks until some process writes it, maybe forever, and a device or a folder holds no data. A missing file
-    passes: the opener's own line says so. `what` names the file's role ("--batch")."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return Path(path)
-    if not stat.S_ISREG(mode):
-        kind = ("a folder" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "a device")
-        raise ValueError(f"{what + ' ' if what else ''}{path}: {kind}, not a regular file; a command reads files only")
-    return Path(path)
 
 
 def check_folder(folder: Path, flag: str, given: Path | None = None) -> None:
@@ -467,70 +394,10 @@ def interruptible():
             signal.signal(sig, signal.SIG_IGN if signals.received and _process["main"] else handler)
 
 
-CAUSES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
-          errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
-          errno.EPERM: "operation not permitted", errno.ENOENT: "no such file or folder",
-          errno.ENOTDIR: "a parent is a file, not a folder", errno.EISDIR: "a folder, not a file",
-          errno.EIO: "input/output error", errno.EEXIST: "a file is already there"}
-
-
-def os_cause(e: BaseException, folder: Path | None = None) -> str:
-    """The cause of a failed write or read in a few words: the first OSError in the exception's chain
-    (DCP wraps each rank's failure in a CheckpointException), else its message. torch's zip writer
-    reports a full disk as "file write failed" with no errno, so the free space is checked too."""
-    todo, seen = [e], set()
-    while todo:
-        x = todo.pop(0)
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if isinstance(x, OSError) and x.errno:
-            return CAUSES.get(x.errno, os.strerror(x.errno))
-        if isinstance(x, dcp_errors()):  # DCP: each rank's failure
-            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
-        todo += [x.__cause__, x.__context__]
-    text = one_line(e)
-    for needle, cause in (("No space left", errno.ENOSPC), ("Read-only file system", errno.EROFS),
-                          ("Permission denied", errno.EACCES)):
-        if needle in text:
-            return CAUSES[cause]
-    if folder is not None:
-        try:
-            free = shutil.disk_usage(next(p for p in (folder, *folder.parents) if p.exists())).free
-            if free < 2**30:
-                return f"the disk is (nearly) full, {free / 2**20:.0f} MiB free ({type(e).__name__}: {text[:120]})"
-        except OSError:
-            pass
-    return f"{type(e).__name__}: {text[:200]}"
-
-
-def os_error(e: BaseException, folder: Path | None = None) -> str:
-    """A failed read or write in one line: the file, when the error names one, and its cause
-    ("OUT/parts: read-only file system")."""
-    return f"{e.filename}: {os_cause(e, folder)}" if isinstance(e, OSError) and e.filename else os_cause(e, folder)
-
-
-@contextmanager
-def writing(path):
-    """Writes to the file `path` inside: a failure is an OSError naming it, so that shell's line says which file
-    ("OUT.part0: no space left on the device"). A write's or a close's OSError carries no file name (only an
-    open's does, and a full disk shows at the write), and safetensors' SafetensorError neither a name nor an
-    errno (its text holds the cause, which os_cause reads)."""
-    try:
-        yield
-    except OSError as e:
-        if e.filename is not None:
-            raise
-        raise OSError(e.errno, e.strerror, os.fspath(path)) from e
-    except SafetensorError as e:
-        raise OSError(None, one_line(e), os.fspath(path)) from e
-
-
 class RankError(ValueError):
-    """Bad input or a failure that only this rank meets (its batch's allocation, rank 0's tracker, its wait for the
-    others): said
-    by this rank, named as its own under torchrun, and it leaves at once (the others may be in a collective it
-    will never join)."""
+    """Bad input or a failure that only this rank meets (its batch's allocation, rank 0's tracker, its wait for
+    the others): said by this rank, named as its own under torchrun, and it leaves at once (the others may be
+    in a collective it will never join)."""
 
 
 class OutOfMemory(RankError):

@@ -17,6 +17,7 @@ Rows that cannot be used come back as `BadRow(reason, detail)` and are skipped b
 never raised. Run the tests: python -m pytest tests/test_data.py -q
 """
 
+import errno
 import io
 import json
 import os
@@ -28,11 +29,12 @@ import numpy as np
 import torch
 from PIL import Image
 
+from files import regular_file
 from processor import (DEFAULT_SYSTEM_MESSAGE, IMAGE_PLACEHOLDER, IMAGE_SIZE, IMG_CONTEXT, IM_START, MAX_TILES,
                        NUM_IMAGE_TOKENS, ImageError, expand_images, load_image, not_unicode, tile_image,
                        turn)
 from processor import open_rgb  # the decoder processor.load_image uses, with its error handling
-from cli import one_line, regular_file
+from cli import one_line
 from loss import IGNORE
 
 BAD_REASONS = ("missing_image", "corrupt_image", "placeholder_mismatch", "too_long", "bad_row")
@@ -87,15 +89,19 @@ class SFTData(torch.utils.data.Dataset):
             r = float(m.get("repeat_time", 1))
             if r <= 0:
                 raise ValueError(f"{meta_path}: dataset {name!r} has repeat_time={r}, need > 0")
-            # InternVL's LazySupervisedDataset: r < 1 keeps the first floor(len * r) lines, r > 1 repeats int(r) times.
-            kept = int(len(offsets) * r) if r < 1 else len(offsets)
             tiles = m.get("max_dynamic_patch", max_tiles)  # the meta file's, checked; else the caller's
             if "max_dynamic_patch" in m and (isinstance(tiles, bool) or not isinstance(tiles, int)
                                              or not 1 <= tiles <= MAX_TILES):
                 raise ValueError(f"{meta_path}: dataset {name!r} has max_dynamic_patch={tiles!r}, need an integer in "
                                  f"[1, {MAX_TILES}] (the most tiles InternVL's pipelines give)")
+            # InternVL's LazySupervisedDataset: r < 1 keeps the first floor(len * r) lines, r > 1 repeats int(r) times.
+            kept = int(len(offsets) * r) if r < 1 else len(offsets)
+            root = os.path.join(folder, m["root"])
+            if _link_loop(root):  # every image under it would be a "missing_image" bad row, the root unnamed
+                raise ValueError(f"{meta_path}: dataset {name!r} has root {root}, a symbolic link loop (links that "
+                                 f"point at each other, never at a folder)")
             self.datasets.append(dict(
-                name=name, root=os.path.join(folder, m["root"]), path=path, offsets=offsets, lines=lines,
+                name=name, root=root, path=path, offsets=offsets, lines=lines,
                 kept=kept, repeat=int(r) if r > 1 else 1, augment=bool(m.get("data_augment", False)),
                 max_tiles=tiles))
         sizes = [d["kept"] * d["repeat"] for d in self.datasets]
@@ -364,6 +370,15 @@ def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray | None]:
         raise ValueError(f"cannot read annotation {path}: {type(e).__name__}: {e}") from None
     dense = len(lines) == 0 or lines[-1] == len(lines)  # no blank line before the last row
     return np.frombuffer(offsets, dtype=np.int64), None if dense else np.frombuffer(lines, dtype=np.int64)
+
+
+def _link_loop(path: str) -> bool:
+    """Whether resolving a link never ends (a link to itself, or links that point at each other)."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
 
 
 def _image_list(item: dict) -> list[str]:

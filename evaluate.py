@@ -32,6 +32,7 @@ import math
 import random
 import re
 import time
+import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -40,7 +41,7 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 
-from cli import (SEED, allocation, check_shared, command, log, make_folder, one_line, rank, regular_file,
+from cli import (SEED, SEED_RANGE, allocation, check_folder, check_shared, command, log, make_folder, one_line, rank,
                  world_size)
 from config import branch_variant
 from engine import GenerateConfig, context_check
@@ -49,9 +50,10 @@ from evaluation.judge import Judge
 from evaluation.scaling_law import GRID, fit_law
 from evaluation.scoring import BENCHMARKS, SCORE_COLUMNS, score
 from evaluation.tsv import DataError, as_list, options, read_jsonl, read_tsv
+from files import regular_file, write_text
 from flags import Command, dispatch, flag
 from gates import fingerprint
-from inference import InferenceFlags, load_engine, open_model, process_device
+from inference import InferenceFlags, check_new_tokens, load_engine, open_model, process_device
 from processor import MAX_TILES, ImageError, build_prompt, load_image, open_base64, place_images
 from shards import LineParts, merged, resumed, share
 
@@ -91,7 +93,7 @@ class RunConfig(InferenceFlags):
                                shown=f"{MAX_NEW_TOKENS}, VLMEvalKit's")
     random_pair: bool = flag(False, "one branch pair per row drawn at random, seeded by --seed and the row's index "
                                     "(Table 3's baseline)")
-    seed: int = flag(SEED, "seed of --random-pair", shown=f"{SEED}, the paper's")
+    seed: int = flag(SEED, "seed of --random-pair", range=SEED_RANGE, shown=f"{SEED}, the paper's")
 
     def check(self) -> None:
         super().check()
@@ -115,6 +117,19 @@ class ScoreConfig:
     judge_model: str | None = flag(None, "model name sent to the answer extractor (the paper: gpt-4o-2024-11-20)")
     judge_cache: str | None = flag(None, "reply cache", shown="PREDICTIONS.judge-MODEL.jsonl")
     vlmevalkit: str | None = flag(None, "a VLMEvalKit checkout, whose extraction prompts the judge is sent")
+
+    def check(self) -> None:
+        """The judge's flags go together, its URL an http(s) one: said at parse (exit 2), not after reading."""
+        if self.judge_url is None:
+            return
+        url = urllib.parse.urlsplit(self.judge_url)
+        if url.scheme not in ("http", "https") or not url.netloc:
+            raise ValueError(f"--judge-url {self.judge_url!r}: not an http(s) URL (an OpenAI-compatible base URL, "
+                             f"such as http://localhost:8000/v1)")
+        for name in ("judge_model", "vlmevalkit"):
+            if not getattr(self, name):
+                raise ValueError(f"--judge-url needs --{name.replace('_', '-')} (--judge-model: the model name "
+                                 f"sent; --vlmevalkit: a VLMEvalKit checkout, for its prompts)")
 
 
 @dataclass
@@ -204,7 +219,8 @@ def predict_all(cfg: RunConfig) -> int:
     parts = LineParts(out, read_jsonl, key=lambda p: str(p["index"]))
     done = resumed(parts.done)  # rows finished by an earlier run, of any world size
     todo = [r for r in rows if r["index"] not in done]
-    folder, _, tok = open_model(cfg)  # checked before the weights load
+    folder, mcfg, tok = open_model(cfg)  # checked before the weights load
+    check_new_tokens(cfg.max_new_tokens, mcfg)
     engine = load_engine(cfg, folder, device)
     model, dtype = engine.model, engine.dtype
     par = model.cfg.par
@@ -315,6 +331,10 @@ def score_cmd(cfg: ScoreConfig) -> int:
     the answer extractor where --judge-url gives one; prints the score JSON (and writes --out, --rows-out)."""
     if cfg.benchmark not in BENCHMARKS:
         raise DataError(f"unknown benchmark {cfg.benchmark!r}; choose from {', '.join(BENCHMARKS)}")
+    for name, out in (("--out", cfg.out), ("--rows-out", cfg.rows_out)):
+        if out:  # made as run makes its --out's folder; a file in the way named before any work
+            check_folder(Path(out).parent, name, given=Path(out))
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
     required = ("index", "question", "answer") + SCORE_COLUMNS.get(cfg.benchmark, ())
     rows = read_tsv(cfg.data, required)
     preds = read_predictions(Path(cfg.predictions), rows, cfg)
@@ -330,15 +350,15 @@ def score_cmd(cfg: ScoreConfig) -> int:
         log(f"warning: {missing} TSV rows have no prediction and count as wrong (index {', '.join(absent[:10])}"
             f"{', ...' if missing > 10 else ''})")
     if cfg.rows_out:
-        Path(cfg.rows_out).write_text("".join(json.dumps(x, ensure_ascii=False, default=str) + "\n"
-                                              for x in result.per_row))
+        write_text(Path(cfg.rows_out), "".join(json.dumps(x, ensure_ascii=False, default=str) + "\n"
+                                               for x in result.per_row))
     config = {k: preds[0].get(k) for k in CONFIG_FIELDS} if preds else {}
     line = {"benchmark": cfg.benchmark, "score": round(result.value, 4), "n": result.n,
             "unresolved": result.unresolved, "missing": missing, "missing_indices": absent, **config, **result.extra}
     if judge is not None:
         line |= {"judge_model": cfg.judge_model, "judge_calls": judge.calls}
     if cfg.out:
-        Path(cfg.out).write_text(json.dumps(line) + "\n")
+        write_text(Path(cfg.out), json.dumps(line) + "\n")
     print(json.dumps(line))
     return 0
 
@@ -375,8 +395,6 @@ def make_judge(cfg: ScoreConfig) -> Judge | None:
     """The answer extractor --judge-url names (judge.py), its replies cached beside the predictions; None without."""
     if not cfg.judge_url:
         return None
-    if not cfg.judge_model or not cfg.vlmevalkit:
-        raise DataError("--judge-url needs --judge-model and --vlmevalkit (a VLMEvalKit checkout, for its prompts)")
     cache = Path(cfg.judge_cache or str(cfg.predictions) + f".judge-{cfg.judge_model.replace('/', '_')}.jsonl")
     return Judge(cfg.judge_url, cfg.judge_model, cache, Path(cfg.vlmevalkit), cfg.benchmark)
 

@@ -16,16 +16,18 @@ import json
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 import cli
-from cli import command, error, hms, log, one_line, peak_memory_gib, regular_file, resolve_device
+from cli import SEED_RANGE, command, error, hms, log, one_line, peak_memory_gib, resolve_device
 from engine import Engine, GenerateConfig, context_check
+from files import regular_file, write_text, writing
 from flags import Command, dispatch, flag
-from inference import InferenceFlags, load_engine, open_model
+from inference import InferenceFlags, check_new_tokens, load_engine, open_model
 from processor import ImageError, Tokenizer, build_prompt, check_text, load_image, open_rgb, place_images, tile_count
 
 
@@ -43,7 +45,7 @@ class GenerateFlags(InferenceFlags):
     temperature: float = flag(0.0, "sampling temperature; 0 = greedy", range="[0, inf)")
     top_p: float = flag(1.0, "nucleus sampling probability mass, 1 = off", range="(0, 1]")
     top_k: int = flag(0, "sample among the k most likely tokens, 0 = off", range="[0, inf)")
-    seed: int = flag(0, "random seed for sampling")
+    seed: int = flag(0, "random seed for sampling", range=SEED_RANGE)
     system: str | None = flag(None, "system message text", shown="InternVL's own")
     chat: bool = flag(False, "interactive multi-turn session; images enter the first turn")
     json: bool = flag(False, "print one JSON line with the answer and metrics instead of text")
@@ -81,6 +83,7 @@ def respond(args: GenerateFlags) -> int:
     rows = read_questions(Path(args.batch)) if args.batch else []  # bad rows fail before any model is fetched
     done = answered_lines(Path(args.out), rows, Path(args.batch)) if args.batch and args.out else set()
     folder, mcfg, tok = open_model(args)  # tiles and tokens as the model sees them, and its own tokenizer
+    check_new_tokens(args.max_new_tokens, mcfg)
     if any(r["paths"] for r in rows) and mcfg.vit is None:
         raise ValueError(f"{folder}: a language-only model takes no images ({args.batch} has some)")
     if images and mcfg.vit is None:
@@ -297,11 +300,11 @@ def answer_file(engine: Engine, tok: Tokenizer, rows: list[dict], done: set[int]
             if not batch:
                 continue
             res = engine.generate(prompts, torch.cat(pixels).to(engine.dtype) if pixels else None, cfg, tok.eos_ids)
-            for r, ids in zip(batch, res.tokens):
-                row = {"line": r["line"], **({"image": r["image"]} if r["image"] is not None else {}),
-                       "question": r["question"], "answer": tok.answer(ids)}
-                sink.write(json.dumps(row, ensure_ascii=False) + "\n")
-            sink.flush()
+            rows_out = [{"line": r["line"], **({"image": r["image"]} if r["image"] is not None else {}),
+                         "question": r["question"], "answer": tok.answer(ids)} for r, ids in zip(batch, res.tokens)]
+            with writing(out) if out else nullcontext():  # a full disk names the answers file
+                sink.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows_out))
+                sink.flush()
             n, dt = min(start + args.batch_size, len(todo)), time.perf_counter() - t0
             eta = dt / n * (len(todo) - n)
             print(f"{chr(13) if tty else ''}answered {n}/{len(todo)}, {n / dt:.2f} samples/s, elapsed {hms(dt)}, "
@@ -311,7 +314,7 @@ def answer_file(engine: Engine, tok: Tokenizer, rows: list[dict], done: set[int]
             sink.close()
     if out and done and todo and min(r["line"] for r in todo) < max(done):  # the old file was no prefix
         ordered = sorted(out.read_text(encoding="utf-8").splitlines(keepends=True), key=lambda x: json.loads(x)["line"])
-        out.write_text("".join(ordered), encoding="utf-8")
+        write_text(out, "".join(ordered))
     if unreadable:  # every other row is answered; a rerun with the same --out tries only these again
         error(f"error: {len(unreadable)} of {len(todo)} rows not answered, their images unreadable: {questions} "
               f"line{'s' * (len(unreadable) > 1)} {', '.join(map(str, unreadable))}")

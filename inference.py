@@ -112,6 +112,16 @@ def check_branch_choice(par: ParConfig, vision_branch: int | None, language_bran
             raise UsageError(f"{name} {value} out of range: the checkpoint has {count} branches")
 
 
+def check_new_tokens(max_new_tokens: int, cfg: ParVLConfig) -> None:
+    """--max-new-tokens against the model's context (config.json's max_position_embeddings), once it is read: a
+    budget that leaves no room for any prompt is a flag that contradicts the checkpoint (UsageError, exit 2),
+    said before the weights load, not found row by row (evaluate.py run skipped every row and exited 0)."""
+    context = cfg.llm.max_position_embeddings
+    if max_new_tokens >= context:
+        raise UsageError(f"--max-new-tokens {max_new_tokens}: the model's context is {context} tokens, the prompt's "
+                         f"included (config.json max_position_embeddings); give at most {context - 1}")
+
+
 def load_engine(flags: InferenceFlags, folder: Path, device: torch.device) -> Engine:
     """The weights of `folder` (open_model's) in --dtype on `device`, the --router checked against them, and
     the Engine that runs them with the branch flags."""

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import open_checkpoint
-from cli import check_file_out, command, pyplot, resolve_device, resolve_dtype
+from cli import SEED_RANGE, check_file_out, command, make_folder, pyplot, resolve_device, resolve_dtype
 from config import PRESETS, ParConfig, ParVLConfig
 from flags import Command, branch_conflict, branch_flags, dispatch, flag, flag_of
 from flops import ARCHS, BRANCHES, Workload, build_config, profile_params
@@ -149,7 +149,7 @@ class Timed(DeviceFlags):
     tiles: int = flag(3, "448 px tiles per sample, 256 tokens each", range="[0, inf)")
     text_tokens: int = flag(256, "non-image tokens per sample", range="[0, inf)")
     warmup: int = flag(3, "untimed calls before the timed ones", range="[0, inf)")
-    seed: int = flag(0, "weights and inputs")
+    seed: int = flag(0, "weights and inputs", range=SEED_RANGE)
     threads: int | None = flag(None, "CPU threads (torch.set_num_threads); 1 resists a busy shared machine",
                                range="[1, inf)", shown="torch's")
     trace: str | None = flag(None, "also write a Chrome trace (+ CUDA memory snapshot) per row", metavar="DIR")
@@ -219,6 +219,7 @@ def timed_job(command: str):
     def job(args: Timed) -> None:
         if getattr(args, "plot", None):
             check_file_out(Path(args.plot), "--plot")  # a folder or a file in the way: said before the measurement
+            make_folder(Path(args.plot).parent, "--plot")  # a missing one made now, not found after it
             pyplot()  # a missing matplotlib too
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)

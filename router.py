@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from cli import SEED, allocation, barrier, check_folder, command, log, rank, start_processes, world_size
+from cli import SEED, SEED_RANGE, allocation, barrier, check_folder, command, log, rank, start_processes, world_size
 from data import SFTData
 from flags import Command, dispatch, flag, flag_of
 from gates import Router, RouterConfig, RouterError, load_router, path_teacher, router_loss, save_router
@@ -59,7 +59,7 @@ class TrainRouterConfig(RouterInputs):
     warmup_ratio: float = flag(0.03, "linear warm-up fraction, then cosine", range="[0, 1)")
     global_batch: int = flag(128, "samples per step, any world size", range="[1, inf)")
     steps: int = flag(1200, "optimizer steps", range="[1, inf)")
-    seed: int = flag(SEED, "seed of the sample order and the gates' initialisation")
+    seed: int = flag(SEED, "seed of the sample order and the gates' initialisation", range=SEED_RANGE)
     log_every: int = flag(50, "steps between log lines", range="[1, inf)")
     check_samples: int = flag(2, "labelled samples recomputed with the model before training")
     tracker: str | None = flag(None, "also log every metrics.jsonl line to TensorBoard (OUT/tensorboard) or W&B "
@@ -76,7 +76,7 @@ class EvalConfig(RouterInputs):
     labels: str = flag("", "held-out labels folder written by `label`", required=True)
     data: str = flag("", "the labels' data set (meta JSON)", shown="the path stored in the labels")
     out: str = flag("", "JSON result", shown="ROUTER/eval.json")
-    seed: int = flag(SEED, "seed of the random-pair baseline")
+    seed: int = flag(SEED, "seed of the random-pair baseline", range=SEED_RANGE)
     batch_size: int = flag(4, "rows per dense forward", range="[1, inf)")
     max_tokens: int = flag(16384, "padded tokens per forward (rows x longest): a batch over it is split by length, "
                                   "a longer row runs alone", unit="tokens", range="[1, inf)")

@@ -34,9 +34,9 @@ from safetensors.torch import save_file
 from aggregate import fold, per_branch
 from batches import collate
 from checkpoint import check_not_run_folder, open_checkpoint, read_json
-from cli import (allocation, barrier, check_shared, log, rank, regular_file, resolve_dtype, start_processes, world_size,
-                 writing)
+from cli import SEED_RANGE, allocation, barrier, check_shared, log, rank, resolve_dtype, start_processes, world_size
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction
+from files import regular_file, write_text, writing
 from flags import flag, flag_of
 from gates import RouterError, fingerprint, image_tiles, pool_tiles, question_span, text_feature, thumbnail_feature
 from inference import DeviceFlags
@@ -77,7 +77,7 @@ class LabelConfig(RouterInputs):
                                   "a longer row runs alone", unit="tokens", range="[1, inf)")
     max_tiles: int = flag(12, "448 px tiles per row", range=f"[1, {MAX_TILES}]")
     max_seq_len: int = flag(32768, "longer rows are skipped", unit="tokens", range="[1, inf)")
-    seed: int = flag(0, "data augmentation seed (data.SFTData)", shown="0")
+    seed: int = flag(0, "data augmentation seed (data.SFTData)", range=SEED_RANGE, shown="0")
     dtype: str | None = flag_of(DeviceFlags, "dtype")
     max_bad_frac: float = flag(0.01, "abort when more than this fraction of the data set's rows are bad",
                                range="[0, 1]")
@@ -198,7 +198,7 @@ def label(cfg: LabelConfig) -> int:
     resumed(lambda: check_parts(parts, job))  # every rank reads job.json before rank 0 rewrites it
     if rank() == 0:
         parts.folder.mkdir(parents=True, exist_ok=True)
-        (parts.folder / "job.json").write_text(json.dumps(job, indent=2))
+        write_text(parts.folder / "job.json", json.dumps(job, indent=2))
     barrier()  # the parts folder is there before any rank writes into it
     chunks = math.ceil(len(data) / cfg.batch_size)
     mine = share(range(chunks))  # a chunk's rows are fixed by its number: a rank owns the same chunks on a rerun
@@ -290,7 +290,7 @@ def merge(parts: FileParts, out: Path, job: dict, chunks: int) -> None:
     bad = job["bad_rows"]
     with writing(out / "labels.safetensors"):  # a full disk names the file, not safetensors' own error
         save_file(labels, str(out / "labels.safetensors"), metadata={"format": "pt"})
-    (out / "labels.json").write_text(json.dumps(meta, indent=2))  # written last: marks the labels complete
+    write_text(out / "labels.json", json.dumps(meta, indent=2))  # written last: marks the labels complete
     parts.remove()
     log(f"labels: {meta['samples']} samples, bad rows {bad} -> {out}")
 

@@ -1,6 +1,6 @@
 """A training run's folder: one run per --out, DCP checkpoints saved atomically and verified,
 --resume with fallback past broken checkpoints, metrics continued without duplicate steps, the final
-export, one line for a failed save (its cause from cli.os_cause), and `train.py plot`'s picture of a
+export, one line for a failed save (its cause from files.os_cause), and `train.py plot`'s picture of a
 run's metrics (plot_run). train.py drives it; this module holds no training.
 
 A run folder may come from someone else, so a checkpoint is read without running anything it holds:
@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageIn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from cli import check_file_out, log, one_line, os_cause, pyplot, rank
+from cli import check_file_out, log, one_line, pyplot, rank
+from files import os_cause, writing
 from parvl import ParVL
 from trackers import TRACKER_FILES
 
@@ -493,6 +494,7 @@ def plot_run(run: Path, png: Path | None = None) -> Path:
     fig.suptitle(str(run), fontsize=10)
     fig.tight_layout()
     png = png or run / "metrics.png"
-    fig.savefig(png, dpi=100, format="png")  # the file named, even without a .png suffix
+    with writing(png):  # a full disk names the file
+        fig.savefig(png, dpi=100, format="png")  # the file named, even without a .png suffix
     plt.close(fig)
     return png

@@ -27,7 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
-from cli import barrier, rank, world_size, writing
+from cli import barrier, rank, world_size
+from files import write_text, writing
 
 T = TypeVar("T")
 
@@ -73,7 +74,8 @@ class LineParts:
     @contextmanager
     def appending(self) -> Iterator[Callable[[list[dict]], None]]:
         """keep(records): this rank's records appended to its part file, one write call and a flush."""
-        with open(self.out.with_name(f"{self.out.name}.part{rank()}"), "a", encoding="utf-8") as f:
+        part = self.out.with_name(f"{self.out.name}.part{rank()}")
+        with writing(part), open(part, "a", encoding="utf-8") as f:  # a full disk names the part (writing)
             def keep(records: list[dict]) -> None:
                 f.write("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in records))
                 f.flush()
@@ -86,9 +88,7 @@ class LineParts:
         files = self.files()
         records = {self.key(p): p for f in files for p in self.read(f)}
         ordered = sorted(records.values(), key=lambda p: order.get(self.key(p), len(order)))
-        tmp = self.out.with_name(self.out.name + ".tmp")
-        tmp.write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in ordered), encoding="utf-8")
-        os.replace(tmp, self.out)
+        write_text(self.out, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in ordered))  # whole, or none
         for f in files[1:]:
             f.unlink()
         return len(records)

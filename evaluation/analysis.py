@@ -30,10 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from cli import SEED, pyplot, regular_file
+from cli import SEED, SEED_RANGE, pyplot
 from evaluation.scoring import BENCHMARKS, GROUPS
 from evaluation.tables import config_label
 from evaluation.tsv import DataError, as_list, read_jsonl, read_tsv
+from files import regular_file, write_text, writing
 from flags import flag
 from hub import resolve_model
 from processor import ImageError, Tokenizer, open_base64
@@ -305,7 +306,8 @@ def plot_score_cost(points: list[dict], column: str, png: Path) -> None:
             ax.annotate(p["label"], (p[key], p["score"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
         ax.set_xlabel(name), ax.set_ylabel(f"{column} score")
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    with writing(png):
+        fig.savefig(png, dpi=100)
     plt.close(fig)
 
 
@@ -327,7 +329,7 @@ class LengthsConfig:
                                              "paper's) or the generated tokens the run recorded",
                               choices=list(NEAR_CAP_RULES))
     resamples: int = flag(10_000, "bootstrap resamples", range="[1, 1000000]")
-    seed: int = flag(SEED, "bootstrap seed", shown=f"{SEED}, the paper's")
+    seed: int = flag(SEED, "bootstrap seed", range=SEED_RANGE, shown=f"{SEED}, the paper's")
     out: str | None = flag(None, "also write the JSON here")
 
 
@@ -364,7 +366,7 @@ def lengths_cmd(cfg: LengthsConfig) -> int:
     result = compare(a, b, cfg.near_cap, cfg.resamples, cfg.seed, cfg.near_cap_rule)
     print(markdown(result, tuple(cfg.names)), end="")
     if cfg.out:
-        Path(cfg.out).write_text(json.dumps(result | {"names": cfg.names}) + "\n")
+        write_text(Path(cfg.out), json.dumps(result | {"names": cfg.names}) + "\n")
     return 0
 
 
@@ -398,7 +400,7 @@ def descriptors_cmd(cfg: DescriptorsConfig) -> int:
     table = descriptors(cfg.data, encode, best, responses)
     print(descriptors_markdown(table, left), end="")
     if cfg.out:
-        Path(cfg.out).write_text(json.dumps({"benchmarks": table, "left_out": left}) + "\n")
+        write_text(Path(cfg.out), json.dumps({"benchmarks": table, "left_out": left}) + "\n")
     return 0
 
 
@@ -415,7 +417,7 @@ def cost_cmd(cfg: CostConfig) -> int:
         print(f"Left out: {line}")
     if cfg.out:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.out) / "score_cost.json").write_text(json.dumps({"points": points, "left_out": left}) + "\n")
+        write_text(Path(cfg.out) / "score_cost.json", json.dumps({"points": points, "left_out": left}) + "\n")
         try:
             plot_score_cost(points, cfg.column, Path(cfg.out) / "score_cost.png")
         except ValueError as e:  # matplotlib is optional: the table and JSON are written

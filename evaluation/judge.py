@@ -12,9 +12,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from cli import regular_file
 from evaluation.scoring import can_infer, mmmu_choices
 from evaluation.tsv import DataError, options, read_jsonl
+from files import regular_file
 
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 REQUEST_SECONDS = 120  # one request, whole: connection, headers and reply (urllib's timeout bounds each read alone)

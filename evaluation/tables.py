@@ -18,12 +18,13 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from cli import check_folder, log, pyplot, regular_file
+from cli import check_folder, log, pyplot
 from config import ParConfig
 from evaluation.scoring import BENCHMARKS, aggregates
 from evaluation.tsv import DataError
+from files import regular_file, write_text, writing
 from flags import flag
-from flops import profile_params
+from flops import ARCHS, profile_params
 
 COLUMNS = list(BENCHMARKS) + ["General", "Math", "OCR", "All"]
 
@@ -37,7 +38,7 @@ class ReportConfig:
                                      "InternVL3.5-Instruct): rows of their own, outside the grids and the best choice",
                                 nargs="+", factory=list, metavar="JSON")
     out: str = flag("report", "output folder for report.md, report.json and the heatmaps")
-    arch: str = flag("1b", "backbone for the FLOPs tie-break (flops.py)")
+    arch: str = flag("1b", "backbone for the FLOPs tie-break (flops.py)", choices=sorted(ARCHS))
     tie_decimals: int = flag(1, "scores equal at this many decimals tie", range="[0, inf)", shown="1, the paper's")
     best_with_shared_kv: bool = flag(False, "let shared-KV runs compete for the best configuration")
 
@@ -76,6 +77,7 @@ def read_scores(files: list[str], reference: list[str] = ()) -> tuple[dict, dict
     runs: dict[tuple, dict[str, float]] = {}
     policies: dict[tuple, dict[str, float]] = {}  # (pv, pl, "random pair (seed S)" or "router R") -> scores
     models: dict[tuple, str | None] = {}
+    read = []  # (file, score file, configuration, its table), every file read before any is judged
     for name, is_reference in [*((f, False) for f in files), *((f, True) for f in reference)]:
         try:
             text = regular_file(name).read_text().strip()  # a FIFO would block the read
@@ -83,7 +85,6 @@ def read_scores(files: list[str], reference: list[str] = ()) -> tuple[dict, dict
             bench, value = s["benchmark"], s["score"]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
                 raise ValueError(f"score must be a number in [0, 100], got {value!r}")  # NaN is none
-            value = float(value)
             key = (int(s["pv"]), int(s["pl"]), s.get("vision_branch"), s.get("language_branch"),
                    bool(s.get("shared_kv")), tuple(sorted((s.get("branches") or {}).items())))  # Table S8 apart
         except (OSError, IndexError, json.JSONDecodeError, KeyError, TypeError, ValueError, RecursionError) as e:
@@ -97,15 +98,38 @@ def read_scores(files: list[str], reference: list[str] = ()) -> tuple[dict, dict
             key, into = (key[0], key[1], policy), policies
         if is_reference:
             key = key + (str(s.get("model") or model_of(s) or name),)  # a reference model: a row of its own
-        if key in models and models[key] != model_of(s):
-            raise DataError(f"{name}: a score of checkpoint {model_of(s)} for configuration {config_label(key)}, "
-                            f"which holds checkpoint {models[key]}'s: one checkpoint per configuration (pass a "
-                            f"reference model with --reference; other model sizes in a report of their own)")
+        read.append((name, s, key, into))
+    check_one_checkpoint(read)
+    for name, s, key, into in read:
         models[key] = model_of(s)
-        if bench in into.setdefault(key, {}):
-            raise DataError(f"{name}: a second {bench} score for configuration {config_label(key)}")
-        into[key][bench] = value
+        if s["benchmark"] in into.setdefault(key, {}):
+            raise DataError(f"{name}: a second {s['benchmark']} score for configuration {config_label(key)}")
+        into[key][s["benchmark"]] = float(s["score"])
     return runs, policies, models
+
+
+def check_one_checkpoint(read: list) -> None:
+    """One checkpoint per configuration (a 1:1 run and InternVL3.5-Instruct would land in one row): where the
+    files of one configuration hold several checkpoints, the few that disagree with most of them are named as
+    the foreign ones, whatever the order they came in (the file read second was blamed before, often the
+    genuine one); a tie names both sides."""
+    held: dict[tuple, dict] = {}  # configuration -> checkpoint -> its files
+    for name, s, key, _ in read:
+        held.setdefault(key, {}).setdefault(model_of(s), []).append(str(name))
+    for key, by_model in held.items():
+        if len(by_model) < 2:
+            continue
+        fix = ("one checkpoint per configuration (pass a reference model with --reference; other model sizes in a "
+               "report of their own)")
+        ranked = sorted(by_model.items(), key=lambda m: -len(m[1]))
+        (most, theirs), others = ranked[0], ranked[1:]
+        if len(theirs) > len(others[0][1]):
+            foreign = [f for _, fs in others for f in fs]
+            raise DataError(f"{', '.join(foreign)}: score(s) of checkpoint {', '.join(str(m) for m, _ in others)} for "
+                            f"configuration {config_label(key)}, whose other {len(theirs)} score files ({theirs[0]}, "
+                            f"...) are checkpoint {most}'s: {fix}")
+        sides = "; ".join(f"checkpoint {m} ({', '.join(fs)})" for m, fs in ranked)
+        raise DataError(f"configuration {config_label(key)} holds scores of {len(ranked)} checkpoints: {sides}: {fix}")
 
 
 def gflops(configs: list, arch: str) -> dict:
@@ -268,7 +292,8 @@ def plot_figure_3(fig3: dict, out: Path) -> None:
             ax.set_xlabel(name), ax.set_title(f"{key}, {'prefix' if series == 'prefix' else 'LoRA'}")
         axes[0].set_ylabel("score"), axes[0].legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / f"figure3_{key.replace(':', 'x')}.png", dpi=100)
+        with writing(out / f"figure3_{key.replace(':', 'x')}.png"):
+            fig.savefig(out / f"figure3_{key.replace(':', 'x')}.png", dpi=100)
         plt.close(fig)
 
 
@@ -319,7 +344,8 @@ def heatmaps(grids: dict, pvs: list, pls: list, out: Path) -> None:
                 ax.text(j, i, f"{vals[i][j]:.1f}", ha="center", va="center", color="w")
         fig.colorbar(im, ax=ax)
         fig.tight_layout()
-        fig.savefig(out / f"heatmap_{col}.png", dpi=100)
+        with writing(out / f"heatmap_{col}.png"):
+            fig.savefig(out / f"heatmap_{col}.png", dpi=100)
         plt.close(fig)
 
 
@@ -341,7 +367,7 @@ def report(cfg: ReportConfig) -> int:
     md += figure_3_markdown(fig3, cfg.tie_decimals) + table_s6_markdown(s6, cfg.tie_decimals)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text("\n".join(md) + "\n")
+    write_text(out / "report.md", "\n".join(md) + "\n")
     data = {"arch": cfg.arch,
             "configs": [{"label": config_label(c), "pv": c[0], "pl": c[1], "vision_branch": c[2],
                          "language_branch": c[3], "shared_kv": c[4], "branches": dict(c[5]), "model": models[c],
@@ -349,7 +375,7 @@ def report(cfg: ReportConfig) -> int:
                         for c in configs],
             "best": {k: config_label(c) for k, c in best.items()}, "grid_pv": pvs, "grid_pl": pls, "grids": grids,
             "pairs": pairs, "table3": table3, "figure3": fig3, "table_s6": s6}
-    (out / "report.json").write_text(json.dumps(data, indent=1) + "\n")
+    write_text(out / "report.json", json.dumps(data, indent=1) + "\n")
     print("\n".join(md))
     heatmaps(grids, pvs, pls, out)
     plot_figure_3(fig3, out)

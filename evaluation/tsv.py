@@ -15,7 +15,7 @@ import string
 import sys
 from pathlib import Path
 
-from cli import regular_file
+from files import regular_file
 
 
 class DataError(ValueError):

@@ -292,6 +292,19 @@ def test_a_bad_branch_value_in_an_export_config_names_the_file_and_the_field(mod
         assert (code, err.strip()) == (1, line)
 
 
+def test_language_only_on_an_export_with_vision_branches_names_config_json(model_dir, tmp_path, capsys):
+    """"language_only": true in a 2:2 export's parvl block said "a language-only model has no vision branches: pv
+    must be 1", naming no file (issue 38, item 22): the file and both fields are named, exit 1."""
+    folder = tmp_path / "export"
+    ParVL.from_pretrained(model_dir, pv=2, pl=2).save(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["parvl"]["language_only"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    code, _, err = gen_main(capsys, "q", "--model", folder, "--max-new-tokens", 1)
+    assert (code, err.strip()) == (1, f"error: {folder / 'config.json'}: parvl.language_only is true, but "
+                                      f"parvl.par.pv is 2: a language-only model has no vision branches")
+
+
 # -- folders that are not a model ----------------------------------------------------------------------
 
 

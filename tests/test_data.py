@@ -252,6 +252,18 @@ def test_a_tile_budget_past_internvl_in_the_meta_file_is_one_line(model_dir, tmp
                                  f"[1, 64] (the most tiles InternVL's pipelines give)"], err
 
 
+def test_a_root_that_is_a_link_loop_is_one_line(model_dir, tmp_path, capsys):
+    """A dataset root that is a symbolic link loop made every image row a "missing_image" bad row, the root named
+    nowhere (issue 38, item 22): one line naming the meta file, the dataset and the root, exit 1."""
+    rows = [chat("<image>\nq", "a", image="img.png")]
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    meta = write_meta(tmp_path, {"ds": (rows, {"root": str(tmp_path / "loop")})})
+    code, err = run_main(capsys, train.main, ["--model", model_dir, "--data", meta, "--validate-data",
+                                              "--num-workers", "0"])
+    assert code == 1 and err == [f"error: {meta}: dataset 'ds' has root {tmp_path / 'loop'}, a symbolic link loop "
+                                 f"(links that point at each other, never at a folder)"], err
+
+
 # ----------------------------------------------------------------------------- augmentation
 
 def test_data_augment_is_seeded_jpeg(tmp_path, tok):

@@ -390,7 +390,7 @@ def test_an_out_that_cannot_be_written_is_one_line(bench, full_run, tmp_path, ca
                          a_file / "p.jsonl"],
                         f"error: --out {a_file / 'p.jsonl'}: {a_file} is a file, not a folder"),  # before the model
                        (["score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", full_run, "--out",
-                         a_file / "s.json"], f"error: {a_file / 's.json'}: a parent is a file, not a folder")]:
+                         a_file / "s.json"], f"error: --out {a_file / 's.json'}: {a_file} is a file, not a folder")]:
         rc, _, err = main_out(capsys, *args)
         assert rc == 1 and err.strip().splitlines()[-1:] == [want], (args, err)
     assert a_file.read_text() == "kept"
@@ -407,6 +407,16 @@ def test_score_writes_its_line_its_rows_and_its_file(bench, full_run, tmp_path, 
     assert rc == 0 and line["n"] == 3 and line["benchmark"] == "MMMU_DEV_VAL" and 0 <= line["score"] <= 100
     assert line["missing"] == 1 and len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3  # row 13
     assert json.loads((tmp_path / "s.json").read_text()) == line
+
+
+def test_score_out_into_a_missing_folder_makes_it(bench, full_run, tmp_path, capsys):
+    """score --out and --rows-out into a folder that is not there yet: made, as run makes its --out's (it failed
+    with "no such file or folder" after scoring; issue 38, item 22)."""
+    _, tsv, _, _ = bench
+    out, rows = tmp_path / "new" / "deep" / "s.json", tmp_path / "other" / "rows.jsonl"
+    rc, stdout, err = main_out(capsys, "score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions",
+                               full_run, "--out", out, "--rows-out", rows)
+    assert rc == 0 and json.loads(out.read_text()) == json.loads(stdout.splitlines()[-1]) and rows.is_file(), err
 
 
 def test_score_and_run_bad_input_is_one_line(bench, full_run, tmp_path, capsys):

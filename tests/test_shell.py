@@ -24,8 +24,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import cli
 import evaluate
+import files
 import generate
 import profiling
+import rendezvous
 import router
 import train
 from conftest import (COMMON, NOT_UTF8, ROOT, one_line, parse_flags, root_cause, run_main, run_train, tree,
@@ -330,7 +332,7 @@ def test_a_file_that_is_not_a_regular_file_is_refused(model_dir, meta, tmp_path,
 def test_ranks_started_without_torchrun_say_what_they_wait_for_and_time_out(model_dir, tmp_path, capsys,
                                                                             monkeypatch):
     """RANK=1 WORLD_SIZE=2 without torchrun (and no rank 0) waited silently for a peer forever: the rank says
-    what it waits for, then gives up after cli.RENDEZVOUS_S in one line (exit 1); here 2 s, the note after
+    what it waits for, then gives up after rendezvous.RENDEZVOUS_S in one line (exit 1); here 2 s, the note after
     0.5 s (issue 38, item 14)."""
     import socket
 
@@ -339,8 +341,8 @@ def test_ranks_started_without_torchrun_say_what_they_wait_for_and_time_out(mode
         port = s.getsockname()[1]
     for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(cli, "RENDEZVOUS_S", 2, raising=False)
-    monkeypatch.setattr(cli, "WAITING_NOTE_S", 0.5, raising=False)
+    monkeypatch.setattr(rendezvous, "RENDEZVOUS_S", 2)
+    monkeypatch.setattr(rendezvous, "WAITING_NOTE_S", 0.5)
     tsv = write_tsv(tmp_path / "t.tsv", [{"index": "0", "question": "q", "answer": "a", "image": "x" * 80}])
     t0 = time.monotonic()
     code, err = run_main(capsys, evaluate.main, ["run", "--benchmark", "TextVQA_VAL", "--data", tsv, "--model",
@@ -351,6 +353,101 @@ def test_ranks_started_without_torchrun_say_what_they_wait_for_and_time_out(mode
         f"error: rank 1 of 2: no rendezvous {where} within 2 s (nothing listens there); start every rank (torchrun "
         f"--nproc-per-node N ... starts and joins them), or unset RANK to run alone"], err
     assert time.monotonic() - t0 < 30 and not cli.dist.is_initialized()
+
+
+def test_output_survives_a_stream_that_cannot_encode_it(monkeypatch):
+    """PYTHONIOENCODING=ascii: `evaluate.py score --help` (its help holds an ellipsis) was a UnicodeEncodeError
+    traceback; the command's __main__ (cli.command) writes a character its stream cannot encode as an escape
+    (issue 38, item 22). Here an ASCII stdout, as that variable makes it."""
+    out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(cli, "_process", {"main": False}, raising=False)  # command() marks the process its own
+    with pytest.raises(SystemExit) as e:
+        cli.command(lambda: evaluate.main(["score", "--help"]))
+    out.flush()
+    assert e.value.code == 0 and b"(\\u2026/v1)" in out.buffer.getvalue()
+
+
+class FullFile(io.StringIO):
+    """A file on a full disk: it opens, and every write fails as the kernel's does (ENOSPC, and no file name: a
+    write's OSError carries none)."""
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_names_the_file(bench, model_dir, tmp_path, capsys, monkeypatch):
+    """A full disk said "no space left on the device" without the file (issue 38, item 22): evaluate.py run's part
+    file, generate.py --batch's answers, score --out, report, lengths --out each name the file in one line, exit
+    1; a small output file is written whole or not at all (files.write_text), so what it held stays. router.py label
+    and train.py export: test_router.py, test_runs.py."""
+    import shards
+
+    folder, tsv, _, _ = bench
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question": "Hi"}\n')
+    preds = tmp_path / "p.jsonl"
+    preds.write_text("".join(json.dumps({"index": str(k), "prediction": "a b c", "benchmark": "OCRBench",
+                                         "new_tokens": 3}) + "\n" for k in range(3)))
+    answers = tmp_path / "m.jsonl"
+    answers.write_text('{"index": "10", "prediction": "A"}\n')
+    score = tmp_path / "s.json"
+    score.write_text('{"benchmark": "OCRBench", "score": 50.0, "pv": 1, "pl": 1}\n')
+    kept = tmp_path / "kept.json"
+    kept.write_text("what an earlier run wrote\n")
+    monkeypatch.setattr(shards, "open", lambda *a, **k: FullFile(), raising=False)  # the part a run appends to
+    monkeypatch.setattr(generate, "open", lambda *a, **k: FullFile(), raising=False)  # --batch's answers file
+    monkeypatch.setattr(Path, "write_text", lambda self, *a, **k: FullFile().write(""))  # every whole file
+    full = "no space left on the device"
+    cases = [
+        (evaluate.main, ["run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder, "--out",
+                         tmp_path / "run" / "p.jsonl", "--max-new-tokens", 1], f"{tmp_path / 'run' / 'p.jsonl.part0'}"),
+        (generate.main, ["--batch", questions, "--out", tmp_path / "a.jsonl", "--model", model_dir, "--max-new-tokens",
+                         1], f"{tmp_path / 'a.jsonl'}"),
+        (evaluate.main, ["score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", answers, "--out",
+                         kept],
+         f"{kept}"),
+        (evaluate.main, ["report", score, "--out", tmp_path / "report"], f"{tmp_path / 'report' / 'report.md'}"),
+        (evaluate.main, ["lengths", "--model", model_dir, "--a", preds, "--b", preds, "--resamples", 10, "--out", kept],
+         f"{kept}"),
+    ]
+    for main, argv, path in cases:
+        code, err = run_main(capsys, main, argv)
+        assert code == 1 and err[-1] == f"error: {path}: {full}" and "Traceback" not in "".join(err), (argv, err)
+    assert kept.read_text() == "what an earlier run wrote\n" and not list(tmp_path.glob("*.tmp"))
+
+
+def test_flags_past_what_they_can_mean_are_flag_errors(model_dir, meta, tmp_path, capsys):
+    """A --seed past 2**64 failed after loading (torch.manual_seed's range), --max-new-tokens 10**9 skipped every
+    row and exited 0, --judge-url without --judge-model exited 1 and a --judge-url that is no URL was not named,
+    report --arch bogus exited 1 where profiling.py exits 2: each is a flag error, exit 2 in one line, the context
+    as soon as config.json is read (issue 38, item 22). No file is written."""
+    m, d, out = str(model_dir), str(meta), str(tmp_path / "o")
+    tsv = write_tsv(tmp_path / "t.tsv", [{"index": "0", "question": "q", "answer": "a", "image": "x" * 80}])
+    run = ["run", "--benchmark", "TextVQA_VAL", "--data", tsv, "--model", m, "--out", f"{out}/p.jsonl"]
+    score = ["score", "--benchmark", "TextVQA_VAL", "--data", tsv, "--predictions", tsv, "--out", f"{out}/s.json"]
+    cases = [
+        (generate.main, ["Hi", "--model", m, "--seed", 2**64], "--seed must be in [0, 18446744073709551616), got "
+                                                              "18446744073709551616"),
+        (train.main, ["--model", m, "--data", d, "--out", out, "--seed", -1], "--seed must be in [0, "),
+        (router.main, ["train", "--model", m, "--labels", m, "--out", out, "--seed", 2**64], "--seed must be in [0, "),
+        (evaluate.main, [*run, "--seed", 2**70], "--seed must be in [0, 18446744073709551616)"),
+        (evaluate.main, [*score, "--judge-url", "http://localhost:8000/v1", "--vlmevalkit", m],
+         "--judge-url needs --judge-model"),
+        (evaluate.main, [*score, "--judge-url", "localhost:8000", "--judge-model", "j", "--vlmevalkit", m],
+         "--judge-url 'localhost:8000': not an http(s) URL"),
+        (evaluate.main, ["report", tsv, "--out", out, "--arch", "bogus"], "--arch: invalid choice: 'bogus'"),
+    ]
+    for main, argv, want in cases:
+        code, err = run_main(capsys, main, argv)
+        assert code == 2 and len(err) == 1 and want in err[0] and err[0].endswith("(see --help)"), (argv, err)
+    context = ("the model's context is 40960 tokens, the prompt's included (config.json max_position_embeddings); "
+               "give at most 40959")
+    for main, argv in [(generate.main, ["Hi", "--model", m, "--max-new-tokens", 10**9]),
+                       (evaluate.main, [*run, "--max-new-tokens", 10**9])]:
+        code, err = run_main(capsys, main, argv)
+        assert code == 2 and err == [f"error: --max-new-tokens 1000000000: {context}"], (argv, err)
+    assert not [p for p in Path(out).rglob("*") if p.is_file()]  # run's lock made the folder, and left nothing
 
 
 # -- one output, one writer ----------------------------------------------------------------------------
@@ -488,20 +585,20 @@ def test_os_cause_names_the_cause(monkeypatch, tmp_path):
     for code, words in [(errno.ENOSPC, "no space left"), (errno.EROFS, "read-only"),
                         (errno.EACCES, "permission denied")]:
         wrapped = CheckpointException("save failed", {1: (OSError(code, os.strerror(code)), None)})  # DCP, rank 1
-        assert cli.os_cause(wrapped) == cli.CAUSES[code] and words in cli.CAUSES[code]
+        assert files.os_cause(wrapped) == files.CAUSES[code] and words in files.CAUSES[code]
         try:
             try:
                 raise OSError(code, os.strerror(code))
             except OSError as e:
                 raise RuntimeError("enforce fail at inline_container.cc: file write failed") from e
         except RuntimeError as e:
-            assert cli.os_cause(e) == cli.CAUSES[code]
+            assert files.os_cause(e) == files.CAUSES[code]
     # torch's zip writer on a full disk: no errno anywhere, so the free space is what tells
     zip_error = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file")
-    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: SimpleNamespace(free=3 * 2**20))
-    assert cli.os_cause(zip_error, tmp_path).startswith("the disk is (nearly) full, 3 MiB free")
-    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
-    assert cli.os_cause(zip_error, tmp_path).startswith("RuntimeError: [enforce fail")
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: SimpleNamespace(free=3 * 2**20))
+    assert files.os_cause(zip_error, tmp_path).startswith("the disk is (nearly) full, 3 MiB free")
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
+    assert files.os_cause(zip_error, tmp_path).startswith("RuntimeError: [enforce fail")
 
 
 # -- every flag's help ---------------------------------------------------------------------------------
