@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from cli import barrier, rank, world_size
-from files import write_text, writing
+from files import writing
 
 T = TypeVar("T")
 
@@ -83,15 +83,39 @@ class LineParts:
 
     def merge(self, order: dict[str, int]) -> int:
         """Rank 0: every record of the merged file and the parts in one file, ordered by order[key]
-        (a unit it lacks goes last), written beside OUT and renamed onto it; then the parts go.
-        Returns the number of records."""
-        files = self.files()
-        records = {self.key(p): p for f in files for p in self.read(f)}
-        ordered = sorted(records.values(), key=lambda p: order.get(self.key(p), len(order)))
-        write_text(self.out, "".join(json.dumps(p, ensure_ascii=False) + "\n" for p in ordered))  # whole, or none
+        (a unit it lacks goes last; of two records of one unit, the later file's), written beside OUT and
+        renamed onto it; then the parts go. Returns the number of records. Memory holds where each record
+        is, not the records: they are copied line by line (the files were read whole by done())."""
+        files = [f for f in self.files() if f.exists()]
+        where: dict[str, tuple[int, int, int, int]] = {}  # key -> (place, file, byte offset, length)
+        for n, f in enumerate(files):
+            with open(f, "rb") as lines:
+                offset = 0
+                for raw in lines:
+                    try:
+                        key = self.key(json.loads(raw)) if raw.strip() else None
+                    except ValueError:  # a last line cut short: read() drops it too, and its unit is redone
+                        key = None
+                    if key is not None:
+                        where[key] = (order.get(key, len(order)), n, offset, len(raw))
+                    offset += len(raw)
+        tmp, handles = self.out.with_name(self.out.name + ".tmp"), [open(f, "rb") for f in files]
+        try:
+            with writing(self.out), open(tmp, "wb") as sink:  # whole, or none: renamed once written
+                for _, n, offset, size in sorted(where.values()):
+                    handles[n].seek(offset)
+                    line = handles[n].read(size)
+                    sink.write(line if line.endswith(b"\n") else line + b"\n")
+            os.replace(tmp, self.out)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # what OUT held stays
+            raise
+        finally:
+            for h in handles:
+                h.close()
         for f in files[1:]:
             f.unlink()
-        return len(records)
+        return len(where)
 
 
 class FileParts:

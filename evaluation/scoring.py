@@ -54,7 +54,7 @@ BENCHMARKS = ("MMMU_DEV_VAL", "MathVista_MINI", "MathVision_MINI", "LogicVista",
               "ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")
 GROUPS = {"General": ("MMMU_DEV_VAL",), "Math": ("MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath"),
           "OCR": ("ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")}  # the paper's domains (Eq. A3)
-# columns each benchmark's prompt (evaluate.question_text) and scorer read beyond index, question, answer, image:
+# columns each benchmark's prompt (prompts.question_text) and scorer read beyond index, question, answer, image:
 # what VLMEvalKit's TSV of the benchmark holds, checked before a run or a score, so that a TSV run or scored
 # under another benchmark's name (MMMU on ChartQA's TSV: every row an open question) is refused
 SCORE_COLUMNS = {"MMMU_DEV_VAL": ("A", "B", "split"), "MathVista_MINI": ("question_type", "answer_type", "choices"),
