@@ -75,7 +75,7 @@ def start_processes(cuda: bool, always: bool = False) -> torch.device:
             # 30 s grace and its SIGKILL
             handler = signal.signal(signal.SIGTERM, signal.SIG_DFL)
             try:
-                if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # torchrun's store, already up
+                if "TORCHELASTIC_USE_AGENT_STORE" in os.environ:  # a torchrun worker: its agents have met
                     dist.init_process_group("nccl" if cuda else "gloo")
                 else:  # RANK set by hand or by srun
                     rendezvous.join("nccl" if cuda else "gloo", rank(), lambda note: log(note, every_rank=True))

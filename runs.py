@@ -186,7 +186,7 @@ def trim_metrics(out: Path, step: int) -> None:
         try:
             if json.loads(line)["step"] <= step:
                 kept.append(line + "\n")
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # a line nested past the JSON reader: dropped
             pass
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(kept))
