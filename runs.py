@@ -1,7 +1,6 @@
-"""A training run's folder: one run per --out, DCP checkpoints saved atomically and verified,
---resume with fallback past broken checkpoints, metrics continued without duplicate steps, the final
-export, one line for a failed save (its cause from files.os_cause), and `train.py plot`'s picture of a
-run's metrics (plot_run). train.py drives it; this module holds no training.
+"""A training run's folder: one run per --out, DCP checkpoints saved atomically and verified, --resume with
+fallback past broken checkpoints, metrics continued without duplicate steps, the final export, one line for a
+failed save (files.os_cause), and `train.py plot`'s picture of a run's metrics (plot_run). No training here.
 
 A run folder may come from someone else, so a checkpoint is read without running anything it holds:
 DCP's .metadata (a pickle) through an unpickler that admits only the classes DCP's metadata is made
