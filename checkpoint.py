@@ -20,7 +20,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 from config import LLMConfig, ParConfig, ParVLConfig, ViTConfig
-from processor import IM_END, IM_START, IMG_CONTEXT, IMG_END, IMG_START, Tokenizer
+from processor import IM_END, IM_START, IMG_CONTEXT, IMG_END, IMG_START, MAX_TILES, Tokenizer
 
 
 class CheckpointError(ValueError):
@@ -65,6 +65,8 @@ def read_json(path: Path) -> dict:
         value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    except RecursionError:  # Python's JSON reader recurses once per level
+        raise CheckpointError(f"{path}: not usable JSON (nested deeper than Python's JSON reader goes)") from None
     if not isinstance(value, dict):  # every JSON file of a checkpoint, router or labels folder is one object
         raise CheckpointError(f"{path}: a JSON {type(value).__name__}, not the object of names and values it must be")
     return value
@@ -234,12 +236,18 @@ def config_from_json(raw: dict, folder: Path | None = None, tied: bool | None = 
     hf = "text_config" in raw
     t = raw.get("text_config") if hf else raw.get("llm_config")
     extra = raw.get("parvl", {})
+    where = folder / "config.json" if folder is not None else "config.json"
+    if not isinstance(extra, dict):  # this project's block: {"par": {...}, "language_only": bool}
+        raise CheckpointError(f"{where}: parvl must be an object of par and language_only, got {extra!r:.40}")
     language_only = bool(extra.get("language_only", False))
     if t is None or (raw.get("vision_config") is None and not language_only):
         raise CheckpointError("config.json: needs llm_config (or text_config) and vision_config")
     llm = decoder_config(t, "text_config" if hf else "llm_config", tied)
     par = par_from_json(extra.get("par", {}), folder)
     if language_only:
+        if par.pv != 1:
+            raise CheckpointError(f"{where}: parvl.language_only is true, but parvl.par.pv is {par.pv}: a "
+                                  f"language-only model has no vision branches")
         return ParVLConfig(vit=None, llm=llm, par=par, image_token_id=-1)
     vit = vision_config(raw["vision_config"], hf)
     return ParVLConfig(vit=vit, llm=llm, par=par, **multimodal_fields(raw, vit, hf, folder))
@@ -318,6 +326,9 @@ def multimodal_fields(raw: dict, vit: ViTConfig, hf: bool, folder: Path | None) 
     select = raw.get(select_key, -1)
     if isinstance(select, bool) or not isinstance(select, int) or not -layers - 1 <= select <= layers:
         raise top.bad(select_key, f"an integer in [{-layers - 1}, {layers}]", select)
+    if top.int("max_dynamic_patch", 12) > MAX_TILES:  # the default tile budget of every command
+        raise top.bad("max_dynamic_patch", f"in [1, {MAX_TILES}] (the most tiles InternVL's pipelines give)",
+                      raw["max_dynamic_patch"])
     template = raw.get("template", "internvl2_5")
     if template != "internvl2_5":  # the one chat template processor.py implements (InternVL3 and 3.5 use it)
         raise CheckpointError(f"config.json: chat template {template!r} is not supported (internvl2_5)")

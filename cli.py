@@ -1,6 +1,6 @@
 """The command shell: what every command shares and that knows no model. `shell` runs a command's job
 and turns each way it can end into its exit code and one line (one-line errors, also into torchrun's
-error file; the causes of failed reads and writes; allocation failures; SIGINT / SIGTERM); around it,
+error file; the causes of failed reads and writes, files.py's; allocation failures; SIGINT / SIGTERM); around it,
 the process group torchrun asks for, the check that every node sees a shared folder, logging from
 rank 0 and the process exit; device and dtype resolution, the paper's seed, small figures (h:mm:ss,
 peak memory) and the optional matplotlib import. The flags are flags.py's. generate.py, train.py,
@@ -14,18 +14,21 @@ import json
 import os
 import resource
 import secrets
-import shutil
 import signal
 import socket
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+
+import rendezvous
+from files import dcp_errors, os_cause, os_error
 
 
 SEED = 42  # the paper's seed for every SFT and router-training job (Appendix A.1), and ours for every draw
@@ -63,7 +66,8 @@ def log(msg: str, stream=None, every_rank: bool = False) -> None:
 def start_processes(cuda: bool, always: bool = False) -> torch.device:
     """The process group torchrun asks for (RANK set: NCCL on CUDA, gloo on CPU), and this process's
     device. A plain `python` process runs alone with no group, or, with always (FSDP2 wants one), in a
-    world of one over an in-process store."""
+    world of one over an in-process store. Ranks started without torchrun (RANK set by hand or by srun)
+    meet at MASTER_ADDR:MASTER_PORT (rendezvous.py)."""
     if not dist.is_initialized():
         if "RANK" in os.environ:
             # Rank 0 may leave before the group is up (a second writer refused, cli.one_writer): torchrun then
@@ -72,7 +76,12 @@ def start_processes(cuda: bool, always: bool = False) -> torch.device:
             # 30 s grace and its SIGKILL
             handler = signal.signal(signal.SIGTERM, signal.SIG_DFL)
             try:
-                dist.init_process_group("nccl" if cuda else "gloo")
+                if "TORCHELASTIC_USE_AGENT_STORE" in os.environ:  # a torchrun worker: its agents have met
+                    dist.init_process_group("nccl" if cuda else "gloo")
+                else:  # RANK set by hand or by srun
+                    rendezvous.join("nccl" if cuda else "gloo", rank(), lambda note: log(note, every_rank=True))
+            except rendezvous.NoRendezvous as e:  # this rank's own wait
+                raise RankError(str(e)) from None
             finally:
                 signal.signal(signal.SIGTERM, handler)
         elif always:
@@ -117,19 +126,19 @@ def error(line: str, every_rank: bool = False, wait: bool = True) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+_process = {"main": False}  # whether command() runs this process, which then exits when the job ends
+
+
 def command(main):
     """The __main__ of a command: main() under torch.distributed.elastic's `record`, which writes an
     uncaught exception (a bug: its traceback is the useful report) to the error file torchrun reads,
-    then exit_process with main's code."""
+    then exit_process with main's code. Its output never fails on a character its stream cannot encode
+    (PYTHONIOENCODING=ascii, a C locale without UTF-8): such a character is written as a backslash escape."""
+    _process["main"] = True
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     exit_process(record(main)() or 0)
-
-
-def dcp_errors() -> tuple[type, ...]:
-    """DCP's CheckpointException (a BaseException that wraps each rank's failure of a save or load), when DCP is
-    loaded: only a job that imported torch.distributed.checkpoint can raise it, and importing it here would cost
-    every command (generate.py among them) 1.5-3.4 s of start-up, measured on the 2-core machine."""
-    api = sys.modules.get("torch.distributed.checkpoint.api")
-    return (api.CheckpointException,) if api is not None else ()
 
 
 def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None = None) -> int:
@@ -142,8 +151,8 @@ def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None =
                    "error: LINE" from rank 0 (every rank meets it alike); 2 for a UsageError;
                    a failed read or write: the file and its cause (os_error), from the rank that met it;
                    DCP's failed save: its cause (os_cause);
-                   an allocation failure: the sizes and the flags that lower them (OutOfMemory), from
-                   the rank that met it;
+                   an allocation failure: the sizes and the flags that lower them (OutOfMemory), and
+                   any failure only one rank meets (RankError), from the rank that met it;
                    a lost peer under torchrun: said by this rank, which leaves the report to the peer;
                    a closed output pipe (`| head`): quietly;
         130 / 143  SIGINT / SIGTERM (interruptible): "interrupted by SIGINT", then the job's own words
@@ -155,15 +164,17 @@ def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None =
     same end, or at once (os._exit) when this rank's peers may be mid-collective or gone (end)."""
     code, alone, lost, waits = 0, False, False, False  # alone: leave without the last barrier
     try:
-        with interruptible() as received:
+        with interruptible() as signals:
             try:
                 code = job() or 0
                 sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
+                signals.armed = False  # each path disarms as its last step: a later signal raises nowhere
             except BrokenPipeError:  # the reader left (`| head`): stop quietly, as command-line tools do
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
-                code = 1
+                code, signals.armed = 1, False
             except (KeyboardInterrupt, *dcp_errors(), Exception) as e:
-                code, alone, lost, waits = report(e, received, interrupted)
+                code, alone, lost, waits = report(e, signals.received, interrupted)
+                signals.armed = False
     finally:  # the handlers are gone: torchrun's SIGTERM to a rank that waits for it ends that rank quietly
         end(code, alone, lost, waits)
     return code
@@ -181,7 +192,7 @@ def report(e: BaseException, received: list[int],
         words = interrupted() if interrupted is not None else ""
         log(f"interrupted by {signal.Signals(signum).name}" + (f": {words}" if words else ""))
         return 128 + signum, many, False, False
-    if isinstance(e, OutOfMemory):  # this rank's batch: the others may be mid-collective
+    if isinstance(e, RankError):  # this rank's alone (its batch, its tracker): the others may be mid-collective
         error(f"error: {who}{e}", every_rank=True)
         return 1, many, False, False
     if isinstance(e, (ValueError, *dcp_errors())):  # alike on every rank
@@ -353,70 +364,49 @@ class Interrupted(KeyboardInterrupt):
         self.code = 128 + signum
 
 
+@dataclass
+class Signals:
+    """The signals a command received, first first (what a signal then caused elsewhere, a peer's exit seen as
+    a lost connection, is still the signal's), and whether the next one raises Interrupted (`armed`: while the
+    job runs; shell disarms it once the job has ended, however it ended)."""
+    received: list[int] = field(default_factory=list)
+    armed: bool = True
+
+
 @contextmanager
 def interruptible():
     """SIGINT and SIGTERM raise Interrupted inside, so the command stops through its own finally
     blocks (a file half written removed, the ones complete kept) and says so in one line; the
-    previous handlers come back after. Yields the list of signals received, first first: what a
-    signal then caused elsewhere (a peer's exit seen as a lost connection) is still the signal's."""
-    received: list[int] = []
+    previous handlers come back after. Yields the Signals received.
+
+    Idempotent: a signal that comes while an interrupt is being handled (a finally block, shell's line)
+    or once the job has ended is recorded, not raised. Slurm signals every rank and torchrun forwards its
+    own, so a second SIGTERM often follows the first within milliseconds; raised inside the print of the
+    first's line, or in this block's own exit, it escaped as a traceback instead of 143. A process that was
+    interrupted (command) then ignores every signal until it has exited with 130 / 143: their default action
+    would end it as killed."""
+    signals = Signals()
 
     def on_signal(signum, frame):
-        received.append(signum)
-        raise Interrupted(signum)
+        signals.received.append(signum)
+        if signals.armed and not isinstance(sys.exc_info()[1], KeyboardInterrupt):  # none is being handled
+            raise Interrupted(signum)
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        yield received
+        yield signals
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            signal.signal(sig, signal.SIG_IGN if signals.received and _process["main"] else handler)
 
 
-CAUSES = {errno.ENOSPC: "no space left on the device", errno.EDQUOT: "disk quota exceeded",
-          errno.EROFS: "read-only file system", errno.EACCES: "permission denied",
-          errno.EPERM: "operation not permitted", errno.ENOENT: "no such file or folder",
-          errno.ENOTDIR: "a parent is a file, not a folder", errno.EISDIR: "a folder, not a file",
-          errno.EIO: "input/output error", errno.EEXIST: "a file is already there"}
+class RankError(ValueError):
+    """Bad input or a failure that only this rank meets (its batch's allocation, rank 0's tracker, its wait for
+    the others): said by this rank, named as its own under torchrun, and it leaves at once (the others may be
+    in a collective it will never join)."""
 
 
-def os_cause(e: BaseException, folder: Path | None = None) -> str:
-    """The cause of a failed write or read in a few words: the first OSError in the exception's chain
-    (DCP wraps each rank's failure in a CheckpointException), else its message. torch's zip writer
-    reports a full disk as "file write failed" with no errno, so the free space is checked too."""
-    todo, seen = [e], set()
-    while todo:
-        x = todo.pop(0)
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if isinstance(x, OSError) and x.errno:
-            return CAUSES.get(x.errno, os.strerror(x.errno))
-        if isinstance(x, dcp_errors()):  # DCP: each rank's failure
-            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
-        todo += [x.__cause__, x.__context__]
-    text = one_line(e)
-    for needle, cause in (("No space left", errno.ENOSPC), ("Read-only file system", errno.EROFS),
-                          ("Permission denied", errno.EACCES)):
-        if needle in text:
-            return CAUSES[cause]
-    if folder is not None:
-        try:
-            free = shutil.disk_usage(next(p for p in (folder, *folder.parents) if p.exists())).free
-            if free < 2**30:
-                return f"the disk is (nearly) full, {free / 2**20:.0f} MiB free ({type(e).__name__}: {text[:120]})"
-        except OSError:
-            pass
-    return f"{type(e).__name__}: {text[:200]}"
-
-
-def os_error(e: BaseException, folder: Path | None = None) -> str:
-    """A failed read or write in one line: the file, when the error names one, and its cause
-    ("OUT/parts: read-only file system")."""
-    return f"{e.filename}: {os_cause(e, folder)}" if isinstance(e, OSError) and e.filename else os_cause(e, folder)
-
-
-class OutOfMemory(ValueError):
+class OutOfMemory(RankError):
     """An allocation failed: one line naming the sizes that asked for it (a ValueError, so every
     command's one-line error path reports it)."""
 

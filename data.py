@@ -18,6 +18,7 @@ never raised. Run the tests: python -m pytest tests/test_data.py -q
 """
 
 import hashlib
+import errno
 import io
 import json
 import os
@@ -29,7 +30,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from processor import (DEFAULT_SYSTEM_MESSAGE, IMAGE_PLACEHOLDER, IMAGE_SIZE, IMG_CONTEXT, IM_START,
+from files import regular_file
+from processor import (DEFAULT_SYSTEM_MESSAGE, IMAGE_PLACEHOLDER, IMAGE_SIZE, IMG_CONTEXT, IM_START, MAX_TILES,
                        NUM_IMAGE_TOKENS, ImageError, expand_images, load_image, not_unicode, tile_image,
                        turn)
 from processor import open_rgb  # the decoder processor.load_image uses, with its error handling
@@ -89,12 +91,21 @@ class SFTData(torch.utils.data.Dataset):
             r = float(m.get("repeat_time", 1))
             if r <= 0:
                 raise ValueError(f"{meta_path}: dataset {name!r} has repeat_time={r}, need > 0")
+            tiles = m.get("max_dynamic_patch", max_tiles)  # the meta file's, checked; else the caller's
+            if "max_dynamic_patch" in m and (isinstance(tiles, bool) or not isinstance(tiles, int)
+                                             or not 1 <= tiles <= MAX_TILES):
+                raise ValueError(f"{meta_path}: dataset {name!r} has max_dynamic_patch={tiles!r}, need an integer in "
+                                 f"[1, {MAX_TILES}] (the most tiles InternVL's pipelines give)")
             # InternVL's LazySupervisedDataset: r < 1 keeps the first floor(len * r) lines, r > 1 repeats int(r) times.
             kept = int(len(offsets) * r) if r < 1 else len(offsets)
+            root = os.path.join(folder, m["root"])
+            if _link_loop(root):  # every image under it would be a "missing_image" bad row, the root unnamed
+                raise ValueError(f"{meta_path}: dataset {name!r} has root {root}, a symbolic link loop (links that "
+                                 f"point at each other, never at a folder)")
             self.datasets.append(dict(
-                name=name, root=os.path.join(folder, m["root"]), path=path, offsets=offsets, lines=lines,
+                name=name, root=root, path=path, offsets=offsets, lines=lines,
                 kept=kept, repeat=int(r) if r > 1 else 1, augment=bool(m.get("data_augment", False)),
-                max_tiles=int(m.get("max_dynamic_patch", max_tiles))))
+                max_tiles=tiles))
         sizes = [d["kept"] * d["repeat"] for d in self.datasets]
         self.starts = np.cumsum([0] + sizes).tolist()  # global row range of dataset k: starts[k:k+2]
 
@@ -334,11 +345,12 @@ def _bad_or_good(s) -> "BadRow | str":
 
 
 def _read_meta(path: str) -> dict:
+    regular_file(path, "meta file")  # a FIFO would block the read
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
         meta = json.loads(text)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested deeper than the JSON reader goes
         hint = ""
         if isinstance(e, json.JSONDecodeError) and e.msg == "Extra data" and _looks_like_rows(text):
             hint = (" (this looks like a JSONL annotation file; --data takes the meta JSON that names it: "
@@ -359,7 +371,7 @@ def _looks_like_rows(text: str) -> bool:
     """Whether a would-be meta file starts with an annotation row (a JSONL file given by mistake)."""
     try:
         first = json.loads(text.lstrip().split("\n", 1)[0])
-    except ValueError:
+    except (ValueError, RecursionError):
         return False
     return isinstance(first, dict) and ("conversations" in first or "image" in first)
 
@@ -368,6 +380,7 @@ def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray | None]:
     """Byte offsets of the non-blank lines of a JSONL file (rows are parsed only when read), and their
     1-based line numbers in the file when blank lines make them differ from the row numbers."""
     offsets, lines, pos, n = array("q"), array("q"), 0, 0  # 8 bytes a line, not a parsed row
+    regular_file(path, "annotation")  # a FIFO would block the read
     try:
         with open(path, "rb") as f:
             for n, line in enumerate(f, 1):
@@ -384,6 +397,15 @@ def _index_lines(path: str) -> tuple[np.ndarray, np.ndarray | None]:
         raise ValueError(f"cannot read annotation {path}: {type(e).__name__}: {e}") from None
     dense = len(lines) == 0 or lines[-1] == len(lines)  # no blank line before the last row
     return np.frombuffer(offsets, dtype=np.int64), None if dense else np.frombuffer(lines, dtype=np.int64)
+
+
+def _link_loop(path: str) -> bool:
+    """Whether resolving a link never ends (a link to itself, or links that point at each other)."""
+    try:
+        os.stat(path)
+    except OSError as e:
+        return e.errno == errno.ELOOP
+    return False
 
 
 def _image_list(item: dict) -> list[str]:

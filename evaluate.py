@@ -30,7 +30,6 @@ import hashlib
 import json
 import math
 import random
-import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,33 +37,26 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
-from PIL import Image
 
 from checkpoint import trained_step
-from cli import SEED, SEEDS, allocation, check_shared, command, log, make_folder, one_line, rank, world_size
+from cli import (SEED, SEEDS, allocation, check_folder, check_shared, command, log, make_folder, one_line, rank,
+                 world_size)
 from config import branch_variant
 from engine import GenerateConfig, context_check
 from evaluation import analysis, tables
 from evaluation.judge import KEY_ENV, PAPER_JUDGE, Judge, judge_flags_problem
+from evaluation.prompts import RowImages
 from evaluation.scaling_law import GRID, fit_law
 from evaluation.scoring import BENCHMARKS, SCORE_COLUMNS, score
-from evaluation.tsv import DataError, as_list, options, read_jsonl, read_tsv
+from evaluation.tsv import Benchmark, DataError, read_jsonl, read_tsv
+from files import regular_file, write_text
 from flags import Command, dispatch, flag
 from gates import fingerprint
-from inference import InferenceFlags, load_engine, open_model, process_device
-from processor import ImageError, build_prompt, load_image, open_base64, place_images
+from inference import InferenceFlags, check_new_tokens, load_engine, open_model, process_device
 from shards import LineParts, merged, resumed, share
 
-# Per benchmark: prompt kind (InternVLChat.build_prompt by DATASET_TYPE), tile budget (set_max_num:
-# 12 for ChartQA_TEST / MMMU_DEV_VAL, 18 for DocVQA_VAL, 24 for OCRBench, else 6). max_new_tokens
-# is InternVLChat's default of 4096 for all nine (vlmeval/config.py passes none for InternVL3.5).
-PROTOCOL = {
-    "MMMU_DEV_VAL": ("mcq", 12), "MathVista_MINI": ("plain", 6), "MathVision_MINI": ("plain", 6),
-    "LogicVista": ("plain", 6), "WeMath": ("mcq", 6), "ChartQA_TEST": ("short", 12),
-    "TextVQA_VAL": ("short", 6), "DocVQA_VAL": ("short", 18), "OCRBench": ("short", 24),
-}
-MAX_NEW_TOKENS = 4096
-TOTAL_MAX_TILES = 64  # set_max_num's total_max_num: a row's images share 64 tiles
+MAX_NEW_TOKENS = 4096  # InternVLChat's default for all nine (vlmeval/config.py passes none for InternVL3.5)
+WINDOW_ROWS = 512  # rows read, prompted and sorted by length at a time: memory is flat in the benchmark's rows
 FIT_PARAMETERS = 4  # E, A, alpha, k of scaling_law.law
 MAX_FIT_ROWS = 1000  # fit-law's rows: about half a minute on 2 CPU cores at this size (300 starts x rows per step)
 # what a prediction row records of the run that produced it; a resume must match every one (the
@@ -74,7 +66,6 @@ RECORD_FIELDS = ("benchmark", "model_fingerprint", "data_fingerprint", "pv", "pl
 # what a score file copies of the predictions' record: the configuration, and the checkpoint it belongs to
 CONFIG_FIELDS = ("model", "model_fingerprint", "model_step", "pv", "pl", "vision_branch", "language_branch",
                  "shared_kv", "router", "random_pair", "branches")
-_CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 
 
 # -- the flags of run, score and fit-law (report: tables.py; lengths, descriptors, cost: analysis.py) ----
@@ -134,50 +125,6 @@ class FitLawConfig:
 # -- run: prompts ------------------------------------------------------------------------------
 
 
-def question_text(benchmark: str, row: dict) -> str:
-    """The text InternVLChat.build_prompt produces for one TSV row."""
-    kind = PROTOCOL[benchmark][0]
-    q = row["question"] or "nan"
-    if kind == "short":  # VQA datasets listed for a one-word answer
-        return q + "\nAnswer the question using a single word or phrase."
-    if kind == "plain":  # MathVista, MathVision, LogicVista: the question as stored
-        return q
-    # utils.py build_multi_choice_prompt: hint, question, "\nA. ...", then the instruction
-    if row.get("hint") is not None:
-        q = row["hint"] + "\n" + q
-    opts = options(row)
-    q += "".join(f"\n{k}. {v}" for k, v in opts.items())
-    cn = _CJK.search(q) is not None
-    if opts:
-        return q + ("\n请直接回答选项字母。" if cn
-                    else "\nAnswer with the option's letter from the given choices directly.")
-    return q + ("\n请直接回答问题。" if cn else "\nAnswer the question directly.")
-
-
-def decode_images(row: dict) -> list:
-    """The row's images as RGB PIL images (VLMEvalKit writes them to PNG first: lossless)."""
-    return [open_base64(b64, str(k)) for k, b64 in enumerate(as_list(row["image"]))]
-
-
-def row_inputs(benchmark: str, row: dict, max_tiles: int | None, mcfg):
-    """(prompt string, pixel tiles [N,3,px,px] or None) for one row, as generate_v2 builds them; tile
-    size, thumbnail and tokens per tile from the model config mcfg. A corrupt image raises ValueError."""
-    try:
-        images = decode_images(row) if row.get("image") is not None else []
-        budget = max_tiles or PROTOCOL[benchmark][1]
-        per_image = max(1, min(budget, TOTAL_MAX_TILES // max(1, len(images))))
-        if images and benchmark == "MMMU_DEV_VAL":  # generate_v2 upscales MMMU's first image 2x
-            images[0] = images[0].resize((images[0].width * 2, images[0].height * 2), Image.BILINEAR)
-        tiles = [load_image(img, max_tiles=per_image, use_thumbnail=mcfg.use_thumbnail,
-                            image_size=mcfg.vit.image_size) for img in images]
-    except (ImageError, OSError, ValueError) as e:
-        raise ValueError(f"corrupt image: {one_line(e)[:200]}") from None
-    text = question_text(benchmark, row)
-    text = place_images(text, len(images), always=True)  # reorganize_prompt's placeholders
-    prompt = build_prompt(text, [t.shape[0] for t in tiles], tokens_per_tile=mcfg.tokens_per_tile)
-    return prompt, (torch.cat(tiles) if tiles else None)
-
-
 # -- run: the loop -----------------------------------------------------------------------------
 
 
@@ -198,12 +145,13 @@ def file_fingerprint(path) -> str:
 def predict_all(cfg: RunConfig) -> int:
     """`run`: the greedy answer to every row of a benchmark TSV, one resumable job the ranks share
     (shards.py): rank r answers rows r, r + W, ... of the rows no earlier run finished, appends them
-    to OUT.part{r} batch by batch, and rank 0 merges every part into OUT in TSV order. One --out, one
+    to OUT.part{r} batch by batch, and rank 0 merges every part into OUT in TSV order. The TSV is read in a
+    stream (tsv.Benchmark), WINDOW_ROWS rows at a time, and an image rows share is decoded once. One --out, one
     writer (COMMANDS' writes: cli.one_writer): a second run at the same --out is refused before it reads
     anything there."""
     if cfg.benchmark not in BENCHMARKS:
         raise DataError(f"unknown benchmark {cfg.benchmark!r}; choose from {', '.join(BENCHMARKS)}")
-    rows = read_tsv(cfg.data, ("index", "question", "image") + SCORE_COLUMNS.get(cfg.benchmark, ()))
+    bench = Benchmark(cfg.data, ("index", "question", "image") + SCORE_COLUMNS.get(cfg.benchmark, ()))
     device = process_device(cfg)  # under torchrun: cuda:LOCAL_RANK
     out = Path(cfg.out)
     if rank() == 0:
@@ -212,35 +160,58 @@ def predict_all(cfg: RunConfig) -> int:
     parts = LineParts(out, read_jsonl, key=lambda p: str(p["index"]))
     resumed(parts.mend)  # a line an interrupted run cut short goes, before any rank reads the parts
     done = resumed(parts.done)  # rows finished by an earlier run, of any world size
-    todo = [r for r in rows if r["index"] not in done]
-    folder, _, tok = open_model(cfg)  # checked before the weights load
+    todo = [i for i in bench.order if i not in done]
+    folder, mcfg, tok = open_model(cfg)  # checked before the weights load
+    check_new_tokens(cfg.max_new_tokens, mcfg)
     engine = load_engine(cfg, folder, device)
-    model, dtype = engine.model, engine.dtype
-    par = model.cfg.par
-    meta = run_record(cfg, folder, model, dtype)
+    par = engine.model.cfg.par
+    meta = run_record(cfg, folder, engine.model, engine.dtype)
     check_same_run(parts, meta)
-    log(f"{cfg.benchmark}: {len(rows)} rows, {len(done)} done, {len(todo)} to run on {world_size()} rank(s); "
-        f"Pv:Pl = {par.pv}:{par.pl}, {dtype}, {device}, batch {cfg.batch_size}")
-    items, skipped = prompts(cfg, share(todo), model.cfg, tok)
-    t0, n_done, new_tokens = time.perf_counter(), 0, 0
+    log(f"{cfg.benchmark}: {len(bench.order)} rows, {len(done)} done, {len(todo)} to run on {world_size()} rank(s); "
+        f"Pv:Pl = {par.pv}:{par.pl}, {engine.dtype}, {device}, batch {cfg.batch_size}")
+    t0 = time.perf_counter()
     with parts.appending() as keep:
-        for records in predict(cfg, engine, tok, model.cfg, items, meta, device, dtype):
-            keep(records)
-            n_done += len(records)
-            new_tokens += sum(p["new_tokens"] for p in records)
-            dt = time.perf_counter() - t0
-            log(f"rank {rank()}: {n_done}/{len(items)} rows, {n_done / dt:.2f} samples/s, {new_tokens / dt:.1f} new "
-                f"tok/s", every_rank=True)
+        n_done, skipped = answer_rows(cfg, engine, tok, bench, set(share(todo)), meta, keep)
     elapsed = time.perf_counter() - t0
     skipped = ranks_total(skipped, device)  # every part file is complete; corrupt rows counted over all ranks
-    order = {r["index"]: k for k, r in enumerate(rows)}
-    rows_merged = merged(lambda: parts.merge(order))  # one file in TSV order, whatever the world size and resumes
+    rows_merged = merged(lambda: parts.merge(bench.order))  # one file in TSV order, whatever the world size
     if rank() == 0:
         print(json.dumps({"benchmark": cfg.benchmark, "rows": rows_merged, "new": rows_merged - len(done),
                           "skipped": skipped, "seconds": round(elapsed, 3),
                           "samples_per_s": round(n_done / elapsed, 3) if elapsed > 0 else None,
                           "world_size": world_size(), "batch_size": cfg.batch_size}))
     return 0
+
+
+def answer_rows(cfg: RunConfig, engine, tok, bench: Benchmark, mine: set, meta: dict, keep) -> tuple[int, int]:
+    """This rank's rows (`mine`), read from the TSV WINDOW_ROWS at a time, each window's prompts sorted longest
+    first and answered batch by batch into this rank's part (keep): how many rows were answered and skipped.
+    Memory holds one window of rows and one batch of pixels, whatever the benchmark's size."""
+    images, mcfg, t0 = RowImages(bench.shared.values()), engine.model.cfg, time.perf_counter()
+    n_done = new_tokens = skipped = 0
+    for window in windows((r for r in bench.rows() if r["index"] in mine), max(WINDOW_ROWS, cfg.batch_size)):
+        items, bad = prompts(cfg, window, mcfg, tok, images)
+        skipped += bad
+        for records in predict(cfg, engine, tok, items, meta, images):
+            keep(records)
+            n_done += len(records)
+            new_tokens += sum(p["new_tokens"] for p in records)
+            dt = time.perf_counter() - t0
+            log(f"rank {rank()}: {n_done}/{len(mine)} rows, {n_done / dt:.2f} samples/s, {new_tokens / dt:.1f} new "
+                f"tok/s", every_rank=True)
+    return n_done, skipped
+
+
+def windows(rows: Iterator[dict], size: int) -> Iterator[list[dict]]:
+    """rows, `size` at a time."""
+    window: list[dict] = []
+    for r in rows:
+        window.append(r)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
 
 
 def run_record(cfg: RunConfig, folder: Path, model, dtype: torch.dtype) -> dict:
@@ -265,15 +236,15 @@ def check_same_run(parts: LineParts, meta: dict) -> None:
                                 f"{meta[differ]!r} now); remove it or pick another --out")
 
 
-def prompts(cfg: RunConfig, rows: list[dict], mcfg, tok) -> tuple[list, int]:
+def prompts(cfg: RunConfig, rows: list[dict], mcfg, tok, images: RowImages) -> tuple[list, int]:
     """This rank's rows with their prompts' token ids, longest first (similar lengths share a batch: less
     padding), and how many rows were skipped, each reported: a corrupt image, a question that cannot be a
     prompt (processor.check_text), a prompt whose answer would pass the model's context. Only the ids are kept:
-    the tiles are rebuilt batch by batch, so memory holds one batch of pixels, not the benchmark's."""
+    the tiles are counted here and made batch by batch, so memory holds one batch of pixels, not the window's."""
     items, skipped = [], 0
     for r in rows:
         try:  # a row that cannot be asked (a corrupt image, a prompt past the context) is named and skipped
-            prompt, _ = row_inputs(cfg.benchmark, r, cfg.max_tiles, mcfg)
+            prompt, _ = images.inputs(cfg.benchmark, r, cfg.max_tiles, mcfg, tiles=False)
             ids = tok.encode(prompt)
             context_check(len(ids), cfg.max_new_tokens, mcfg.llm.max_position_embeddings)
         except ValueError as e:
@@ -285,18 +256,20 @@ def prompts(cfg: RunConfig, rows: list[dict], mcfg, tok) -> tuple[list, int]:
     return items, skipped
 
 
-def predict(cfg: RunConfig, engine, tok, mcfg, items: list, meta: dict, device, dtype) -> Iterator[list[dict]]:
+def predict(cfg: RunConfig, engine, tok, items: list, meta: dict, images: RowImages) -> Iterator[list[dict]]:
     """Greedy answers to items, --batch-size prompts per generate call: each batch's prediction rows
     (the answer as the official chat() decodes it, its token count, meta, and the pair a routed or
     random-pair row ran)."""
-    par, gen = mcfg.par, GenerateConfig(max_new_tokens=cfg.max_new_tokens, temperature=0.0)
+    mcfg, gen = engine.model.cfg, GenerateConfig(max_new_tokens=cfg.max_new_tokens, temperature=0.0)
     for b in range(0, len(items), cfg.batch_size):
         batch = items[b:b + cfg.batch_size]
-        pixels = [p for p in (row_inputs(cfg.benchmark, r, cfg.max_tiles, mcfg)[1] for r, _ in batch) if p is not None]
-        pv = torch.cat(pixels).to(device, dtype) if pixels else None
         with allocation(f"--batch-size {cfg.batch_size} (longest prompt {len(batch[0][1])} tokens, up to "
                         f"{gen.max_new_tokens} new)", "--batch-size, --max-tiles or --max-new-tokens"):
-            drawn = [random_pair(cfg.seed, r["index"], par.pv, par.pl) for r, _ in batch] if cfg.random_pair else None
+            pixels = [p for p in (images.inputs(cfg.benchmark, r, cfg.max_tiles, mcfg)[1] for r, _ in batch)
+                      if p is not None]  # the batch's tiles, on the device
+            pv = torch.cat(pixels).to(engine.device, engine.dtype) if pixels else None
+            drawn = ([random_pair(cfg.seed, r["index"], mcfg.par.pv, mcfg.par.pl) for r, _ in batch]
+                     if cfg.random_pair else None)
             kw = {"vision_branch": [v for v, _ in drawn], "language_branch": [l for _, l in drawn]} if drawn else {}
             res = engine.generate([ids for _, ids in batch], pv, gen, stop_ids=tok.eos_ids, pad_id=0, **kw)
         records = []
@@ -324,6 +297,10 @@ def score_cmd(cfg: ScoreConfig) -> int:
     the answer extractor where --judge-url gives one; prints the score JSON (and writes --out, --rows-out)."""
     if cfg.benchmark not in BENCHMARKS:
         raise DataError(f"unknown benchmark {cfg.benchmark!r}; choose from {', '.join(BENCHMARKS)}")
+    for name, out in (("--out", cfg.out), ("--rows-out", cfg.rows_out)):
+        if out:  # made as run makes its --out's folder; a file in the way named before any work
+            check_folder(Path(out).parent, name, given=Path(out))
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
     required = ("index", "question", "answer") + SCORE_COLUMNS.get(cfg.benchmark, ())
     rows = read_tsv(cfg.data, required)
     preds = read_predictions(Path(cfg.predictions), rows, cfg)
@@ -339,8 +316,8 @@ def score_cmd(cfg: ScoreConfig) -> int:
         log(f"warning: {missing} TSV rows have no prediction and count as wrong (index {', '.join(absent[:10])}"
             f"{', ...' if missing > 10 else ''})")
     if cfg.rows_out:
-        Path(cfg.rows_out).write_text("".join(json.dumps(x, ensure_ascii=False, default=str) + "\n"
-                                              for x in result.per_row))
+        write_text(Path(cfg.rows_out), "".join(json.dumps(x, ensure_ascii=False, default=str) + "\n"
+                                               for x in result.per_row))
     config = {k: preds[0].get(k) for k in CONFIG_FIELDS} if preds else {}
     line = {"benchmark": cfg.benchmark, "score": round(result.value, 4), "n": result.n,
             "unresolved": result.unresolved, "missing": missing, "missing_indices": absent, **config, **result.extra}
@@ -348,7 +325,7 @@ def score_cmd(cfg: ScoreConfig) -> int:
     # variants use the same gpt-4o-2024-11-20 answer extractor")
     line |= {"judge_model": cfg.judge_model if judge else None, "judge_calls": judge.calls if judge else 0}
     if cfg.out:
-        Path(cfg.out).write_text(json.dumps(line) + "\n")
+        write_text(Path(cfg.out), json.dumps(line) + "\n")
     print(json.dumps(line))
     return 0
 
@@ -394,7 +371,8 @@ def make_judge(cfg: ScoreConfig) -> Judge | None:
 
 def fit_law_cmd(cfg) -> int:
     try:
-        with open(cfg.csv, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not a column name
+        # -sig: a byte-order mark is not a column name; regular_file: a FIFO would block the read
+        with open(regular_file(cfg.csv), newline="", encoding="utf-8-sig") as f:
             reader = csv.DictReader(f)
             missing = [c for c in ("params", "p", "loss") if c not in (reader.fieldnames or ("params", "p", "loss"))]
             if missing:  # before the rows: a TSV's base64 image cells would pass csv's field limit

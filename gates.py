@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from checkpoint import is_branch_tensor, read_json
+from files import write_text, writing
 from parvl import ParVL
 from weights import read_safetensors
 
@@ -222,9 +223,10 @@ ROUTER_SAVED = ("router.safetensors", "config.json")  # what save_router writes 
 
 def save_router(router: Router, folder: Path, extra: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in router.state_dict().items()},
-              str(folder / "router.safetensors"))
-    (folder / "config.json").write_text(json.dumps({"router": asdict(router.cfg), **extra}, indent=2))
+    with writing(folder / "router.safetensors"):  # a full disk names the file, not safetensors' own error
+        save_file({k: v.detach().cpu().contiguous() for k, v in router.state_dict().items()},
+                  str(folder / "router.safetensors"))
+    write_text(folder / "config.json", json.dumps({"router": asdict(router.cfg), **extra}, indent=2))
 
 
 def load_router(path: str | Path, model: ParVL | None = None) -> Router:

@@ -16,6 +16,7 @@ import json
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,8 +25,9 @@ import torch
 import cli
 from cli import SEEDS, command, error, hms, log, one_line, peak_memory_gib, resolve_device
 from engine import Engine, GenerateConfig, context_check
+from files import regular_file, write_text, writing
 from flags import Command, dispatch, flag
-from inference import InferenceFlags, load_engine, open_model
+from inference import InferenceFlags, check_new_tokens, load_engine, open_model
 from processor import ImageError, Tokenizer, build_prompt, check_text, load_image, open_rgb, place_images, tile_count
 
 
@@ -81,6 +83,7 @@ def respond(args: GenerateFlags) -> int:
     rows = read_questions(Path(args.batch)) if args.batch else []  # bad rows fail before any model is fetched
     done = answered_lines(Path(args.out), rows, Path(args.batch)) if args.batch and args.out else set()
     folder, mcfg, tok = open_model(args)  # tiles and tokens as the model sees them, and its own tokenizer
+    check_new_tokens(args.max_new_tokens, mcfg)
     if any(r["paths"] for r in rows) and mcfg.vit is None:
         raise ValueError(f"{folder}: a language-only model takes no images ({args.batch} has some)")
     if images and mcfg.vit is None:
@@ -224,7 +227,7 @@ def read_questions(path: Path) -> list[dict]:
     """The rows of a --batch file: {"line", "image" (as written), "question", "paths"}; every image path
     (relative to the file) must exist. A bad row is one line naming it, before any weights load."""
     try:
-        text = path.read_text(encoding="utf-8")
+        text = regular_file(path, "--batch").read_text(encoding="utf-8")  # a FIFO would block the read
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--batch {path}: cannot read ({e})") from None
     rows = []
@@ -235,6 +238,8 @@ def read_questions(path: Path) -> list[dict]:
             row = json.loads(raw)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path} line {n}: not JSON ({e.msg})") from None
+        except RecursionError:  # Python's JSON reader recurses once per level
+            raise ValueError(f"{path} line {n}: nested deeper than Python's JSON reader goes") from None
         if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not row["question"].strip():
             raise ValueError(f'{path} line {n}: needs a "question" string')
         check_text(row["question"], f"{path} line {n}: the question")  # before any weights load
@@ -265,7 +270,7 @@ def answered_lines(out: Path, rows: list[dict], questions: Path) -> set[int]:
         try:
             rec = json.loads(raw)
             line = rec["line"]
-        except (json.JSONDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
             raise ValueError(f"{out}: not an answers file of generate.py --batch; pass another --out") from None
         if by_line.get(line) != rec.get("question"):
             raise ValueError(f"{out}: answers another file (line {line} is not that question of {questions}); "
@@ -295,11 +300,11 @@ def answer_file(engine: Engine, tok: Tokenizer, rows: list[dict], done: set[int]
             if not batch:
                 continue
             res = engine.generate(prompts, torch.cat(pixels).to(engine.dtype) if pixels else None, cfg, tok.eos_ids)
-            for r, ids in zip(batch, res.tokens):
-                row = {"line": r["line"], **({"image": r["image"]} if r["image"] is not None else {}),
-                       "question": r["question"], "answer": tok.answer(ids)}
-                sink.write(json.dumps(row, ensure_ascii=False) + "\n")
-            sink.flush()
+            rows_out = [{"line": r["line"], **({"image": r["image"]} if r["image"] is not None else {}),
+                         "question": r["question"], "answer": tok.answer(ids)} for r, ids in zip(batch, res.tokens)]
+            with writing(out) if out else nullcontext():  # a full disk names the answers file
+                sink.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows_out))
+                sink.flush()
             n, dt = min(start + args.batch_size, len(todo)), time.perf_counter() - t0
             eta = dt / n * (len(todo) - n)
             print(f"{chr(13) if tty else ''}answered {n}/{len(todo)}, {n / dt:.2f} samples/s, elapsed {hms(dt)}, "
@@ -309,7 +314,7 @@ def answer_file(engine: Engine, tok: Tokenizer, rows: list[dict], done: set[int]
             sink.close()
     if out and done and todo and min(r["line"] for r in todo) < max(done):  # the old file was no prefix
         ordered = sorted(out.read_text(encoding="utf-8").splitlines(keepends=True), key=lambda x: json.loads(x)["line"])
-        out.write_text("".join(ordered), encoding="utf-8")
+        write_text(out, "".join(ordered))
     if unreadable:  # every other row is answered; a rerun with the same --out tries only these again
         error(f"error: {len(unreadable)} of {len(todo)} rows not answered, their images unreadable: {questions} "
               f"line{'s' * (len(unreadable) > 1)} {', '.join(map(str, unreadable))}")

@@ -97,6 +97,9 @@ def weights_complete(folder: Path) -> bool:
     """config.json and every weight file there (an interrupted download leaves a partial snapshot)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = set(json.loads(index.read_text())["weight_map"].values())
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
         return (folder / "config.json").is_file() and all((folder / s).is_file() for s in shards)
     return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()

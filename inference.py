@@ -20,14 +20,14 @@ from pathlib import Path
 import torch
 
 from checkpoint import open_checkpoint
-from cli import UsageError, log, resolve_device, resolve_dtype, start_processes
+from cli import UsageError, allocation, log, resolve_device, resolve_dtype, start_processes
 from config import ParConfig, ParVLConfig
 from engine import Engine
 from flags import flag
 from gates import ROUTER_SAVED, load_router
 from hub import DEFAULT_MODEL, resolve_model
 from parvl import ParVL
-from processor import Tokenizer
+from processor import MAX_TILES, Tokenizer
 
 
 def default_device() -> str:
@@ -62,7 +62,7 @@ class InferenceFlags(DeviceFlags):
     revision: str | None = flag(None, "hub branch, tag or commit of --model", shown="main")
     compile: bool | None = flag(None, "torch.compile the decode step (CUDA graphs on GPU)",
                                 shown="on for CUDA, off for CPU")
-    max_tiles: int | None = flag(None, "448 px tiles per image, thumbnail excluded", range="[1, inf)",
+    max_tiles: int | None = flag(None, "448 px tiles per image, thumbnail excluded", range=f"[1, {MAX_TILES}]",
                                  shown="the checkpoint's max_dynamic_patch, 12 for InternVL3.5; evaluate.py run: "
                                        "VLMEvalKit's budget for the benchmark")
     shared_kv: bool = flag(False, "ParVL: one mean-reduced token KV cache per sample instead of one per language "
@@ -114,12 +114,24 @@ def check_branch_choice(par: ParConfig, vision_branch: int | None, language_bran
             raise UsageError(f"{name} {value} out of range: the checkpoint has {count} branches")
 
 
+def check_new_tokens(max_new_tokens: int, cfg: ParVLConfig) -> None:
+    """--max-new-tokens against the model's context (config.json's max_position_embeddings), once it is read: a
+    budget that leaves no room for any prompt is a flag that contradicts the checkpoint (UsageError, exit 2),
+    said before the weights load, not found row by row (evaluate.py run skipped every row and exited 0)."""
+    context = cfg.llm.max_position_embeddings
+    if max_new_tokens >= context:
+        raise UsageError(f"--max-new-tokens {max_new_tokens}: the model's context is {context} tokens, the prompt's "
+                         f"included (config.json max_position_embeddings); give at most {context - 1}")
+
+
 def load_engine(flags: InferenceFlags, folder: Path, device: torch.device) -> Engine:
     """The weights of `folder` (open_model's) in --dtype on `device`, the --router checked against them, and
     the Engine that runs them with the branch flags."""
     dtype = resolve_dtype(flags.dtype, device)
     t0 = time.perf_counter()
-    model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
+    with allocation(f"loading {folder} ({str(dtype).removeprefix('torch.')} on {device})",
+                    "the precision (--dtype bf16), or use a device with more free memory"):
+        model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
     par = model.cfg.par
     log(f"loaded {folder} in {time.perf_counter() - t0:.2f} s ({dtype}, {device}, Pv:Pl = {par.pv}:{par.pl})")
     router = None

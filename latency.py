@@ -29,6 +29,7 @@ import torch
 from cli import allocation, pyplot
 from config import ParConfig, ParVLConfig, branch_variant
 from engine import Engine, GenerateConfig
+from files import writing
 from flops import Workload
 from parvl import ParVL
 
@@ -272,5 +273,6 @@ def plot_latency(rows: list[dict], png: Path) -> None:
         ax.legend(fontsize=8)
     fig.suptitle(f"arch {rows[0]['arch']}", fontsize=10)
     fig.tight_layout()
-    fig.savefig(png, dpi=100, format="png")  # the file named, even without a .png suffix
+    with writing(png):  # a full disk names the file
+        fig.savefig(png, dpi=100, format="png")  # the file named, even without a .png suffix
     plt.close(fig)

@@ -32,6 +32,10 @@ IMG_END = "</img>"
 IMG_CONTEXT = "<IMG_CONTEXT>"
 IMAGE_PLACEHOLDER = "<image>"  # what users write; expanded by build_prompt
 IMAGE_SIZE = 448  # tile side in pixels, the ViT input size
+# The most tiles InternVL's own pipelines give a sample's images together (total_max_num: its MPDocVQA evaluation,
+# VLMEvalKit's set_max_num for InternVL); a tile budget past it means nothing to them, and tile_grid's candidates
+# grow with it (10**9 filled the memory). Every tile budget (--max-tiles, max_dynamic_patch) is bounded by it.
+MAX_TILES = 64
 NUM_IMAGE_TOKENS = 256  # (448 / 14)^2 patches, pixel-shuffled by 0.5 -> 16 x 16 tokens per tile
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -147,6 +151,9 @@ def open_rgb(path_or_pil, name: str | None = None) -> Image.Image:
     PIL image or a binary file object (named by `name` in errors)."""
     if name is None:
         name = "<PIL image>" if isinstance(path_or_pil, Image.Image) else os.fspath(path_or_pil)
+    if isinstance(path_or_pil, (str, os.PathLike)) and os.path.exists(path_or_pil) and not os.path.isfile(path_or_pil):
+        # a FIFO would block Image.open until some process writes it, maybe forever; a folder holds no image
+        raise ImageError(f"cannot read image {name}: not a regular file (a folder, a FIFO or a device)")
     try:
         if isinstance(path_or_pil, Image.Image):
             return _to_rgb(path_or_pil, name)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import open_checkpoint
-from cli import SEEDS, check_file_out, command, pyplot, resolve_device, resolve_dtype
+from cli import SEEDS, check_file_out, command, make_folder, pyplot, resolve_device, resolve_dtype
 from config import PRESETS, ParConfig, ParVLConfig
 from flags import Command, branch_conflict, branch_flags, dispatch, flag, flag_of
 from flops import ARCHS, BRANCHES, Workload, build_config, profile_params
@@ -221,6 +221,7 @@ def timed_job(command: str):
     def job(args: Timed) -> None:
         if getattr(args, "plot", None):
             check_file_out(Path(args.plot), "--plot")  # a folder or a file in the way: said before the measurement
+            make_folder(Path(args.plot).parent, "--plot")  # a missing one made now, not found after it
             pyplot()  # a missing matplotlib too
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from cli import SEED, SEEDS, barrier, check_folder, command, log, rank, start_processes, world_size
+from cli import SEED, SEEDS, allocation, barrier, check_folder, command, log, rank, start_processes, world_size
 from data import SFTData
 from flags import Command, dispatch, flag, flag_of
 from gates import ROUTER_SAVED, Router, RouterConfig, RouterError, load_router, path_teacher, router_loss, save_router
@@ -114,7 +114,9 @@ def train(cfg: TrainRouterConfig) -> int:
     torch.manual_seed(cfg.seed)
     rcfg = RouterConfig(pv=meta["pv"], pl=meta["pl"], vision_width=meta["vision_width"], text_width=meta["text_width"],
                         hidden=cfg.hidden, im_start_id=meta["im_start_id"], fingerprint=meta["fingerprint"])
-    router = Router(rcfg).to(device)
+    sizes = f"--hidden {cfg.hidden} (two gates of {cfg.hidden} x {rcfg.vision_width + rcfg.text_width} weights)"
+    with allocation(sizes, "--hidden"):  # the gates and AdamW's two states of each weight
+        router = Router(rcfg).to(device)
     log(f"router config {json.dumps(asdict(rcfg))}, train config {json.dumps(asdict(cfg))}")
     optim = torch.optim.AdamW(router.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(cfg.steps, cfg.warmup_ratio))
@@ -130,7 +132,7 @@ def train(cfg: TrainRouterConfig) -> int:
             shutil.rmtree(old) if old.is_dir() else old.unlink(missing_ok=True)  # keeps them (train.py's rule)
         (out / "metrics.jsonl").write_text("")
     tracker.start(0, asdict(cfg))
-    with tracker:
+    with tracker, allocation(sizes + f", --global-batch {cfg.global_batch}", "--hidden or --global-batch"):
         fit(router, optim, sched, t, stream, cfg, rcfg, tracker)
     return save(router, model, frozen, meta, cfg)
 

@@ -36,13 +36,14 @@ from batches import collate
 from checkpoint import check_not_run_folder, open_checkpoint, read_json
 from cli import SEED, SEEDS, allocation, barrier, check_shared, log, rank, resolve_dtype, start_processes, world_size
 from data import BAD_REASONS, BadRow, SFTData, check_bad_fraction
+from files import regular_file, write_text, writing
 from flags import flag, flag_of
 from gates import RouterError, fingerprint, image_tiles, pool_tiles, question_span, text_feature, thumbnail_feature
 from inference import DeviceFlags
 from llm import prompt_positions
 from loss import IGNORE, answer_nll
 from parvl import ParVL
-from processor import IM_START
+from processor import IM_START, MAX_TILES
 from shards import FileParts, merged, resumed, share
 from weights import read_safetensors
 
@@ -60,6 +61,8 @@ class RouterInputs:
         for name in ("model", "router", "labels"):
             if getattr(self, name, None) and not Path(getattr(self, name)).is_dir():
                 raise RouterError(f"--{name} {getattr(self, name)}: not a folder")
+        if getattr(self, "data", ""):
+            regular_file(self.data, "--data")  # a FIFO would block the read
         if getattr(self, "data", "") and not Path(self.data).is_file():
             raise RouterError(f"--data {self.data}: no such meta JSON file")
 
@@ -74,7 +77,7 @@ class LabelConfig(RouterInputs):
     batch_size: int = flag(4, "rows per chunk and forward", range="[1, inf)")
     max_tokens: int = flag(16384, "padded tokens per forward (rows x longest): a chunk over it is split by length, "
                                   "a longer row runs alone", unit="tokens", range="[1, inf)")
-    max_tiles: int = flag(12, "448 px tiles per row", range="[1, inf)")
+    max_tiles: int = flag(12, "448 px tiles per row", range=f"[1, {MAX_TILES}]")
     max_seq_len: int = flag(32768, "longer rows are skipped", unit="tokens", range="[1, inf)")
     seed: int = flag(SEED, "data augmentation seed (data.SFTData); A.2: \"All SFT and router-training jobs use random "
                            "seed 42\"", shown=f"{SEED}, the paper's", range=SEEDS)
@@ -198,7 +201,7 @@ def label(cfg: LabelConfig) -> int:
     resumed(lambda: check_parts(parts, job))  # every rank reads job.json before rank 0 rewrites it
     if rank() == 0:
         parts.folder.mkdir(parents=True, exist_ok=True)
-        (parts.folder / "job.json").write_text(json.dumps(job, indent=2))
+        write_text(parts.folder / "job.json", json.dumps(job, indent=2))
     barrier()  # the parts folder is there before any rank writes into it
     chunks = math.ceil(len(data) / cfg.batch_size)
     mine = share(range(chunks))  # a chunk's rows are fixed by its number: a rank owns the same chunks on a rerun
@@ -288,8 +291,9 @@ def merge(parts: FileParts, out: Path, job: dict, chunks: int) -> None:
     labels = {k: torch.cat(v) for k, v in tensors.items()}
     meta = job | {"samples": len(labels["rows"])}
     bad = job["bad_rows"]
-    save_file(labels, str(out / "labels.safetensors"), metadata={"format": "pt"})
-    (out / "labels.json").write_text(json.dumps(meta, indent=2))  # written last: marks the labels complete
+    with writing(out / "labels.safetensors"):  # a full disk names the file, not safetensors' own error
+        save_file(labels, str(out / "labels.safetensors"), metadata={"format": "pt"})
+    write_text(out / "labels.json", json.dumps(meta, indent=2))  # written last: marks the labels complete
     parts.remove()
     log(f"labels: {meta['samples']} samples, bad rows {bad} -> {out}")
 

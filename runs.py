@@ -1,7 +1,6 @@
-"""A training run's folder: one run per --out, DCP checkpoints saved atomically and verified,
---resume with fallback past broken checkpoints, metrics continued without duplicate steps, the final
-export, one line for a failed save (its cause from cli.os_cause), and `train.py plot`'s picture of a
-run's metrics (plot_run). train.py drives it; this module holds no training.
+"""A training run's folder: one run per --out, DCP checkpoints saved atomically and verified, --resume with
+fallback past broken checkpoints, metrics continued without duplicate steps, the final export, one line for a
+failed save (files.os_cause), and `train.py plot`'s picture of a run's metrics (plot_run). No training here.
 
 A run folder may come from someone else, so a checkpoint is read without running anything it holds:
 DCP's .metadata (a pickle) through an unpickler that admits only the classes DCP's metadata is made
@@ -30,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from safetensors import SafetensorError
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -38,7 +38,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from checkpoint import record_step
-from cli import check_file_out, log, one_line, os_cause, pyplot, rank
+from cli import check_file_out, log, one_line, pyplot, rank
+from files import os_cause, writing
 from parvl import ParVL
 from trackers import TRACKER_FILES
 
@@ -185,7 +186,7 @@ def trim_metrics(out: Path, step: int) -> None:
         try:
             if json.loads(line)["step"] <= step:
                 kept.append(line + "\n")
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # a line nested past the JSON reader: dropped
             pass
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(kept))
@@ -226,7 +227,7 @@ def verify_checkpoint(folder: Path) -> str | None:
         meta = json.loads((folder / "train.json").read_text())
     except FileNotFoundError:
         return "train.json is missing"
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         return f"train.json is unreadable ({type(e).__name__}: {one_line(e)})"
     if not isinstance(meta, dict) or not isinstance(meta.get("step"), int) or "scheduler" not in meta:
         return "train.json has no step or scheduler"
@@ -439,7 +440,7 @@ def export(model: ParVL, folder: Path, tokenizer_from: Path, step: int | None = 
         try:
             plain.save(folder, tokenizer_from=tokenizer_from)
             record_step(folder, step)
-        except OSError as e:  # the checkpoints stay; a half-written weights file does not
+        except (OSError, SafetensorError) as e:  # the checkpoints stay; a half-written weights file does not
             (folder / "model.safetensors.tmp").unlink(missing_ok=True)
             failure = f"cannot write the export {folder}: {os_cause(e, folder.parent)}"
     if all_sum(float(failure is not None), device=next(model.parameters()).device)[0]:
@@ -464,7 +465,7 @@ def plot_run(run: Path, png: Path | None = None) -> Path:
     for raw in lines:
         try:
             rows.append(json.loads(raw))
-        except json.JSONDecodeError:  # the last line of a run that is writing it
+        except (json.JSONDecodeError, RecursionError):  # the last line of a run that is writing it, or not JSON
             continue
         if not isinstance(rows[-1], dict) or type(rows[-1].get("step")) is not int:  # not a log step of train.py
             rows.pop()
@@ -494,6 +495,7 @@ def plot_run(run: Path, png: Path | None = None) -> Path:
     fig.suptitle(str(run), fontsize=10)
     fig.tight_layout()
     png = png or run / "metrics.png"
-    fig.savefig(png, dpi=100, format="png")  # the file named, even without a .png suffix
+    with writing(png):  # a full disk names the file
+        fig.savefig(png, dpi=100, format="png")  # the file named, even without a .png suffix
     plt.close(fig)
     return png

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
 from cli import barrier, log, rank, world_size
+from files import writing
 
 T = TypeVar("T")
 
@@ -100,7 +101,8 @@ class LineParts:
     @contextmanager
     def appending(self) -> Iterator[Callable[[list[dict]], None]]:
         """keep(records): this rank's records appended to its part file, one write call and a flush."""
-        with open(self.part(), "a", encoding="utf-8") as f:
+        part = self.part()
+        with writing(part), open(part, "a", encoding="utf-8") as f:  # a full disk names the part (writing)
             def keep(records: list[dict]) -> None:
                 f.write("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in records))
                 f.flush()
@@ -108,17 +110,39 @@ class LineParts:
 
     def merge(self, order: dict[str, int]) -> int:
         """Rank 0: every record of the merged file and the parts in one file, ordered by order[key]
-        (a unit it lacks goes last), written beside OUT and renamed onto it; then the parts go.
-        Returns the number of records."""
-        files = self.files()
-        records = {self.key(p): p for f in files for p in self.read(f)}
-        ordered = sorted(records.values(), key=lambda p: order.get(self.key(p), len(order)))
-        tmp = self.out.with_name(self.out.name + ".tmp")
-        tmp.write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in ordered), encoding="utf-8")
-        os.replace(tmp, self.out)
+        (a unit it lacks goes last; of two records of one unit, the later file's), written beside OUT and
+        renamed onto it; then the parts go. Returns the number of records. Memory holds where each record
+        is, not the records: they are copied line by line (the files were read whole by done())."""
+        files = [f for f in self.files() if f.exists()]
+        where: dict[str, tuple[int, int, int, int]] = {}  # key -> (place, file, byte offset, length)
+        for n, f in enumerate(files):
+            with open(f, "rb") as lines:
+                offset = 0
+                for raw in lines:
+                    try:
+                        key = self.key(json.loads(raw)) if raw.strip() else None
+                    except ValueError:  # a last line cut short: read() drops it too, and its unit is redone
+                        key = None
+                    if key is not None:
+                        where[key] = (order.get(key, len(order)), n, offset, len(raw))
+                    offset += len(raw)
+        tmp, handles = self.out.with_name(self.out.name + ".tmp"), [open(f, "rb") for f in files]
+        try:
+            with writing(self.out), open(tmp, "wb") as sink:  # whole, or none: renamed once written
+                for _, n, offset, size in sorted(where.values()):
+                    handles[n].seek(offset)
+                    line = handles[n].read(size)
+                    sink.write(line if line.endswith(b"\n") else line + b"\n")
+            os.replace(tmp, self.out)
+        except OSError:
+            tmp.unlink(missing_ok=True)  # what OUT held stays
+            raise
+        finally:
+            for h in handles:
+                h.close()
         for f in files[1:]:
             f.unlink()
-        return len(records)
+        return len(where)
 
 
 class FileParts:
@@ -136,7 +160,8 @@ class FileParts:
 
     def keep(self, k: int, write: Callable[[str], None]) -> None:
         """write(path) writes unit k's file beside its name; the rename makes it appear whole."""
-        write(str(self.path(k)) + ".tmp")
+        with writing(str(self.path(k)) + ".tmp"):  # safetensors' failure too names the file
+            write(str(self.path(k)) + ".tmp")
         os.replace(str(self.path(k)) + ".tmp", self.path(k))
 
     def remove(self) -> None:

@@ -21,7 +21,7 @@ import os
 import secrets
 from pathlib import Path
 
-from cli import rank
+from cli import RankError, rank
 
 TRACKERS = ("tensorboard", "wandb")
 TRACKER_FILES = ("tensorboard", "wandb", "wandb_id")  # what a tracker leaves in OUT (--overwrite removes it)
@@ -39,6 +39,11 @@ def scalars(line: dict, prefix: str = "") -> dict[str, float]:
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and name != "step":
             found[name] = float(value)
     return found
+
+
+def failure(e: BaseException) -> str:
+    """A third-party exception in a few words: its class and its message's first 200 characters, on one line."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:200]}"
 
 
 class Tracker:
@@ -59,20 +64,32 @@ class Tracker:
                 self.module = wandb
         except ImportError:
             raise ValueError(f"--tracker {kind}: the {kind} package is not installed (pip install {kind})") from None
+        except Exception as e:  # a broken install (a wrong protobuf, a half-removed package) fails in its import
+            raise ValueError(f"--tracker {kind}: importing the {kind} package failed ({failure(e)}); reinstall it "
+                             f"(pip install --force-reinstall {kind}) or run without --tracker") from None
 
     def start(self, first_step: int, config: dict) -> None:
         """Open the tracker on rank 0 for a run that goes on from `first_step` (0: a new run); W&B records
         the run's flags (`config`)."""
         if self.kind is None or rank() != 0:
             return
-        if self.kind == "tensorboard":  # the purge step hides what an interrupted run logged past first_step
-            self.sink = self.module(log_dir=str(self.folder / "tensorboard"), purge_step=first_step + 1)
-            return
-        id_file = self.folder / "wandb_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)  # W&B: [a-z0-9]
-        id_file.write_text(run_id)
-        self.sink = self.module.init(project=os.environ.get("WANDB_PROJECT", "parvl"), name=str(self.folder),
-                                     id=run_id, resume="allow", dir=str(self.folder), config=config)
+        if self.kind == "wandb":
+            id_file = self.folder / "wandb_id"
+            run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)  # W&B: [a-z0-9]
+            id_file.write_text(run_id)
+        try:  # the packages' own errors (W&B: no login, a bad WANDB_MODE or project, no network) are their classes
+            if self.kind == "tensorboard":  # the purge step hides what an interrupted run logged past first_step
+                self.sink = self.module(log_dir=str(self.folder / "tensorboard"), purge_step=first_step + 1)
+            else:
+                self.sink = self.module.init(project=os.environ.get("WANDB_PROJECT", "parvl"), name=str(self.folder),
+                                             id=run_id, resume="allow", dir=str(self.folder), config=config)
+        except OSError:  # a file it could not write: the shell's line names it
+            raise
+        except Exception as e:
+            init = "SummaryWriter" if self.kind == "tensorboard" else "wandb.init"
+            raise RankError(f"--tracker {self.kind}: {init} failed ({failure(e)})"
+                             + ("; see WANDB_MODE=offline, or run without --tracker" if self.kind == "wandb" else
+                                "; run without --tracker")) from None
 
     def log(self, line: dict) -> None:
         """One metrics line, at its step."""

@@ -50,10 +50,12 @@ from cli import (SEED, SEEDS, allocation, check_folder, check_shared, command, h
 from config import ParConfig
 from data import (BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, data_change, data_files,
                   report_bad_rows)
+from files import regular_file
 from flags import Command, branch_conflict, branch_flags, dispatch, flag, overlap, resolve_branch_flags
 from fsdp import Trained, build_model, param_groups, train_flops_per_token
 from loss import chunked_sft_loss, loss_weights
 from parvl import ParVL
+from processor import MAX_TILES
 from runs import (RUN_FILES, check_out, checkpoints, discard_run, export, finite, load_model_state, plot_run,
                   recorded_run, resume, save_checkpoint, trim_metrics, verify_checkpoint)
 from schedule import lr_lambda
@@ -94,7 +96,7 @@ class TrainConfig(BranchFlags):
     max_seq_len: int = flag(32768, "tokens per sample, image tokens included (longer samples are skipped as "
                             "too_long), and with --packing the length of a packed row", unit="tokens", range="[1, inf)")
     max_tiles: int = flag(0, "448 px image tiles per sample, shared by its images; 0 = the checkpoint's "
-                          "max_dynamic_patch, 12 for InternVL3.5", range="[0, inf)")
+                          "max_dynamic_patch, 12 for InternVL3.5", range=f"[0, {MAX_TILES}]")
     max_steps: int = flag(0, "optimizer steps, 0 = one epoch", range="[0, inf)")
     seed: int = flag(SEED, "data order and RNG seed", range=SEEDS)
     dtype: str = flag("auto", "parameter dtype inside FSDP mixed precision (gradients reduce in fp32); auto = bf16 "
@@ -137,6 +139,8 @@ class TrainConfig(BranchFlags):
         if not self.model or not Path(self.model).is_dir():
             raise ValueError(f"--model {self.model!r}: not a checkpoint folder")
         check_not_run_folder(Path(self.model))  # runs/11 for runs/11/export: say which folder is meant
+        if self.data:
+            regular_file(self.data, "--data")  # a FIFO would block the read
         if not self.data or not Path(self.data).is_file():
             raise ValueError(f"--data {self.data!r}: no such meta JSON file")
 
@@ -155,6 +159,9 @@ class ExportConfig:
     out: str | None = flag(None, "a new or empty folder to write the ParVL checkpoint into", shown="RUN/export_step_N",
                            writes=True)
     overwrite: bool = flag(False, "replace what --out holds (never the run's base model)")
+    model: str | None = flag(None, "the run's base model folder (its config.json and tokenizer), where the --model "
+                             "the run recorded is not (moved, or a relative path of a run before they were absolute)",
+                             shown="the --model the run recorded", reads=True)
 
 
 def prepare(cfg: TrainConfig) -> int:
@@ -165,12 +172,12 @@ def prepare(cfg: TrainConfig) -> int:
     mcfg, tok = open_checkpoint(Path(cfg.model))  # tiles as the model sees them, and its own tokenizer
     if mcfg.vit is None:
         raise ValueError(f"--model {cfg.model}: a language-only checkpoint; train.py trains vision-language models")
-    if not cfg.validate_data:  # what the run records: its data file by absolute path, every branch flag resolved
+    if not cfg.validate_data:  # what the run records: its model and data by absolute path, every branch flag resolved
         newest = recorded_run(Path(cfg.out)) if cfg.resume else None  # a resume keeps the run's branch flags
         was = json.loads((newest / "train.json").read_text()).get("config", {}) if newest else None
         branches = resolve_branch_flags({f.name: getattr(cfg, f.name) for f in fields(ParConfig)}, mcfg.par,
                                         mcfg.vit.hidden_size, cfg.model, was, f"--resume: {newest}")
-        cfg = replace(cfg, data=str(Path(cfg.data).resolve()), **branches)
+        cfg = replace(cfg, data=str(Path(cfg.data).resolve()), model=str(Path(cfg.model).resolve()), **branches)
         check_out(Path(cfg.out), cfg.resume, cfg.overwrite)
     data = SFTData(cfg.data, tok, max_tiles=cfg.max_tiles or mcfg.max_dynamic_patch, max_seq_len=cfg.max_seq_len,
                    image_token_id=mcfg.image_token_id, num_image_token=mcfg.tokens_per_tile,
@@ -212,9 +219,14 @@ def export_step(e: ExportConfig) -> int:
     known = {f.name for f in fields(TrainConfig)}
     cfg = replace(TrainConfig(**{k: v for k, v in saved.items() if k in known}), compile=False,
                   activation_checkpointing=False)  # how the weights were computed does not change them
-    if not Path(cfg.model).is_dir():
-        raise ValueError(f"{folder}: trained from --model {cfg.model!r}, which is not a folder any more (the export "
-                         f"takes its config and tokenizer)")
+    if e.model is not None:
+        if not Path(e.model).is_dir():
+            raise ValueError(f"--model {e.model!r}: not a checkpoint folder")
+        cfg = replace(cfg, model=e.model)
+    elif not Path(cfg.model).is_dir():
+        raise ValueError(f"{folder}: trained from --model {cfg.model!r}, which is not a folder "
+                         f"{'any more' if Path(cfg.model).is_absolute() else 'from here'} (the export takes its config "
+                         f"and tokenizer); pass train.py export --model with that base model's folder")
     out = Path(e.out) if e.out else run / f"export_step_{e.step}"
     check_export_out(out, e.overwrite, Path(cfg.model))
     device = start_processes(torch.cuda.is_available(), always=True)

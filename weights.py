@@ -162,7 +162,7 @@ def safetensors_header(file: Path) -> dict[str, tuple[torch.dtype, tuple[int, ..
                 raise ValueError(f"tensor {name} ends at byte {8 + size + b}, the file has {end}")
             out[name] = (SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]), 8 + size + a)
         return out
-    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError) as e:
+    except (OSError, ValueError, KeyError, TypeError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{file}: unreadable safetensors file ({type(e).__name__}: {e})") from None
 
 

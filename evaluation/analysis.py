@@ -35,6 +35,7 @@ from cli import SEED, SEEDS, pyplot
 from evaluation.scoring import BENCHMARKS, GROUPS
 from evaluation.tables import COLUMNS, config_label
 from evaluation.tsv import DataError, as_list, read_jsonl, read_tsv
+from files import regular_file, write_text, writing
 from flags import flag
 from hub import resolve_model
 from processor import ImageError, Tokenizer, open_base64
@@ -327,7 +328,8 @@ def plot_score_cost(points: list[dict], column: str, png: Path) -> None:
         ax.set_xlabel(name), ax.set_ylabel(f"{column} score")
     fig.suptitle("Figure 4: performance-cost trade-off at batch size 1", fontsize=10)
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
+    with writing(png):
+        fig.savefig(png, dpi=100)
     plt.close(fig)
 
 
@@ -406,7 +408,7 @@ def lengths_cmd(cfg: LengthsConfig) -> int:
     result = compare(a, b, cfg.near_cap, cfg.resamples, cfg.seed, cfg.near_cap_rule)
     print(markdown(result, tuple(cfg.names)), end="")
     if cfg.out:
-        Path(cfg.out).write_text(json.dumps(result | {"names": cfg.names}) + "\n")
+        write_text(Path(cfg.out), json.dumps(result | {"names": cfg.names}) + "\n")
     return 0
 
 
@@ -414,13 +416,13 @@ def read_json(path: str, what: str) -> dict:
     """A JSON file as a command wrote it: the whole file (report.json, indented), else its last line
     (profiling.py latency prints its table first, its JSON last)."""
     try:
-        text = Path(path).read_text()
+        text = regular_file(path).read_text()  # a FIFO would block the read
     except OSError as e:
         raise DataError(f"{path}: not {what} ({type(e).__name__})") from None
     for candidate in (text, (text.strip().splitlines() or [""])[-1]):
         try:
             value = json.loads(candidate)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(value, dict):
             return value
@@ -440,7 +442,7 @@ def descriptors_cmd(cfg: DescriptorsConfig) -> int:
     table = descriptors(cfg.data, encode, best, responses)
     print(descriptors_markdown(table, left), end="")
     if cfg.out:
-        Path(cfg.out).write_text(json.dumps({"benchmarks": table, "left_out": left}) + "\n")
+        write_text(Path(cfg.out), json.dumps({"benchmarks": table, "left_out": left}) + "\n")
     return 0
 
 
@@ -461,7 +463,7 @@ def cost_cmd(cfg: CostConfig) -> int:
         print(f"Left out: {line}")
     if cfg.out:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        (Path(cfg.out) / "score_cost.json").write_text(json.dumps({"points": points, "left_out": left}) + "\n")
+        write_text(Path(cfg.out) / "score_cost.json", json.dumps({"points": points, "left_out": left}) + "\n")
         try:
             plot_score_cost(points, cfg.column, Path(cfg.out) / "score_cost.png")
         except ValueError as e:  # matplotlib is optional: the table and JSON are written

@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -19,9 +20,11 @@ from pathlib import Path
 
 from evaluation.scoring import can_infer, mmmu_choices
 from evaluation.tsv import DataError, options, read_jsonl
+from files import regular_file
 
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
 MAX_REPLY = 2**20  # bytes of one reply: an extracted answer is a few bytes, a whole chat completion a few KiB
+REQUEST_SECONDS = 120  # one request, whole: connection, headers and reply (urllib's timeout bounds each read alone)
 JUDGED = ("MMMU_DEV_VAL", "MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath")  # A.3's five with an extractor
 PAPER_JUDGE = "gpt-4o-2024-11-20"  # Appendix A.3's fixed answer extractor
 KEY_ENV = "OPENAI_API_KEY"  # where the key is read from by default: the variable OpenAI's own clients read
@@ -51,7 +54,7 @@ def upstream_strings(path: Path, function: str) -> dict[str, str]:
     plus the first argument of its .replace(...) calls under "replace:<k>", read with ast (the
     file is parsed, never run)."""
     try:
-        tree = ast.parse(path.read_text(encoding="utf-8"))
+        tree = ast.parse(regular_file(path).read_text(encoding="utf-8"))  # a FIFO would block the read
     except (OSError, SyntaxError) as e:
         raise DataError(f"{path}: cannot read VLMEvalKit source: {e}") from None
     for node in ast.walk(tree):
@@ -66,6 +69,33 @@ def upstream_strings(path: Path, function: str) -> dict[str, str]:
                     found[f"replace:{k}"], k = sub.args[0].value, k + 1
             return found
     raise DataError(f"{path}: has no function {function} (is this a VLMEvalKit checkout?)")
+
+
+def post(url: str, body: dict, seconds: float | None = None, headers: dict | None = None) -> bytes:
+    """The reply to `body` POSTed as JSON to `url`, the whole request within `seconds` (REQUEST_SECONDS): urllib's
+    timeout bounds each read alone, so a server that sends a byte every 2 s never timed out. The request runs in a
+    thread this one waits for; one that outlives the bound is left behind (a daemon), the command ending with its
+    line. At most MAX_REPLY + 1 bytes are read. A failure is urllib's exception, or a TimeoutError (an OSError)."""
+    seconds = REQUEST_SECONDS if seconds is None else seconds
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json", **(headers or {})})
+    got: dict = {}
+
+    def fetch() -> None:
+        try:
+            with urllib.request.urlopen(req, timeout=seconds) as r:
+                got["reply"] = r.read(MAX_REPLY + 1)  # no more than that is read, nor cached
+        except Exception as e:  # handed to the waiting thread, which raises it
+            got["error"] = e
+
+    worker = threading.Thread(target=fetch, daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise TimeoutError(f"no whole reply within {seconds:g} s")
+    if "error" in got:
+        raise got["error"]
+    return got["reply"]
 
 
 class Judge:
@@ -98,19 +128,18 @@ class Judge:
             body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": temperature}
             if max_tokens:
                 body["max_tokens"] = max_tokens
-            headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {self.key}"} if self.key
-                                                              else {})
-            req = urllib.request.Request(self.url + "/chat/completions", data=json.dumps(body).encode(),
-                                         headers=headers)
+            headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
             try:
-                with urllib.request.urlopen(req, timeout=120) as r:
-                    body = r.read(MAX_REPLY + 1)  # no more than that is read, nor cached
-                    if len(body) > MAX_REPLY:
-                        raise DataError(f"judge {self.url}: a reply of more than {MAX_REPLY:,} bytes, where an answer "
-                                        f"is a few; is --judge-url a chat completions endpoint? nothing of it cached")
-                    reply = json.loads(body)["choices"][0]["message"]["content"]
+                reply = post(self.url + "/chat/completions", body, headers=headers)
+                if len(reply) > MAX_REPLY:
+                    raise DataError(f"judge {self.url}: a reply of more than {MAX_REPLY:,} bytes, where an answer "
+                                    f"is a few; is --judge-url a chat completions endpoint? nothing of it cached")
+                reply = json.loads(reply)["choices"][0]["message"]["content"]
             except (urllib.error.URLError, OSError, KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
                 raise DataError(f"judge {self.url}: request failed: {e}") from None
+            except RecursionError:  # Python's JSON reader recurses once per level
+                raise DataError(f"judge {self.url}: the reply is nested deeper than Python's JSON reader "
+                                f"goes") from None
             self.cache[key], self.calls = reply, self.calls + 1
             with open(self.cache_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"key": key, "reply": reply}, ensure_ascii=False) + "\n")

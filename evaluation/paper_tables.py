@@ -13,6 +13,7 @@ from pathlib import Path
 from cli import log, pyplot
 from evaluation.judge import PAPER_JUDGE
 from evaluation.scoring import BENCHMARKS, COLUMNS
+from files import writing
 
 # the paper's names of the benchmarks and domains, for the subtables' titles
 PAPER_NAMES = {"MMMU_DEV_VAL": "MMMU dev-val", "MathVista_MINI": "MathVista mini", "MathVision_MINI": "MathVision mini",
@@ -180,7 +181,8 @@ def plot_figure_3(fig3: dict, out: Path) -> None:
         axes[0].set_ylabel("score"), axes[0].legend(fontsize=8)
         fig.suptitle(f"Figure 3 ({key}): prefix vs. LoRA vision branches", fontsize=10)
         fig.tight_layout()
-        fig.savefig(out / f"figure3_{key.replace(':', 'x')}.png", dpi=100)
+        with writing(out / f"figure3_{key.replace(':', 'x')}.png"):
+            fig.savefig(out / f"figure3_{key.replace(':', 'x')}.png", dpi=100)
         plt.close(fig)
 
 
@@ -213,5 +215,6 @@ def heatmaps(grids_: dict, pvs: list, pls: list, out: Path) -> None:
                     ax.text(j, i, f"{vals[i][j]:.1f}", ha="center", va="center", fontsize=8)
         fig.suptitle(title, fontsize=10)
         fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=80)
+        with writing(out / f"{name}.png"):
+            fig.savefig(out / f"{name}.png", dpi=80)
         plt.close(fig)

@@ -55,7 +55,7 @@ BENCHMARKS = ("MMMU_DEV_VAL", "MathVista_MINI", "MathVision_MINI", "LogicVista",
 GROUPS = {"General": ("MMMU_DEV_VAL",), "Math": ("MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath"),
           "OCR": ("ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")}  # the paper's domains (Eq. A3)
 COLUMNS = [*BENCHMARKS, *GROUPS, "All"]  # a score table's columns, in the paper's order (Tables 1, S6, S8, S9)
-# columns each benchmark's prompt (evaluate.question_text) and scorer read beyond index, question, answer, image:
+# columns each benchmark's prompt (prompts.question_text) and scorer read beyond index, question, answer, image:
 # what VLMEvalKit's TSV of the benchmark holds, checked before a run or a score, so that a TSV run or scored
 # under another benchmark's name (MMMU on ChartQA's TSV: every row an open question) is refused
 # (MathVista's answer_option is the letter its multiple-choice rows are scored against: without the column every

@@ -26,6 +26,7 @@ from evaluation import paper_tables as paper
 from evaluation.judge import JUDGED
 from evaluation.scoring import BENCHMARKS, COLUMNS, aggregates
 from evaluation.tsv import DataError
+from files import regular_file, write_text
 from flags import flag
 from flops import ARCHS, profile_params
 
@@ -116,14 +117,15 @@ class Scores:
 def read_record(name: str, is_reference: bool) -> dict:
     """One score file: its benchmark, score, configuration key, checkpoint, step, Table 3 policy and extractor."""
     try:
-        text = Path(name).read_text().strip()
+        text = regular_file(name).read_text().strip()  # a FIFO would block the read
         s = json.loads(text.splitlines()[-1])
         bench, value = s["benchmark"], s["score"]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 100:
             raise ValueError(f"score must be a number in [0, 100], got {value!r}")  # NaN is none
         key = (int(s["pv"]), int(s["pl"]), s.get("vision_branch"), s.get("language_branch"),
                bool(s.get("shared_kv")), tuple(sorted((s.get("branches") or {}).items())))  # Table S8 apart
-    except (OSError, IndexError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+    except (OSError, IndexError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError,
+            RecursionError) as e:
         raise DataError(f"{name}: not a score file with benchmark, score, pv, pl ({type(e).__name__}: {e})") from None
     if bench not in BENCHMARKS:
         raise DataError(f"{name}: unknown benchmark {bench!r}")
@@ -163,19 +165,17 @@ def read_scores(files: list[str], reference: list[str] = ()) -> Scores:
     for r in records:
         if is_dense(r["key"]) and not r["reference"]:
             grid.setdefault(r["key"], set()).add(r["checkpoint"])
+    for r in records:
+        r["into"], r["row"] = ("policies" if r["policy"] else "runs"), r["key"]
+        if r["key"] in grid and len(grid[r["key"]]) > 1 and table3.get(r["key"][:2]) == r["checkpoint"]:
+            r["into"], r["row"] = "table3_dense", r["key"][:2]
+    check_one_checkpoint(records)
     s = Scores()
     for r in records:
         s.steps.setdefault(r["checkpoint"], r["step"])
         if r["bench"] in JUDGED:
             s.judges.setdefault(r["judge"], r["file"])
-        into, key = (s.policies if r["policy"] else s.runs), r["key"]
-        if key in grid and len(grid[key]) > 1 and table3.get(key[:2]) == r["checkpoint"]:
-            into, key = s.table3_dense, key[:2]
-        if key in s.models and s.models[key] != r["checkpoint"]:
-            raise DataError(f"{r['file']}: a score of checkpoint {r['checkpoint']} for configuration "
-                            f"{config_label(r['key'])}, which holds checkpoint {s.models[key]}'s: one checkpoint per "
-                            f"configuration (pass a reference model with --reference; other model sizes with "
-                            f"--scale)")
+        into, key = getattr(s, r["into"]), r["row"]
         s.models[key] = r["checkpoint"]
         if r["bench"] in into.setdefault(key, {}):
             raise DataError(f"{r['file']}: a second {r['bench']} score for configuration {config_label(r['key'])}")
@@ -197,6 +197,30 @@ def one_judge(scales: list[tuple[str, Scores]]) -> str | None:
 
 
 # -- the tables -------------------------------------------------------------------------------------
+
+
+def check_one_checkpoint(records: list[dict]) -> None:
+    """One checkpoint per row (a 1:1 run and InternVL3.5-Instruct would land in one row): where the files of one
+    row hold several checkpoints, the few that disagree with most of them are named as the foreign ones, whatever
+    the order they came in (the file read second was blamed before, often the genuine one); a tie names both."""
+    held: dict[tuple, dict] = {}  # (table, row) -> checkpoint -> its files
+    for r in records:
+        held.setdefault((r["into"], r["row"]), {}).setdefault(r["checkpoint"], []).append(str(r["file"]))
+    for (_, row), by_model in held.items():
+        if len(by_model) < 2:
+            continue
+        fix = ("one checkpoint per configuration (pass a reference model with --reference; other model sizes with "
+               "--scale)")
+        label = config_label(row) if len(row) > 2 else f"{row[0]}:{row[1]}"
+        ranked = sorted(by_model.items(), key=lambda m: -len(m[1]))
+        (most, theirs), others = ranked[0], ranked[1:]
+        if len(theirs) > len(others[0][1]):
+            foreign = [f for _, fs in others for f in fs]
+            raise DataError(f"{', '.join(foreign)}: score(s) of checkpoint {', '.join(str(m) for m, _ in others)} for "
+                            f"configuration {label}, whose other {len(theirs)} score files ({theirs[0]}, ...) are "
+                            f"checkpoint {most}'s: {fix}")
+        sides = "; ".join(f"checkpoint {m} ({', '.join(fs)})" for m, fs in ranked)
+        raise DataError(f"configuration {label} holds scores of {len(ranked)} checkpoints: {sides}: {fix}")
 
 
 def gflops(configs: list, arch: str) -> dict:
@@ -403,8 +427,8 @@ def report(cfg: ReportConfig) -> int:
     md = paper.markdown(data, cfg.tie_decimals)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text("\n".join(md) + "\n")
-    (out / "report.json").write_text(json.dumps(data, indent=1) + "\n")
+    write_text(out / "report.md", "\n".join(md) + "\n")
+    write_text(out / "report.json", json.dumps(data, indent=1) + "\n")
     print("\n".join(md))
     paper.heatmaps(grids, pvs, pls, out)
     paper.plot_figure_3(data["figure3"], out)

@@ -14,6 +14,9 @@ import json
 import string
 import sys
 from pathlib import Path
+from typing import Iterator
+
+from files import regular_file
 
 
 class DataError(ValueError):
@@ -27,17 +30,18 @@ PANDAS_NA = {"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan
              "<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"}
 
 
-def read_tsv(path, required: tuple[str, ...] = ("index", "question", "answer")) -> list[dict]:
-    """Rows of a VLMEvalKit TSV as {column: str or None}, image references resolved, rows without an
-    image dropped (image_base.py ImageBaseDataset.__init__, skip_noimg)."""
+def tsv_lines(path) -> Iterator[tuple[list[str], dict]]:
+    """(header, row) for each row of a VLMEvalKit TSV, read in a stream: {column: str or None}, image references
+    unresolved. The header and every row's cell count are checked as pandas reads them."""
     csv.field_size_limit(sys.maxsize)  # base64 images are far longer than csv's default limit
+    regular_file(path)  # a FIFO would block the read
     try:
         with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not a column name
             reader = csv.reader(f, delimiter="\t")
             header = next(reader, None)
             if header is None:
                 raise DataError(f"{path}: empty file")
-            rows = []
+            yield header, None
             for line in reader:
                 if not line:
                     continue
@@ -45,37 +49,75 @@ def read_tsv(path, required: tuple[str, ...] = ("index", "question", "answer")) 
                     raise DataError(f"{path}: line {reader.line_num} has {len(line)} cells, the header {len(header)} "
                                     f"(a tab inside a cell needs the cell quoted, as pandas writes it)")
                 line += [""] * (len(header) - len(line))  # a short row: its last cells missing, as pandas reads it
-                rows.append({k: (None if v in PANDAS_NA else v) for k, v in zip(header, line)})
+                yield header, {k: (None if v in PANDAS_NA else v) for k, v in zip(header, line)}
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise DataError(f"{path}: cannot read TSV: {e}") from None
+
+
+def is_reference(cell: str) -> bool:
+    """An image cell that names the row whose image it shares (its index), not an image."""
+    return len(cell) <= 64
+
+
+class Benchmark:
+    """A VLMEvalKit TSV read in a stream, as read_tsv reads it: `rows()` yields the same rows, one at a time, and
+    a reference's cell is the very string of the row it names (held once, however many rows share it). Made by
+    one pass that keeps no cell (the header, every index, the references checked), then, when rows share images,
+    a second that keeps the cells they name. `order` maps each row's index to its place among the rows run."""
+
+    def __init__(self, path, required: tuple[str, ...] = ("index", "question", "answer")):
+        self.path, self.order, names, seen, holders = path, {}, {}, set(), set()
+        header: list[str] = []
+        for header, r in tsv_lines(path):
+            if r is None:
+                check_columns(path, header, required)
+                continue
+            if r.get("index") in seen:  # VLMEvalKit keys every row by its index: two rows of one index would lose one
+                raise DataError(f"{path}: index {r['index']!r} appears twice")
+            seen.add(r.get("index"))
+            cell = r.get("image") if "image" in header else ""
+            if cell is not None:
+                self.order[r.get("index")] = len(self.order)
+                if is_reference(cell) if cell else False:
+                    names.setdefault(cell, r["index"])  # the first row naming it, for the error
+                else:
+                    holders.add(r.get("index"))
+        if not seen:  # nothing to run or score: not a benchmark of no rows
+            raise DataError(f"{path}: a header and no rows")
+        if not self.order:
+            raise DataError(f"{path}: no row has an image (VLMEvalKit leaves such rows out)")
+        for ref, first in names.items():
+            if ref not in holders:
+                raise DataError(f"{path}: row {first}: image refers to {ref!r}, which holds no image")
+        self.image = "image" in header
+        self.shared = {r["index"]: r["image"] for _, r in tsv_lines(path) if r and r["index"] in names} if names else {}
+
+    def rows(self) -> Iterator[dict]:
+        """The rows with an image, in TSV order, each reference resolved to the shared cell."""
+        for _, r in tsv_lines(self.path):
+            if r is not None and (not self.image or r["image"] is not None):
+                if self.image and is_reference(r["image"]):
+                    r["image"] = self.shared[r["image"]]
+                yield r
+
+
+def check_columns(path, header: list[str], required: tuple[str, ...]) -> None:
     missing = [c for c in required if c not in header]
     if missing:
         raise DataError(f"{path}: missing required column(s) {', '.join(missing)} (has {', '.join(header)})")
-    if not rows:  # nothing to run or score: not a benchmark of no rows
-        raise DataError(f"{path}: a header and no rows")
-    seen: set = set()
-    for r in rows:  # VLMEvalKit keys every row by its index: two rows of one index would lose one
-        if r.get("index") in seen:
-            raise DataError(f"{path}: index {r['index']!r} appears twice")
-        seen.add(r.get("index"))
-    if "image" in header:
-        by_index = {r["index"]: r["image"] for r in rows}
-        rows = [r for r in rows if r["image"] is not None]
-        if not rows:
-            raise DataError(f"{path}: no row has an image (VLMEvalKit leaves such rows out)")
-        for r in rows:  # a short cell names the row whose image it shares
-            if len(r["image"]) <= 64:
-                ref = by_index.get(r["image"])
-                if ref is None or len(ref) <= 64:
-                    raise DataError(f"{path}: row {r['index']}: image refers to {r['image']!r}, which holds no image")
-                r["image"] = ref
-    return rows
+
+
+def read_tsv(path, required: tuple[str, ...] = ("index", "question", "answer")) -> list[dict]:
+    """Rows of a VLMEvalKit TSV as {column: str or None}, image references resolved, rows without an
+    image dropped (image_base.py ImageBaseDataset.__init__, skip_noimg). Benchmark reads it in a stream."""
+    return list(Benchmark(path, required).rows())
 
 
 def read_jsonl(path: Path) -> list[dict]:
     """JSON lines; a last line cut short by an interrupted run is dropped (its row is redone)."""
     if not path.exists():
         return []
+    regular_file(path)  # a FIFO would block the read
     lines = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
     out = []
     for k, line in enumerate(lines):
@@ -85,6 +127,8 @@ def read_jsonl(path: Path) -> list[dict]:
             if k < len(lines) - 1:
                 raise DataError(f"{path}: line {k + 1} is not JSON") from None
             continue
+        except RecursionError:  # Python's JSON reader recurses once per level
+            raise DataError(f"{path}: line {k + 1} is nested deeper than Python's JSON reader goes") from None
         try:  # a "\udcff" escape decodes to a lone surrogate, which no tokenizer or file takes
             json.dumps(out[-1], ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as e:

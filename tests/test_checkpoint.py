@@ -187,6 +187,11 @@ SPOILED_CONFIGS = {  # what is changed in the tiny checkpoint's config.json -> t
               "config.json: downsample_ratio must be 1/k for a k that divides the 32-patch grid, got 0.3"),
     "a list": (lambda c: [c], "{d}/config.json: a JSON list, not the object of names and values it must be"),
     "block a list": (lambda c: c.update(llm_config=[1]), "config.json: llm_config must be a JSON object, got list"),
+    "tiles 10**9": (lambda c: c.update(max_dynamic_patch=10**9),  # issue 38, item 13: every command's default budget
+                    "config.json: max_dynamic_patch must be in [1, 64] (the most tiles InternVL's pipelines give), got "
+                    "1000000000"),
+    "parvl a string": (lambda c: c.update(parvl="x"),  # issue 38, item 15: an AttributeError traceback
+                       "{d}/config.json: parvl must be an object of par and language_only, got 'x'"),
 }
 
 
@@ -285,6 +290,19 @@ def test_a_bad_branch_value_in_an_export_config_names_the_file_and_the_field(mod
         path.write_text(json.dumps(config | {"parvl": {"par": par}}))
         code, _, err = gen_main(capsys, png, "q", "--model", folder)
         assert (code, err.strip()) == (1, line)
+
+
+def test_language_only_on_an_export_with_vision_branches_names_config_json(model_dir, tmp_path, capsys):
+    """"language_only": true in a 2:2 export's parvl block said "a language-only model has no vision branches: pv
+    must be 1", naming no file (issue 38, item 22): the file and both fields are named, exit 1."""
+    folder = tmp_path / "export"
+    ParVL.from_pretrained(model_dir, pv=2, pl=2).save(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["parvl"]["language_only"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    code, _, err = gen_main(capsys, "q", "--model", folder, "--max-new-tokens", 1)
+    assert (code, err.strip()) == (1, f"error: {folder / 'config.json'}: parvl.language_only is true, but "
+                                      f"parvl.par.pv is 2: a language-only model has no vision branches")
 
 
 # -- folders that are not a model ----------------------------------------------------------------------

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `pytest` work
 import data as D  # noqa: E402
 import train  # noqa: E402
 from batches import RankSampler, collate, make_loader  # noqa: E402
-from conftest import COMMON, NOT_UTF8, ROOT, one_line, train_here, tree, write_dataset  # noqa: E402
+from conftest import COMMON, NOT_UTF8, ROOT, one_line, run_main, train_here, tree, write_dataset  # noqa: E402
 from data import BadRow, Sample, SFTData  # noqa: E402
 from loss import loss_weights  # noqa: E402
 from processor import DEFAULT_SYSTEM_MESSAGE, Tokenizer, load_image  # noqa: E402
@@ -239,6 +239,29 @@ def test_fatal_meta_and_annotation_errors(tmp_path, tok):
     (tmp_path / "meta.json").write_text(json.dumps({"x": {"root": ".", "annotation": "arr.jsonl"}}))
     with pytest.raises(ValueError, match="arr.jsonl"):
         SFTData(tmp_path / "meta.json", tok)
+
+
+def test_a_tile_budget_past_internvl_in_the_meta_file_is_one_line(model_dir, tmp_path, capsys):
+    """A max_dynamic_patch of 10**9 in the meta file filled the memory (issue 38, item 13): one line naming the
+    meta file and the dataset, exit 1, before any row is read."""
+    rows = [chat("<image>\nq", "a", image="img.png")]
+    meta = write_meta(tmp_path, {"ds": (rows, {"max_dynamic_patch": 10**9})})
+    code, err = run_main(capsys, train.main, ["--model", model_dir, "--data", meta, "--validate-data",
+                                              "--num-workers", "0"])
+    assert code == 1 and err == [f"error: {meta}: dataset 'ds' has max_dynamic_patch=1000000000, need an integer in "
+                                 f"[1, 64] (the most tiles InternVL's pipelines give)"], err
+
+
+def test_a_root_that_is_a_link_loop_is_one_line(model_dir, tmp_path, capsys):
+    """A dataset root that is a symbolic link loop made every image row a "missing_image" bad row, the root named
+    nowhere (issue 38, item 22): one line naming the meta file, the dataset and the root, exit 1."""
+    rows = [chat("<image>\nq", "a", image="img.png")]
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    meta = write_meta(tmp_path, {"ds": (rows, {"root": str(tmp_path / "loop")})})
+    code, err = run_main(capsys, train.main, ["--model", model_dir, "--data", meta, "--validate-data",
+                                              "--num-workers", "0"])
+    assert code == 1 and err == [f"error: {meta}: dataset 'ds' has root {tmp_path / 'loop'}, a symbolic link loop "
+                                 f"(links that point at each other, never at a folder)"], err
 
 
 # ----------------------------------------------------------------------------- augmentation

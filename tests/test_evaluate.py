@@ -12,6 +12,7 @@ import json
 import os
 import re
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ import evaluate
 from conftest import BENCH_NEW as NEW
 from conftest import main_out, png_b64, read_preds, run_main, write_tsv
 from engine import Engine, GenerateConfig
+from evaluation import prompts
 from evaluation import tsv as T
 from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
@@ -53,12 +55,12 @@ def test_read_tsv_quoting_strings_missing_and_image_references(tmp_path):
 
 def test_mcq_prompt_text():
     row = {"question": "Which?", "hint": "Look.", "A": "cat", "B": "dog", "C": None}
-    assert evaluate.question_text("WeMath", row) == (
+    assert prompts.question_text("WeMath", row) == (
         "Look.\nWhich?\nA. cat\nB. dog\nAnswer with the option's letter from the given choices directly.")
-    assert evaluate.question_text("MMMU_DEV_VAL", {"question": "多少?", "A": None}) == "多少?\n请直接回答问题。"
-    assert evaluate.question_text("DocVQA_VAL", {"question": "Date?"}) == \
+    assert prompts.question_text("MMMU_DEV_VAL", {"question": "多少?", "A": None}) == "多少?\n请直接回答问题。"
+    assert prompts.question_text("DocVQA_VAL", {"question": "Date?"}) == \
         "Date?\nAnswer the question using a single word or phrase."
-    assert evaluate.question_text("MathVista_MINI", {"question": "Hint: x\nQ"}) == "Hint: x\nQ"
+    assert prompts.question_text("MathVista_MINI", {"question": "Hint: x\nQ"}) == "Hint: x\nQ"
 
 
 def test_tsv_cells_as_pandas_reads_them_and_the_benchmark_columns(bench, tmp_path, capsys):
@@ -113,6 +115,49 @@ def expected_answers(folder: Path, rows: list[dict]) -> dict[str, str]:
         res = engine.generate([ids], torch.cat(tiles), GenerateConfig(max_new_tokens=NEW), tok.eos_ids)
         out[index] = tok.decode(res.tokens[0], skip_special_tokens=True).strip()
     return out
+
+
+def test_a_benchmark_is_read_in_a_stream_and_a_shared_image_held_once(tmp_path):
+    """tsv.Benchmark: the rows read_tsv reads, yielded one at a time; what it holds between them is the rows'
+    indices and the cells other rows name, each once: every row naming it gets that very string (issue 38,
+    item 12)."""
+    img = png_b64(8, 8, 0)
+    tsv = write_tsv(tmp_path / "t.tsv", [{"index": "a", "question": "q", "image": img},
+                                         {"index": "b", "question": "r", "image": "a"},
+                                         {"index": "c", "question": "s", "image": None},
+                                         {"index": "d", "question": "t", "image": "a"}])
+    bench = T.Benchmark(tsv, ("index", "question", "image"))
+    assert (bench.order, bench.shared) == ({"a": 0, "b": 1, "d": 2}, {"a": img})
+    rows = bench.rows()
+    assert next(rows) == {"index": "a", "question": "q", "image": img}  # a stream: a generator of rows
+    rest = list(rows)
+    assert [r["index"] for r in rest] == ["b", "d"] and rest[0]["image"] is rest[1]["image"] is bench.shared["a"]
+
+
+def test_run_decodes_a_shared_image_once_and_answers_as_if_each_row_held_it(bench, tmp_path, capsys, monkeypatch):
+    """Rows that name another row's image by index: `run` decoded it twice a row and held every row (memory grew
+    with the rows: tests/bench_rows.py). It is decoded once for the whole run, rows are read WINDOW_ROWS at a time
+    (here 2), and every row's answer is the one it gets holding its own copy of the image (issue 38, item 12)."""
+    from evaluation import prompts as P
+
+    folder, _, _, imgs = bench
+    rows = [{"index": str(k), "question": f"What is shown {k}?", "A": "cat", "B": "dog", "answer": "A",
+             "split": "validation", "image": imgs[0] if k == 10 else "10"} for k in (10, 12, 15, 16, 17)]
+    shared = write_tsv(tmp_path / "shared.tsv", rows)
+    own = write_tsv(tmp_path / "own.tsv", [r | {"image": imgs[0]} for r in rows])
+    decoded, decode = [], P.open_base64
+    monkeypatch.setattr(P, "open_base64", lambda cell, name: decoded.append(cell) or decode(cell, name))
+    monkeypatch.setattr(evaluate, "WINDOW_ROWS", 2)
+    answers = {}
+    for name, tsv in (("shared", shared), ("own", own)):
+        decoded.clear()
+        rc, _, err = main_out(capsys, "run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder, "--out",
+                              tmp_path / f"{name}.jsonl", "--batch-size", 2, "--max-new-tokens", NEW)
+        assert rc == 0, err
+        answers[name] = [(p["index"], p["prediction"]) for p in read_preds(tmp_path / f"{name}.jsonl")]
+        if name == "shared":
+            assert len(decoded) == 1, len(decoded)
+    assert answers["shared"] == answers["own"] and len(answers["own"]) == 5
 
 
 def test_run_matches_engine_answers_and_skips_corrupt_rows(bench, full_run):
@@ -349,6 +394,40 @@ def test_run_interrupted_keeps_whole_predictions_and_resumes(bench, full_run, tm
     assert rc == 0 and json.loads(stdout.splitlines()[-1])["new"] == 2 and out.read_text() == full_run.read_text()
 
 
+def test_run_allocation_failures_beyond_generation_are_one_line(bench, tmp_path, capsys, monkeypatch):
+    """The CPU allocator's failure while loading the model or moving a batch's tiles to the device was a raw
+    RuntimeError traceback, where docs/reliability.md promises one line (issue 38, item 15): one line naming
+    what asked for the memory and what lowers it, exit 1."""
+    import inference
+
+    folder, tsv, _, _ = bench
+    cannot = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 37591663152 bytes.")
+    args = ["run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder, "--batch-size", "2",
+            "--max-new-tokens", NEW]
+
+    def cannot_load(*args, **kwargs):
+        raise cannot
+
+    monkeypatch.setattr(inference.ParVL, "from_pretrained", cannot_load)
+    rc, _, err = main_out(capsys, *args, "--out", tmp_path / "a.jsonl")
+    assert rc == 1 and err.strip().splitlines()[-1] == (
+        f"error: out of memory at loading {folder} (float32 on cpu); lower the precision (--dtype bf16), or use a "
+        f"device with more free memory"), err
+    monkeypatch.undo()
+    real = torch.cat
+
+    def cat(tensors, *a, **k):  # the batch's tiles, joined in predict to move them to the device
+        if sys._getframe(1).f_code.co_name == "predict":
+            raise cannot
+        return real(tensors, *a, **k)
+
+    monkeypatch.setattr(evaluate.torch, "cat", cat)
+    rc, _, err = main_out(capsys, *args, "--out", tmp_path / "b.jsonl")
+    assert rc == 1 and re.fullmatch(r"error: out of memory at --batch-size 2 \(longest prompt \d+ tokens, up to \d+ "
+                                    r"new\); lower --batch-size, --max-tiles or --max-new-tokens",
+                                    err.strip().splitlines()[-1]), err
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_run_on_a_device_that_is_not_there_is_one_line(bench, tmp_path, capsys):
     """--device cuda without CUDA is refused in one line before the model loads (it ran on the CPU,
@@ -373,7 +452,7 @@ def test_an_out_that_cannot_be_written_is_one_line(bench, full_run, tmp_path, ca
                          a_file / "p.jsonl"],
                         f"error: --out {a_file / 'p.jsonl'}: {a_file} is a file, not a folder"),  # before the model
                        (["score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", full_run, "--out",
-                         a_file / "s.json"], f"error: {a_file / 's.json'}: a parent is a file, not a folder")]:
+                         a_file / "s.json"], f"error: --out {a_file / 's.json'}: {a_file} is a file, not a folder")]:
         rc, _, err = main_out(capsys, *args)
         assert rc == 1 and err.strip().splitlines()[-1:] == [want], (args, err)
     assert a_file.read_text() == "kept"
@@ -390,6 +469,16 @@ def test_score_writes_its_line_its_rows_and_its_file(bench, full_run, tmp_path, 
     assert rc == 0 and line["n"] == 3 and line["benchmark"] == "MMMU_DEV_VAL" and 0 <= line["score"] <= 100
     assert line["missing"] == 1 and len((tmp_path / "rows.jsonl").read_text().splitlines()) == 3  # row 13
     assert json.loads((tmp_path / "s.json").read_text()) == line
+
+
+def test_score_out_into_a_missing_folder_makes_it(bench, full_run, tmp_path, capsys):
+    """score --out and --rows-out into a folder that is not there yet: made, as run makes its --out's (it failed
+    with "no such file or folder" after scoring; issue 38, item 22)."""
+    _, tsv, _, _ = bench
+    out, rows = tmp_path / "new" / "deep" / "s.json", tmp_path / "other" / "rows.jsonl"
+    rc, stdout, err = main_out(capsys, "score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions",
+                               full_run, "--out", out, "--rows-out", rows)
+    assert rc == 0 and json.loads(out.read_text()) == json.loads(stdout.splitlines()[-1]) and rows.is_file(), err
 
 
 def test_score_and_run_bad_input_is_one_line(bench, full_run, tmp_path, capsys):

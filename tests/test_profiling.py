@@ -394,6 +394,21 @@ def test_latency_plot_draws_every_row(tmp_path, capsys):
     png_ok(png, (1000, 400))
 
 
+def test_latency_plot_into_a_missing_folder_is_made_before_the_measurement(tmp_path, capsys, monkeypatch):
+    """--plot into a folder that is not there failed after the whole profile: the folder is made before the
+    measurement starts (issue 38, item 22)."""
+    pytest.importorskip("matplotlib")
+    png, seen = tmp_path / "new" / "deep" / "latency.png", []
+
+    def measured(*args, **kwargs):  # what the measurement finds, then a stop: the profile itself is not the point
+        seen.append(png.parent.is_dir())
+        raise ValueError("measured")
+
+    monkeypatch.setattr(profiling, "run_latency", measured)
+    assert profiling.main(["latency", "--arch", "tiny", "--plot", str(png)]) == 1
+    assert seen == [True] and one_line(capsys.readouterr().err) == "error: measured"
+
+
 def test_latency_plot_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
     assert profiling.main(["latency", "--arch", "tiny", "--plot", str(tmp_path / "l.png")]) == 1  # before measuring

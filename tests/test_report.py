@@ -277,3 +277,22 @@ def test_report_refuses_table_3_of_two_checkpoints_and_mixed_extractors(tmp_path
     rc, out, _ = main_out(capsys, "report", *paper_study(tmp_path / "n", judge={})["1b"], "--out", tmp_path / "r4")
     assert rc == 0 and out.startswith("Answer extractor: none. Unresolved MMMU, MathVista, MathVision and WeMath rows "
                                       "count as wrong")
+def test_a_foreign_score_file_is_named_not_the_genuine_one(tmp_path, capsys):
+    """A configuration's nine score files and one of another checkpoint: whichever came first, the one line names
+    the foreign file, not a genuine one (the file read second was blamed: the foreign one given first made every
+    genuine file the culprit; issue 38, item 22). A tie names both sides. Exit 1, nothing written."""
+    d = tmp_path / "scores"
+    genuine = write_scores(d, "11", [40.0] * 9)
+    foreign = write_scores(tmp_path / "other", "x", [50.0], model_fingerprint="fp-other")
+    for order in ([*foreign, *genuine], [*genuine, *foreign]):
+        rc, _, err = main_out(capsys, "report", *order, "--out", tmp_path / "r")
+        assert rc == 1 and err.strip().splitlines() == [
+            f"error: {foreign[0]}: score(s) of checkpoint fp-other for configuration 1:1, whose other 9 score files "
+            f"({genuine[0]}, ...) are checkpoint fp-11's: one checkpoint per configuration (pass a reference model "
+            f"with --reference; other model sizes with --scale)"], err
+    rc, _, err = main_out(capsys, "report", genuine[0], *foreign, "--out", tmp_path / "r")
+    assert rc == 1 and err.strip() == (
+        f"error: configuration 1:1 holds scores of 2 checkpoints: checkpoint fp-11 ({genuine[0]}); checkpoint fp-other "
+        f"({foreign[0]}): one checkpoint per configuration (pass a reference model with --reference; other model sizes "
+        f"with --scale)"), err
+    assert not (tmp_path / "r").exists()

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 import gates
@@ -579,6 +580,39 @@ def test_label_out_of_memory_is_one_line(model23, tmp_path, capsys, monkeypatch)
     assert lines[0] == (f"error: out of memory at --batch-size 2 (longest row {longest} tokens, --max-tokens 16384); "
                         "lower --batch-size or --max-tokens, or use a device with more memory"), lines[0]
     assert sorted(p.name for p in (tmp_path / "l" / "parts").glob("chunk_*")) == ["chunk_000000.safetensors"]
+
+
+FULL = "Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })"
+
+
+def test_a_full_disk_or_memory_is_one_line(model23, labelled, tmp_path, capsys, monkeypatch):
+    """A full disk while `label` writes a chunk or `train` its router was safetensors' SafetensorError traceback
+    (its words, injected here): one line naming the file, exit 1 (issue 38, item 15). `train --hidden 10000000`
+    could not allocate its gates: the allocator's RuntimeError, now one line naming --hidden."""
+    meta, labels = labelled
+
+    def full(*args, **kwargs):
+        raise SafetensorError(FULL)
+
+    monkeypatch.setattr(router_labels, "save_file", full)
+    out = tmp_path / "l"
+    assert run_router("label", "--model", model23, "--data", meta, "--out", out, *LABEL) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: {out / 'parts' / 'chunk_000000.safetensors.tmp'}: no space left on the device", err
+    monkeypatch.setattr(gates, "save_file", full)
+    train = ["train", "--model", model23, "--labels", labels, "--steps", 1, "--global-batch", 4, "--check-samples", 0]
+    assert run_router(*train, "--out", tmp_path / "R") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"error: {tmp_path / 'R' / 'router.safetensors'}: no space left on the device", err
+
+    def router_that_cannot_allocate(cfg):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 10240000000 bytes.")
+
+    monkeypatch.setattr(router, "Router", router_that_cannot_allocate)
+    assert run_router(*train, "--hidden", 10**7, "--out", tmp_path / "H") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("error: out of memory at --hidden 10000000 (two gates of 10000000 x 128 weights); lower "
+                       "--hidden"), err
 
 
 def test_train_into_a_router_folder_needs_overwrite(model23, labelled, tmp_path, capsys):

@@ -422,6 +422,47 @@ def test_export_of_a_kept_step_is_the_model_at_that_step(run3, model_dir, tmp_pa
     assert answer(capsys, out / "export_step_3", png) == answer(capsys, out / "export", png)
 
 
+def test_export_finds_its_base_model_from_any_folder(model_dir, meta, base_run, tmp_path, capsys, monkeypatch):
+    """A run records its --model by absolute path; one recorded by a relative path (a run from before) exported
+    from another working folder could not find it: one line saying to pass `train.py export --model`, which then
+    gives the run's own export (issue 38, item 22)."""
+    seen = []
+    monkeypatch.setattr(train, "train", lambda cfg, data, tracker: seen.append(cfg.model) or 0)
+    monkeypatch.chdir(model_dir.parent)
+    assert train.main(["--model", model_dir.name, "--data", str(meta), "--out", str(tmp_path / "new"), *COMMON]) == 0
+    assert seen == [str(model_dir.resolve())]
+    out = copy_run(base_run, tmp_path)
+    step = out / "checkpoints" / "step_3"
+    record = json.loads((step / "train.json").read_text())
+    record["config"]["model"] = model_dir.name  # relative to the folder it was started from
+    (step / "train.json").write_text(json.dumps(record))
+    monkeypatch.chdir(tmp_path)
+    code, err = run_main(capsys, train.main, ["export", out, "--step", 3])
+    assert code == 1 and err == [f"error: {step}: trained from --model '{model_dir.name}', which is not a folder from "
+                                 f"here (the export takes its config and tokenizer); pass train.py export --model "
+                                 f"with that base model's folder"], err
+    code, err = run_main(capsys, train.main, ["export", out, "--step", 3, "--model", model_dir])
+    mine, its = load_file(out / "export_step_3" / "model.safetensors"), load_file(out / "export" / "model.safetensors")
+    assert code == 0 and mine.keys() == its.keys() and all(torch.equal(mine[k], its[k]) for k in its), err
+
+
+def test_a_full_disk_while_exporting_is_one_line(model_dir, base_run, tmp_path, capsys, monkeypatch):
+    """A full disk while `train.py export` writes the weights was safetensors' SafetensorError traceback (its words,
+    injected here): one line naming the export, exit 1, no half-written weights (issue 38, item 15)."""
+    import parvl
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space "
+                              "left on device\" })")
+
+    monkeypatch.setattr(parvl, "save_file", full)
+    out = copy_run(base_run, tmp_path)
+    code, err = run_main(capsys, train.main, ["export", out, "--step", 3, "--out", tmp_path / "x"])
+    assert code == 1 and err[-1] == f"error: cannot write the export {tmp_path / 'x'}: no space left on the device", err
+    assert not list((tmp_path / "x").glob("model.safetensors*"))
+
+
 def test_export_refuses_a_step_not_kept_or_broken(run3, tmp_path, capsys):
     """Step 1 (no longer kept) and a step whose shard lost its tail are refused in one line, nothing written."""
     out = run3[0]

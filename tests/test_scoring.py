@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 import types
-from http.server import HTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer, ThreadingHTTPServer
 
 import pytest
 
@@ -456,3 +456,56 @@ def test_the_extractor_key_comes_from_the_environment_only(tmp_path, capsys, mon
         rc, out, err = main_out(capsys, *argv)
         assert rc == 0 and json.loads(out.splitlines()[-1])["judge_calls"] == 2, err
     assert key not in out + err and not [f for f in tmp_path.rglob("*") if f.is_file() and key in f.read_text()]
+class SlowJudge(BaseHTTPRequestHandler):
+    """A judge that answers well-formed JSON a byte every 0.2 s (3 s in all), or, for the model "deep", a reply
+    nested 200,000 deep."""
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        reply = json.dumps({"choices": [{"message": {"content": "B"}}]})
+        data = ("[" * 200_000 + "]" * 200_000 if body["model"] == "deep" else reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if body["model"] == "deep":
+            self.wfile.write(data)
+            return
+        step = max(1, len(data) // 15)
+        for k in range(0, len(data), step):  # urllib's per-read timeout never fires: each read gets bytes
+            self.wfile.write(data[k:k + step])
+            self.wfile.flush()
+            time.sleep(0.2)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_judge_request_is_bounded_as_a_whole_and_a_deep_reply_is_one_line(tmp_path, capsys, monkeypatch):
+    """A judge that sends its reply a few bytes every 0.2 s never timed out (urllib's timeout is per read): the
+    whole request is bounded (judge.REQUEST_SECONDS, here 1 s; item 14). A reply nested 200,000 deep was a
+    RecursionError traceback (item 15). Each: one line naming the judge, exit 1, nothing cached."""
+    from evaluation import judge
+
+    fake_vlmevalkit(tmp_path / "VLMEvalKit")
+    tsv = write_tsv(tmp_path / "m.tsv", [{"index": "1", "question": "Pet?", "A": "cat", "B": "dog", "answer": "B",
+                                          "split": "validation", "image": png_b64(8, 8, 0)}])
+    preds = tmp_path / "p.jsonl"
+    preds.write_text(json.dumps({"index": "1", "prediction": "the animal that barks"}) + "\n")
+    monkeypatch.setattr(judge, "REQUEST_SECONDS", 1, raising=False)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), SlowJudge)  # the slow reply goes on while the next is asked
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/v1"
+    try:
+        for model, why in (("slow", "request failed: no whole reply within 1 s"),
+                           ("deep", "the reply is nested deeper than Python's JSON reader goes")):
+            t0 = time.monotonic()
+            rc, out, err = main_out(capsys, "score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions",
+                                    preds, "--judge-url", url, "--judge-model", model, "--vlmevalkit",
+                                    tmp_path / "VLMEvalKit")
+            assert rc == 1 and out == "" and err.strip().splitlines() == [f"error: judge {url}: {why}"], err
+            assert time.monotonic() - t0 < 2.5  # the slow reply takes 3 s to send
+            assert not (tmp_path / f"p.jsonl.judge-{model}.jsonl").exists()
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -11,8 +11,12 @@ import fcntl
 import io
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,13 +25,15 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import cli
 import evaluate
+import files
 import generate
 import profiling
+import rendezvous
 import router
 import study
 import train
 from conftest import (COMMON, NOT_UTF8, ROOT, one_line, parse_flags, root_cause, run_main, run_train, tree,
-                      worker_lines, write_dataset)
+                      worker_lines, write_dataset, write_tsv)
 
 
 # -- flags: exit 2 and one line, said once -------------------------------------------------------------
@@ -380,6 +386,217 @@ def test_every_path_flag_says_whether_it_is_read_or_written():
                     undeclared.append((script, sub, f.name))
     assert seen == {"generate.py", "train.py", "evaluate.py", "router.py", "profiling.py", "study.py"}, seen
     assert not undeclared, undeclared
+DEEP = "[" * 200_000 + "]" * 200_000  # nested past Python's JSON reader (it recurses once per level)
+
+
+def test_deeply_nested_json_is_one_line(model_dir, meta, tmp_path, capsys):
+    """A 200,000-deep list where a command reads JSON (config.json, the meta JSON, a prediction line, a --batch
+    line) was a RecursionError traceback: one line naming the file, exit 1 (issue 38, item 15; the judge's reply:
+    test_scoring.py)."""
+    deep_model = tmp_path / "model"
+    shutil.copytree(model_dir, deep_model)
+    (deep_model / "config.json").write_text(DEEP)
+    deep = tmp_path / "deep.json"
+    deep.write_text(DEEP + "\n")
+    tsv = write_tsv(tmp_path / "t.tsv", [{"index": "0", "question": "q", "answer": "a", "image": "x" * 80}])
+    cases = [
+        (generate.main, ["Hi", "--model", deep_model], f"error: {deep_model / 'config.json'}: not usable JSON (nested "
+                                                       f"deeper than Python's JSON reader goes)"),
+        (generate.main, ["--batch", deep, "--model", model_dir], f"error: {deep} line 1: nested deeper than Python's "
+                                                                 f"JSON reader goes"),
+        (evaluate.main, ["score", "--benchmark", "TextVQA_VAL", "--data", tsv, "--predictions", deep],
+         f"error: {deep}: line 1 is nested deeper than Python's JSON reader goes"),
+        (train.main, ["--model", model_dir, "--data", deep, "--validate-data", "--num-workers", "0"],
+         f"error: cannot read meta file {deep}: RecursionError: maximum recursion depth exceeded"),
+    ]
+    for main, argv, want in cases:
+        code, err = run_main(capsys, main, argv)
+        assert code == 1 and len(err) == 1 and err[0].startswith(want), (argv, err)
+
+
+def test_max_tiles_past_internvls_most_is_a_flag_error(model_dir, meta, tmp_path, capsys):
+    """--max-tiles 10**9 filled the memory before it was killed (the tile grid's candidates grow with it): every
+    tile budget is bounded by InternVL's own most, 64 (processor.MAX_TILES: VLMEvalKit's total_max_num for
+    InternVL), exit 2 in one line at parse, in every command that takes it (issue 38, item 13). No file is written."""
+    m, d, out = str(model_dir), str(meta), str(tmp_path / "o")
+    tsv = write_tsv(tmp_path / "t.tsv", [{"index": "0", "question": "q", "answer": "a", "image": "x" * 80}])
+    run = ["run", "--benchmark", "TextVQA_VAL", "--data", tsv, "--model", m, "--out", f"{out}/p.jsonl"]
+    cases = [
+        (generate.main, ["Hi", "--model", m, "--max-tiles", 10**9], "--max-tiles must be in [1, 64], got 1000000000"),
+        (evaluate.main, [*run, "--max-tiles", 65], "--max-tiles must be in [1, 64], got 65"),
+        (train.main, ["--model", m, "--data", d, "--out", out, "--max-tiles", 10**9],
+         "--max-tiles must be in [0, 64], got 1000000000"),
+        (router.main, ["label", "--model", m, "--data", d, "--out", out, "--max-tiles", 10**9],
+         "--max-tiles must be in [1, 64], got 1000000000"),
+    ]
+    for main, argv, want in cases:
+        code, err = run_main(capsys, main, argv)
+        assert code == 2 and len(err) == 1 and want in err[0] and err[0].endswith("(see --help)"), (argv, err)
+    assert not Path(out).exists()
+
+
+def unblock(fifo: Path, stop: threading.Event) -> threading.Thread:
+    """A thread that, until `stop` is set, opens `fifo` for writing as soon as some reader waits on it and closes
+    it at once: a command that opened it (as before: blocked until a writer came) then reads an empty file instead
+    of hanging the test. Opening without a reader fails at once (O_NONBLOCK), so it never blocks itself."""
+    def run():
+        while not stop.wait(0.05):
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError:  # ENXIO: nobody reads it yet
+                pass
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_file_that_is_not_a_regular_file_is_refused(model_dir, meta, tmp_path, capsys):
+    """An image, a --batch file, a benchmark TSV, a predictions file or a meta JSON that is a FIFO blocked the
+    command until some process wrote it, maybe forever: every image and data file opener refuses what is not a
+    regular file, in one line naming it, exit 1 (issue 38, item 14)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    tsv = write_tsv(tmp_path / "t.tsv", [{"index": "0", "question": "q", "answer": "a", "image": "x" * 80}])
+    kind = "a FIFO (named pipe), not a regular file; a command reads files only"
+    cases = [
+        (generate.main, [fifo, "What is it?", "--model", model_dir],
+         f"error: cannot read image {fifo}: not a regular file (a folder, a FIFO or a device)"),
+        (generate.main, ["--batch", fifo, "--model", model_dir], f"error: --batch {fifo}: {kind}"),
+        (evaluate.main, ["run", "--benchmark", "TextVQA_VAL", "--data", fifo, "--model", model_dir, "--out",
+                         tmp_path / "p.jsonl"], f"error: {fifo}: {kind}"),
+        (evaluate.main, ["score", "--benchmark", "TextVQA_VAL", "--data", tsv, "--predictions", fifo],
+         f"error: {fifo}: {kind}"),
+        (train.main, ["--model", model_dir, "--data", fifo, "--validate-data", "--num-workers", "0"],
+         f"error: --data {fifo}: {kind}"),
+    ]
+    for main, argv, want in cases:
+        stop = threading.Event()
+        helper = unblock(fifo, stop)
+        code, err = run_main(capsys, main, argv)
+        stop.set()
+        helper.join()
+        assert code == 1 and err == [want], (argv, err)
+
+
+def test_ranks_started_without_torchrun_say_what_they_wait_for_and_time_out(model_dir, tmp_path, capsys,
+                                                                            monkeypatch):
+    """RANK=1 WORLD_SIZE=2 without torchrun (and no rank 0) waited silently for a peer forever: the rank says
+    what it waits for, then gives up after rendezvous.RENDEZVOUS_S in one line (exit 1); here 2 s, the note after
+    0.5 s (issue 38, item 14)."""
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for name, value in (("RANK", "1"), ("WORLD_SIZE", "2"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port))):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(rendezvous, "RENDEZVOUS_S", 2)
+    monkeypatch.setattr(rendezvous, "WAITING_NOTE_S", 0.5)
+    tsv = write_tsv(tmp_path / "t.tsv", [{"index": "0", "question": "q", "answer": "a", "image": "x" * 80}])
+    t0 = time.monotonic()
+    code, err = run_main(capsys, evaluate.main, ["run", "--benchmark", "TextVQA_VAL", "--data", tsv, "--model",
+                                                 model_dir, "--out", tmp_path / "p.jsonl"])
+    where = f"for rank 0 at 127.0.0.1:{port}"
+    assert code == 1 and err == [
+        f"rank 1 of 2: waiting {where} (RANK and WORLD_SIZE are set, without torchrun; at most 2 s)",
+        f"error: rank 1 of 2: no rendezvous {where} within 2 s (nothing listens there); start every rank (torchrun "
+        f"--nproc-per-node N ... starts and joins them), or unset RANK to run alone"], err
+    assert time.monotonic() - t0 < 30 and not cli.dist.is_initialized()
+
+
+def test_output_survives_a_stream_that_cannot_encode_it(monkeypatch):
+    """PYTHONIOENCODING=ascii: `evaluate.py score --help` (its help holds an ellipsis) was a UnicodeEncodeError
+    traceback; the command's __main__ (cli.command) writes a character its stream cannot encode as an escape
+    (issue 38, item 22). Here an ASCII stdout, as that variable makes it."""
+    out = io.TextIOWrapper(io.BytesIO(), encoding="ascii")
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(cli, "_process", {"main": False}, raising=False)  # command() marks the process its own
+    with pytest.raises(SystemExit) as e:
+        cli.command(lambda: evaluate.main(["score", "--help"]))
+    out.flush()
+    assert e.value.code == 0 and b"(\\u2026/v1)" in out.buffer.getvalue()
+
+
+class FullFile(io.StringIO):
+    """A file on a full disk: it opens, and every write fails as the kernel's does (ENOSPC, and no file name: a
+    write's OSError carries none)."""
+
+    def write(self, text):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_full_disk_names_the_file(bench, model_dir, tmp_path, capsys, monkeypatch):
+    """A full disk said "no space left on the device" without the file (issue 38, item 22): evaluate.py run's part
+    file, generate.py --batch's answers, score --out, report, lengths --out each name the file in one line, exit
+    1; a small output file is written whole or not at all (files.write_text), so what it held stays. router.py label
+    and train.py export: test_router.py, test_runs.py."""
+    import shards
+
+    folder, tsv, _, _ = bench
+    questions = tmp_path / "q.jsonl"
+    questions.write_text('{"question": "Hi"}\n')
+    preds = tmp_path / "p.jsonl"
+    preds.write_text("".join(json.dumps({"index": str(k), "prediction": "a b c", "benchmark": "OCRBench",
+                                         "new_tokens": 3}) + "\n" for k in range(3)))
+    answers = tmp_path / "m.jsonl"
+    answers.write_text('{"index": "10", "prediction": "A"}\n')
+    score = tmp_path / "s.json"
+    score.write_text('{"benchmark": "OCRBench", "score": 50.0, "pv": 1, "pl": 1}\n')
+    kept = tmp_path / "kept.json"
+    kept.write_text("what an earlier run wrote\n")
+    monkeypatch.setattr(shards, "open", lambda *a, **k: FullFile(), raising=False)  # the part a run appends to
+    monkeypatch.setattr(generate, "open", lambda *a, **k: FullFile(), raising=False)  # --batch's answers file
+    monkeypatch.setattr(Path, "write_text", lambda self, *a, **k: FullFile().write(""))  # every whole file
+    full = "no space left on the device"
+    cases = [
+        (evaluate.main, ["run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder, "--out",
+                         tmp_path / "run" / "p.jsonl", "--max-new-tokens", 1], f"{tmp_path / 'run' / 'p.jsonl.part0'}"),
+        (generate.main, ["--batch", questions, "--out", tmp_path / "a.jsonl", "--model", model_dir, "--max-new-tokens",
+                         1], f"{tmp_path / 'a.jsonl'}"),
+        (evaluate.main, ["score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", answers, "--out",
+                         kept],
+         f"{kept}"),
+        (evaluate.main, ["report", score, "--out", tmp_path / "report"], f"{tmp_path / 'report' / 'report.md'}"),
+        (evaluate.main, ["lengths", "--model", model_dir, "--a", preds, "--b", preds, "--resamples", 10, "--out", kept],
+         f"{kept}"),
+    ]
+    for main, argv, path in cases:
+        code, err = run_main(capsys, main, argv)
+        assert code == 1 and err[-1] == f"error: {path}: {full}" and "Traceback" not in "".join(err), (argv, err)
+    assert kept.read_text() == "what an earlier run wrote\n" and not list(tmp_path.glob("*.tmp"))
+
+
+def test_flags_past_what_they_can_mean_are_flag_errors(model_dir, meta, tmp_path, capsys):
+    """A --seed past 2**64 failed after loading (torch.manual_seed's range), --max-new-tokens 10**9 skipped every
+    row and exited 0, --judge-url without --judge-model exited 1 and a --judge-url that is no URL was not named,
+    report --arch bogus exited 1 where profiling.py exits 2: each is a flag error, exit 2 in one line, the context
+    as soon as config.json is read (issue 38, item 22). No file is written."""
+    m, d, out = str(model_dir), str(meta), str(tmp_path / "o")
+    tsv = write_tsv(tmp_path / "t.tsv", [{"index": "0", "question": "q", "answer": "a", "image": "x" * 80}])
+    run = ["run", "--benchmark", "TextVQA_VAL", "--data", tsv, "--model", m, "--out", f"{out}/p.jsonl"]
+    score = ["score", "--benchmark", "TextVQA_VAL", "--data", tsv, "--predictions", tsv, "--out", f"{out}/s.json"]
+    cases = [
+        (generate.main, ["Hi", "--model", m, "--seed", 2**64], "--seed must be in [0, 18446744073709551616), got "
+                                                              "18446744073709551616"),
+        (train.main, ["--model", m, "--data", d, "--out", out, "--seed", -1], "--seed must be in [0, "),
+        (router.main, ["train", "--model", m, "--labels", m, "--out", out, "--seed", 2**64], "--seed must be in [0, "),
+        (evaluate.main, [*run, "--seed", 2**70], "--seed must be in [0, 18446744073709551616)"),
+        (evaluate.main, [*score, "--judge-url", "http://localhost:8000/v1", "--vlmevalkit", m],
+         "--judge-url needs --judge-model"),
+        (evaluate.main, [*score, "--judge-url", "localhost:8000", "--judge-model", "j", "--vlmevalkit", m],
+         "--judge-url 'localhost:8000': not an http(s) URL"),
+        (evaluate.main, ["report", tsv, "--out", out, "--arch", "bogus"], "--arch: invalid choice: 'bogus'"),
+    ]
+    for main, argv, want in cases:
+        code, err = run_main(capsys, main, argv)
+        assert code == 2 and len(err) == 1 and want in err[0] and err[0].endswith("(see --help)"), (argv, err)
+    context = ("the model's context is 40960 tokens, the prompt's included (config.json max_position_embeddings); "
+               "give at most 40959")
+    for main, argv in [(generate.main, ["Hi", "--model", m, "--max-new-tokens", 10**9]),
+                       (evaluate.main, [*run, "--max-new-tokens", 10**9])]:
+        code, err = run_main(capsys, main, argv)
+        assert code == 2 and err == [f"error: --max-new-tokens 1000000000: {context}"], (argv, err)
+    assert not [p for p in Path(out).rglob("*") if p.is_file()]  # run's lock made the folder, and left nothing
 
 
 # -- one output, one writer ----------------------------------------------------------------------------
@@ -563,20 +780,20 @@ def test_os_cause_names_the_cause(monkeypatch, tmp_path):
     for code, words in [(errno.ENOSPC, "no space left"), (errno.EROFS, "read-only"),
                         (errno.EACCES, "permission denied")]:
         wrapped = CheckpointException("save failed", {1: (OSError(code, os.strerror(code)), None)})  # DCP, rank 1
-        assert cli.os_cause(wrapped) == cli.CAUSES[code] and words in cli.CAUSES[code]
+        assert files.os_cause(wrapped) == files.CAUSES[code] and words in files.CAUSES[code]
         try:
             try:
                 raise OSError(code, os.strerror(code))
             except OSError as e:
                 raise RuntimeError("enforce fail at inline_container.cc: file write failed") from e
         except RuntimeError as e:
-            assert cli.os_cause(e) == cli.CAUSES[code]
+            assert files.os_cause(e) == files.CAUSES[code]
     # torch's zip writer on a full disk: no errno anywhere, so the free space is what tells
     zip_error = RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file")
-    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: SimpleNamespace(free=3 * 2**20))
-    assert cli.os_cause(zip_error, tmp_path).startswith("the disk is (nearly) full, 3 MiB free")
-    monkeypatch.setattr(cli.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
-    assert cli.os_cause(zip_error, tmp_path).startswith("RuntimeError: [enforce fail")
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: SimpleNamespace(free=3 * 2**20))
+    assert files.os_cause(zip_error, tmp_path).startswith("the disk is (nearly) full, 3 MiB free")
+    monkeypatch.setattr(files.shutil, "disk_usage", lambda path: SimpleNamespace(free=2**40))
+    assert files.os_cause(zip_error, tmp_path).startswith("RuntimeError: [enforce fail")
 
 
 # -- every flag's help ---------------------------------------------------------------------------------
@@ -635,3 +852,81 @@ def test_every_flag_says_its_default_once(capsys):
         helps.append(capsys.readouterr().out)
     flags = [" ".join(b.split()) for h in helps for b in re.split(r"\n  (?=-)", h)[1:]]
     assert len(flags) > 100 and not [f for f in flags if f.lower().count("default") > 1]
+
+
+# -- a second signal while the first is handled --------------------------------------------------------
+
+
+def test_a_second_signal_while_the_first_is_handled_changes_nothing(monkeypatch, capsys):
+    """Slurm signals every rank and torchrun forwards its own: a second SIGTERM comes 1 to 500 ms after the
+    first. Wherever it lands while the first is handled (the job's cleanup, the words on what stays, the print
+    of the line) it is recorded, not raised again: 143 and the one line, never a traceback (issue 38, item
+    16). The print case is forced: the second signal is sent from inside the line's own write."""
+    def shell(job, words=None) -> int:  # an Interrupted that escapes is this test's failure, not pytest's abort
+        try:
+            return cli.shell(job, interrupted=words)
+        except KeyboardInterrupt as e:
+            pytest.fail(f"{type(e).__name__} escaped the shell: {e!r}")
+
+    def send(delay: float, sent: threading.Event) -> None:
+        time.sleep(0.02)  # the job is running
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(delay)
+        os.kill(os.getpid(), signal.SIGTERM)
+        sent.set()
+
+    def words(sent: threading.Event) -> str:  # what stays, said while the second signal comes (a slow look)
+        assert sent.wait(5)
+        return "what stays"
+
+    def job(sender: threading.Thread) -> None:
+        sender.start()
+        while True:
+            time.sleep(0.001)
+
+    for delay in (0.001, 0.003, 0.01, 0.03, 0.06, 0.1, 0.2, 0.3, 0.4, 0.5):
+        sent = threading.Event()
+        sender = threading.Thread(target=send, args=(delay, sent), daemon=True)
+        assert shell(lambda sender=sender: job(sender), lambda sent=sent: words(sent)) == 143, delay
+        assert capsys.readouterr().err == "interrupted by SIGTERM: what stays\n", delay
+
+    class Stderr(io.StringIO):
+        def write(self, text):  # the second SIGTERM arrives in the middle of the print
+            if not self.getvalue():
+                os.kill(os.getpid(), signal.SIGTERM)
+            return super().write(text)
+
+    def signalled():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+
+    err = Stderr()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert shell(signalled) == 143 and err.getvalue() == "interrupted by SIGTERM\n"
+
+
+def test_a_command_signalled_twice_exits_143_with_one_line(model_dir):
+    """The same as processes: generate.py --chat waiting at its prompt gets SIGTERM, then another 1 or 30 ms
+    later, which lands in the line or in the interpreter's exit: always 143 and the one line (a signal after
+    the job is ignored; its default action would have ended the process as killed). The processes start
+    together, so that their start-ups overlap."""
+    delays = (0.001, 0.03)
+    procs = [subprocess.Popen([sys.executable, str(ROOT / "generate.py"), "--chat", "--model", str(model_dir)],
+                              stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                              env=dict(os.environ, OMP_NUM_THREADS="1")) for _ in delays]
+    try:
+        for proc, delay in zip(procs, delays):
+            assert proc.stderr.readline().startswith("loaded "), delay  # at the prompt
+            proc.send_signal(signal.SIGTERM)
+            time.sleep(delay)
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:  # it has exited already
+                pass
+        for proc, delay in zip(procs, delays):
+            err = proc.stderr.read()
+            assert proc.wait(timeout=60) == 143 and err.strip().splitlines() == ["interrupted by SIGTERM"], (delay, err)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()

@@ -6,6 +6,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -48,6 +49,35 @@ def test_a_missing_tracker_package_is_one_line(model_dir, meta, tmp_path, monkey
         assert (res.returncode, res.stderr.strip().splitlines()) == (
             1, [f"error: --tracker {kind}: the {kind} package is not installed (pip install {kind})"])
         assert not (tmp_path / kind).exists()
+
+
+def test_a_tracker_whose_import_or_init_raises_is_one_line(model_dir, meta, tmp_path, monkeypatch):
+    """A tracker package that is installed but broken (its import raises, as a protobuf mismatch makes it) or whose
+    wandb.init raises (no login, no network) was a traceback: one line naming the tracker and the cause, exit 1
+    (issue 38, item 15). The import's is found before the model loads, nothing written."""
+    broken = tmp_path / "site" / "wandb"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise TypeError("Descriptors cannot be created directly.")\n')
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setitem(sys.modules, "wandb", None)  # undone after the test, whatever the imports left
+    del sys.modules["wandb"]
+    res = train_here("--model", model_dir, "--data", meta, "--max-steps", "1", "--tracker", "wandb", "--out",
+                     tmp_path / "a", *COMMON, check=False)
+    assert (res.returncode, res.stderr.strip().splitlines()) == (1, [
+        "error: --tracker wandb: importing the wandb package failed (TypeError: Descriptors cannot be created "
+        "directly.); reinstall it (pip install --force-reinstall wandb) or run without --tracker"])
+    assert not (tmp_path / "a").exists()
+
+    def init(**kwargs):
+        raise RuntimeError("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
+
+    monkeypatch.setitem(sys.modules, "wandb", SimpleNamespace(init=init))
+    res = train_here("--model", model_dir, "--data", meta, "--max-steps", "1", "--tracker", "wandb", "--out",
+                     tmp_path / "b", *COMMON, check=False)
+    assert res.returncode == 1 and [x for x in res.stderr.splitlines() if x.startswith("error")] == [
+        "error: --tracker wandb: wandb.init failed (RuntimeError: api_key not configured (no-tty). call "
+        "wandb.login(key=[your_api_key])); see WANDB_MODE=offline, or run without --tracker"], res.stderr
+    assert "Traceback" not in res.stderr
 
 
 def wandb_history(run: Path) -> dict[str, list[tuple[int, float]]]:
