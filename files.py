@@ -112,3 +112,11 @@ def dcp_errors() -> tuple[type, ...]:
     every command (generate.py among them) 1.5-3.4 s of start-up, measured on the 2-core machine."""
     api = sys.modules.get("torch.distributed.checkpoint.api")
     return (api.CheckpointException,) if api is not None else ()
+
+
+def same_file(a: str, b: str) -> bool:
+    """Whether the paths name one file (links and hard links resolved); a missing one is no file."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False

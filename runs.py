@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 from checkpoint import record_step
 from cli import check_file_out, log, one_line, pyplot, rank
-from files import os_cause, writing
+from files import os_cause, same_file, writing
 from parvl import ParVL
 from trackers import TRACKER_FILES
 
@@ -351,13 +351,6 @@ def load_checkpoint(model, optim, sched, folder: Path, metadata: dcp_metadata.Me
 # The branch parameterisation (Pv:Pl, prefix lengths, ...) fixes the run too: flags.resolve_branch_flags.
 RESUME_FIXED = ("data", "seed", "global_batch", "max_seq_len", "max_tiles", "lr_new", "lr_pretrained", "weight_decay",
                 "warmup_ratio", "clip", "dtype", "freeze_vit", "freeze_connector", "freeze_llm", "freeze_backbone")
-
-
-def same_file(a: str, b: str) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return False
 
 
 def check_resumed_flags(meta: dict, config: dict, folder: Path) -> None:

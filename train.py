@@ -45,18 +45,19 @@ from torch.distributed.device_mesh import init_device_mesh
 from aggregate import entropy
 from batches import filler_batch, make_loader
 from checkpoint import check_not_run_folder, open_checkpoint
-from cli import (SEED, SEEDS, allocation, check_folder, check_shared, command, hms, log, peak_memory_gib, rank,
+from cli import (SEED, SEEDS, allocation, check_folder, check_shared, command, log, rank,
                  start_processes)
 from config import ParConfig
 from data import (BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, data_change, data_files,
                   report_bad_rows)
 from files import regular_file
 from flags import Command, branch_conflict, branch_flags, dispatch, flag, overlap, resolve_branch_flags
-from fsdp import Trained, build_model, param_groups, train_flops_per_token
+from fsdp import Trained, build_model, param_groups
 from loss import chunked_sft_loss, loss_weights
+from meter import Meter
 from parvl import ParVL
 from processor import MAX_TILES
-from runs import (RUN_FILES, check_out, checkpoints, discard_run, export, finite, load_model_state, plot_run,
+from runs import (RUN_FILES, check_out, checkpoints, discard_run, export, load_model_state, plot_run,
                   recorded_run, resume, save_checkpoint, trim_metrics, verify_checkpoint)
 from schedule import lr_lambda
 from trackers import TRACKER_FILES, TRACKERS, Tracker
@@ -315,15 +316,6 @@ def micro_loss(model: Trained, batch, weight_sum: float | torch.Tensor, world: i
     return loss, ent
 
 
-def progress_line(m: dict, total: int, elapsed: float) -> str:
-    """The human line of a log step, for stderr, from its metrics line (null MFU: no peak known)."""
-    lr = " ".join(f"{name} {v:.2e}" for name, v in m["lr"].items())
-    mfu = "n/a" if m["mfu"] is None else f"{100 * m['mfu']:.1f}%"
-    return (f"step {m['step']}/{total} | loss {m['loss']:.4f} | grad norm {m['grad_norm']:.3f} | lr {lr} | "
-            f"{m['tokens_per_s']:,.0f} tokens/s | MFU {mfu} | peak {m['peak_gib']:.1f} GiB | elapsed {hms(elapsed)} | "
-            f"eta {hms(m['eta_s'])}")
-
-
 def start_run(cfg: TrainConfig, data: SFTData) -> tuple[TrainConfig, torch.device, int]:
     """The process group (FSDP2 wants one, even a world of one), the dtype resolved, the run's number
     of steps (one epoch, as the paper trains, Appendix A.1, or --max-steps of it), and the run folder,
@@ -444,40 +436,6 @@ def train_step(model: ParVL, optim, sched, batches: list, cfg: TrainConfig, devi
     optim.zero_grad(set_to_none=True)
     return {"loss": loss_value, "grad_norm": grad_value, "lr": lrs, "good": good, "text_tokens": text_tokens,
             "slots": slots, "tiles": tiles, "bad": dict(zip(BAD_REASONS, bad)), "ents": ents}
-
-
-class Meter:
-    """A log step's figures: the metrics line (stdout, OUT/metrics.jsonl and the --tracker, rank 0) and the
-    human line (stderr), with throughput, MFU against the device's bf16 peak, ETA and the branch-weight entropies."""
-
-    def __init__(self, model: ParVL, cfg: TrainConfig, device, total: int, first_step: int, tracker: Tracker):
-        self.model, self.device, self.total, self.first_step, self.tracker = model, device, total, first_step, tracker
-        self.out = Path(cfg.out)
-        self.vit_flops, self.llm_flops = train_flops_per_token(model)
-        hopper = device.type == "cuda" and any(h in torch.cuda.get_device_name(device) for h in ("H100", "H200"))
-        self.peak = cfg.peak_tflops or (989.0 if hopper else 0.0)
-        self.t_start = time.perf_counter()
-
-    def log(self, step: int, r: dict, dt: float, bad_total: dict) -> None:
-        world = dist.get_world_size()
-        vit_tokens = r["tiles"] * (self.model.cfg.vit.grid**2 + 1) if self.model.cfg.vit is not None else 0
-        flops = self.vit_flops * vit_tokens + self.llm_flops * r["text_tokens"]
-        mfu = flops / dt / world / (self.peak * 1e12) if self.peak else float("nan")
-        ent_v, ent_l = torch.stack(r["ents"]).nanmean(0).tolist() if r["ents"] else (math.nan,) * 2  # nan: no weights
-        elapsed = time.perf_counter() - self.t_start
-        line = {"step": step, "loss": r["loss"], "grad_norm": r["grad_norm"], "lr": r["lr"],
-                "tokens_per_s": (r["text_tokens"] + vit_tokens) / dt, "samples_per_s": r["good"] / dt,
-                "mfu": mfu, "step_flops": flops, "pad_frac": 1 - r["text_tokens"] / r["slots"],
-                "peak_gib": peak_memory_gib(self.device),
-                "eta_s": elapsed / (step - self.first_step) * (self.total - step),
-                "entropy_vision": ent_v, "entropy_language": ent_l, "bad_rows": bad_total}
-        line = finite(line)  # NaN (no MFU on CPU, no branch weights) as null: JSON has no NaN
-        log(json.dumps(line), sys.stdout)
-        log(progress_line(line, self.total, elapsed))
-        if rank() == 0:
-            with open(self.out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(line) + "\n")
-            self.tracker.log(line)  # the same line, at the same step (--tracker)
 
 
 # -- the command -------------------------------------------------------------------------------------------
