@@ -420,9 +420,11 @@ def load_model_state(model, folder: Path) -> None:
     set_model_state_dict(model, state["model"])
 
 
-def export(model: ParVL, folder: Path, tokenizer_from: Path, step: int | None = None) -> None:
+def export(model: ParVL, folder: Path, tokenizer_from: Path, step: int | None = None,
+           named: Path | None = None) -> None:
     """The model as a ParVL safetensors checkpoint (InternVL layout + branch tensors) in `folder` (OUT/export, or
-    OUT/export_step_N of `train.py export OUT --step N`), its training step in config.json (record_step)."""
+    OUT/export_step_N of `train.py export OUT --step N`), its training step in config.json (record_step); a
+    failure names `named`, the folder the user asked for, where `folder` is a place beside it (OUT.tmp)."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     failure = None
     if rank() == 0:
@@ -435,7 +437,7 @@ def export(model: ParVL, folder: Path, tokenizer_from: Path, step: int | None = 
             record_step(folder, step)
         except (OSError, SafetensorError) as e:  # the checkpoints stay; a half-written weights file does not
             (folder / "model.safetensors.tmp").unlink(missing_ok=True)
-            failure = f"cannot write the export {folder}: {os_cause(e, folder.parent)}"
+            failure = f"cannot write the export {named or folder}: {os_cause(e, folder.parent)}"
     if all_sum(float(failure is not None), device=next(model.parameters()).device)[0]:
         raise ValueError(failure or "the export failed on rank 0")
 

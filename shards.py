@@ -140,8 +140,9 @@ class LineParts:
         finally:
             for h in handles:
                 h.close()
-        for f in files[1:]:
-            f.unlink()
+        for f in files:
+            if f != self.out:  # the parts go; OUT, when it was there, was read and is now replaced
+                f.unlink()
         return len(where)
 
 

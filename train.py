@@ -235,7 +235,7 @@ def export_step(e: ExportConfig) -> int:
     load_model_state(model, folder)
     tmp = out.with_name(out.name + ".tmp")  # written whole beside --out, then put in its place
     try:
-        export(model, tmp, Path(cfg.model), e.step)
+        export(model, tmp, Path(cfg.model), e.step, named=out)
         if rank() == 0:
             shutil.rmtree(out, ignore_errors=True)  # empty, or --overwrite's
             tmp.rename(out)

@@ -421,19 +421,18 @@ def test_tile_grid_large_budgets_keep_the_official_candidate_order():
 
 
 def test_a_tile_budget_past_the_context_is_refused_before_tiling(model_dir, tmp_path, capsys, monkeypatch):
-    """--max-tiles 10000 on a 2000:1 image (a 2000 x 1 grid): the grid is chosen in
-    O(max_tiles log max_tiles) and the prompt's length, known from it, is refused against the context
-    before one tile is resized (the triple loop and the 2001 tiles took minutes and gigabytes)."""
+    """--max-tiles 64 (InternVL's most) on a 2000:1 image (a 64 x 1 grid) with 30,000 new tokens: the grid is chosen
+    in O(max_tiles log max_tiles) and the prompt's length, known from it, is refused against the context before
+    one tile is resized (--max-tiles 10000 took minutes and gigabytes before the flag was bounded)."""
     from checkpoint import open_checkpoint
 
     wide = tmp_path / "wide.png"
     Image.fromarray(np.full((2, 4000, 3), 128, dtype=np.uint8)).save(wide)
     monkeypatch.setattr(processor, "tile_image", lambda *a, **k: pytest.fail("tiled before the context check"))
     mcfg, _ = open_checkpoint(model_dir)
-    code, _, err = gen_main(capsys, wide, "q", "--model", model_dir, "--max-tiles", 10000, "--max-new-tokens", 4)
+    code, _, err = gen_main(capsys, wide, "q", "--model", model_dir, "--max-tiles", 64, "--max-new-tokens", 30000)
     line = one_line(err)
     n = int(line.split("prompt of ")[1].split()[0])
-    assert code == 1 and line == (f"error: prompt of {n} tokens (image tokens included) + 4 new tokens exceeds the "
+    assert code == 1 and line == (f"error: prompt of {n} tokens (image tokens included) + 30000 new tokens exceeds the "
                                   f"model context of {mcfg.llm.max_position_embeddings}"), line
-    assert processor.tile_grid(4000, 2, 10000) == (2000,
-                                                   1) and n > 2001 * mcfg.tokens_per_tile  # 2000 tiles + thumbnail
+    assert processor.tile_grid(4000, 2, 64) == (64, 1) and n > 65 * mcfg.tokens_per_tile  # 64 tiles + thumbnail

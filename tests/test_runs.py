@@ -427,7 +427,7 @@ def test_export_finds_its_base_model_from_any_folder(model_dir, meta, base_run, 
     from another working folder could not find it: one line saying to pass `train.py export --model`, which then
     gives the run's own export (issue 38, item 22)."""
     seen = []
-    monkeypatch.setattr(train, "train", lambda cfg, data, tracker: seen.append(cfg.model) or 0)
+    monkeypatch.setattr(train, "train", lambda cfg, *_: seen.append(cfg.model) or 0)
     monkeypatch.chdir(model_dir.parent)
     assert train.main(["--model", model_dir.name, "--data", str(meta), "--out", str(tmp_path / "new"), *COMMON]) == 0
     assert seen == [str(model_dir.resolve())]
