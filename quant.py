@@ -25,11 +25,13 @@ The formats (w [N,K] a linear's weight, N outputs, K inputs):
   (they take scale and zero together).
 
 Kernels, measured against the alternatives (docs/performance.md, "Weight-only quantization"):
-- CPU: torch's weight-only kernels, aten._weight_int8pack_mm and aten._weight_int4pack_mm_for_cpu, in
-  eager and in the compiled decode step, where inductor calls them as extern kernels and fuses what is
-  around them. Both are vectorised for bf16 activations only (fp32 falls to a scalar loop), so the
-  activations enter them in bf16 whatever the model's dtype. The weights are stored as the kernels
-  want them: int8 [N,K] with bf16 scales; int4 packed by aten._convert_weight_to_int4pack_for_cpu.
+- CPU, int8: the compiled decode step reads the weights with int8_words_gemv, inductor's own
+  reduction over 32-bit words of four int8 weights each (stored in word order), sign-extended in
+  registers: each weight read once, as one byte, fp32 sums. Eager decode (and bf16 prefill) call
+  aten._weight_int8pack_mm, vectorised for bf16 activations only; fp32 prefill is MKL on the weights
+  converted to fp32 (compute-bound: a thousand rows per weight read).
+- CPU, int4: aten._weight_int4pack_mm_for_cpu, eager and compiled (inductor lowers it to its packed
+  int4 kernel), bf16 activations; weights packed by aten._convert_weight_to_int4pack_for_cpu.
 - CUDA: int8 as gpt-fast: in the compiled decode step a linear of few rows is one reduction over the
   int8 weights with the dequantise fused into it (inductor writes one kernel; the weights are read
   once, as int8); otherwise F.linear on the weights converted to the activations' dtype. int4:
@@ -83,32 +85,59 @@ def dequantize_int4(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> 
     return wg.view(N, K)
 
 
+def word_order(t: torch.Tensor, fields: int) -> torch.Tensor:
+    """[...,K] -> [...,K] with position fields*j + i holding input i*K/fields + j: the inputs a packed word
+    j carries, next to each other (int8: the 4 bytes of a 32-bit word)."""
+    K = t.shape[-1]
+    return t.reshape(*t.shape[:-1], fields, K // fields).transpose(-1, -2).reshape(t.shape)
+
+
+def int8_words_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The compiled CPU decode step's int8 linear, x [M,K] fp32 -> [M,N] fp32, one reduction over K/4:
+    q [N,K] int8 in word order is read as 32-bit words, each holding the weights of inputs j, K/4 + j,
+    K/2 + j, 3K/4 + j, sign-extended in registers by shifts and multiplied by four contiguous slices of
+    x. Read as float and bitcast (inductor loads 32-bit floats at full vector width; its int8 and int32
+    loads go through a scratch copy, docs/performance.md), so each weight is read once, as one byte."""
+    M, K = x.shape
+    words = q.view(torch.float32).view(torch.int32)  # [N,K/4]
+    xs = x.view(M, 1, 4, K // 4)
+    acc = xs[:, :, 3] * (words >> 24).float()  # [M,N,K/4]: the top byte needs one arithmetic shift
+    for i in range(3):
+        acc = acc + xs[:, :, i] * ((words << (24 - 8 * i)) >> 24).float()
+    return acc.sum(-1) * scale  # [M,N]
+
+
 class Int8Linear(nn.Module):
-    """y = x W^T (+ b) with W = q * scale per output channel; q int8 [N,K] and scale [N] are buffers,
-    the bias (Qwen2's q/k/v) stays a parameter in the model's dtype."""
+    """y = x W^T (+ b) with W = q * scale per output channel; q int8 [N,K] and scale [N] fp32 are buffers,
+    the bias (Qwen2's q/k/v) stays a parameter in the model's dtype. On CPU q is stored in word order
+    (word_order): the compiled decode step reads it with int8_words_gemv, ATen's kernel (eager, bf16
+    activations) with x put in the same order."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scale = quantize_int8(linear.weight.detach())
-        self.register_buffer("weight", q)
-        # the CPU kernel takes its scales in the activations' dtype and is vectorised for bf16 only
-        self.register_buffer("scale", scale.bfloat16() if q.device.type == "cpu" else scale)
+        self.register_buffer("weight", word_order(q, 4) if q.device.type == "cpu" else q)
+        self.register_buffer("scale", scale)
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [...,K] -> [...,N]
         x2 = x.reshape(-1, x.shape[-1])  # [M,K]
-        if x.device.type == "cpu":
-            y = torch.ops.aten._weight_int8pack_mm(x2.to(self.scale.dtype), self.weight, self.scale)
-        elif x2.shape[0] <= GEMV_ROWS:  # decode: fp32 sums, as the CPU kernel's
+        few = x2.shape[0] <= GEMV_ROWS
+        if x.device.type == "cpu" and few and torch.compiler.is_compiling():
+            y = int8_words_gemv(x2.float(), self.weight, self.scale)  # the decode step, fp32 sums
+        elif x.device.type == "cpu" and x.dtype == torch.float32 and not few:  # prefill: MKL on the fp32 weights
+            y = F.linear(word_order(x2, 4), self.weight.float()) * self.scale
+        elif x.device.type == "cpu":  # eager decode, or bf16: ATen's kernel, vectorised for bf16 only
+            y = torch.ops.aten._weight_int8pack_mm(word_order(x2, 4).bfloat16(), self.weight, self.scale.bfloat16())
+        elif few:  # CUDA decode: fp32 sums, as on CPU
             if torch.compiler.is_compiling():
                 # gpt-fast's int8 decode: one reduction over K per output with the int8 -> float conversion
                 # fused into it, so the weights are read once, as int8 (eager would materialise [M,N,K])
-                y = (x2[:, None, :].float() * self.weight.float()).sum(-1)  # [M,N]
+                y = (x2[:, None, :].float() * self.weight.float()).sum(-1) * self.scale  # [M,N]
             else:
-                y = F.linear(x2.float(), self.weight.float())
-            y = y * self.scale
-        else:  # prefill: a matrix product on the weights in the activations' dtype (int8 is exact in bf16)
+                y = F.linear(x2.float(), self.weight.float()) * self.scale
+        else:  # CUDA prefill: a matrix product on the weights in the activations' dtype (int8 is exact in bf16)
             y = F.linear(x2, self.weight.to(x.dtype)) * self.scale
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)  # [...,N]
         return y if self.bias is None else y + self.bias

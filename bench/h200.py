@@ -5,8 +5,9 @@
 
 Steps, each in its own process with a time limit, so one failure never stops the rest:
 1. tests: `pytest -m gpu` (tests/test_gpu.py: compiled reduce-overhead decode against eager for 1:1,
-   4:4, shared KV and per-sample pairs) and tests/test_kernels.py (the SDPA kernel of every attention
-   case from torch.profiler, and no graph break in the decode step); the kernel table is kept.
+   4:4, shared KV and per-sample pairs; tests/test_quant.py: the same with int8 / int4 weights) and
+   tests/test_kernels.py (the SDPA kernel of every attention case from torch.profiler, and no graph
+   break in the decode step); the kernel table is kept.
 2. latency: profiling.py's latency protocol (paper Appendix C.1: 3 tiles = 768 image tokens, 256
    text tokens, exactly 128 new tokens, 3 warm-ups, 10 timed iterations) for the 1B architecture
    with random weights at 1:1, 4:4 and 4:4 shared KV, batch 1, 2, 4, 8, bf16, compiled decode; the
@@ -64,7 +65,7 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, last_json: bool
 def step_tests(out: Path, dry: bool) -> dict:
     report = out / "kernels.json"
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-           "tests/test_gpu.py", "tests/test_kernels.py"]
+           "tests/test_gpu.py", "tests/test_quant.py", "tests/test_kernels.py"]
     # on CUDA the GPU tests and the kernel tests; the dry run (CPU, inside the suite, which runs both
     # files itself) only proves the plumbing: pytest runs and the kernel table comes back
     cmd += ["-m", "gpu"] if not dry else ["-k", "every_attention_case"]
