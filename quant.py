@@ -47,8 +47,6 @@ from cpu_decode import GEMV_ROWS  # CUDA: int8 linears of at most this many rows
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # int4 groups tinygemm and the CPU kernel both take
-# the spellings of the one command-line flag, --quant: mode and int4 group size
-QUANT_SPECS = {"int8": ("int8", 128), "int4": ("int4", 128), **{f"int4-g{g}": ("int4", g) for g in GROUP_SIZES}}
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,6 +110,7 @@ class Int8Linear(nn.Module):
     the bias (Qwen2's q/k/v) stays a parameter in the model's dtype. On CPU q is stored in word order
     (word_order): the compiled decode step reads it with int8_words_gemv, ATen's kernel (eager, bf16
     activations) with x put in the same order."""
+    QUANTIZED = True  # gates.fingerprint hashes it as the nn.Linear it replaced
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -147,6 +146,7 @@ class Int4Linear(nn.Module):
     """y = x W^T (+ b) with W = q * scale + low per group of `group_size` inputs, q 4-bit packed two to a
     byte in the layout of the device's kernel (CPU: _convert_weight_to_int4pack_for_cpu; CUDA:
     _convert_weight_to_int4pack), scale and low together as the kernels take them, [K/G,N,2] bf16."""
+    QUANTIZED = True  # gates.fingerprint hashes it as the nn.Linear it replaced
 
     def __init__(self, linear: nn.Linear, group_size: int):
         super().__init__()
@@ -202,13 +202,21 @@ def quantized_linears(model) -> list[tuple[str, nn.Linear]]:
 def quantize(model, mode: str | None, group_size: int = 128):
     """Replace the language model's linears by Int8Linear / Int4Linear in place (module by module, so
     the full-precision weights are freed as they go) and return the model; mode None leaves it as it is.
-    A tied LM head gets a quantized copy, the embedding keeps the original."""
+    A tied LM head gets a quantized copy, the embedding keeps the original. model.quant names the format
+    ("int8", "int4-g128" or None)."""
     check(mode, group_size, model)
+    model.quant = None if mode is None else mode if mode == "int8" else f"int4-g{group_size}"  # what the logs say
     if mode is None:
         return model
     for name, linear in quantized_linears(model):
         owner, _, attr = name.rpartition(".")
         new = Int8Linear(linear) if mode == "int8" else Int4Linear(linear, group_size)
         setattr(model.get_submodule(owner), attr, new)
-    model.quant = (mode, group_size if mode == "int4" else None)
     return model
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's weights as they sit in memory: its parameters (a tied tensor once) and the
+    quantized linears' packed weights and scales, which are buffers."""
+    packed = sum(b.nbytes for m in model.modules() if getattr(m, "QUANTIZED", False) for b in m.buffers(recurse=False))
+    return sum(p.nbytes for p in model.parameters()) + packed

@@ -31,10 +31,15 @@ from parvl import ParVL
 from processor import Tokenizer, build_prompt
 from quant import (Int4Linear, Int8Linear, dequantize_int4, quantize, quantize_int4, quantize_int8,
                    quantized_linears)
-from test_generate import PROMPTS
 
 GROUP = 32  # int4 group of the tiny checkpoint (its widths are 64, 96 and 128)
 MODES = [("int8", None), ("int4", GROUP)]
+PROMPTS = {  # the test prompts: name -> (num_tiles per image, question, history)
+    "single-image": ([3], "Describe the image.", []),
+    "multi-image": ([2, 1], "Image-1: <image>\nImage-2: <image>\nWhat differs?", []),
+    "multi-turn": ([1], "And the colour?", [("<image>\nWhat is it?", "A cat.")]),
+    "text-only": ([], "Tell me a story about the sea.", []),
+}
 
 
 def weight_error(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,22 +166,6 @@ def test_scope_and_checks():
     ids = [[5, 9, 301, 7], [11, 12]]  # 300 is the tiny preset's image token
     out = Engine(model).generate(ids, None, GenerateConfig(max_new_tokens=3, ignore_eos=True), [])
     assert [len(t) for t in out.tokens] == [3, 3]
-
-
-def test_generate_flag(bf16, capsys):
-    """generate.py --quant int8 answers what the quantized engine answers, and names the mode as it loads."""
-    import json
-
-    import generate
-
-    folder, _, tok = bf16
-    assert generate.main(["Tell me a story about the sea.", "--model", str(folder), "--dtype", "bf16",
-                          "--max-new-tokens", "6", "--quant", "int8", "--json"]) == 0
-    out, err = capsys.readouterr()
-    model = quantize(ParVL.from_pretrained(folder, dtype=torch.bfloat16), "int8")
-    ids = tok.encode(build_prompt("Tell me a story about the sea.", []))
-    want = Engine(model).generate([ids], None, GenerateConfig(max_new_tokens=6), tok.eos_ids).tokens[0]
-    assert json.loads(out)["answer"] == tok.answer(want) and "bf16, int8, cpu" in err.replace("torch.bfloat16", "bf16")
 
 
 @pytest.mark.slow  # compiles the decode step twice (~10-20 s each on 2 cores)
