@@ -371,24 +371,7 @@ def run(cfg: Config, cpu: dict, tmp: Path) -> int:
                                                                              cfg.threads))
                   for name in LLAMA_SIDE[p] if name in ggufs}
         sides[f"ttft {p}"] = lambda e=engine: ttft(e)
-    t0 = time.perf_counter()  # warm-up: compiles (the TTFT prompt first: its cache is the larger), page cache
-    for side in sorted(sides, key=lambda s: not s.startswith("ttft")):
-        if side.startswith("llama"):  # a short run: its own warm-up, and the file in the page cache
-            llama_bench(bin_dir, ggufs[side.split()[1]], 8, cfg.threads)
-        else:
-            sides[side]()
-    print(f"warm-up (compiles) {time.perf_counter() - t0:.0f} s")
-
-    load_before, rates = os.getloadavg(), read_rate()
-    runs = {side: [] for side in sides}
-    for r in range(cfg.rounds):
-        for side, fn in sides.items():
-            runs[side].append(fn())
-        print(f"round {r + 1}/{cfg.rounds}: " + ", ".join(
-            f"{s} {1e3 * v[-1]:.0f} ms" if s.startswith("ttft") else f"{s} {v[-1]:.1f} tok/s" for s, v in runs.items())
-            + f"; load {os.getloadavg()[0]:.2f}", flush=True)
-    rates = {k: max(v, read_rate()[k]) for k, v in rates.items()}  # the rate drifts: the better of before and after
-    load_after = os.getloadavg()
+    runs, rates, load_before, load_after = time_rounds(cfg, sides, bin_dir, ggufs)
     nbytes = {f"ours {p}": step_bytes(m) for p, m in ours.items()} | {
         f"llama.cpp {name}": gguf_step_bytes(path) for name, path in ggufs.items()}
     rates["best decode run"] = max(nbytes[s] * max(v) for s, v in runs.items() if s in nbytes)
@@ -409,6 +392,29 @@ def run(cfg: Config, cpu: dict, tmp: Path) -> int:
                       "loadavg": [list(load_before), list(load_after)],
                       "read_gb_s": {k: round(v / 1e9, 1) for k, v in rates.items()}, "sides": rows, "accuracy": acc}))
     return 0
+
+
+def time_rounds(cfg: Config, sides: dict, bin_dir, ggufs: dict) -> tuple[dict, dict, tuple, tuple]:
+    """Warm every side up, then call each once a round: (the runs per side, the read rates, the load
+    average before and after)."""
+    t0 = time.perf_counter()  # warm-up: compiles (the TTFT prompt first: its cache is the larger), page cache
+    for side in sorted(sides, key=lambda s: not s.startswith("ttft")):
+        if side.startswith("llama"):  # a short run: its own warm-up, and the file in the page cache
+            llama_bench(bin_dir, ggufs[side.split()[1]], 8, cfg.threads)
+        else:
+            sides[side]()
+    print(f"warm-up (compiles) {time.perf_counter() - t0:.0f} s")
+
+    load_before, rates = os.getloadavg(), read_rate()
+    runs = {side: [] for side in sides}
+    for r in range(cfg.rounds):
+        for side, fn in sides.items():
+            runs[side].append(fn())
+        print(f"round {r + 1}/{cfg.rounds}: " + ", ".join(
+            f"{s} {1e3 * v[-1]:.0f} ms" if s.startswith("ttft") else f"{s} {v[-1]:.1f} tok/s" for s, v in runs.items())
+            + f"; load {os.getloadavg()[0]:.2f}", flush=True)
+    rates = {k: max(v, read_rate()[k]) for k, v in rates.items()}  # the rate drifts: the better of before and after
+    return runs, rates, load_before, os.getloadavg()
 
 
 def report(cfg: Config, runs: dict, nbytes: dict, rates: dict, load_before, load_after) -> dict:
