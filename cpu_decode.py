@@ -1,5 +1,5 @@
-"""The CPU decode step's compiler backend: inductor, with every linear of few rows as inductor's own
-reduction (gemv) instead of the BLAS call. engine.compile_step uses it for the decode step on CPU;
+"""The CPU decode step's compiler backend: inductor, with every fp32 linear of few rows as inductor's
+own reduction (gemv) instead of the BLAS call. engine.compile_step uses it for the decode step on CPU;
 on CUDA the step runs as CUDA graphs and nothing here is used.
 
 Why: on CPU a decode step is a few matrix-vector products per layer over every weight,
@@ -9,6 +9,12 @@ them near the memory's rate, so the compiled CPU step turns each linear of few r
 sum (gemv) before inductor lowers it: every weight is still read once per row, and the sums
 accumulate in fp32 as the BLAS's do. The measurements behind this and GEMV_ROWS are in
 docs/performance.md, "CPU decode".
+
+fp32 only. In bf16 (and fp16) torch's own kernel is the faster one: F.linear of one row takes ATen's
+reduced-precision gemv (fp32 sums, both threads), while inductor's reduction (torch 2.13) loads the
+bf16 weights 8 lanes of 16 at a time through a scratch copy: 5-6x slower for one row, 30x for two
+(docs/performance.md). The weight-only quantized linears (quant.py) call their own kernels and are
+not F.linear: they pass through untouched.
 
     step = torch.compile(decode_step, backend=cpu_backend, fullgraph=True)
 
@@ -33,14 +39,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 
 def cpu_backend(gm: torch.fx.GraphModule, example_inputs):
-    """The CPU decode backend: inductor, after turning every linear of at most GEMV_ROWS rows in
+    """The CPU decode backend: inductor, after turning every fp32 linear of at most GEMV_ROWS rows in
     dynamo's graph into gemv. The rewrite is in the graph inductor receives (not in its decomposition
     table, which its caches do not key on), so a cached plain graph is never handed back for it."""
     from torch._inductor.compile_fx import compile_fx  # here: importing inductor takes seconds, paid only to compile
 
     for node in gm.graph.find_nodes(op="call_function", target=torch.nn.functional.linear):
         x = node.args[0].meta["example_value"]
-        if x.numel() <= GEMV_ROWS * x.shape[-1]:
+        if x.dtype == torch.float32 and x.numel() <= GEMV_ROWS * x.shape[-1]:
             node.target = gemv
     gm.recompile()
     # store small activations (the RMSNorm output) rather than let inductor recompute them in the gemv loop for

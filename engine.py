@@ -140,7 +140,8 @@ class Engine:
     def __init__(self, model, compile: bool | None = False, shared_kv: bool = False,
                  vision_branch: Choice = None, language_branch: Choice = None, router=None):
         self.model = model
-        self.device, self.dtype = model.language_model.lm_head.weight.device, model.language_model.lm_head.weight.dtype
+        table = model.language_model.model.embed_tokens.weight  # the LM head's may be quantized (quant.py)
+        self.device, self.dtype = table.device, table.dtype
         compile = self.device.type == "cuda" if compile is None else compile
         self.shared_kv, self.vision_branch, self.language_branch = shared_kv, vision_branch, language_branch
         if router is not None:

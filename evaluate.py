@@ -62,7 +62,7 @@ MAX_FIT_ROWS = 1000  # fit-law's rows: about half a minute on 2 CPU cores at thi
 # what a prediction row records of the run that produced it; a resume must match every one (the
 # model by its fingerprint, not its path: a moved folder is the same model)
 RECORD_FIELDS = ("benchmark", "model_fingerprint", "data_fingerprint", "pv", "pl", "vision_branch", "language_branch",
-                 "shared_kv", "router", "random_pair", "branches", "max_new_tokens", "max_tiles", "dtype")
+                 "shared_kv", "router", "random_pair", "branches", "max_new_tokens", "max_tiles", "dtype", "quant")
 # what a score file copies of the predictions' record: the configuration, and the checkpoint it belongs to
 CONFIG_FIELDS = ("model", "model_fingerprint", "model_step", "pv", "pl", "vision_branch", "language_branch",
                  "shared_kv", "router", "random_pair", "branches")
@@ -223,7 +223,7 @@ def run_record(cfg: RunConfig, folder: Path, model, dtype: torch.dtype) -> dict:
             "vision_branch": cfg.vision_branch, "language_branch": cfg.language_branch, "shared_kv": cfg.shared_kv,
             "router": cfg.router, "random_pair": cfg.seed if cfg.random_pair else None,
             "branches": branch_variant(par), "max_new_tokens": cfg.max_new_tokens, "max_tiles": cfg.max_tiles,
-            "dtype": str(dtype).removeprefix("torch.")}
+            "dtype": str(dtype).removeprefix("torch."), "quant": model.quant}
 
 
 def check_same_run(parts: LineParts, meta: dict) -> None:

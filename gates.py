@@ -208,10 +208,17 @@ def router_loss(logits_v: torch.Tensor, logits_l: torch.Tensor, nll: torch.Tenso
 
 def fingerprint(model: ParVL) -> str:
     """A short id of a checkpoint: every tensor's name and shape, and the values of the branch tensors
-    and every 1-D tensor (norms, biases) rounded to bf16, so fp32 and bf16 loads agree."""
+    and every 1-D tensor (norms, biases) rounded to bf16, so fp32 and bf16 loads agree, and --quant's too."""
     h = hashlib.sha256()
+    # a weight-only quantized linear (quant.py, --quant) counts as the nn.Linear it replaced: its weight's name
+    # and [out, in] shape, its bias; not its packed layout or scales: the checkpoint is the same
+    quantized = {f"{n}.": m for n, m in model.named_modules() if getattr(m, "QUANTIZED", False)}
     for name, t in sorted(model.state_dict().items()):
-        h.update(f"{name}{tuple(t.shape)};".encode())
+        owner = quantized.get(name[:name.rfind(".") + 1])
+        if owner is not None and not name.endswith((".weight", ".bias")):
+            continue
+        shape = (owner.out_features, owner.in_features) if owner is not None and name.endswith(".weight") else t.shape
+        h.update(f"{name}{tuple(shape)};".encode())
         if is_branch_tensor(name) or t.ndim <= 1:
             h.update(t.detach().to("cpu", torch.bfloat16).reshape(-1).view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]

@@ -3,7 +3,7 @@ latency` share, declared once, and the one path from them to an Engine.
 
     flags = InferenceFlags(model="InternVL3_5-1B", dtype="bf16")   # a command's config inherits the fields
     folder, cfg, tok = open_model(flags)          # the folder, its config and tokenizer; branch choice checked
-    engine = load_engine(flags, folder, device)   # weights, router, Engine (compiled on CUDA by default)
+    engine = load_engine(flags, folder, device)   # weights, router, --quant, Engine (compiled on CUDA by default)
 
 The steps are in two parts so that a command can refuse its own bad input (a prompt past the context, an
 unreadable image) after reading config.json and the tokenizer but before the weights load. A flag that
@@ -28,6 +28,10 @@ from gates import ROUTER_SAVED, load_router
 from hub import DEFAULT_MODEL, resolve_model
 from parvl import ParVL
 from processor import MAX_TILES, Tokenizer
+from quant import GROUP_SIZES, MODES, quantize
+
+
+DEFAULT_GROUP = 128  # --group-size when --quant int4 gives none: gpt-fast's and torchao's default
 
 
 def default_device() -> str:
@@ -73,14 +77,35 @@ class InferenceFlags(DeviceFlags):
                                        range="[0, inf)")
     router: str | None = flag(None, "ParVL: a router folder (router.py train); runs one (vision, language) branch "
                               "pair per prompt, chosen by the router (Table 3)", shown="none", reads=ROUTER_SAVED)
+    quant: str | None = flag(None, "weight-only quantization of the language model's linears and LM head as the "
+                             "weights load: int8 per output channel, int4 in groups of --group-size inputs; the ViT, "
+                             "connector, embedding, norms, branch prefixes, aggregators and router keep --dtype "
+                             "(docs/performance.md, \"Weight-only quantization\")", choices=list(MODES), shown="none")
+    group_size: int | None = flag(None, f"--quant int4: inputs per scale and zero point, one of "
+                                  f"{', '.join(map(str, GROUP_SIZES))}", range=f"[{GROUP_SIZES[0]}, {GROUP_SIZES[-1]}]",
+                                  shown=str(DEFAULT_GROUP))
 
     def check(self) -> None:
         """Flags that exclude each other (exit 2)."""
         super().check()
+        check_quant(self.quant, self.group_size)
         for name, used in (("--vision-branch", self.vision_branch is not None),
                            ("--language-branch", self.language_branch is not None), ("--shared-kv", self.shared_kv)):
             if self.router and used:
                 raise ValueError(f"--router picks the branches per prompt; it cannot be combined with {name}")
+
+
+def check_quant(quant: str | None, group_size: int | None) -> None:
+    """--quant and --group-size together (exit 2): a group size goes with int4 only, and is one the kernels take."""
+    if group_size is not None and quant != "int4":
+        raise ValueError(f"--group-size sets int4's groups; it goes with --quant int4, not {quant or 'no --quant'}")
+    if group_size is not None and group_size not in GROUP_SIZES:
+        raise ValueError(f"--group-size {group_size}: int4's kernels take groups of {', '.join(map(str, GROUP_SIZES))}")
+
+
+def quant_spec(flags) -> tuple[str | None, int]:
+    """(mode, int4 group size) of --quant and --group-size, for quant.quantize."""
+    return flags.quant, flags.group_size or DEFAULT_GROUP
 
 
 def process_device(flags: DeviceFlags) -> torch.device:
@@ -132,11 +157,15 @@ def load_engine(flags: InferenceFlags, folder: Path, device: torch.device) -> En
     with allocation(f"loading {folder} ({str(dtype).removeprefix('torch.')} on {device})",
                     "the precision (--dtype bf16), or use a device with more free memory"):
         model = ParVL.from_pretrained(folder, dtype=dtype, device=device)
-    par = model.cfg.par
-    log(f"loaded {folder} in {time.perf_counter() - t0:.2f} s ({dtype}, {device}, Pv:Pl = {par.pv}:{par.pl})")
     router = None
-    if flags.router:
+    if flags.router:  # checked against the checkpoint as it was saved, before --quant
         router = load_router(flags.router, model)
         log(f"router {flags.router}: one branch pair per prompt")
+    try:  # --quant: the language model's linears, as they load (quant.py)
+        quantize(model, *quant_spec(flags))
+    except ValueError as e:  # int4 groups that do not divide this checkpoint's widths
+        raise UsageError(str(e)) from None
+    par, quant = model.cfg.par, f", {model.quant}" if model.quant else ""
+    log(f"loaded {folder} in {time.perf_counter() - t0:.2f} s ({dtype}{quant}, {device}, Pv:Pl = {par.pv}:{par.pl})")
     return Engine(model, compile=flags.compile, shared_kv=flags.shared_kv, vision_branch=flags.vision_branch,
                   language_branch=flags.language_branch, router=router)

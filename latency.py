@@ -26,12 +26,14 @@ from pathlib import Path
 
 import torch
 
-from cli import allocation, pyplot
+from cli import UsageError, allocation, pyplot
 from config import ParConfig, ParVLConfig, branch_variant
 from engine import Engine, GenerateConfig
 from files import writing
 from flops import Workload
+from inference import quant_spec
 from parvl import ParVL
+from quant import quantize, weight_bytes
 
 
 # -- timing and memory on random weights (Appendix C.1) -------------------------------------------
@@ -118,7 +120,7 @@ def trace(fn, device: torch.device, folder: Path, name: str) -> None:
 
 def profile_latency(engine: Engine, cfg: ParVLConfig, work: Workload, batch: int, args) -> dict:
     """One row of Table S7: warm-ups, then timed generate calls of `batch` samples, exactly N tokens each."""
-    device, dtype, n = engine.device, engine.model.language_model.lm_head.weight.dtype, work.response_tokens
+    device, dtype, n = engine.device, engine.dtype, work.response_tokens
     ids_BT, pixels = synthetic_inputs(cfg, work, batch, dtype, device, args.seed)
     prompts = ids_BT.tolist()  # the Engine takes token lists and builds the batch itself
     gen = GenerateConfig(max_new_tokens=n, ignore_eos=True)  # greedy, min = max new tokens
@@ -168,7 +170,11 @@ def run_latency(args, main_cfg: ParVLConfig, arch: str, device: torch.device, dt
     rows = []
     for cfg, kv_modes in runs:
         model = ParVL.from_config(cfg, dtype, device, seed=args.seed).eval()
-        weights = sum(p.nbytes for p in model.parameters())  # a tied tensor is yielded once
+        try:  # --quant, as load_engine applies it
+            quantize(model, *quant_spec(args))
+        except ValueError as e:  # int4 groups that do not divide the architecture's widths
+            raise UsageError(str(e)) from None
+        weights = weight_bytes(model)
         for shared in kv_modes:
             for layer in model.language_model.model.layers:  # the previous variant's cache must not count here
                 layer.self_attn.kv_cache = None
@@ -178,7 +184,8 @@ def run_latency(args, main_cfg: ParVLConfig, arch: str, device: torch.device, dt
                                 f"{work.text_tokens} text tokens, {work.response_tokens} new tokens per sample)",
                                 "--batch, --tiles, --text-tokens or --new-tokens"):
                     rows.append(profile_latency(engine, cfg, work, b, args) | {
-                        "weights_gib": weights / 2**30, "arch": arch, "branches": branch_variant(cfg.par)})
+                        "weights_gib": weights / 2**30, "arch": arch, "branches": branch_variant(cfg.par),
+                        "quant": model.quant})
         del model, engine  # one model resident at a time, as when variants are profiled sequentially
     return add_ratios(rows)
 

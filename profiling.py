@@ -28,7 +28,7 @@ from config import PRESETS, ParConfig, ParVLConfig
 from flags import Command, branch_conflict, branch_flags, dispatch, flag, flag_of
 from flops import ARCHS, BRANCHES, Workload, build_config, profile_params
 from hub import resolve_model
-from inference import DeviceFlags, InferenceFlags
+from inference import DeviceFlags, InferenceFlags, check_quant
 from latency import paper_layout, plot_latency, run_latency, shared_vs_standard, synthetic_inputs, timed, trace
 from parvl import ParVL
 
@@ -174,6 +174,8 @@ class LatencyConfig(BranchFlags, Timed):
     iters: int = flag(10, "timed generate calls per batch size", range="[1, inf)")
     compile: bool | None = flag_of(InferenceFlags, "compile")
     shared_kv: bool = flag_of(InferenceFlags, "shared_kv")
+    quant: str | None = flag_of(InferenceFlags, "quant")
+    group_size: int | None = flag_of(InferenceFlags, "group_size")
     compare_shared: bool = flag(False, "profile standard and shared KV in one run")
     baseline: bool = flag(False, "profile standard 1:1 first, as Table 4's reference")
     plot: str | None = flag(None, "also write latency and peak memory against batch size per configuration (needs "
@@ -181,6 +183,7 @@ class LatencyConfig(BranchFlags, Timed):
 
     def check(self) -> None:
         super().check()
+        check_quant(self.quant, self.group_size)
         if self.model and (given := branches_given(self)):
             raise ValueError(f"--model profiles the checkpoint's own configuration; drop --"
                              f"{next(iter(given)).replace('_', '-')}")

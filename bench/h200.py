@@ -5,13 +5,17 @@
 
 Steps, each in its own process with a time limit, so one failure never stops the rest:
 1. tests: `pytest -m gpu` (tests/test_gpu.py: compiled reduce-overhead decode against eager for 1:1,
-   4:4, shared KV and per-sample pairs) and tests/test_kernels.py (the SDPA kernel of every attention
-   case from torch.profiler, and no graph break in the decode step); the kernel table is kept.
+   4:4, shared KV and per-sample pairs; tests/test_quant.py: the same with int8 / int4 weights) and
+   tests/test_kernels.py (the SDPA kernel of every attention case from torch.profiler, and no graph
+   break in the decode step); the kernel table is kept.
 2. latency: profiling.py's latency protocol (paper Appendix C.1: 3 tiles = 768 image tokens, 256
    text tokens, exactly 128 new tokens, 3 warm-ups, 10 timed iterations) for the 1B architecture
    with random weights at 1:1, 4:4 and 4:4 shared KV, batch 1, 2, 4, 8, bf16, compiled decode; the
    Table S7 layout next to the paper's numbers, and the Table 4 ratios.
-3. training: a short FSDP2 run of train.py (torchrun, one process per GPU) of the 1B architecture
+3. quantized latency: the same protocol at 1:1 with the language model's weights in int8 and int4
+   (profiling.py latency --quant, groups of 128), batch 1 and 8, 2 warm-ups and 5 timed iterations,
+   beside bf16's 1:1 rows of step 2: CUDA-graph decode on the packed weights (quant.py).
+4. training: a short FSDP2 run of train.py (torchrun, one process per GPU) of the 1B architecture
    with random weights on synthetic rows of the paper's shape (one 2-tile image + thumbnail = 768
    image tokens, about 256 text tokens), 1:1 and 2:2 with --compile, packed (the step's 8 samples in
    one row: flex_attention under a BlockMask); tokens/s, MFU and padding of the steps after compilation.
@@ -64,7 +68,7 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, last_json: bool
 def step_tests(out: Path, dry: bool) -> dict:
     report = out / "kernels.json"
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-           "tests/test_gpu.py", "tests/test_kernels.py"]
+           "tests/test_gpu.py", "tests/test_quant.py", "tests/test_kernels.py"]
     # on CUDA the GPU tests and the kernel tests; the dry run (CPU, inside the suite, which runs both
     # files itself) only proves the plumbing: pytest runs and the kernel table comes back
     cmd += ["-m", "gpu"] if not dry else ["-k", "every_attention_case"]
@@ -83,6 +87,32 @@ def step_latency(dry: bool) -> dict:
                "--json", *size], 60 if dry else 330, last_json=True)
     line = res.pop("json")
     res["rows"] = json.loads(line)["rows"] if res["status"] == "ok" and line else None
+    return res
+
+
+QUANT_BATCHES = [1, 8]
+
+
+def step_latency_quant(dry: bool) -> dict:
+    """Step 3: profiling.py latency --quant int8 and int4 at 1:1, one process each (one may fail alone)."""
+    if dry:  # the tiny preset's widths (64, 96, 128) take groups of 32
+        size = ["--arch", "tiny", "--device", "cpu", "--dtype", "fp32", "--batch", "1", "2", "--warmup", "1",
+                "--iters", "1", "--new-tokens", "4", "--tiles", "1", "--text-tokens", "16", "--threads", "1"]
+        group = ["--group-size", "32"]
+    else:
+        size = ["--arch", "1b", "--device", "cuda", "--dtype", "bf16", "--batch", *map(str, QUANT_BATCHES),
+                "--warmup", "2", "--iters", "5", "--compile"]
+        group = ["--group-size", "128"]
+    res = {"status": "ok", "rows": [], "runs": {}}
+    for mode in ("int8", "int4"):
+        run_ = run([sys.executable, "profiling.py", "latency", "--pv", "1", "--pl", "1", "--json", "--quant", mode,
+                    *(group if mode == "int4" else []), *size], 60 if dry else 240, last_json=True)
+        line = run_.pop("json")
+        if run_["status"] == "ok" and line:
+            res["rows"] += json.loads(line)["rows"]
+        else:
+            res["status"] = "failed"
+        res["runs"][mode] = run_
     return res
 
 
@@ -152,7 +182,7 @@ def _gpus() -> int:
 def markdown(result: dict) -> str:
     md = [f"# GPU suite ({result['device']}, torch {result['torch']}{', dry run' if result['dry_run'] else ''})", ""]
     md += ["| step | status | seconds |", "| --- | --- | --- |"]
-    for name in ("tests", "latency", "training"):
+    for name in STEPS:
         s = result[name]
         md.append(f"| {name} | {s['status']} | {s.get('seconds', '')} |")
     kernels = result["tests"].get("kernels") or {}
@@ -185,6 +215,7 @@ def markdown(result: dict) -> str:
             mem = PAPER_S7[key][1][i] / PAPER_S7[("1:1", False)][1][i]
             md.append(f"| {key[0]}{' shared KV' if key[1] else ''} | {r['batch']} | {r['latency_x']:.2f} / {lat:.2f} | "
                       f"{r['peak_x']:.2f} / {mem:.2f} |")
+    md += quant_markdown(rows or [], result["latency_quant"].get("rows") or [])
     runs = result["training"].get("runs") or {}
     if runs:
         md += ["", "## FSDP2 training (steady steps)", "", "| Pv:Pl | status | tokens/s | MFU |",
@@ -194,6 +225,27 @@ def markdown(result: dict) -> str:
             md.append(f"| {key} | {r['status']} | {r.get('tokens_per_s', float('nan')):.0f} | "
                       f"{'-' if mfu is None or mfu != mfu else f'{100 * mfu:.1f} %'} |")
     return "\n".join(md) + "\n"
+
+
+def quant_markdown(rows: list[dict], quant_rows: list[dict]) -> list[str]:
+    """Step 3's rows against bf16's standard 1:1 rows of step 2 at the same batch size."""
+    if not quant_rows:
+        return []
+    bf16 = {r["batch"]: r for r in rows if (r["pv"], r["pl"], r["shared_kv"]) == (1, 1, False)}
+    md = ["", "## Quantized latency, 1:1 (weight-only, quant.py; x = against bf16's 1:1 row)", "",
+          "| weights | batch | latency (s) | x | decode tok/s | x | peak (GB) | weights (GB) |",
+          "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in quant_rows:
+        b = bf16.get(r["batch"])
+        lat_x = f"{r['latency_s'] / b['latency_s']:.2f}" if b else "-"
+        tok_x = f"{r['decode_tok_s'] / b['decode_tok_s']:.2f}" if b and r["decode_tok_s"] and b["decode_tok_s"] else "-"
+        tok = f"{r['decode_tok_s']:.0f}" if r["decode_tok_s"] else "-"
+        md.append(f"| {r['quant']} | {r['batch']} | {r['latency_s']:.3f} | {lat_x} | {tok} | {tok_x} | "
+                  f"{r['peak_gib'] * 2**30 / 1e9:.3f} | {r['weights_gib'] * 2**30 / 1e9:.3f} |")
+    return md
+
+
+STEPS = ("tests", "latency", "latency_quant", "training")
 
 
 def main(argv=None) -> int:
@@ -214,6 +266,7 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     for name, step in (("tests", lambda: step_tests(out, args.dry_run)),
                        ("latency", lambda: step_latency(args.dry_run)),
+                       ("latency_quant", lambda: step_latency_quant(args.dry_run)),
                        ("training", lambda: step_training(out, args.dry_run))):
         try:
             result[name] = step()
@@ -224,9 +277,8 @@ def main(argv=None) -> int:
     (out / "h200.json").write_text(json.dumps(result, indent=2))
     (out / "h200.md").write_text(markdown(result))
     print((out / "h200.md").read_text())
-    print(json.dumps({k: result[k]["status"] for k in ("tests", "latency", "training")}
-                     | {"seconds": result["seconds"]}))
-    return 0 if all(result[k]["status"] == "ok" for k in ("tests", "latency", "training")) else 1
+    print(json.dumps({k: result[k]["status"] for k in STEPS} | {"seconds": result["seconds"]}))
+    return 0 if all(result[k]["status"] == "ok" for k in STEPS) else 1
 
 
 if __name__ == "__main__":

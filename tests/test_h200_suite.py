@@ -24,6 +24,9 @@ def test_suite_dry_run_writes_every_figure(tmp_path):
     rows = result["latency"]["rows"]
     assert sorted((r["pv"], r["shared_kv"], r["batch"]) for r in rows) == [(1, False, 1), (1, False, 2), (4, False, 1),
                                                                           (4, False, 2), (4, True, 1), (4, True, 2)]
+    quant = result["latency_quant"]  # int8 and int4 (groups of 32 at tiny widths) at 1:1, batch 1 and 2
+    assert quant["status"] == "ok" and [(r["quant"], r["pv"], r["batch"]) for r in quant["rows"]] == [
+        ("int8", 1, 1), ("int8", 1, 2), ("int4-g32", 1, 1), ("int4-g32", 1, 2)], quant
     assert list(result["training"]["runs"]) == ["2:2"]  # the dry run trains one configuration
     for name, run in result["training"]["runs"].items():  # both steps logged, the figures read back from the run
         lines = [json.loads(x)
@@ -32,4 +35,5 @@ def test_suite_dry_run_writes_every_figure(tmp_path):
         assert run["tokens_per_s"] == statistics.median(x["tokens_per_s"] for x in lines), (run, lines)
         assert run["pad_frac"] == 0.0, run  # packed, one row per micro-batch: a row holds its samples and nothing else
     md = (tmp_path / "h200.md").read_text()
+    assert "| int8 | 1 |" in md and "| int4-g32 | 2 |" in md  # the quantized rows, beside bf16's (fp32 here)
     assert "Table S7" in md and "| 4:4 | yes | latency (s) |" in md and "1.963" in md  # the paper's numbers beside ours
