@@ -58,6 +58,16 @@ class BadRow:
     row: int = -1
 
 
+def repeat_rule(meta_path, name: str, m: dict, lines: int) -> tuple[int, int]:
+    """A dataset's (kept, repeat) from its meta entry m and its annotation's line count, as InternVL's
+    LazySupervisedDataset reads repeat_time r: r < 1 keeps the first floor(lines * r) lines, r > 1 repeats them
+    int(r) times; r <= 0 is refused."""
+    r = float(m.get("repeat_time", 1))
+    if r <= 0:
+        raise ValueError(f"{meta_path}: dataset {name!r} has repeat_time={r}, need > 0")
+    return (int(lines * r) if r < 1 else lines), (int(r) if r > 1 else 1)
+
+
 class SFTData(torch.utils.data.Dataset):
     """All rows of all datasets in a meta file, in meta order, after repeat_time."""
 
@@ -88,23 +98,19 @@ class SFTData(torch.utils.data.Dataset):
         for name, m in meta.items():
             path = os.path.join(folder, m["annotation"])  # join keeps an absolute path as is
             offsets, lines = _index_lines(path)
-            r = float(m.get("repeat_time", 1))
-            if r <= 0:
-                raise ValueError(f"{meta_path}: dataset {name!r} has repeat_time={r}, need > 0")
+            kept, repeat = repeat_rule(meta_path, name, m, len(offsets))
             tiles = m.get("max_dynamic_patch", max_tiles)  # the meta file's, checked; else the caller's
             if "max_dynamic_patch" in m and (isinstance(tiles, bool) or not isinstance(tiles, int)
                                              or not 1 <= tiles <= MAX_TILES):
                 raise ValueError(f"{meta_path}: dataset {name!r} has max_dynamic_patch={tiles!r}, need an integer in "
                                  f"[1, {MAX_TILES}] (the most tiles InternVL's pipelines give)")
-            # InternVL's LazySupervisedDataset: r < 1 keeps the first floor(len * r) lines, r > 1 repeats int(r) times.
-            kept = int(len(offsets) * r) if r < 1 else len(offsets)
             root = os.path.join(folder, m["root"])
             if _link_loop(root):  # every image under it would be a "missing_image" bad row, the root unnamed
                 raise ValueError(f"{meta_path}: dataset {name!r} has root {root}, a symbolic link loop (links that "
                                  f"point at each other, never at a folder)")
             self.datasets.append(dict(
                 name=name, root=root, path=path, offsets=offsets, lines=lines,
-                kept=kept, repeat=int(r) if r > 1 else 1, augment=bool(m.get("data_augment", False)),
+                kept=kept, repeat=repeat, augment=bool(m.get("data_augment", False)),
                 max_tiles=tiles))
         sizes = [d["kept"] * d["repeat"] for d in self.datasets]
         self.starts = np.cumsum([0] + sizes).tolist()  # global row range of dataset k: starts[k:k+2]

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from cli import SEED, SEEDS, check_folder, log
-from data import _index_lines, _read_meta  # data.py's own reading of a meta file and of its rows
+from data import _index_lines, _read_meta, repeat_rule  # data.py's own reading of a meta file and of its rows
 from flags import flag
 
 DOMAINS = ("math", "ocr", "general")  # Table S1's categories
@@ -101,12 +101,9 @@ def collection(meta_path: Path) -> list[dict]:
     for name, m in meta.items():
         path = folder / m["annotation"]
         offsets, _ = _index_lines(str(path))
-        r = float(m.get("repeat_time", 1))
-        if r <= 0:
-            raise ValueError(f"{meta_path}: dataset {name!r} has repeat_time={r}, need > 0")
-        kept = int(len(offsets) * r) if r < 1 else len(offsets)
+        kept, repeat = repeat_rule(meta_path, name, m, len(offsets))
         out.append({"name": name, "entry": m, "domain": domain_of(name, m), "path": path, "root": folder / m["root"],
-                    "offsets": offsets, "kept": kept, "rows": kept * (int(r) if r > 1 else 1)})
+                    "offsets": offsets, "kept": kept, "rows": kept * repeat})
     return out
 
 

@@ -452,6 +452,19 @@ def random_pixels(n: int, seed: int = 0) -> torch.Tensor:
     return torch.randn((n, 3, IMAGE_SIZE, IMAGE_SIZE), generator=torch.Generator().manual_seed(seed))
 
 
+def first_decode_step(model, ids: list[int], pv: torch.Tensor, room: int = 4) -> tuple:
+    """The inputs of engine.decode_one_token's first step after a prefill of one prompt (ids, its images pv)
+    on a fresh cache of len(ids) + room slots: (token, position, positions, mask, rows)."""
+    from engine import prefill
+
+    rows, T = model.language_rows(None, 1, "cpu"), len(ids)
+    model.language_model.setup_cache(rows, T + room)
+    with torch.no_grad():
+        logits = prefill(model, torch.tensor([ids]), pv, torch.ones(1, T, dtype=torch.bool), False, None, rows)
+    return (logits.argmax(-1, keepdim=True), torch.tensor([T]), torch.tensor([[T]]),
+            torch.ones(1, T + room, dtype=torch.bool), rows)
+
+
 # Under pytest-xdist every worker is one process on a machine of few cores (CI: 2 workers on 2): one
 # intra-op thread each, and for the processes they start (torchrun workers, commands), so that no
 # OpenMP team waits on a core another worker holds.

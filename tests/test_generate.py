@@ -23,9 +23,9 @@ from PIL import Image
 import chat
 import engine
 import generate
-from conftest import gen_main, hf_greedy, one_line, parse_flags, random_pixels, run_main
+from conftest import first_decode_step, gen_main, hf_greedy, one_line, parse_flags, random_pixels, run_main
 from cpu_decode import GEMV_ROWS, cpu_backend
-from engine import Engine, GenerateConfig, decode_one_token, prefill
+from engine import Engine, GenerateConfig, decode_one_token
 from generate import Streamer
 from parvl import ParVL
 from processor import Tokenizer, build_prompt, load_image
@@ -104,13 +104,8 @@ def test_compiled_decode_equals_eager(qwen3):
     eager = Engine(model).generate([ids], pv, cfg, tok.eos_ids).tokens
     assert Engine(model, compile=True).generate([ids], pv, cfg, tok.eos_ids).tokens == eager
     # and the step itself, compiled with fullgraph=True (no graph break), on the same cache state
-    rows = model.language_rows(None, 1, "cpu")
-    T = len(ids)
-    model.language_model.setup_cache(rows, T + 4)
+    step = first_decode_step(model, ids, pv)
     with torch.no_grad():
-        logits = prefill(model, torch.tensor([ids]), pv, torch.ones(1, T, dtype=torch.bool), False, None, rows)
-        step = (logits.argmax(-1, keepdim=True), torch.tensor([T]), torch.tensor([[T]]),
-                torch.ones(1, T + 4, dtype=torch.bool), rows)
         eager_logits = decode_one_token(model, *step)
         compiled = torch.compile(decode_one_token, backend=cpu_backend, fullgraph=True)  # as Engine on CPU
         compiled_logits = compiled(model, *step)  # rewrites the same slot

@@ -23,10 +23,10 @@ import torch
 import torch.nn as nn
 from torch._inductor.utils import run_and_get_code
 
-from conftest import random_pixels
+from conftest import first_decode_step, random_pixels
 from config import PRESETS, ParConfig
 from cpu_decode import cpu_backend
-from engine import Engine, GenerateConfig, decode_one_token, prefill
+from engine import Engine, GenerateConfig, decode_one_token
 from parvl import ParVL
 from processor import Tokenizer, build_prompt
 from quant import (Int4Linear, Int8Linear, dequantize_int4, quantize, quantize_int4, quantize_int8,
@@ -180,13 +180,8 @@ def test_compiled_step_reads_each_packed_weight_once(checkpoint, mode, group):
     model = quantize(ParVL.from_pretrained(folder), mode, group or 128)
     tok = Tokenizer.from_pretrained(folder)
     ids = tok.encode(build_prompt("Describe the image.", [1]))
-    pv, T = random_pixels(1, seed=4), len(ids)
-    rows = model.language_rows(None, 1, "cpu")
-    model.language_model.setup_cache(rows, T + 4)
+    step = first_decode_step(model, ids, random_pixels(1, seed=4))
     with torch.no_grad():
-        logits = prefill(model, torch.tensor([ids]), pv, torch.ones(1, T, dtype=torch.bool), False, None, rows)
-        step = (logits.argmax(-1, keepdim=True), torch.tensor([T]), torch.tensor([[T]]),
-                torch.ones(1, T + 4, dtype=torch.bool), rows)
         eager = decode_one_token(model, *step)
         compiled = torch.compile(decode_one_token, backend=cpu_backend, fullgraph=True)  # as Engine on CPU
         got, code = run_and_get_code(compiled, model, *step)
