@@ -43,7 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from cpu_decode import GEMV_ROWS  # CUDA: int8 linears of at most this many rows run as one reduction when compiled
+from cpu_decode import GEMV_ROWS, realized  # int8 linears of at most GEMV_ROWS rows: one reduction, compiled
 
 MODES = ("int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # int4 groups tinygemm and the CPU kernel both take
@@ -98,7 +98,7 @@ def int8_words_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> to
     loads go through a scratch copy, docs/performance.md), so each weight is read once, as one byte."""
     M, K = x.shape
     words = q.view(torch.float32).view(torch.int32)  # [N,K/4]
-    xs = x.view(M, 1, 4, K // 4)
+    xs = realized(x.contiguous()).view(M, 1, 4, K // 4)
     acc = xs[:, :, 3] * (words >> 24).float()  # [M,N,K/4]: the top byte needs one arithmetic shift
     for i in range(3):
         acc = acc + xs[:, :, i] * ((words << (24 - 8 * i)) >> 24).float()

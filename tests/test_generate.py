@@ -5,6 +5,7 @@ bad inputs and devices, answers decoded as the official chat() decodes them; --c
 only, Ctrl-C in an answer and at the prompt, SIGTERM); --batch (equal to one-by-one answers, resumable,
 interrupted, bad rows). Greedy tokens against transformers' generate: test_equivalence.py; ParVL branches
 in generation: test_branches.py."""
+import copy
 import io
 import json
 import shutil
@@ -112,12 +113,32 @@ def test_compiled_decode_equals_eager(qwen3):
     torch.testing.assert_close(compiled_logits, eager_logits, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_bf16_decode_step_equals_eager(qwen3):
+    """In bf16 the compiled step reads the weights as words (cpu_decode.bf16_gemv), eager through ATen's
+    gemv; both sum in fp32 and round each linear's output to bf16 once, in another order: the logits
+    differ where a rounding fell the other way."""
+    _, model, tok = qwen3
+    model = copy.deepcopy(model).to(torch.bfloat16)
+    ids = tok.encode(build_prompt("Describe the image.", [1]))
+    step = first_decode_step(model, ids, random_pixels(1, seed=4).bfloat16())
+    with torch.no_grad():
+        eager_logits = decode_one_token(model, *step)
+        compiled = torch.compile(decode_one_token, backend=cpu_backend, fullgraph=True)  # as Engine on CPU
+        compiled_logits = compiled(model, *step)
+    # the logits are bf16: two units in the last place at their largest magnitude (one rounding of the
+    # head's output on each side, and the head's input a bf16 rounding apart)
+    ulp = 2.0 ** (torch.floor(torch.log2(eager_logits.float().abs().max())) - 7)
+    torch.testing.assert_close(compiled_logits.float(), eager_logits.float(), atol=2 * ulp.item(), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_gemv_backend_rewrites_few_row_linears(dtype):
-    """The CPU decode backend turns exactly the fp32 linears of <= GEMV_ROWS rows into gemv (a graph that
-    stops matching would silently lose the speed-up; bf16 keeps ATen's own gemv), and gemv equals
-    F.linear, with and without bias."""
-    from cpu_decode import gemv
+    """The CPU decode backend turns exactly the fp32 and bf16 linears of <= GEMV_ROWS rows into gemv /
+    bf16_gemv (a graph that stops matching would silently lose the speed-up; fp16 keeps ATen's), and
+    each equals F.linear computed in fp32 on the same weights, with and without bias, rounded once to
+    the dtype: within half a unit in the last place of the dtype (2^-8 relative for bf16) plus fp32's
+    summation error."""
+    from cpu_decode import bf16_gemv, gemv
 
     torch.manual_seed(0)
     w, b = torch.randn(48, 32, dtype=dtype), torch.randn(48, dtype=dtype)
@@ -126,19 +147,23 @@ def test_gemv_backend_rewrites_few_row_linears(dtype):
 
     def spy(gm, example_inputs):
         compiled = cpu_backend(gm, example_inputs)  # rewrites gm in place
-        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in (gemv, F.linear))
+        targets.extend(n.target for n in gm.graph.nodes
+                       if n.op == "call_function" and n.target in (gemv, bf16_gemv, F.linear))
         return compiled
 
     def linears(x_few, x_many):
         return F.linear(x_few, w), F.linear(x_few, w, b), F.linear(x_many, w, b)
 
     got = torch.compile(linears, backend=spy, fullgraph=True)(x_few, x_many)
-    # the 3 x GEMV_ROWS rows stay with the BLAS; bf16 with ATen (cpu_decode.py)
-    assert targets == ([gemv, gemv, F.linear] if dtype == torch.float32 else [F.linear] * 3), targets
-    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)  # bf16: one rounding
-    for have, want in zip(got, linears(x_few, x_many)):
-        torch.testing.assert_close(have, want, **tol)
-    torch.testing.assert_close(gemv(x_many, w, b), F.linear(x_many, w, b), **tol)  # any rows, eager too
+    # the 3 x GEMV_ROWS rows stay with the BLAS
+    few = {torch.float32: gemv, torch.bfloat16: bf16_gemv, torch.float16: F.linear}[dtype]
+    assert targets == [few, few, F.linear], targets
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 2**-8, torch.float16: 2**-10}[dtype]
+    for have, (x, bias) in zip(got, [(x_few, None), (x_few, b), (x_many, b)]):
+        want = F.linear(x.float(), w.float(), None if bias is None else bias.float())
+        torch.testing.assert_close(have.float(), want, atol=1e-5, rtol=rtol)
+    if few is not F.linear:  # any rows, eager too
+        torch.testing.assert_close(few(x_many, w, b), F.linear(x_many, w, b), atol=1e-5, rtol=rtol)
 
 
 def test_seed_reproduces_sampling_and_stream_concatenates(qwen3):
