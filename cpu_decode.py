@@ -70,6 +70,14 @@ def bf16_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])  # [...,N]
 
 
+# inductor's settings for the decode step (docs/performance.md, "CPU decode"):
+# - realize_opcount_threshold: a pointwise chain of up to this many ops is computed inside the loop that
+#   reads it, not stored first: quant.int4_words_gemv's eight nibbles a word are ~45 ops, and at inductor's
+#   default (30) they went through memory (2.2 against 27 GW/s on the LM head). What a reduction must not
+#   recompute per weight row, its activation, it reads through `realized`.
+# - FMA contraction (-ffp-contract=fast): a multiply-add in one instruction and one rounding, where
+#   inductor's default compiles two; the dequantising gemvs are bound by instructions, not bytes.
+CONFIG = {"realize_opcount_threshold": 64, "cpp.enable_floating_point_contract_flag": "fast"}
 REWRITE = {torch.float32: gemv, torch.bfloat16: bf16_gemv}  # the linears of few rows cpu_backend rewrites, by dtype
 
 
@@ -86,6 +94,4 @@ def cpu_backend(gm: torch.fx.GraphModule, example_inputs):
         if x.numel() <= GEMV_ROWS * x.shape[-1] and (x.dtype != torch.bfloat16 or pairs):
             node.target = REWRITE.get(x.dtype, node.target)
     gm.recompile()
-    # store small activations (the RMSNorm output) rather than let inductor recompute them in the gemv loop for
-    # every weight row (25 -> 19 ms per step at the benchmark's default size: docs/performance.md, "CPU decode")
-    return compile_fx(gm, example_inputs, config_patches={"realize_opcount_threshold": 4})
+    return compile_fx(gm, example_inputs, config_patches=CONFIG)
