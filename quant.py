@@ -30,8 +30,11 @@ Kernels, measured against the alternatives (docs/performance.md, "Weight-only qu
   registers: each weight read once, as one byte, fp32 sums. Eager decode (and bf16 prefill) call
   aten._weight_int8pack_mm, vectorised for bf16 activations only; fp32 prefill is MKL on the weights
   converted to fp32 (compute-bound: a thousand rows per weight read).
-- CPU, int4: aten._weight_int4pack_mm_for_cpu, eager and compiled (inductor lowers it to its packed
-  int4 kernel), bf16 activations; weights packed by aten._convert_weight_to_int4pack_for_cpu.
+- CPU, int4: eager, aten._weight_int4pack_mm_for_cpu (bf16 activations) on its own packing. An Engine
+  that compiles on CPU repacks each linear once (Int4Linear.to_words) as 32-bit words of eight nibbles,
+  which the compiled decode step reads with int4_words_gemv, inductor's own reduction (1.6x ATen's
+  kernel there); the prefill of such a linear is MKL's fp32 product on W dequantised 4,096 outputs at
+  a time.
 - CUDA: int8 as gpt-fast: in the compiled decode step a linear of few rows is one reduction over the
   int8 weights with the dequantise fused into it (inductor writes one kernel; the weights are read
   once, as int8); otherwise F.linear on the weights converted to the activations' dtype. int4:
