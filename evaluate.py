@@ -63,9 +63,10 @@ MAX_FIT_ROWS = 1000  # fit-law's rows: about half a minute on 2 CPU cores at thi
 # model by its fingerprint, not its path: a moved folder is the same model)
 RECORD_FIELDS = ("benchmark", "model_fingerprint", "data_fingerprint", "pv", "pl", "vision_branch", "language_branch",
                  "shared_kv", "router", "random_pair", "branches", "max_new_tokens", "max_tiles", "dtype", "quant")
-# what a score file copies of the predictions' record: the configuration, and the checkpoint it belongs to
+# what a score file copies of the predictions' record: the configuration, the checkpoint it belongs to, and
+# the weights' format (--dtype, --quant)
 CONFIG_FIELDS = ("model", "model_fingerprint", "model_step", "pv", "pl", "vision_branch", "language_branch",
-                 "shared_kv", "router", "random_pair", "branches")
+                 "shared_kv", "router", "random_pair", "branches", "dtype", "quant")
 
 
 # -- the flags of run, score and fit-law (report: tables.py; lengths, descriptors, cost: analysis.py) ----

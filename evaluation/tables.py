@@ -112,6 +112,7 @@ class Scores:
     models: dict = field(default_factory=dict)
     steps: dict = field(default_factory=dict)
     judges: dict = field(default_factory=dict)
+    quants: dict = field(default_factory=dict)
 
 
 def read_record(name: str, is_reference: bool) -> dict:
@@ -136,7 +137,8 @@ def read_record(name: str, is_reference: bool) -> dict:
     if is_reference:
         key = key + (str(s.get("model") or model_of(s) or name),)  # a reference model: a row of its own
     return {"file": name, "bench": bench, "value": float(value), "key": key, "checkpoint": model_of(s),
-            "step": s.get("model_step"), "policy": policy, "judge": s.get("judge_model"), "reference": is_reference}
+            "step": s.get("model_step"), "policy": policy, "judge": s.get("judge_model"), "reference": is_reference,
+            "quant": s.get("quant")}
 
 
 def table_3_checkpoints(records: list[dict]) -> dict[tuple, str]:
@@ -175,6 +177,7 @@ def read_scores(files: list[str], reference: list[str] = ()) -> Scores:
         s.steps.setdefault(r["checkpoint"], r["step"])
         if r["bench"] in JUDGED:
             s.judges.setdefault(r["judge"], r["file"])
+        s.quants.setdefault(r["quant"], r["file"])
         into, key = getattr(s, r["into"]), r["row"]
         s.models[key] = r["checkpoint"]
         if r["bench"] in into.setdefault(key, {}):
@@ -194,6 +197,19 @@ def one_judge(scales: list[tuple[str, Scores]]) -> str | None:
         raise DataError(f"{fb} was scored {say(b)}, {fa} {say(a)}: one report, one extractor (A.3); score them "
                         f"again alike (evaluate.py score --judge-url ... --judge-model ...)")
     return next(iter(judges), None)
+
+
+def one_quant(scales: list[tuple[str, Scores]]) -> str | None:
+    """The weights' format of every score (--quant of evaluate.py run; None: the checkpoint's own weights); a
+    report mixing formats is refused, as one mixing answer extractors: a row of quantized weights beside
+    full-precision ones would put the quantization's error into the comparison of configurations."""
+    quants = {q: f for _, s in scales for q, f in s.quants.items()}
+    if len(quants) > 1:
+        (a, fa), (b, fb) = list(quants.items())[:2]
+        say = lambda q: f"with --quant {q}" if q else "without --quant"  # noqa: E731
+        raise DataError(f"{fb} was predicted {say(b)}, {fa} {say(a)}: one report, one weight format; run them "
+                        f"again alike (evaluate.py run --quant ...)")
+    return next(iter(quants), None)
 
 
 # -- the tables -------------------------------------------------------------------------------------
@@ -406,14 +422,14 @@ def report(cfg: ReportConfig) -> int:
     refs = {g[0]: g[1:] for g in cfg.scale_reference}
     scales = [(cfg.arch, main)] + [(g[0], read_scores(g[1:], refs.pop(g[0], []))) for g in cfg.scale]
     scales += [(name, read_scores([], files)) for name, files in refs.items()]
-    judge = one_judge(scales)
+    judge, quant = one_judge(scales), one_quant(scales)
     configs = sorted(main.runs, key=lambda c: (len(c) == 7, c[4], c[2] is not None or c[3] is not None, c[5],
                                                c[0], c[1], c[2] or 0, c[3] or 0, c[6:]))
     study = [c for c in configs if len(c) == 6]  # the reference models' rows stay out of every other table
     table = {c: main.runs[c] | aggregates(main.runs[c]) for c in configs}
     flops = gflops(configs, cfg.arch)
     pvs, pls, grids = allocation_grids(table, study)
-    data = {"arch": cfg.arch, "judge": judge,
+    data = {"arch": cfg.arch, "judge": judge, "quant": quant,
             "configs": [{"label": config_label(c), "pv": c[0], "pl": c[1], "vision_branch": c[2],
                          "language_branch": c[3], "shared_kv": c[4], "branches": dict(c[5]), "model": main.models[c],
                          "model_step": main.steps.get(main.models[c]), "reference": len(c) == 7,

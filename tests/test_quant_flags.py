@@ -58,7 +58,8 @@ def test_generate_applies_quant(checkpoint, capsys):
 
 def test_evaluate_run_applies_quant_and_records_it(bench, tmp_path, capsys):
     """`evaluate.py run --quant int8`: every prediction records int8 and the checkpoint's own fingerprint (the
-    quantized model is the same checkpoint); resuming without --quant is another run, refused."""
+    quantized model is the same checkpoint), its score copies the format; resuming without --quant is another
+    run, refused."""
     folder, tsv, rows, _ = bench
     out = tmp_path / "pred.jsonl"
     argv = ["run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder, "--out", out,
@@ -67,6 +68,9 @@ def test_evaluate_run_applies_quant_and_records_it(bench, tmp_path, capsys):
     preds = read_preds(out)
     plain = fingerprint(ParVL.from_pretrained(folder))
     assert rc == 0 and "int8" in err and {(p["quant"], p["model_fingerprint"]) for p in preds} == {("int8", plain)}
+    rc, line, _ = main_out(capsys, "score", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--predictions", out)
+    score = json.loads(line.splitlines()[-1])  # the score says the weights' format it was predicted with
+    assert rc == 0 and (score["quant"], score["dtype"]) == ("int8", preds[0]["dtype"])
     out.write_text(out.read_text().splitlines(keepends=True)[0])  # one row done: the rest would resume
     rc, _, err = main_out(capsys, *argv)
     assert rc == 1 and "quant 'int8' there, None now" in err, err

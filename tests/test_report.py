@@ -277,6 +277,20 @@ def test_report_refuses_table_3_of_two_checkpoints_and_mixed_extractors(tmp_path
     rc, out, _ = main_out(capsys, "report", *paper_study(tmp_path / "n", judge={})["1b"], "--out", tmp_path / "r4")
     assert rc == 0 and out.startswith("Answer extractor: none. Unresolved MMMU, MathVista, MathVision and WeMath rows "
                                       "count as wrong")
+def test_report_refuses_a_mix_of_weight_formats(tmp_path, capsys):
+    """Scores predicted with --quant int8 beside full-precision ones: refused in one line naming a file of each,
+    nothing written; all of one format, the report records it."""
+    quantized = write_scores(tmp_path / "q", "11", [40.0] * 9, quant="int8")
+    plain = write_scores(tmp_path / "p", "22", [41.0] * 9, pv=2, pl=2)
+    rc, _, err = main_out(capsys, "report", *quantized, *plain, "--out", tmp_path / "r")
+    assert rc == 1 and err.count("\n") == 1 and not (tmp_path / "r").exists()
+    assert "was predicted without --quant" in err and "with --quant int8: one report, one weight format" in err
+    assert str(plain[0]) in err and str(quantized[0]) in err
+    rc, _, _ = main_out(capsys, "report", *quantized, *write_scores(tmp_path / "q", "22", [41.0] * 9, pv=2, pl=2,
+                                                                   quant="int8"), "--out", tmp_path / "r")
+    assert rc == 0 and json.loads((tmp_path / "r" / "report.json").read_text())["quant"] == "int8"
+
+
 def test_a_foreign_score_file_is_named_not_the_genuine_one(tmp_path, capsys):
     """A configuration's nine score files and one of another checkpoint: whichever came first, the one line names
     the foreign file, not a genuine one (the file read second was blamed: the foreign one given first made every
