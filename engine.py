@@ -31,7 +31,6 @@ import torch
 from aggregate import Choice, Rows
 from cpu_decode import cpu_backend
 from llm import causal_mask, prompt_positions
-from quant import for_compiled_cpu_decode
 
 
 @dataclass
@@ -156,8 +155,6 @@ class Engine:
         self.compiled = compile  # resolved: profiling.py reports a compile time only when something compiled
         self.graphs = compile and self.device.type == "cuda"  # CUDA graphs reuse their output buffers
         if compile:
-            if self.device.type == "cpu":
-                for_compiled_cpu_decode(model)  # int4 linears as words, the layout the compiled step reads
             self.step = compile_step(self.device)
 
     def setup(self, rows: Rows, slots: int) -> int:

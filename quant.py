@@ -25,16 +25,17 @@ The formats (w [N,K] a linear's weight, N outputs, K inputs):
   (they take scale and zero together).
 
 Kernels, measured against the alternatives (docs/performance.md, "Weight-only quantization"):
-- CPU, int8: the compiled decode step reads the weights with int8_words_gemv, inductor's own
-  reduction over 32-bit words of four int8 weights each (stored in word order), sign-extended in
-  registers: each weight read once, as one byte, fp32 sums. Eager decode (and bf16 prefill) call
-  aten._weight_int8pack_mm, vectorised for bf16 activations only; fp32 prefill is MKL on the weights
-  converted to fp32 (compute-bound: a thousand rows per weight read).
-- CPU, int4: eager, aten._weight_int4pack_mm_for_cpu (bf16 activations) on its own packing. An Engine
-  that compiles on CPU repacks each linear once (Int4Linear.to_words) as 32-bit words of eight nibbles,
-  which the compiled decode step reads with int4_words_gemv, inductor's own reduction (1.6x ATen's
-  kernel there); the prefill of such a linear is MKL's fp32 product on W dequantised 4,096 outputs at
-  a time.
+- CPU, int8: the compiled decode step of one row reads the weights with int8_words_gemv, inductor's
+  own reduction over 32-bit words of four int8 weights each (stored in word order), sign-extended in
+  registers: each weight read once, as one byte, fp32 sums. It widens each weight once per row, so
+  from WORDS_ROWS + 1 rows on (branches, batches), as in eager decode and bf16 prefill,
+  aten._weight_int8pack_mm runs, vectorised for bf16 activations only; fp32 prefill is MKL on the
+  weights converted to fp32 (compute-bound: a thousand rows per weight read).
+- CPU, int4: aten._weight_int4pack_mm_for_cpu, eager and compiled (inductor lowers it to its packed
+  int4 kernel), bf16 activations; weights packed by aten._convert_weight_to_int4pack_for_cpu. A
+  reduction over words of eight nibbles, as int8's, ran the LM head 1.8x faster for one row and 0.6x
+  for four, and needs a layout of its own (ATen's is blocked by 32 outputs): not kept
+  (docs/performance.md).
 - CUDA: int8 as gpt-fast: in the compiled decode step a linear of few rows is one reduction over the
   int8 weights with the dequantise fused into it (inductor writes one kernel; the weights are read
   once, as int8); otherwise F.linear on the weights converted to the activations' dtype. int4:
@@ -49,8 +50,11 @@ import torch.nn.functional as F
 from cpu_decode import GEMV_ROWS, realized  # int8 linears of at most GEMV_ROWS rows: one reduction, compiled
 
 MODES = ("int8", "int4")
+# rows up to which the compiled CPU step takes int8_words_gemv rather than ATen's kernel: it widens each weight
+# once per row, ATen's once for all rows (LM head, 1 / 2 / 4 rows: 6.2 / 13.7 / 27.2 ms against 11.2 / 12.9 /
+# 18.4; docs/performance.md)
+WORDS_ROWS = 1
 GROUP_SIZES = (32, 64, 128, 256)  # int4 groups tinygemm and the CPU kernel both take
-DEQUANT_ROWS = 4096  # outputs an int4 linear in words dequantises at a time, outside the decode step
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,12 +131,14 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [...,K] -> [...,N]
         x2 = x.reshape(-1, x.shape[-1])  # [M,K]
         few = x2.shape[0] <= GEMV_ROWS
-        if x.device.type == "cpu" and few and torch.compiler.is_compiling():
-            y = int8_words_gemv(x2.float(), self.weight, self.scale)  # the decode step, fp32 sums
+        if x.device.type == "cpu" and x2.shape[0] <= WORDS_ROWS and torch.compiler.is_compiling():
+            y = int8_words_gemv(x2.float(), self.weight, self.scale)  # the decode step of one row, fp32 sums
         elif x.device.type == "cpu" and x.dtype == torch.float32 and not few:  # prefill: MKL on the fp32 weights
             y = F.linear(word_order(x2, 4), self.weight.float()) * self.scale
         elif x.device.type == "cpu":  # eager decode, or bf16: ATen's kernel, vectorised for bf16 only
-            y = torch.ops.aten._weight_int8pack_mm(word_order(x2, 4).bfloat16(), self.weight, self.scale.bfloat16())
+            # stored operands: inductor lowers this op only on buffers (a computed input failed to compile)
+            xw, scale = realized(word_order(x2, 4).bfloat16().contiguous()), realized(self.scale.bfloat16())
+            y = torch.ops.aten._weight_int8pack_mm(xw, self.weight, scale)
         elif few:  # CUDA decode: fp32 sums, as on CPU
             if torch.compiler.is_compiling():
                 # gpt-fast's int8 decode: one reduction over K per output with the int8 -> float conversion
@@ -146,49 +152,10 @@ class Int8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def int4_words_gemv(x: torch.Tensor, words: torch.Tensor, scale_low: torch.Tensor, group_size: int) -> torch.Tensor:
-    """The compiled CPU decode step's int4 linear, x [M,K] fp32 -> [M,N] fp32: words [N,K/2] uint8 holds
-    32-bit words of eight 4-bit q each (nibble i of word j: input 8j + i), read as float and bitcast as
-    int8_words_gemv does, each nibble masked out in registers; per group W = q * scale + low, scale_low
-    [N,K/G,2] fp32, so y = sum_g scale (sum_k x q) + low (sum_k x). One reduction over (group, word), the
-    group's scale a scalar of the outer loop: each weight read once, as half a byte. x goes in split by
-    the 8 inputs of a word, [M,8,K/8], stored once. Everything here is fp32: a bf16 operand would make
-    inductor vectorise by 16 lanes, through scratch copies (2.5x slower)."""
-    M, K = x.shape
-    N, G = words.shape[0], group_size
-    w = words.view(torch.float32).view(torch.int32).view(N, K // G, G // 8)  # [N,K/G,G/8]
-    x = realized(x.contiguous())
-    xs = realized(x.view(M, K // 8, 8).transpose(1, 2).contiguous()).view(M, 1, 8, K // G, G // 8)
-    acc = xs[:, :, 0] * (w & 15).float()  # [M,N,K/G,G/8]
-    for i in range(1, 8):
-        acc = acc + xs[:, :, i] * ((w >> 4 * i) & 15).float()
-    xsum = realized(x.view(M, 1, K // G, G).sum(-1))  # [M,1,K/G]
-    return (acc * scale_low[..., 0, None]).sum((-2, -1)) + (xsum * scale_low[..., 1]).sum(-1)  # [M,N]
-
-
-def unpack_int4_cpu(packed: torch.Tensor, N: int, K: int) -> torch.Tensor:
-    """q [N,K] uint8 from _convert_weight_to_int4pack_for_cpu's [N,K/2]: blocks of 32 outputs, each input k
-    of a block 16 bytes, byte b holding output b (low nibble) and output 16 + b (high nibble)."""
-    p = packed.view(N // 32, K, 16)
-    return torch.cat([p & 15, p >> 4], -1).permute(0, 2, 1).reshape(N, K)  # [N/32,K,32] -> [N,K]
-
-
-def pack_int4_words(q: torch.Tensor) -> torch.Tensor:
-    """q [N,K] in [0, 15] -> [N,K/2] uint8: little-endian 32-bit words, nibble i of word j = input 8j + i."""
-    N, K = q.shape
-    nibbles = q.view(N, K // 8, 8).to(torch.int32)
-    words = torch.zeros(N, K // 8, dtype=torch.int32)
-    for i in range(8):
-        words |= nibbles[..., i] << 4 * i  # nibble 7 sets the sign bit: a bit pattern, not a number
-    return words.view(torch.uint8).view(N, K // 2)
-
-
 class Int4Linear(nn.Module):
     """y = x W^T (+ b) with W = q * scale + low per group of `group_size` inputs, q 4-bit packed two to a
     byte in the layout of the device's kernel (CPU: _convert_weight_to_int4pack_for_cpu; CUDA:
-    _convert_weight_to_int4pack), scale and low together as the kernels take them, [K/G,N,2] bf16.
-    On CPU, `to_words` repacks q as words for the compiled decode step (int4_words_gemv, 3-4x ATen's
-    kernel there); a linear in words computes its other calls (eager, prefill) on W dequantised."""
+    _convert_weight_to_int4pack), scale and low together as the kernels take them, [K/G,N,2] bf16."""
     QUANTIZED = True  # gates.fingerprint hashes it as the nn.Linear it replaced
 
     def __init__(self, linear: nn.Linear, group_size: int):
@@ -207,43 +174,13 @@ class Int4Linear(nn.Module):
                                                                 inner_k_tiles)
         self.register_buffer("weight", packed)
         self.bias = linear.bias
-        self.words = False  # weight in int4_words_gemv's layout (CPU, after to_words)
-
-    @torch.no_grad()
-    def to_words(self) -> None:
-        """Repack the CPU weight for the compiled decode step (once; outputs in blocks of 32, as ATen's)."""
-        if not self.words and self.weight.device.type == "cpu" and self.out_features % 32 == 0:
-            self.weight = pack_int4_words(unpack_int4_cpu(self.weight, self.out_features, self.in_features))
-            scale, zero = self.scale_zero.float().transpose(0, 1).unbind(-1)  # [N,K/G] each
-            # W = (q - 8) scale + zero = q scale + low, exactly: zero and scale are bf16, 8 scale too
-            self.register_buffer("scale_low", torch.stack([scale, zero - 8 * scale], -1), persistent=False)
-            self.words = True
-
-    def dequantized(self, rows: slice) -> torch.Tensor:
-        """W[rows] [n,K] fp32 from the words layout: q * scale + low per group."""
-        K, G = self.in_features, self.group_size
-        w = self.weight[rows].view(torch.int32)[..., None]  # [n,K/8,1]
-        q = (w >> torch.arange(0, 32, 4, dtype=torch.int32)) & 15  # [n,K/8,8]
-        scale, low = self.scale_low[rows].unbind(-1)  # [n,K/G] each
-        return (q.view(-1, K // G, G).float() * scale[..., None] + low[..., None]).view(-1, K)
-
-    def dequantized_linear(self, x2: torch.Tensor) -> torch.Tensor:
-        """x2 [M,K] -> [M,N] fp32 on W dequantised DEQUANT_ROWS outputs at a time (MKL's fp32 product: a
-        prefill's rows make it compute-bound), never the whole fp32 W at once."""
-        x2 = x2.float()
-        parts = range(0, self.out_features, DEQUANT_ROWS)
-        return torch.cat([F.linear(x2, self.dequantized(slice(n, n + DEQUANT_ROWS))) for n in parts], -1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [...,K] -> [...,N]
-        x2 = x.reshape(-1, x.shape[-1])  # [M,K]
-        if self.words and x2.shape[0] <= GEMV_ROWS and torch.compiler.is_compiling():
-            y = int4_words_gemv(x2.float(), self.weight, self.scale_low, self.group_size)  # the decode step
-        elif self.words:  # eager, or many rows: a matrix product on W dequantised
-            y = self.dequantized_linear(x2)
-        elif x.device.type == "cpu":  # both ATen kernels take bf16 activations
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.bfloat16(), self.weight, self.group_size, self.scale_zero)
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M,K]: both kernels take bf16 activations
+        if x.device.type == "cpu":
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scale_zero)
         else:
-            y = torch.ops.aten._weight_int4pack_mm(x2.bfloat16(), self.weight, self.group_size, self.scale_zero)
+            y = torch.ops.aten._weight_int4pack_mm(x2, self.weight, self.group_size, self.scale_zero)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)  # [...,N]
         return y if self.bias is None else y + self.bias
 
@@ -286,14 +223,6 @@ def quantize(model, mode: str | None, group_size: int = 128):
         new = Int8Linear(linear) if mode == "int8" else Int4Linear(linear, group_size)
         setattr(model.get_submodule(owner), attr, new)
     return model
-
-
-def for_compiled_cpu_decode(model) -> None:
-    """Repack every int4 linear of a CPU model as words (Int4Linear.to_words), for the compiled decode step:
-    Engine does it when it compiles on CPU. int8 needs nothing: its CPU layout serves both."""
-    for m in model.modules():
-        if isinstance(m, Int4Linear):
-            m.to_words()
 
 
 def weight_bytes(model) -> int:

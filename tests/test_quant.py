@@ -21,6 +21,7 @@ import re
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
 from conftest import first_decode_step, random_pixels
@@ -29,8 +30,8 @@ from cpu_decode import cpu_backend
 from engine import Engine, GenerateConfig, decode_one_token
 from parvl import ParVL
 from processor import Tokenizer, build_prompt
-from quant import (Int4Linear, Int8Linear, dequantize_int4, for_compiled_cpu_decode, quantize, quantize_int4,
-                   quantize_int8, quantized_linears, unpack_int4_cpu)
+from quant import (Int4Linear, Int8Linear, dequantize_int4, quantize, quantize_int4, quantize_int8,
+                   quantized_linears)
 
 GROUP = 32  # int4 group of the tiny checkpoint (its widths are 64, 96 and 128)
 MODES = [("int8", None), ("int4", GROUP)]
@@ -65,19 +66,15 @@ def test_weight_error_within_half_a_step(mode):
     assert (err.abs() <= half * (1 + 1e-5) + 1e-6 * w.abs()).all(), (err.abs() / half).max()
 
 
-@pytest.mark.parametrize("mode,group,words", [(m, g, False) for m, g in MODES] + [("int4", GROUP, True)])
+@pytest.mark.parametrize("mode,group", MODES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_within_per_channel_bound(mode, group, words, dtype):
+def test_linear_within_per_channel_bound(mode, group, dtype):
     """Each output of a quantized linear (with a bias, as Qwen2's q/k/v) is within the per-channel bound;
-    a wrong packing or scale layout would be off by the weights' own size. int4 in both CPU layouts:
-    ATen's kernel's and the words of the compiled decode step (here eager: W dequantised)."""
+    a wrong packing or scale layout would be off by the weights' own size."""
     torch.manual_seed(1)
     linear = nn.Linear(256, 96).to(dtype)
     x = torch.randn(5, 256).to(dtype)
     qlinear = Int8Linear(linear) if mode == "int8" else Int4Linear(linear, group)
-    if words:
-        qlinear.to_words()
-        assert qlinear.words
     got = qlinear(x).float()
     assert got.dtype == torch.float32 and qlinear(x).dtype == dtype and got.shape == (5, 96)
     w, b, xf = linear.weight.float(), linear.bias.float(), x.float()
@@ -90,49 +87,24 @@ def test_linear_within_per_channel_bound(mode, group, words, dtype):
     assert ((got - exact).abs() <= bound).all(), ((got - exact).abs() / bound).max()
 
 
-def test_int4_words_layout_is_atens_weight():
-    """to_words repacks ATen's CPU layout without changing W: unpacking ATen's packing gives q back, the
-    words layout dequantises to ATen's (q - 8) * scale + zero, and the compiled decode step's gemv over
-    the words equals the product with that W in fp32 (one reduction each, in another order), for 1 and
-    GEMV_ROWS rows."""
+def test_compiled_int8_linear_at_every_row_count():
+    """The compiled CPU int8 linear takes int8_words_gemv for one row, ATen's kernel for more (quant.WORDS_ROWS)
+    and for bf16 batches, MKL on the fp32 weights for fp32 ones past GEMV_ROWS; each compiles (ATen's took
+    only stored operands) and is within the per-channel bound of the exact product plus bf16's roundings
+    (activations into ATen's kernel, a bf16 output: 2^-7 of the terms' magnitudes)."""
     from cpu_decode import GEMV_ROWS
 
-    torch.manual_seed(2)
-    for N, K in [(32, 32), (96, 256), (160, 512)]:
-        q = torch.randint(0, 16, (N, K), dtype=torch.int32)
-        assert torch.equal(unpack_int4_cpu(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1), N, K).int(), q)
-    for group in (32, 64, 128, 256):
-        qlinear = Int4Linear(nn.Linear(512, 96), group)
-        q = unpack_int4_cpu(qlinear.weight, 96, 512).float()  # as packed for ATen (checked above)
-        atens = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.eye(512, dtype=torch.bfloat16), qlinear.weight,
-                                                            group, qlinear.scale_zero).float().T  # ATen's W, in bf16
-        scale, zero = (t.repeat_interleave(group, 1) for t in qlinear.scale_zero.float().transpose(0, 1).unbind(-1))
-        qlinear.to_words()
-        w = qlinear.dequantized(slice(None))  # [N,K] fp32
-        torch.testing.assert_close(w, (q - 8) * scale + zero, atol=0, rtol=1e-6)  # one fp32 rounding either way
-        torch.testing.assert_close(w, atens, atol=0, rtol=2**-8)  # ATen's product rounds W to bf16
-        if group not in (32, 256):
-            continue  # the compiled gemv at the smallest and largest group (two compiles each)
-        gemv = torch.compile(qlinear.forward, backend=cpu_backend, fullgraph=True)
-        for rows in (1, GEMV_ROWS):
-            x = torch.randn(rows, 512)
-            want = x @ w.T + qlinear.bias.detach()
-            tol = 512 * 2**-24 * (x.abs() @ w.abs().T).max().item()  # fp32 sums of K terms, either order
-            torch.testing.assert_close(gemv(x), want, atol=tol, rtol=0)
-
-
-def test_engine_repacks_int4_only_to_compile_on_cpu():
-    """Eager keeps ATen's layout (its kernel is the fast eager one); an Engine that compiles on CPU puts
-    every int4 linear of outputs a multiple of 32 in words, once, without changing what it computes."""
-    model = quantize(ParVL.from_config(PRESETS["tiny"], torch.bfloat16).eval(), "int4", GROUP)
-    linears = [m for m in model.modules() if isinstance(m, Int4Linear)]
-    x = torch.randn(3, linears[0].in_features, dtype=torch.bfloat16)
-    before = linears[0](x).float()
-    Engine(model)
-    assert not any(m.words for m in linears)
-    Engine(model, compile=True)  # torch.compile is lazy: nothing compiles here
-    assert all(m.words == (m.out_features % 32 == 0) for m in linears) and any(m.words for m in linears)
-    torch.testing.assert_close(linears[0](x).float(), before, atol=0, rtol=2**-7)  # bf16 x in ATen's: 2^-8 apart
+    torch.manual_seed(3)
+    linear = nn.Linear(256, 96)
+    qlinear = Int8Linear(linear)
+    compiled = torch.compile(qlinear.forward, backend=cpu_backend, fullgraph=True)
+    err, half = weight_error(linear.weight.detach(), "int8")
+    cases = [(r, torch.float32) for r in range(1, GEMV_ROWS + 3)] + [(2, torch.bfloat16), (8, torch.bfloat16)]
+    for rows, dtype in cases:
+        x = torch.randn(rows, 256).to(dtype)
+        exact = F.linear(x.float(), linear.weight.detach(), linear.bias.detach())
+        bound = x.float().abs() @ half.T + 2**-7 * (x.float().abs() @ linear.weight.detach().abs().T) + 1e-5
+        assert ((compiled(x).float() - exact).abs() <= bound).all(), (rows, dtype)
 
 
 @pytest.fixture(scope="module")
@@ -222,13 +194,11 @@ def test_scope_and_checks():
 def test_compiled_step_reads_each_packed_weight_once(checkpoint, mode, group):
     """The CPU decode step with quantized linears compiles as one graph (fullgraph: a break is an error),
     equals eager, and reads each packed weight once: every graph input of a packed weight's shape goes
-    to exactly one kernel call (inductor's own reductions, quant.int8_words_gemv / int4_words_gemv; an
-    int4 linear of outputs not a multiple of 32 keeps ATen's layout and kernel, which inductor lowers to
-    quantized.int4mm_packed_weight_cpu), and no buffer of a weight's full shape is allocated (nothing
-    dequantises a weight into memory first)."""
+    to exactly one kernel call (int8: inductor's own reduction, quant.int8_words_gemv; int4: ATen's
+    kernel, which inductor lowers to quantized.int4mm_packed_weight_cpu), and no buffer of a weight's
+    full shape is allocated (nothing dequantises a weight into memory first)."""
     folder = checkpoint("qwen3", "original")
     model = quantize(ParVL.from_pretrained(folder), mode, group or 128)
-    for_compiled_cpu_decode(model)  # as Engine does when it compiles on CPU: int4 as words
     tok = Tokenizer.from_pretrained(folder)
     ids = tok.encode(build_prompt("Describe the image.", [1]))
     step = first_decode_step(model, ids, random_pixels(1, seed=4))
