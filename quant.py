@@ -176,7 +176,9 @@ class Int4Linear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [...,K] -> [...,N]
-        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)  # [M,K]: both kernels take bf16 activations
+        # [M,K]: both kernels take bf16 activations, CUDA's (tinygemm) only contiguous ones: prefill's
+        # last position h[:, -1] is a strided view
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16).contiguous()
         if x.device.type == "cpu":
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.group_size, self.scale_zero)
         else:
