@@ -1,19 +1,30 @@
 """The GPU suite: one prepared run that proves the CUDA paths and leaves figures behind.
 
-    bash bench/h200.sh [OUT]            # on a CUDA machine (an H200): nothing downloaded, < 10 minutes
+    bash bench/h200.sh [OUT]            # on a CUDA machine (an H200): nothing downloaded, over 10 minutes
     bash bench/h200.sh --dry-run [OUT]  # the same steps on CPU at tiny sizes (what CI runs)
+    bash bench/h200.sh OUT --steps tests latency_quant training   # part one (each step within its limit)
+    bash bench/h200.sh OUT2 --steps latency                       # part two, to another folder
 
-Steps, each in its own process with a time limit, so one failure never stops the rest:
+Seen on the first H200 run (torch 2.11.0+cu130): the tests took 85 s; every compiled row of a latency
+step compiles its own decode step (static shapes: the batch size is in the KV cache's shape), 42-55 s
+for the 1B model, so a row costs about a minute and the latency step about seven. The steps' limits
+(240 + 420 + 2 x 180 + 2 x 240 s) exceed one command of a lease (10 minutes): run the parts above,
+part one first (every CUDA path: tests, quantized decode, FSDP2), each to its own OUT (a run writes its
+OUT/h200.json whole, "not run" for the steps it skips).
+
+Steps, each in its own process with a time limit, so one failure never stops the rest (run in the
+order 1, 3, 4, 2: the CUDA paths first, the long protocol last):
 1. tests: `pytest -m gpu` (tests/test_gpu.py: compiled reduce-overhead decode against eager for 1:1,
    4:4, shared KV and per-sample pairs; tests/test_quant.py: the same with int8 / int4 weights) and
    tests/test_kernels.py (the SDPA kernel of every attention case from torch.profiler, and no graph
    break in the decode step); the kernel table is kept.
 2. latency: profiling.py's latency protocol (paper Appendix C.1: 3 tiles = 768 image tokens, 256
    text tokens, exactly 128 new tokens, 3 warm-ups, 10 timed iterations) for the 1B architecture
-   with random weights at 1:1, 4:4 and 4:4 shared KV, batch 1, 2, 4, 8, bf16, compiled decode; the
-   Table S7 layout next to the paper's numbers, and the Table 4 ratios.
+   with random weights at 1:1, 4:4 and 4:4 shared KV, batch 1 and 8 (the table's ends: all four batch
+   sizes would compile 12 rows, over ten minutes), bf16, compiled decode; the Table S7 layout next to
+   the paper's numbers, and the Table 4 ratios.
 3. quantized latency: the same protocol at 1:1 with the language model's weights in int8 and int4
-   (profiling.py latency --quant, groups of 128), batch 1 and 8, 2 warm-ups and 5 timed iterations,
+   (profiling.py latency --quant, groups of 128), batch 1, 2 warm-ups and 5 timed iterations,
    beside bf16's 1:1 rows of step 2: CUDA-graph decode on the packed weights (quant.py).
 4. training: a short FSDP2 run of train.py (torchrun, one process per GPU) of the 1B architecture
    with random weights on synthetic rows of the paper's shape (one 2-tile image + thumbnail = 768
@@ -44,12 +55,15 @@ PAPER_S7 = {
     ("4:4", False): ([2.048, 1.061, 0.558, 0.313], [2.837, 3.456, 4.677, 7.117]),
     ("4:4", True): ([2.422, 1.288, 0.681, 0.414], [2.571, 2.908, 3.585, 4.927]),
 }
-BATCHES = [1, 2, 4, 8]
+BATCHES = [1, 2, 4, 8]  # Table S7's columns
+LATENCY_BATCHES = [1, 8]  # what the suite measures of them: a compiled row costs about a minute on an H200
 
 
-def run(cmd: list[str], timeout: float, env: dict | None = None, last_json: bool = False) -> dict:
+def run(cmd: list[str], timeout: float, env: dict | None = None, last_json: bool = False,
+        log: Path | None = None) -> dict:
     """Run one step; never raise: status ok / failed / timeout, the exit code, the output's tail and, with
-    last_json, its last JSON line (whole: a profile's line alone can be longer than the tail)."""
+    last_json, its last JSON line (whole: a profile's line alone can be longer than the tail); with log,
+    the whole output is written there and kept under "output" (the caller pops it)."""
     t0 = time.perf_counter()
     try:
         res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
@@ -60,6 +74,9 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, last_json: bool
         out = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
     print(f"[{status}] {' '.join(cmd[:6])} ... ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     res = {"status": status, "rc": rc, "seconds": round(time.perf_counter() - t0, 1), "cmd": cmd, "tail": out[-4000:]}
+    if log is not None:
+        log.write_text(out)
+        res["output"] = out
     if last_json:
         res["json"] = next((x for x in reversed(out.splitlines()) if x.startswith("{")), None)
     return res
@@ -67,14 +84,21 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, last_json: bool
 
 def step_tests(out: Path, dry: bool) -> dict:
     report = out / "kernels.json"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
            "tests/test_gpu.py", "tests/test_quant.py", "tests/test_kernels.py"]
     # on CUDA the GPU tests and the kernel tests; the dry run (CPU, inside the suite, which runs both
     # files itself) only proves the plumbing: pytest runs and the kernel table comes back
     cmd += ["-m", "gpu"] if not dry else ["-k", "every_attention_case"]
-    res = run(cmd, 240, {"PARVL_KERNEL_REPORT": str(report)})
+    res = run(cmd, 240, {"PARVL_KERNEL_REPORT": str(report)}, log=out / "tests.log")
     res["kernels"] = json.loads(report.read_text()) if report.exists() else None
+    res["failed"] = failed_ids(res.pop("output"))
     return res
+
+
+def failed_ids(output: str) -> list[str]:
+    """The ids of the failed (and erroring) tests in pytest's -rfE summary, whatever the tail kept of
+    their tracebacks."""
+    return [x.split(" - ")[0].split(" ", 1)[1] for x in output.splitlines() if x.startswith(("FAILED ", "ERROR "))]
 
 
 def step_latency(dry: bool) -> dict:
@@ -82,15 +106,16 @@ def step_latency(dry: bool) -> dict:
         size = ["--arch", "tiny", "--device", "cpu", "--dtype", "fp32", "--batch", "1", "2", "--warmup", "1",
                 "--iters", "1", "--new-tokens", "4", "--tiles", "1", "--text-tokens", "16", "--threads", "1"]
     else:  # the protocol's defaults: 3 tiles, 256 text tokens, 128 new tokens, 3 warm-ups, 10 iterations
-        size = ["--arch", "1b", "--device", "cuda", "--dtype", "bf16", "--batch", *map(str, BATCHES), "--compile"]
+        size = ["--arch", "1b", "--device", "cuda", "--dtype", "bf16", "--batch", *map(str, LATENCY_BATCHES),
+                "--compile"]
     res = run([sys.executable, "profiling.py", "latency", "--pv", "4", "--pl", "4", "--baseline", "--compare-shared",
-               "--json", *size], 60 if dry else 330, last_json=True)
+               "--json", *size], 60 if dry else 420, last_json=True)
     line = res.pop("json")
     res["rows"] = json.loads(line)["rows"] if res["status"] == "ok" and line else None
     return res
 
 
-QUANT_BATCHES = [1, 8]
+QUANT_BATCHES = [1]
 
 
 def step_latency_quant(dry: bool) -> dict:
@@ -106,7 +131,7 @@ def step_latency_quant(dry: bool) -> dict:
     res = {"status": "ok", "rows": [], "runs": {}}
     for mode in ("int8", "int4"):
         run_ = run([sys.executable, "profiling.py", "latency", "--pv", "1", "--pl", "1", "--json", "--quant", mode,
-                    *(group if mode == "int4" else []), *size], 60 if dry else 240, last_json=True)
+                    *(group if mode == "int4" else []), *size], 60 if dry else 180, last_json=True)
         line = run_.pop("json")
         if run_["status"] == "ok" and line:
             res["rows"] += json.loads(line)["rows"]
@@ -245,7 +270,7 @@ def quant_markdown(rows: list[dict], quant_rows: list[dict]) -> list[str]:
     return md
 
 
-STEPS = ("tests", "latency", "latency_quant", "training")
+STEPS = ("tests", "latency_quant", "training", "latency")  # the order they run in: every CUDA path first
 
 
 def main(argv=None) -> int:
@@ -253,6 +278,8 @@ def main(argv=None) -> int:
                                             "figures to OUT.")
     p.add_argument("out", nargs="?", default="runs/h200", help="output folder (default runs/h200)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny sizes: check the suite itself (CI)")
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS),
+                   help="the steps to run, in this order (default: all, as listed)")
     args = p.parse_args(argv)
     import torch
 
@@ -264,10 +291,13 @@ def main(argv=None) -> int:
     result = {"dry_run": args.dry_run, "torch": torch.__version__,
               "device": "cpu" if args.dry_run else torch.cuda.get_device_name(0)}
     t0 = time.perf_counter()
-    for name, step in (("tests", lambda: step_tests(out, args.dry_run)),
-                       ("latency", lambda: step_latency(args.dry_run)),
-                       ("latency_quant", lambda: step_latency_quant(args.dry_run)),
-                       ("training", lambda: step_training(out, args.dry_run))):
+    steps = {"tests": lambda: step_tests(out, args.dry_run), "latency": lambda: step_latency(args.dry_run),
+             "latency_quant": lambda: step_latency_quant(args.dry_run),
+             "training": lambda: step_training(out, args.dry_run)}
+    for name in STEPS:
+        result[name] = {"status": "not run"}
+    for name in args.steps:
+        step = steps[name]
         try:
             result[name] = step()
         except Exception as e:  # noqa: BLE001  the suite records a broken step and goes on
@@ -278,7 +308,7 @@ def main(argv=None) -> int:
     (out / "h200.md").write_text(markdown(result))
     print((out / "h200.md").read_text())
     print(json.dumps({k: result[k]["status"] for k in STEPS} | {"seconds": result["seconds"]}))
-    return 0 if all(result[k]["status"] == "ok" for k in STEPS) else 1
+    return 0 if all(result[k]["status"] == "ok" for k in args.steps) else 1
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ def test_suite_dry_run_writes_every_figure(tmp_path):
     result = json.loads((tmp_path / "h200.json").read_text())
     assert ({k: result[k]["status"] for k in ("tests", "latency", "training")}
             == dict.fromkeys(("tests", "latency", "training"), "ok"))
+    assert result["tests"]["failed"] == [] and "passed" in (tmp_path / "tests.log").read_text()
     kernels = result["tests"]["kernels"]
     assert len(kernels) == 9 and all(k["fused"] for k in kernels.values()), kernels  # 4 cases at 1:1, 5 at 2:2
     rows = result["latency"]["rows"]
@@ -37,3 +38,19 @@ def test_suite_dry_run_writes_every_figure(tmp_path):
     md = (tmp_path / "h200.md").read_text()
     assert "| int8 | 1 |" in md and "| int4-g32 | 2 |" in md  # the quantized rows, beside bf16's (fp32 here)
     assert "Table S7" in md and "| 4:4 | yes | latency (s) |" in md and "1.963" in md  # the paper's numbers beside ours
+
+
+def test_failed_ids_read_from_pytest_summary(tmp_path):
+    """The suite keeps the ids of failed tests (its output's tail can hold a single traceback): read from a
+    real pytest run with one passing, one failing and one erroring test."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from h200 import failed_ids
+
+    (tmp_path / "test_x.py").write_text(
+        "import pytest\n\n@pytest.fixture\ndef broken():\n    raise RuntimeError('no')\n\n"
+        "def test_ok():\n    pass\n\n@pytest.mark.parametrize('n', [1, 2])\n"
+        "def test_bad(n):\n    assert n == 1, 'a - b'\n\n"
+        "def test_err(broken):\n    pass\n")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider", "test_x.py"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert failed_ids(res.stdout) == ["test_x.py::test_bad[2]", "test_x.py::test_err"], res.stdout
