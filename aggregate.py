@@ -77,7 +77,8 @@ class Rows:
         if index.shape != (items,):
             raise ValueError(f"a branch per item: need {items} branch indices, got shape {tuple(index.shape)}")
         if index.numel() and not (0 <= int(index.min()) and int(index.max()) < branches):
-            raise ValueError(f"branch indices {index.tolist()} out of range: the model has {branches} branches")
+            raise ValueError(f"branch indices {index.tolist()} out of range: the model has {branches} "
+                             f"branch{'' if branches == 1 else 'es'}")
         return Rows(index, 1)
 
     def per_tile(self, num_tiles: torch.Tensor) -> Rows:

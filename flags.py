@@ -308,12 +308,3 @@ def resolve_branch_flags(given: dict, par: ParConfig, vit_width: int, model: str
         raise UsageError(why)
     ParConfig(**values)  # the ranges, as the flags' own
     return values
-
-
-def check_branch_choice(par: ParConfig, vision_branch: int | None, language_branch: int | None) -> None:
-    """--vision-branch and --language-branch (generate.py, evaluate.py run) against the checkpoint's
-    branch counts: one line naming the flag."""
-    for name, value, count in (("--vision-branch", vision_branch, par.pv),
-                               ("--language-branch", language_branch, par.pl)):
-        if value is not None and not 0 <= value < count:
-            raise ValueError(f"{name} {value} out of range: the checkpoint has {count} branches")

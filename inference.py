@@ -133,10 +133,10 @@ def open_model(flags: InferenceFlags) -> tuple[Path, ParVLConfig, Tokenizer]:
 def check_branch_choice(par: ParConfig, vision_branch: int | None, language_branch: int | None) -> None:
     """--vision-branch and --language-branch against the checkpoint's branch counts: one line naming the
     flag, exit 2 (a flag that turns out bad once config.json is read)."""
-    for name, value, count in (("--vision-branch", vision_branch, par.pv),
-                               ("--language-branch", language_branch, par.pl)):
+    for tower, value, count in (("vision", vision_branch, par.pv), ("language", language_branch, par.pl)):
         if value is not None and not 0 <= value < count:
-            raise UsageError(f"{name} {value} out of range: the checkpoint has {count} branches")
+            raise UsageError(f"--{tower}-branch {value} out of range: the checkpoint has {count} {tower} "
+                             f"branch{'' if count == 1 else 'es'} (0 to {count - 1})")
 
 
 def check_new_tokens(max_new_tokens: int, cfg: ParVLConfig) -> None:

@@ -602,6 +602,24 @@ def test_bad_branch_choices_are_refused():
         model.extract_features(pixels, vision_branch=[0])
     with pytest.raises(ValueError, match="sums to 2"):
         model.extract_features(pixels, vision_branch=[0, 1], num_tiles=[1, 1])
+    with pytest.raises(ValueError, match=r"out of range: the model has 2 branches$"):
+        model(ids, pixels, mask, vision_branch=[0, 2])
+
+
+def test_branch_flag_out_of_range_names_the_tower_and_its_count():
+    """--vision-branch / --language-branch beyond the checkpoint's branches: one line naming the flag, the
+    tower's count in words that fit it (1 branch, 2 branches) and the range to pick from."""
+    from cli import UsageError
+    from inference import check_branch_choice
+
+    par = ParConfig(pv=1, pl=4)
+    with pytest.raises(UsageError) as e:
+        check_branch_choice(par, 1, None)
+    assert str(e.value) == "--vision-branch 1 out of range: the checkpoint has 1 vision branch (0 to 0)"
+    with pytest.raises(UsageError) as e:
+        check_branch_choice(par, 0, 4)
+    assert str(e.value) == "--language-branch 4 out of range: the checkpoint has 4 language branches (0 to 3)"
+    check_branch_choice(par, 0, 3)  # the last of each is a choice
 
 
 @pytest.mark.slow
