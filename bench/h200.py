@@ -63,7 +63,7 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, last_json: bool
         log: Path | None = None) -> dict:
     """Run one step; never raise: status ok / failed / timeout, the exit code, the output's tail and, with
     last_json, its last JSON line (whole: a profile's line alone can be longer than the tail); with log,
-    the whole output is written there and kept under "output" (the caller pops it)."""
+    the whole output is written there."""
     t0 = time.perf_counter()
     try:
         res = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
@@ -76,7 +76,6 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, last_json: bool
     res = {"status": status, "rc": rc, "seconds": round(time.perf_counter() - t0, 1), "cmd": cmd, "tail": out[-4000:]}
     if log is not None:
         log.write_text(out)
-        res["output"] = out
     if last_json:
         res["json"] = next((x for x in reversed(out.splitlines()) if x.startswith("{")), None)
     return res
@@ -91,7 +90,7 @@ def step_tests(out: Path, dry: bool) -> dict:
     cmd += ["-m", "gpu"] if not dry else ["-k", "every_attention_case"]
     res = run(cmd, 240, {"PARVL_KERNEL_REPORT": str(report)}, log=out / "tests.log")
     res["kernels"] = json.loads(report.read_text()) if report.exists() else None
-    res["failed"] = failed_ids(res.pop("output"))
+    res["failed"] = failed_ids((out / "tests.log").read_text())
     return res
 
 
@@ -290,16 +289,14 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     result = {"dry_run": args.dry_run, "torch": torch.__version__,
               "device": "cpu" if args.dry_run else torch.cuda.get_device_name(0)}
+    result |= {name: {"status": "not run"} for name in STEPS}
     t0 = time.perf_counter()
     steps = {"tests": lambda: step_tests(out, args.dry_run), "latency": lambda: step_latency(args.dry_run),
              "latency_quant": lambda: step_latency_quant(args.dry_run),
              "training": lambda: step_training(out, args.dry_run)}
-    for name in STEPS:
-        result[name] = {"status": "not run"}
     for name in args.steps:
-        step = steps[name]
         try:
-            result[name] = step()
+            result[name] = steps[name]()
         except Exception as e:  # noqa: BLE001  the suite records a broken step and goes on
             result[name] = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
         (out / "h200.json").write_text(json.dumps(result, indent=2))  # what is done so far survives a kill

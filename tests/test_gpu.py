@@ -15,7 +15,8 @@ from engine import Engine, GenerateConfig, decode_one_token, prefill
 from fsdp import Trained
 from parvl import ParVL
 
-CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+CUDA = [pytest.mark.gpu, needs_cuda]
 # the same bodies on CPU (slow: inductor compiles each variant): the properties hold there too, and a test
 # that no longer runs is found without a GPU
 DEVICES = [pytest.param("cpu", marks=pytest.mark.slow), pytest.param("cuda", marks=CUDA)]
@@ -102,7 +103,7 @@ def pinned(batch):
 
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
 def test_training_micro_batch_has_no_host_sync(packed):
     """train.micro_loss forward and backward on a 2:2 model with images, padding (or packing) and a
     text-only row, under torch.cuda.set_sync_debug_mode("error"): any host synchronisation raises. The

@@ -40,10 +40,10 @@ def test_suite_dry_run_writes_every_figure(tmp_path):
     assert "Table S7" in md and "| 4:4 | yes | latency (s) |" in md and "1.963" in md  # the paper's numbers beside ours
 
 
-def test_failed_ids_read_from_pytest_summary(tmp_path):
+def test_failed_ids_read_from_pytest_summary(tmp_path, monkeypatch):
     """The suite keeps the ids of failed tests (its output's tail can hold a single traceback): read from a
     real pytest run with one passing, one failing and one erroring test."""
-    sys.path.insert(0, str(REPO / "bench"))
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
     from h200 import failed_ids
 
     (tmp_path / "test_x.py").write_text(
