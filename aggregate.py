@@ -4,15 +4,15 @@ back token by token (Eq. 2).
 
 Rows. A tower (the ViT over tiles, the LLM over samples) runs as a batch of rows; `Rows` says which
 branch each row runs. Two layouts:
-- dense: every item (tile or sample) runs all P branches. `fold` repeats the batch P times,
-  branch-major (row p*B + b is branch p of item b), and `unfold` fuses the P rows of an item with
+- dense: every item (tile or sample) runs all P branches. `to_rows` repeats the batch P times,
+  branch-major (row p*B + b is branch p of item b), and `to_items` fuses the P rows of an item with
   the Aggregator. The ParVL model as trained.
 - per item: each item runs one branch of its own (a fixed pair for every sample, or a router's
   choice per sample). Row b is item b running branch[b]; nothing is repeated or fused, so the
   other branches' compute is skipped (P x less than dense).
 Either way every row gathers its own branch's prefixes, `prefix_k[rows.branch]` (or, for LoRA
-vision branches, its own low-rank updates, `LoRA`): the attention code has one path. `fold`,
-`unfold` and `per_branch` below are the only places rows and items are converted.
+vision branches, its own low-rank updates, `LoRA`): the attention code has one path. `to_rows`,
+`to_items` and `per_branch` below are the only places rows and items are converted.
 
 Prefix attention (Eq. 1): the row's learned prefix K/V [Lp] sit in front of its token K/V, queries
 are not prefixed; the ViT attends bidirectionally, the LLM causally aligned bottom-right (token i
@@ -32,6 +32,7 @@ item), T tokens (the queries), S key slots (prefix slots and tokens, or the cach
 length, H / Hkv query / key-value heads, D head dim, C width (the LLM's; Cv the ViT's where both
 appear), V vocabulary; px the tile side in pixels (448).
 """
+
 from __future__ import annotations
 
 import functools
@@ -69,32 +70,43 @@ class Rows:
         """Rows for `items` items of a tower with `branches` branches. One branch per item has nothing
         to share, so shared_kv only changes the layout of dense rows."""
         if choice is None:
-            index = torch.arange(branches, device=device).repeat_interleave(items)  # [P*B] branch-major
+            # [P*B] branch-major
+            index = torch.arange(branches, device=device).repeat_interleave(items)
             return Rows(index, branches, shared_kv and branches > 1)
         if isinstance(choice, int):
             choice = [choice] * items
         index = torch.as_tensor(choice, dtype=torch.long).to(device)
         if index.shape != (items,):
-            raise ValueError(f"a branch per item: need {items} branch indices, got shape {tuple(index.shape)}")
+            raise ValueError(
+                f"a branch per item: need {items} branch indices, got shape {tuple(index.shape)}"
+            )
         if index.numel() and not (0 <= int(index.min()) and int(index.max()) < branches):
-            raise ValueError(f"branch indices {index.tolist()} out of range: the model has {branches} "
-                             f"branch{'' if branches == 1 else 'es'}")
+            raise ValueError(
+                f"branch indices {index.tolist()} out of range: the model has {branches} "
+                f"branch{'' if branches == 1 else 'es'}"
+            )
         return Rows(index, 1)
 
     def per_tile(self, num_tiles: torch.Tensor) -> Rows:
         """Sample rows -> the rows of their tiles (num_tiles [B] tiles per sample, on the host)."""
         if self.dense:
-            raise ValueError("per_tile maps a branch per sample to its tiles; dense rows need no mapping")
-        index = self.branch.repeat_interleave(num_tiles.to(self.branch.device), output_size=int(num_tiles.sum()))
+            raise ValueError(
+                "per_tile maps a branch per sample to its tiles; dense rows need no mapping"
+            )
+        index = self.branch.repeat_interleave(
+            num_tiles.to(self.branch.device), output_size=int(num_tiles.sum())
+        )
         return Rows(index, 1)
 
 
-def fold(x: torch.Tensor, rows: Rows) -> torch.Tensor:
+def to_rows(x: torch.Tensor, rows: Rows) -> torch.Tensor:
     """Items [B,...] -> rows [R,...]: repeated P times branch-major when dense, as is per item."""
     return x.repeat(rows.per_item, *([1] * (x.ndim - 1))) if rows.dense else x
 
 
-def unfold(h: torch.Tensor, rows: Rows, aggregator: Aggregator | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def to_items(
+    h: torch.Tensor, rows: Rows, aggregator: Aggregator | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows [R,T,C] -> items [B,T,C] and the branch weights [B,T,P] (None per item: nothing to fuse)."""
     if not rows.dense:
         return h, None
@@ -104,7 +116,9 @@ def unfold(h: torch.Tensor, rows: Rows, aggregator: Aggregator | None) -> tuple[
 def per_branch(x: torch.Tensor, rows: Rows, branches: int) -> torch.Tensor:
     """The rows of all P = `branches` branches [R,...] -> [B,P,...]: every item's P branch values side by side, not
     fused (router.py's teacher scores each branch of a sample). P = 1 too: its rows are the items, [B,1,...]."""
-    assert rows.per_item == branches, f"per_branch reads the rows of all {branches} branches, not {rows.per_item}"
+    assert rows.per_item == branches, (
+        f"per_branch reads the rows of all {branches} branches, not {rows.per_item}"
+    )
     return x.view(rows.per_item, -1, *x.shape[1:]).transpose(0, 1)
 
 
@@ -128,7 +142,9 @@ class PrefixKV(nn.Module):
         else:
             self.prefix_k = self.prefix_v = None
 
-    def row_prefixes(self, rows: Rows, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def row_prefixes(
+        self, rows: Rows, dtype: torch.dtype
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Every row's own branch prefix, gathered once: [R,Hkv,Lp,D] keys and values in dtype (None, None
         without prefixes)."""
         if self.prefix_k is None:
@@ -151,7 +167,8 @@ class LoRA(nn.Module):
 
     def forward(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
         """x [R,T,in] -> every row's own branch's update [R,T,out]."""
-        a, b = self.lora_A[rows.branch].to(x.dtype), self.lora_B[rows.branch].to(x.dtype)  # [R,r,in], [R,out,r]
+        # [R,r,in], [R,out,r]
+        a, b = (self.lora_A[rows.branch].to(x.dtype), self.lora_B[rows.branch].to(x.dtype))
         return (x @ a.transpose(1, 2)) @ b.transpose(1, 2) * self.scale
 
 
@@ -177,9 +194,16 @@ def prefix_mask(token_mask: torch.Tensor, prefix_len: int, branches: int = 1) ->
     return torch.cat([own.expand(B, 1, Tq, branches * prefix_len), token_mask], dim=-1)
 
 
-def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor | None = None,
-                     prefix_v: torch.Tensor | None = None, *, causal: bool,
-                     mask: torch.Tensor | None = None) -> torch.Tensor:
+def prefix_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_k: torch.Tensor | None = None,
+    prefix_v: torch.Tensor | None = None,
+    *,
+    causal: bool,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Eq. 1: softmax(q [P_k; K]^T / sqrt(D)) [P_v; V] for q [R,H,T,D] over keys k, v [R,Hkv,S,D]
     (query head h reads kv head h // (H/Hkv)), with each row's prefix prefix_k/v [R,Hkv,Lp,D] put in
     front of its keys. prefix None: no prefix, or one already in the first key slots (a KV cache
@@ -207,11 +231,15 @@ def prefix_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k
     if mask is None and S == T:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     if T == 1 and mask is not None:
-        out = F.scaled_dot_product_attention(q.view(R, Hkv, H // Hkv, D), k, v, attn_mask=mask)  # mask [R,1,1,S]
+        # mask [R,1,1,S]
+        out = F.scaled_dot_product_attention(q.view(R, Hkv, H // Hkv, D), k, v, attn_mask=mask)
         return out.view(R, H, 1, D)
     if Hkv != H:
-        k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)  # [R,H,S,D]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S) if mask is None else mask)
+        # [R,H,S,D]
+        k, v = (k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1))
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=causal_lower_right(T, S) if mask is None else mask
+    )
 
 
 @functools.cache
@@ -221,8 +249,9 @@ def compiled_flex_attention():
     return torch.compile(flex_attention)
 
 
-def shared_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches: int,
-                        mask: torch.Tensor) -> torch.Tensor:
+def shared_kv_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branches: int, mask: torch.Tensor
+) -> torch.Tensor:
     """Appendix C.2: q [P*B,H,T,D] (dense rows, branch-major) over a shared cache k, v [B,Hkv,P*Lp+S,D]
     whose slots p*Lp..(p+1)*Lp-1 hold branch p's prefix and whose token slots hold the mean-reduced
     token K/V. The P branch queries of a sample are stacked along the query axis, [B,H,P*T,D], so no
@@ -231,14 +260,19 @@ def shared_kv_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, branc
     P, T = branches, q.shape[2]
     q = q.view(P, -1, *q.shape[1:]).permute(1, 2, 0, 3, 4).flatten(2, 3)  # [B,H,P*T,D]
     out = prefix_attention(q, k, v, causal=True, mask=mask)  # [B,H,P*T,D]
-    return out.view(out.shape[0], out.shape[1], P, T, -1).permute(2, 0, 1, 3, 4).flatten(0, 1)  # [P*B,H,T,D]
+    # [P*B,H,T,D]
+    return out.view(out.shape[0], out.shape[1], P, T, -1).permute(2, 0, 1, 3, 4).flatten(0, 1)
 
 
-def shared_kv_mask(mask: torch.Tensor | None, B: int, T: int, P: int, Lp: int, device) -> torch.Tensor:
+def shared_kv_mask(
+    mask: torch.Tensor | None, B: int, T: int, P: int, Lp: int, device
+) -> torch.Tensor:
     """Mask [B,1,P*T,P*Lp+S] for shared-KV attention: query row p*T + t (branch p, token t) sees only
     branch p's prefix block and the token slots its token-level mask [B,1,T,S] allows."""
     if mask is None:  # prefill from token 0 without padding: plain causal over the T tokens
-        mask = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None].expand(B, 1, T, T)
+        mask = (
+            torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None].expand(B, 1, T, T)
+        )
     return prefix_mask(mask.repeat(1, 1, P, 1), Lp, P)
 
 
@@ -256,7 +290,9 @@ class Aggregator(nn.Module):
         assert kind in ("mlp", "mean") and 0.0 <= smoothing <= 1.0, (kind, smoothing)
         self.branches, self.smoothing, self.kind = branches, smoothing, kind
         if kind == "mlp":  # ParScale's aggregate_layer: P*C -> C -> P
-            self.mlp = nn.Sequential(nn.Linear(branches * width, width), nn.SiLU(), nn.Linear(width, branches))
+            self.mlp = nn.Sequential(
+                nn.Linear(branches * width, width), nn.SiLU(), nn.Linear(width, branches)
+            )
 
     def weights(self, z_PBTC: torch.Tensor) -> torch.Tensor:
         """Smoothed branch weights [B,T,P] in fp32 for branch states [P,B,T,C]."""
@@ -282,8 +318,12 @@ class Aggregator(nn.Module):
         if self.kind != "mlp":
             return {}
         (w0, b0), (w2, b2) = ((m.weight, m.bias) for m in (self.mlp[0], self.mlp[2]))
-        return {"mlp.0.weight": torch.empty(w0.shape).normal_(std=0.02), "mlp.0.bias": torch.zeros(b0.shape),
-                "mlp.2.weight": torch.zeros(w2.shape), "mlp.2.bias": torch.zeros(b2.shape)}
+        return {
+            "mlp.0.weight": torch.empty(w0.shape).normal_(std=0.02),
+            "mlp.0.bias": torch.zeros(b0.shape),
+            "mlp.2.weight": torch.zeros(w2.shape),
+            "mlp.2.bias": torch.zeros(b2.shape),
+        }
 
 
 def entropy(w_BTP: torch.Tensor) -> torch.Tensor:

@@ -5,12 +5,12 @@ released InternVL3.5 sizes and a tiny one that runs on CPU in seconds.
     cfg = PRESETS["1b"]                                            # InternVL3.5-1B: Pv = Pl = 1
     cfg = dataclasses.replace(PRESETS["tiny"], par=ParConfig(pv=2, pl=2))
 
-Nothing here reads a file or parses a flag: config.json's spellings are checkpoint.py's, the command
-line's flags.py's. ParConfig's fields document themselves once for both (field metadata: "help",
-"range" as an interval such as "[1, inf)", "choices"); flags.py makes a command's branch flags of them,
-checkpoint.py reads config.json's "parvl" block against them, and out_of_range below checks a range
-for either.
+Nothing here reads a file or parses a flag: config.json's spellings are loading/checkpoint.py's, the
+command line's inference/flags.py's. ParConfig's fields document themselves once for both (field
+metadata: "help", "range" as an interval such as "[1, inf)", "choices"); inference/flags.py makes a
+command's branch flags of them, loading/checkpoint.py reads config.json's "parvl" block against them.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields
 @dataclass
 class ViTConfig:
     """InternViT-300M-448px-V2_5 by default; InternViT-6B is norm_type "rms_norm", qk_norm, no qkv bias."""
+
     hidden_size: int = 1024
     intermediate_size: int = 4096
     num_layers: int = 24
@@ -35,7 +36,9 @@ class ViTConfig:
         assert self.hidden_size % self.num_heads == 0, (self.hidden_size, self.num_heads)
         assert self.image_size % self.patch_size == 0, (self.image_size, self.patch_size)
         if self.norm_type not in ("layer_norm", "rms_norm"):
-            raise ValueError(f"vision norm_type must be layer_norm or rms_norm, got {self.norm_type!r}")
+            raise ValueError(
+                f"vision norm_type must be layer_norm or rms_norm, got {self.norm_type!r}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -49,6 +52,7 @@ class ViTConfig:
 @dataclass
 class LLMConfig:
     """Qwen3 (InternVL3.5) by default; Qwen2/2.5 (InternVL3) is qkv_bias, no qk_norm."""
+
     vocab_size: int = 151936
     hidden_size: int = 1024
     intermediate_size: int = 3072
@@ -68,61 +72,104 @@ class LLMConfig:
         assert self.head_dim % 2 == 0, self.head_dim
 
 
+def range_error(value: float, interval: str) -> str | None:
+    """What is wrong with a value outside its interval ("[1, inf)", "(0, 1]", ...), as "must be >= 1, got 0",
+    or None inside it. (The shell's flags word a flag out of range alike, shell/flags.py's out_of_range; the
+    model's files import nothing of the shell.)"""
+    low, high = (float(x) for x in interval[1:-1].split(","))
+    if (low < value or interval[0] == "[" and value == low) and (
+        value < high or interval[-1] == "]" and value == high
+    ):
+        return None
+    low = int(low) if low.is_integer() else low
+    bound = (
+        (f">= {low}" if interval[0] == "[" else f"> {low}")
+        if high == float("inf")
+        else f"in {interval}"
+    )
+    return f"must be {bound}, got {value}"
+
+
 @dataclass
 class ParConfig:
     """The ParVL branches. Pv = Pl = 1 adds nothing: the model is exactly InternVL3.5. A value out of its
     range or choices is a ValueError naming the field ("lora_rank must be >= 1, got 0")."""
-    pv: int = field(default=1, metadata={"help": "vision branches Pv (the paper studies 1, 2, 4)",
-                                         "range": "[1, inf)"})
-    pl: int = field(default=1, metadata={"help": "language branches Pl (the paper studies 1, 2, 4)",
-                                         "range": "[1, inf)"})
-    vit_prefix_len: int = field(default=96, metadata={
-        "help": "key/value prefix tokens per ViT layer and vision branch (the paper: 96; Figure 3 sweeps 72, 96, "
-                "128)", "range": "[0, inf)"})
-    llm_prefix_len: int = field(default=48, metadata={
-        "help": "key/value prefix tokens per LLM layer and language branch (the paper: 48)", "range": "[0, inf)"})
-    lambda_v: float = field(default=0.0, metadata={
-        "help": "smoothing of the vision branch weights toward uniform (the paper: 0)", "range": "[0, 1]"})
-    lambda_l: float = field(default=0.1, metadata={
-        "help": "smoothing of the language branch weights toward uniform (the paper: 0.1)", "range": "[0, 1]"})
-    aggregation: str = field(default="mlp", metadata={
-        "help": "how branches fuse: mlp (Eq. 2, the paper's) or mean (Table S8's ablation)",
-        "choices": ["mlp", "mean"]})
-    vision_branches: str = field(default="prefix", metadata={
-        "help": "prefix (Eq. 1, the paper's) or lora: a low-rank update of the ViT's qkv, proj, fc1, fc2 per vision "
-                "branch (Figure 3; B starts at zero, alpha = 2 x rank)", "choices": ["prefix", "lora"]})
-    lora_rank: int = field(default=16, metadata={"help": "rank of lora vision branches (the paper's best)",
-                                                 "range": "[1, inf)"})
+
+    pv: int = field(
+        default=1,
+        metadata={"help": "vision branches Pv (the paper studies 1, 2, 4)", "range": "[1, inf)"},
+    )
+    pl: int = field(
+        default=1,
+        metadata={"help": "language branches Pl (the paper studies 1, 2, 4)", "range": "[1, inf)"},
+    )
+    vit_prefix_len: int = field(
+        default=96,
+        metadata={
+            "help": "key/value prefix tokens per ViT layer and vision branch (the paper: 96; Figure 3 sweeps 72, 96, "
+            "128)",
+            "range": "[0, inf)",
+        },
+    )
+    llm_prefix_len: int = field(
+        default=48,
+        metadata={
+            "help": "key/value prefix tokens per LLM layer and language branch (the paper: 48)",
+            "range": "[0, inf)",
+        },
+    )
+    lambda_v: float = field(
+        default=0.0,
+        metadata={
+            "help": "smoothing of the vision branch weights toward uniform (the paper: 0)",
+            "range": "[0, 1]",
+        },
+    )
+    lambda_l: float = field(
+        default=0.1,
+        metadata={
+            "help": "smoothing of the language branch weights toward uniform (the paper: 0.1)",
+            "range": "[0, 1]",
+        },
+    )
+    aggregation: str = field(
+        default="mlp",
+        metadata={
+            "help": "how branches fuse: mlp (Eq. 2, the paper's) or mean (Table S8's ablation)",
+            "choices": ["mlp", "mean"],
+        },
+    )
+    vision_branches: str = field(
+        default="prefix",
+        metadata={
+            "help": "prefix (Eq. 1, the paper's) or lora: a low-rank update of the ViT's qkv, proj, fc1, "
+            "fc2 per vision branch (Figure 3; B starts at zero, alpha = 2 x rank)",
+            "choices": ["prefix", "lora"],
+        },
+    )
+    lora_rank: int = field(
+        default=16,
+        metadata={"help": "rank of lora vision branches (the paper's best)", "range": "[1, inf)"},
+    )
 
     def __post_init__(self):
         """Each field's type, range and choices, in field order (a config.json's "parvl" block is one too)."""
         for f in fields(self):
             value, meta = getattr(self, f.name), f.metadata
             kind = type(f.default)  # int, float or str: what a value must be
-            if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else kind):
-                raise ValueError(f"{f.name} must be {'a string' if kind is str else 'a number'}"
-                                 f"{' (an integer)' if kind is int else ''}, got {value!r}")
-            if "range" in meta and (why := out_of_range(self, {f.name: meta["range"]})):
-                raise ValueError(f"{f.name} {why.partition(' ')[2]}")
+            if isinstance(value, bool) or not isinstance(
+                value, (int, float) if kind is float else kind
+            ):
+                raise ValueError(
+                    f"{f.name} must be {'a string' if kind is str else 'a number'}"
+                    f"{' (an integer)' if kind is int else ''}, got {value!r}"
+                )
+            if "range" in meta and (why := range_error(value, meta["range"])):
+                raise ValueError(f"{f.name} {why}")
             if "choices" in meta and value not in meta["choices"]:
-                raise ValueError(f"{f.name} must be {' or '.join(map(repr, meta['choices']))}, got {value!r}")
-
-
-def out_of_range(values, ranges: dict[str, str]) -> str | None:
-    """The first field of `values` (a config, or any object with those attributes) whose value lies outside
-    its interval ("[1, inf)", "(0, 1]", ...), as one line ("--top-p must be in (0, 1], got 1.5"), or None.
-    None (not given) passes; a list is checked element by element. ParConfig checks its own fields with it,
-    flags.py every command's flags."""
-    for name, interval in ranges.items():
-        value = getattr(values, name, None)
-        low, high = (float(x) for x in interval[1:-1].split(","))
-        inside = [(low < x or interval[0] == "[" and x == low) and (x < high or interval[-1] == "]" and x == high)
-                  for x in (value if isinstance(value, list) else [value]) if x is not None]
-        if not all(inside):
-            low = int(low) if low.is_integer() else low
-            bound = (f">= {low}" if interval[0] == "[" else f"> {low}") if high == float("inf") else f"in {interval}"
-            return f"--{name.replace('_', '-')} must be {bound}, got {value}"
-    return None
+                raise ValueError(
+                    f"{f.name} must be {' or '.join(map(repr, meta['choices']))}, got {value!r}"
+                )
 
 
 @dataclass
@@ -140,7 +187,9 @@ class ParVLConfig:
 
     def __post_init__(self):
         r = round(1 / self.downsample_ratio)
-        assert self.vit is None or (r * self.downsample_ratio == 1.0 and self.vit.grid % r == 0), self.downsample_ratio
+        assert self.vit is None or (r * self.downsample_ratio == 1.0 and self.vit.grid % r == 0), (
+            self.downsample_ratio
+        )
         if self.vit is None and self.par.pv != 1:
             raise ValueError("a language-only model has no vision branches: pv must be 1")
         if self.ps_version not in ("v1", "v2"):
@@ -161,14 +210,30 @@ class ParVLConfig:
 # The InternVL3.5 sizes (the released configs) and a tiny preset that runs on CPU in seconds.
 VIT_300M = ViTConfig()
 PRESETS = {
-    "1b": ParVLConfig(VIT_300M, LLMConfig(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16)),
-    "2b": ParVLConfig(VIT_300M, LLMConfig(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16)),
-    "4b": ParVLConfig(VIT_300M, LLMConfig(hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32)),
-    "8b": ParVLConfig(VIT_300M, LLMConfig(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32)),
+    "1b": ParVLConfig(
+        VIT_300M, LLMConfig(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16)
+    ),
+    "2b": ParVLConfig(
+        VIT_300M, LLMConfig(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16)
+    ),
+    "4b": ParVLConfig(
+        VIT_300M, LLMConfig(hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32)
+    ),
+    "8b": ParVLConfig(
+        VIT_300M, LLMConfig(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32)
+    ),
     "tiny": ParVLConfig(
         ViTConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4),
-        LLMConfig(vocab_size=512, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
-                  num_kv_heads=2, head_dim=32, max_position_embeddings=8192),
+        LLMConfig(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=96,
+            num_layers=2,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=32,
+            max_position_embeddings=8192,
+        ),
         image_token_id=300,
     ),
 }
@@ -178,5 +243,12 @@ def branch_variant(par: ParConfig) -> dict:
     """A configuration's branch parameterisation where it is not the paper's (Figure 3, Table S8): the
     ParConfig fields other than the counts that differ from their defaults ({} for the paper's). What
     evaluate.py run records of a checkpoint and profiling.py latency of the model it profiles."""
-    unused, paper = "lora_rank" if par.vision_branches == "prefix" else "vit_prefix_len", ParConfig()
-    return {k: v for k, v in asdict(par).items() if k not in ("pv", "pl", unused) and v != getattr(paper, k)}
+    unused, paper = (
+        "lora_rank" if par.vision_branches == "prefix" else "vit_prefix_len",
+        ParConfig(),
+    )
+    return {
+        k: v
+        for k, v in asdict(par).items()
+        if k not in ("pv", "pl", unused) and v != getattr(paper, k)
+    }

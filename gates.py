@@ -4,7 +4,7 @@ Pv:Pl branches is executed at 1:1 cost. This module is the router itself (gates,
 E1 / E2, loading); router.py is the command that labels, trains and evaluates it.
 
     router = load_router("DIR", model)                  # a folder written by `router.py train`
-    engine = Engine(model, router=router)               # one routed pair per prompt (engine.py)
+    engine = Engine(model, router=router)               # one routed pair per prompt (inference/engine.py)
 
 Sequential routing (E): the vision gate reads a pooled thumbnail feature and the frozen text
 embeddings and picks v; only branch v of the ViT runs; the language gate reads its pooled connector
@@ -34,22 +34,17 @@ Choices where Appendix E is silent (all cheap):
 
 Shape legend: aggregate.py's (B samples, Cv ViT width, C LLM width).
 """
+
 from __future__ import annotations
 
 import hashlib
-import json
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
-from checkpoint import is_branch_tensor, read_json
-from files import write_text, writing
-from parvl import ParVL
-from weights import read_safetensors
+from parvl import ParVL, is_branch_tensor
 
 
 class RouterError(ValueError):
@@ -77,7 +72,8 @@ class Gate(nn.Module):
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a, b = a.to(self.fc1.weight.dtype), b.to(self.fc1.weight.dtype)
-        x = torch.cat([F.layer_norm(a, a.shape[-1:]), F.layer_norm(b, b.shape[-1:])], dim=-1)  # [B,X+Y]
+        # [B,X+Y]
+        x = torch.cat([F.layer_norm(a, a.shape[-1:]), F.layer_norm(b, b.shape[-1:])], dim=-1)
         return self.fc2(F.gelu(self.fc1(x)))
 
 
@@ -94,7 +90,9 @@ class Router(nn.Module):
         text: torch.Tensor,  # [B,C] pooled question embedding
         connector: torch.Tensor,  # [B,Pv,C] pooled connector output of every vision branch (training)
         has_image: torch.Tensor,  # [B] bool
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # vision logits [B,Pv], language logits [B,Pl], v [B]
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor
+    ]:  # vision logits [B,Pv], language logits [B,Pl], v [B]
         """The training path: the language gate reads the branch the vision gate currently picks."""
         logits_v = self.vision_gate(image, text)
         v = torch.where(has_image, logits_v.argmax(-1), 0)  # text-only: no vision choice
@@ -102,20 +100,30 @@ class Router(nn.Module):
         return logits_v, self.language_gate(chosen, text), v
 
     @torch.no_grad()
-    def route(self, model: ParVL, input_ids: torch.Tensor, valid: torch.Tensor,
-              pixel_values: torch.Tensor | None) -> tuple[list[int], list[int], torch.Tensor | None]:
+    def route(
+        self,
+        model: ParVL,
+        input_ids: torch.Tensor,
+        valid: torch.Tensor,
+        pixel_values: torch.Tensor | None,
+    ) -> tuple[list[int], list[int], torch.Tensor | None]:
         """Inference: (vision branch [B], language branch [B], the chosen branches' connector output
         [N,256,C] or None) for a batch of prompts ([B,T], valid False on padding). The vision gate
         runs before any ViT block; then each sample's tiles run its own branch once."""
         image_id, per_tile = model.cfg.image_token_id, model.cfg.tokens_per_tile
-        text = text_feature(model, input_ids, question_span(input_ids, valid, self.cfg.im_start_id, image_id))
+        text = text_feature(
+            model, input_ids, question_span(input_ids, valid, self.cfg.im_start_id, image_id)
+        )
         tiles = image_tiles(input_ids, image_id, per_tile)
         num_tiles = torch.tensor([sum(t) for t in tiles], device=input_ids.device)  # [B]
         v = torch.zeros(len(tiles), dtype=torch.long, device=input_ids.device)
         connector, features = torch.zeros_like(text), None
         if pixel_values is not None and pixel_values.shape[0]:
-            v = torch.where(num_tiles > 0,
-                            self.vision_gate(thumbnail_feature(model, pixel_values, tiles), text).argmax(-1), 0)
+            v = torch.where(
+                num_tiles > 0,
+                self.vision_gate(thumbnail_feature(model, pixel_values, tiles), text).argmax(-1),
+                0,
+            )
             features = model.extract_features(pixel_values, v, num_tiles=num_tiles)  # [N,256,C]
             connector = pool_tiles(features, num_tiles)
         return v.tolist(), self.language_gate(connector, text).argmax(-1).tolist(), features
@@ -126,24 +134,33 @@ class Router(nn.Module):
         if model.cfg.vit is None:
             raise RouterError(f"{where}: routes multimodal checkpoints; this one is language-only")
         if (c.pv, c.pl) != (par.pv, par.pl):
-            raise RouterError(f"{where}: trained for Pv:Pl = {c.pv}:{c.pl}, the model has {par.pv}:{par.pl}")
+            raise RouterError(
+                f"{where}: trained for Pv:Pl = {c.pv}:{c.pl}, the model has {par.pv}:{par.pl}"
+            )
         widths = (model.cfg.vit.hidden_size, model.cfg.llm.hidden_size)
         if (c.vision_width, c.text_width) != widths:
-            raise RouterError(f"{where}: trained for ViT / LLM width {c.vision_width} / {c.text_width}, "
-                              f"the model has {widths[0]} / {widths[1]}")
+            raise RouterError(
+                f"{where}: trained for ViT / LLM width {c.vision_width} / {c.text_width}, "
+                f"the model has {widths[0]} / {widths[1]}"
+            )
         if c.fingerprint and c.fingerprint != fingerprint(model):
-            raise RouterError(f"{where}: trained for checkpoint {c.fingerprint}, the model is {fingerprint(model)}")
+            raise RouterError(
+                f"{where}: trained for checkpoint {c.fingerprint}, the model is {fingerprint(model)}"
+            )
 
 
 # -- gate inputs ------------------------------------------------------------------------------
 
 
-def question_span(input_ids: torch.Tensor, prompt: torch.Tensor, im_start_id: int, image_id: int) -> torch.Tensor:
+def question_span(
+    input_ids: torch.Tensor, prompt: torch.Tensor, im_start_id: int, image_id: int
+) -> torch.Tensor:
     """[B,T] bool: the last user turn of each prompt (prompt [B,T] marks its tokens), see module docstring."""
     starts = (input_ids == im_start_id) & prompt  # [B,T]
     after = starts.flip(-1).cumsum(-1).flip(-1)  # [B,T] <|im_start|> at or after each position
     span = (after == 1) & ~starts
-    span = torch.where(starts.sum(-1, keepdim=True) >= 2, span, True)  # fewer than two turns: all of it
+    # fewer than two turns: all of it
+    span = torch.where(starts.sum(-1, keepdim=True) >= 2, span, True)
     return span & prompt & (input_ids != image_id)
 
 
@@ -157,17 +174,26 @@ def image_tiles(input_ids: torch.Tensor, image_id: int, per_tile: int) -> list[l
     """Tiles of each image of each sample, read off the runs of <IMG_CONTEXT> tokens ([B] lists)."""
     out = []
     for row in (input_ids == image_id).long():
-        edges = torch.diff(row, prepend=row.new_zeros(1), append=row.new_zeros(1))  # +1 run start, -1 run end
+        # +1 run start, -1 run end
+        edges = torch.diff(row, prepend=row.new_zeros(1), append=row.new_zeros(1))
         starts, ends = (edges == 1).nonzero()[:, 0], (edges == -1).nonzero()[:, 0]
         out.append([(int(e - s)) // per_tile for s, e in zip(starts, ends)])
     return out
 
 
-def thumbnail_feature(model: ParVL, pixel_values: torch.Tensor, tiles: list[list[int]]) -> torch.Tensor:
+def thumbnail_feature(
+    model: ParVL, pixel_values: torch.Tensor, tiles: list[list[int]]
+) -> torch.Tensor:
     """Mean patch embedding of each image's last tile (its thumbnail), averaged per sample -> [B,Cv] fp32."""
-    last = torch.tensor([n for t in tiles for n in t]).cumsum(0) - 1  # [M] index of every image's last tile
+    # [M] index of every image's last tile
+    last = torch.tensor([n for t in tiles for n in t]).cumsum(0) - 1
     sample = torch.tensor([b for b, t in enumerate(tiles) for _ in t])  # [M]
-    emb = model.vision_model.embeddings(pixel_values[last.to(pixel_values.device)])[:, 1:].float().mean(1)  # [M,Cv]
+    # [M,Cv]
+    emb = (
+        model.vision_model.embeddings(pixel_values[last.to(pixel_values.device)])[:, 1:]
+        .float()
+        .mean(1)
+    )
     out = emb.new_zeros(len(tiles), emb.shape[-1]).index_add_(0, sample.to(emb.device), emb)
     return out / torch.tensor([max(len(t), 1) for t in tiles], device=emb.device)[:, None]
 
@@ -175,8 +201,9 @@ def thumbnail_feature(model: ParVL, pixel_values: torch.Tensor, tiles: list[list
 def pool_tiles(features: torch.Tensor, num_tiles: torch.Tensor) -> torch.Tensor:
     """Connector output [N,256,C] -> mean per sample [B,C] fp32 (num_tiles [B]; zero without tiles)."""
     per_tile = features.float().mean(1)  # [N,C]; every tile has the same token count
-    sample = torch.repeat_interleave(torch.arange(len(num_tiles), device=features.device),
-                                     num_tiles.to(features.device))
+    sample = torch.repeat_interleave(
+        torch.arange(len(num_tiles), device=features.device), num_tiles.to(features.device)
+    )
     out = per_tile.new_zeros(len(num_tiles), per_tile.shape[-1]).index_add_(0, sample, per_tile)
     return out / num_tiles.to(out.device).clamp(min=1)[:, None]
 
@@ -190,8 +217,14 @@ def path_teacher(nll: torch.Tensor, tau: float) -> torch.Tensor:
     return (-(c - c.min(-1, keepdim=True).values) / tau).softmax(-1).view_as(nll)
 
 
-def router_loss(logits_v: torch.Tensor, logits_l: torch.Tensor, nll: torch.Tensor, v: torch.Tensor,
-                has_image: torch.Tensor, tau: float) -> torch.Tensor:
+def router_loss(
+    logits_v: torch.Tensor,
+    logits_l: torch.Tensor,
+    nll: torch.Tensor,
+    v: torch.Tensor,
+    has_image: torch.Tensor,
+    tau: float,
+) -> torch.Tensor:
     """Eq. E2 per sample [B]: 1/2 CE(q_v, p_v) + 1/2 CE(q_l, p_l), with q_v(v) = sum_l q(v,l) the vision
     target and q_l(l) ∝ exp(-c[v_hat,l] / tau) the language target given the gate's current choice v
     [B]. Text-only samples (has_image False) carry no vision term."""
@@ -210,55 +243,21 @@ def fingerprint(model: ParVL) -> str:
     """A short id of a checkpoint: every tensor's name and shape, and the values of the branch tensors
     and every 1-D tensor (norms, biases) rounded to bf16, so fp32 and bf16 loads agree, and --quant's too."""
     h = hashlib.sha256()
-    # a weight-only quantized linear (quant.py, --quant) counts as the nn.Linear it replaced: its weight's name
-    # and [out, in] shape, its bias; not its packed layout or scales: the checkpoint is the same
+    # a weight-only quantized linear (inference/quant.py, --quant) counts as the nn.Linear it replaced: its
+    # weight's name and [out, in] shape, its bias; not its packed layout or scales: the checkpoint is the same
     quantized = {f"{n}.": m for n, m in model.named_modules() if getattr(m, "QUANTIZED", False)}
     for name, t in sorted(model.state_dict().items()):
-        owner = quantized.get(name[:name.rfind(".") + 1])
+        owner = quantized.get(name[: name.rfind(".") + 1])
         if owner is not None and not name.endswith((".weight", ".bias")):
             continue
-        shape = (owner.out_features, owner.in_features) if owner is not None and name.endswith(".weight") else t.shape
+        shape = (
+            (owner.out_features, owner.in_features)
+            if owner is not None and name.endswith(".weight")
+            else t.shape
+        )
         h.update(f"{name}{tuple(shape)};".encode())
         if is_branch_tensor(name) or t.ndim <= 1:
-            h.update(t.detach().to("cpu", torch.bfloat16).reshape(-1).view(torch.int16).numpy().tobytes())
+            h.update(
+                t.detach().to("cpu", torch.bfloat16).reshape(-1).view(torch.int16).numpy().tobytes()
+            )
     return h.hexdigest()[:16]
-
-
-
-ROUTER_SAVED = ("router.safetensors", "config.json")  # what save_router writes and load_router reads of a folder
-
-
-def save_router(router: Router, folder: Path, extra: dict) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    with writing(folder / "router.safetensors"):  # a full disk names the file, not safetensors' own error
-        save_file({k: v.detach().cpu().contiguous() for k, v in router.state_dict().items()},
-                  str(folder / "router.safetensors"))
-    write_text(folder / "config.json", json.dumps({"router": asdict(router.cfg), **extra}, indent=2))
-
-
-def load_router(path: str | Path, model: ParVL | None = None) -> Router:
-    """A router folder (config.json + router.safetensors), checked against `model` when given."""
-    folder = Path(path)
-    if not folder.is_dir():
-        raise RouterError(f"{folder}: no such router folder")
-    if not (folder / "config.json").is_file():  # read_json's line would ask whether it is a checkpoint
-        held = ", ".join(sorted(p.name for p in folder.iterdir())[:5]) or "nothing"
-        raise RouterError(f"{folder}: not a router folder (it holds {held}; router.py train writes config.json and "
-                          f"router.safetensors)")
-    raw = read_json(folder / "config.json")
-    try:
-        cfg = RouterConfig(**raw["router"])
-    except (KeyError, TypeError) as e:
-        raise RouterError(f"{folder}/config.json: not a router config ({type(e).__name__}: {e})") from None
-    if not (folder / "router.safetensors").is_file():
-        raise RouterError(f"{folder}: no router.safetensors")
-    state = read_safetensors(folder / "router.safetensors")
-    router = Router(cfg)
-    want = {k: tuple(v.shape) for k, v in router.state_dict().items()}
-    if {k: tuple(v.shape) for k, v in state.items()} != want:
-        raise RouterError(f"{folder}/router.safetensors: tensors do not match its config.json")
-    router.load_state_dict(state)
-    if model is not None:
-        router.check(model, str(folder))
-        router.to(model.language_model.lm_head.weight.device)
-    return router.eval()

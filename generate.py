@@ -7,40 +7,44 @@
     python generate.py image.png --chat                 # interactive multi-turn session (no image: text only)
     python generate.py --batch questions.jsonl --out answers.jsonl   # resumable; rows {"image", "question"}
 
-One answer (streamed), a --chat session or a --batch file, on the engine (engine.py). The command
+One answer (streamed), a --chat session or a --batch file, on the engine (inference/engine.py). The command
 sits above the model: it resolves and loads the checkpoint, builds the prompts and prints.
 """
+
 from __future__ import annotations
 
 import json
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-import cli
-from cli import SEEDS, command, error, hms, log, one_line, peak_memory_gib, resolve_device
-from engine import Engine, GenerateConfig, context_check
-from files import regular_file, write_text, writing
-from flags import Command, dispatch, flag
-from inference import InferenceFlags, check_new_tokens, load_engine, open_model
-from processor import ImageError, Tokenizer, build_prompt, check_text, load_image, open_rgb, place_images, tile_count
-
+from data.processor import Tokenizer, build_prompt, load_image, open_rgb, place_images, tile_count
+from inference.engine import Engine, GenerateConfig, context_check
+from inference.flags import InferenceFlags, check_new_tokens, load_engine, open_model
+from inference.questions import answer_file, answered_lines, read_questions
+from shell import cli
+from shell.cli import SEEDS, command, log, one_line
+from shell.devices import peak_memory_gib, resolve_device
+from shell.flags import Command, dispatch, flag
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".gif", ".bmp", ".tif", ".tiff", ".webp")
 
 
 @dataclass
 class GenerateFlags(InferenceFlags):
-    """generate.py's flags, one field each (flags.flag): the inference flags (inference.py), then its own."""
+    """generate.py's flags, one field each (flags.flag): the inference flags (inference/flags.py), then its own."""
 
-    inputs: list[str] = flag(help="zero or more image paths, then the question (with --chat: images only, or none "
-                             "for a text-only session; with --batch: nothing)", positional=True, nargs="*",
-                             factory=list)
+    inputs: list[str] = flag(
+        help="zero or more image paths, then the question (with --chat: images only, or none "
+        "for a text-only session; with --batch: nothing)",
+        positional=True,
+        nargs="*",
+        factory=list,
+    )
     max_new_tokens: int = flag(512, "token budget per answer", unit="tokens", range="[1, inf)")
     temperature: float = flag(0.0, "sampling temperature; 0 = greedy", range="[0, inf)")
     top_p: float = flag(1.0, "nucleus sampling probability mass, 1 = off", range="(0, 1]")
@@ -49,63 +53,109 @@ class GenerateFlags(InferenceFlags):
     system: str | None = flag(None, "system message text", shown="InternVL's own")
     chat: bool = flag(False, "interactive multi-turn session; images enter the first turn")
     json: bool = flag(False, "print one JSON line with the answer and metrics instead of text")
-    batch: str | None = flag(None, 'answer every row {"image": path or list of paths (optional, relative to the '
-                             'file), "question": ...} of a JSONL file; answers as JSONL in input order',
-                             metavar="QUESTIONS.jsonl", reads=True)
-    batch_size: int = flag(8, "--batch: questions per generate call, left-padded together", range="[1, inf)")
-    out: str | None = flag(None, "--batch: answers file, appended to; rows it already answers are skipped (resume)",
-                           metavar="FILE", shown="stdout, no resume", writes=True)
+    batch: str | None = flag(
+        None,
+        'answer every row {"image": path or list of paths (optional, relative to the '
+        'file), "question": ...} of a JSONL file; answers as JSONL in input order',
+        metavar="QUESTIONS.jsonl",
+        reads=True,
+    )
+    batch_size: int = flag(
+        8, "--batch: questions per generate call, left-padded together", range="[1, inf)"
+    )
+    out: str | None = flag(
+        None,
+        "--batch: answers file, appended to; rows it already answers are skipped (resume)",
+        metavar="FILE",
+        shown="stdout, no resume",
+        writes=True,
+    )
 
     def check(self) -> None:
         """Flags that exclude each other, and a question that is missing or is an image path."""
         super().check()
         if self.batch is not None:
             if self.inputs or self.chat or self.json:
-                raise ValueError("--batch reads images and questions from its file: no inputs, --chat or --json "
-                                 "with it")
+                raise ValueError(
+                    "--batch reads images and questions from its file: no inputs, --chat or --json "
+                    "with it"
+                )
             return
         if self.out is not None:
             raise ValueError("--out goes with --batch")
-        if not self.chat:  # the last input is the question; an image file there means it was left out
+        # the last input is the question; an image file there means it was left out
+        if not self.chat:
             if not self.inputs:
-                raise ValueError("no question: give zero or more images, then the question (or --chat for a session)")
+                raise ValueError(
+                    "no question: give zero or more images, then the question (or --chat for a session)"
+                )
             last = self.inputs[-1]
+            # "What is in cat.jpg" stays a question
             if (last.lower().endswith(IMAGE_SUFFIXES) and not any(c.isspace() for c in last)) or (
-                    len(last) < 4096 and Path(last).is_file()):  # "What is in cat.jpg" stays a question
-                raise ValueError(f"no question after {last!r}: the last argument is the question (or use --chat)")
-
+                len(last) < 4096 and Path(last).is_file()
+            ):
+                raise ValueError(
+                    f"no question after {last!r}: the last argument is the question (or use --chat)"
+                )
 
 
 def respond(args: GenerateFlags) -> int:
     """The job: load the model once, then one answer, the --chat session or the --batch file."""
-    images, question = (args.inputs, None) if args.chat or args.batch else (args.inputs[:-1], args.inputs[-1])
+    images, question = (
+        (args.inputs, None) if args.chat or args.batch else (args.inputs[:-1], args.inputs[-1])
+    )
     device = resolve_device(args.device)
-    rows = read_questions(Path(args.batch)) if args.batch else []  # bad rows fail before any model is fetched
-    done = answered_lines(Path(args.out), rows, Path(args.batch)) if args.batch and args.out else set()
-    folder, mcfg, tok = open_model(args)  # tiles and tokens as the model sees them, and its own tokenizer
+    # bad rows fail before any model is fetched
+    rows = read_questions(Path(args.batch)) if args.batch else []
+    done = (
+        answered_lines(Path(args.out), rows, Path(args.batch)) if args.batch and args.out else set()
+    )
+    # tiles and tokens as the model sees them, and its own tokenizer
+    folder, mcfg, tok = open_model(args)
     check_new_tokens(args.max_new_tokens, mcfg)
     if any(r["paths"] for r in rows) and mcfg.vit is None:
         raise ValueError(f"{folder}: a language-only model takes no images ({args.batch} has some)")
     if images and mcfg.vit is None:
         raise ValueError(f"{folder}: a language-only model takes no images")
-    tiling = dict(max_tiles=args.max_tiles or mcfg.max_dynamic_patch, use_thumbnail=mcfg.use_thumbnail,
-                  image_size=mcfg.vit.image_size) if images else {}
+    tiling = (
+        dict(
+            max_tiles=args.max_tiles or mcfg.max_dynamic_patch,
+            use_thumbnail=mcfg.use_thumbnail,
+            image_size=mcfg.vit.image_size,
+        )
+        if images
+        else {}
+    )
     opened = [open_rgb(path) for path in images]  # bad images fail before the weights load
     num_tiles = [tile_count(img, **tiling) for img in opened]
     t0 = time.perf_counter()
     prompt = None
     # a prompt that cannot fit is refused before any image is tiled or the weights are read
     if not args.chat:
-        prompt = build_prompt(place_images(question, len(num_tiles)), num_tiles, system=args.system,
-                              tokens_per_tile=mcfg.tokens_per_tile)
-        context_check(len(tok.encode(prompt)), args.max_new_tokens, mcfg.llm.max_position_embeddings)
+        prompt = build_prompt(
+            place_images(question, len(num_tiles)),
+            num_tiles,
+            system=args.system,
+            tokens_per_tile=mcfg.tokens_per_tile,
+        )
+        context_check(
+            len(tok.encode(prompt)), args.max_new_tokens, mcfg.llm.max_position_embeddings
+        )
     else:  # the session's first turn holds the images' tokens at least
-        context_check(sum(num_tiles) * mcfg.tokens_per_tile, args.max_new_tokens, mcfg.llm.max_position_embeddings)
+        context_check(
+            sum(num_tiles) * mcfg.tokens_per_tile,
+            args.max_new_tokens,
+            mcfg.llm.max_position_embeddings,
+        )
     pixel_list = [load_image(img, **tiling) for img in opened]
     engine = load_engine(args, folder, device)
     load_s = time.perf_counter() - t0
-    cfg = GenerateConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                         top_k=args.top_k, top_p=args.top_p)
+    cfg = GenerateConfig(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+    )
     pixel_values = torch.cat(pixel_list).to(engine.dtype) if pixel_list else None
     if args.chat:
         return chat_session(engine, tok, pixel_values, num_tiles, cfg, args)
@@ -144,38 +194,58 @@ class Streamer:
         self.ids.append(tokens[0])
         text = self.tok.answer(self.ids)
         if self.enabled and not text.endswith("\ufffd") and len(text) > len(self.shown):
-            self.write(text[len(self.shown):])
+            self.write(text[len(self.shown) :])
             self.shown = text
             sys.stdout.flush()
 
     def finish(self) -> None:
         if self.enabled:  # whatever was held back (a dangling partial character) goes out now
             text = self.tok.answer(self.ids)
-            self.write(text[len(self.shown):] + "\n")
+            self.write(text[len(self.shown) :] + "\n")
 
 
-def answer(engine: Engine, tok: Tokenizer, prompt: str, pixel_values, cfg: GenerateConfig,
-           args: GenerateFlags, load_s: float = 0.0) -> str:
+def answer(
+    engine: Engine,
+    tok: Tokenizer,
+    prompt: str,
+    pixel_values,
+    cfg: GenerateConfig,
+    args: GenerateFlags,
+    load_s: float = 0.0,
+) -> str:
     """Generate one answer, streaming text to stdout (unless --json); metrics to stderr."""
     torch.manual_seed(args.seed)
     ids = tok.encode(prompt)
     streamed = Streamer(tok, enabled=not args.json)
     try:
         res = engine.generate([ids], pixel_values, cfg, stop_ids=tok.eos_ids, callback=streamed)
-    except KeyboardInterrupt as e:  # Ctrl-C (or SIGTERM): end the answer where it is, cleanly, and say so
+    except (
+        KeyboardInterrupt
+    ) as e:  # Ctrl-C (or SIGTERM): end the answer where it is, cleanly, and say so
         text = tok.answer(streamed.ids)
         streamed.finish()
         if args.json:
-            print(json.dumps({"answer": text, "interrupted": True, "new_tokens": len(streamed.ids)},
-                             ensure_ascii=False))
-        raise Interrupted(text, getattr(e, "code", 130) - 128) from None  # a plain KeyboardInterrupt: SIGINT
+            print(
+                json.dumps(
+                    {"answer": text, "interrupted": True, "new_tokens": len(streamed.ids)},
+                    ensure_ascii=False,
+                )
+            )
+        raise Interrupted(
+            text, getattr(e, "code", 130) - 128
+        ) from None  # a plain KeyboardInterrupt: SIGINT
     text = tok.answer(res.tokens[0])
     streamed.finish()
     n = len(res.tokens[0])
     metrics = {
-        "load_s": round(load_s, 3), "ttft_s": round(res.prefill_s, 4), "new_tokens": n,
-        "decode_tok_s": round((res.decode_steps - 1) / res.decode_s, 2) if res.decode_steps > 1 else None,
-        "peak_gib": round(peak_memory_gib(engine.device), 3), "prompt_tokens": len(ids),
+        "load_s": round(load_s, 3),
+        "ttft_s": round(res.prefill_s, 4),
+        "new_tokens": n,
+        "decode_tok_s": round((res.decode_steps - 1) / res.decode_s, 2)
+        if res.decode_steps > 1
+        else None,
+        "peak_gib": round(peak_memory_gib(engine.device), 3),
+        "prompt_tokens": len(ids),
     }
     if res.pairs is not None:  # routed: the (vision, language) branch pair that ran
         metrics["pair"] = list(res.pairs[0])
@@ -192,7 +262,8 @@ def chat_session(engine, tok, pixel_values, num_tiles, cfg, args) -> int:
     history, as it does in chat interfaces. Ctrl-C at the prompt, or SIGTERM at any time, ends the
     session: the interrupt goes on to the command's end (130, 143)."""
     history: list[tuple[str, str]] = []
-    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 reach the turn's check, not input()'s decoder
+    # bytes that are not UTF-8 reach the turn's check, not input()'s decoder
+    if hasattr(sys.stdin, "reconfigure"):
         sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
@@ -208,8 +279,13 @@ def chat_session(engine, tok, pixel_values, num_tiles, cfg, args) -> int:
             question = place_images(question, len(num_tiles))
         try:
             # the whole history is re-sent each turn; its image tokens stay in the first turn
-            prompt = build_prompt(question, num_tiles, history=history, system=args.system,
-                                  tokens_per_tile=engine.model.cfg.tokens_per_tile)
+            prompt = build_prompt(
+                question,
+                num_tiles,
+                history=history,
+                system=args.system,
+                tokens_per_tile=engine.model.cfg.tokens_per_tile,
+            )
             history.append((question, answer(engine, tok, prompt, pixel_values, cfg, args)))
         except ValueError as e:  # this turn only; the session and its history go on
             print(f"error: {one_line(e)} (turn dropped; the conversation goes on)", file=sys.stderr)
@@ -218,135 +294,6 @@ def chat_session(engine, tok, pixel_values, num_tiles, cfg, args) -> int:
                 raise
             print("interrupted: answer stopped (the conversation goes on)", file=sys.stderr)
             history.append((question, e.text))
-
-
-# -- --batch: a JSONL file of questions -----------------------------------------------------------
-
-
-def read_questions(path: Path) -> list[dict]:
-    """The rows of a --batch file: {"line", "image" (as written), "question", "paths"}; every image path
-    (relative to the file) must exist. A bad row is one line naming it, before any weights load."""
-    try:
-        text = regular_file(path, "--batch").read_text(encoding="utf-8")  # a FIFO would block the read
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--batch {path}: cannot read ({e})") from None
-    rows = []
-    for n, raw in enumerate(text.splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            row = json.loads(raw)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path} line {n}: not JSON ({e.msg})") from None
-        except RecursionError:  # Python's JSON reader recurses once per level
-            raise ValueError(f"{path} line {n}: nested deeper than Python's JSON reader goes") from None
-        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not row["question"].strip():
-            raise ValueError(f'{path} line {n}: needs a "question" string')
-        check_text(row["question"], f"{path} line {n}: the question")  # before any weights load
-        image = row.get("image")
-        names = [] if image is None else [image] if isinstance(image, str) else image
-        if not isinstance(names, list) or not all(isinstance(x, str) for x in names):
-            raise ValueError(f'{path} line {n}: "image" must be a path or a list of paths')
-        paths = [path.parent / x for x in names]  # an absolute x stays itself
-        for f in paths:
-            if not f.is_file():
-                raise ImageError(f"{path} line {n}: no image file {f}")
-        rows.append({"line": n, "image": image, "question": row["question"], "paths": paths})
-    if not rows:
-        raise ValueError(f"--batch {path}: no questions")
-    return rows
-
-
-def answered_lines(out: Path, rows: list[dict], questions: Path) -> set[int]:
-    """Question lines the answers file `out` already holds. A last line without its newline (the run
-    was killed while writing it) is cut off; an answer to another file's question is refused."""
-    if not out.is_file():
-        return set()
-    by_line, done, keep = {r["line"]: r["question"] for r in rows}, set(), 0
-    data = out.read_bytes()
-    for raw in data.splitlines(keepends=True):
-        if not raw.endswith(b"\n"):
-            break
-        try:
-            rec = json.loads(raw)
-            line = rec["line"]
-        except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
-            raise ValueError(f"{out}: not an answers file of generate.py --batch; pass another --out") from None
-        if by_line.get(line) != rec.get("question"):
-            raise ValueError(f"{out}: answers another file (line {line} is not that question of {questions}); "
-                             f"pass another --out")
-        done.add(line)
-        keep += len(raw)
-    if keep < len(data):
-        with open(out, "r+b") as f:
-            f.truncate(keep)
-    return done
-
-
-def answer_file(engine: Engine, tok: Tokenizer, rows: list[dict], done: set[int], cfg: GenerateConfig, args) -> int:
-    """--batch: answer the rows not in `done` --batch-size at a time, in input order, each answer written
-    and flushed as its batch ends ({"line", "image", "question", "answer"}), progress on stderr."""
-    questions, out = Path(args.batch), Path(args.out) if args.out else None
-    todo = [r for r in rows if r["line"] not in done]
-    if done:
-        log(f"{out}: {len(done)} of {len(rows)} questions already answered; {len(todo)} to go")
-    torch.manual_seed(args.seed)
-    sink = open(out, "a", encoding="utf-8") if out else sys.stdout
-    t0, tty, unreadable = time.perf_counter(), sys.stderr.isatty(), []
-    try:
-        for start in range(0, len(todo), args.batch_size):
-            batch, prompts, pixels = batch_inputs(todo[start:start + args.batch_size], engine.model.cfg, tok, cfg,
-                                                  args, unreadable)
-            if not batch:
-                continue
-            res = engine.generate(prompts, torch.cat(pixels).to(engine.dtype) if pixels else None, cfg, tok.eos_ids)
-            rows_out = [{"line": r["line"], **({"image": r["image"]} if r["image"] is not None else {}),
-                         "question": r["question"], "answer": tok.answer(ids)} for r, ids in zip(batch, res.tokens)]
-            with writing(out) if out else nullcontext():  # a full disk names the answers file
-                sink.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows_out))
-                sink.flush()
-            n, dt = min(start + args.batch_size, len(todo)), time.perf_counter() - t0
-            eta = dt / n * (len(todo) - n)
-            print(f"{chr(13) if tty else ''}answered {n}/{len(todo)}, {n / dt:.2f} samples/s, elapsed {hms(dt)}, "
-                  f"eta {hms(eta)}", end="" if tty and n < len(todo) else "\n", file=sys.stderr, flush=True)
-    finally:
-        if out:
-            sink.close()
-    if out and done and todo and min(r["line"] for r in todo) < max(done):  # the old file was no prefix
-        ordered = sorted(out.read_text(encoding="utf-8").splitlines(keepends=True), key=lambda x: json.loads(x)["line"])
-        write_text(out, "".join(ordered))
-    if unreadable:  # every other row is answered; a rerun with the same --out tries only these again
-        error(f"error: {len(unreadable)} of {len(todo)} rows not answered, their images unreadable: {questions} "
-              f"line{'s' * (len(unreadable) > 1)} {', '.join(map(str, unreadable))}")
-        return 1
-    return 0
-
-
-def batch_inputs(rows: list[dict], mcfg, tok: Tokenizer, cfg: GenerateConfig, args,
-                 unreadable: list[int]) -> tuple[list[dict], list[list[int]], list[torch.Tensor]]:
-    """One --batch batch: the rows whose images open, their prompts' ids (the command's own prompt for one
-    question, so each answer is the one-by-one answer) and their tiles. A row whose image cannot be read is named
-    and skipped (its line goes into `unreadable`); a prompt past the context is an error naming its line."""
-    questions, batch, prompts, pixels = Path(args.batch), [], [], []
-    for r in rows:
-        tiling = dict(max_tiles=args.max_tiles or mcfg.max_dynamic_patch, use_thumbnail=mcfg.use_thumbnail,
-                      image_size=mcfg.vit.image_size) if r["paths"] else {}
-        try:
-            opened = [open_rgb(f) for f in r["paths"]]
-        except ImageError as e:  # found only now (images are decoded batch by batch): named, skipped
-            log(f"{questions} line {r['line']}: {e}; skipped")
-            unreadable.append(r["line"])
-            continue
-        batch.append(r)
-        question = place_images(r["question"], len(opened))
-        try:  # its length, known from the tile counts, is checked before any image is tiled
-            prompts.append(tok.encode(build_prompt(question, [tile_count(img, **tiling) for img in opened],
-                                                   system=args.system, tokens_per_tile=mcfg.tokens_per_tile)))
-            context_check(len(prompts[-1]), cfg.max_new_tokens, mcfg.llm.max_position_embeddings)
-        except ValueError as e:
-            raise ValueError(f"{questions} line {r['line']}: {e}") from None
-        pixels += [load_image(img, **tiling) for img in opened]
-    return batch, prompts, pixels
 
 
 # -- the command -------------------------------------------------------------------------------------------
@@ -358,8 +305,16 @@ def resumable(args: GenerateFlags) -> Path | None:
 
 
 DESCRIPTION = "Answer a question about images (or text) with ParVL / InternVL3.5."
-COMMANDS = {None: Command(GenerateFlags, respond, writes=resumable, interrupted=lambda args: (
-    "the answers written so far stay; the same command resumes" if resumable(args) else ""))}
+COMMANDS = {
+    None: Command(
+        GenerateFlags,
+        respond,
+        writes=resumable,
+        interrupted=lambda args: (
+            "the answers written so far stay; the same command resumes" if resumable(args) else ""
+        ),
+    )
+}
 
 
 def main(argv=None) -> int:

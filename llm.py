@@ -14,14 +14,23 @@ whole allocated cache.
 
 Parameter names mirror the official `language_model.*` keys. Shape legend: aggregate.py's.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aggregate import (PrefixKV, Rows, fold, mean_branches, prefix_attention, prefix_mask, shared_kv_attention,
-                       shared_kv_mask)
+from aggregate import (
+    PrefixKV,
+    Rows,
+    mean_branches,
+    prefix_attention,
+    prefix_mask,
+    shared_kv_attention,
+    shared_kv_mask,
+    to_rows,
+)
 from config import LLMConfig
 from packing import packed_mask
 
@@ -43,9 +52,13 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rope_tables(head_dim: int, max_pos: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(
+    head_dim: int, max_pos: int, theta: float, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin tables [max_pos, D] in fp32 for rotate-half RoPE (both halves carry the same angles)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim)
+    )
     angles = torch.outer(torch.arange(max_pos, device=device).float(), inv_freq)  # [max_pos,D/2]
     angles = torch.cat([angles, angles], dim=-1)  # [max_pos,D]
     return angles.cos(), angles.sin()
@@ -67,14 +80,18 @@ def causal_mask(key_valid: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
     return mask[:, None]  # [B,1,T,S]
 
 
-def prompt_positions(valid: torch.Tensor, padded: bool | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prompt_positions(
+    valid: torch.Tensor, padded: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rotary positions [B,T] and the causal mask over token slots [B,1,T,T] of prompts whose padding is
     marked False in valid [B,T]: every prompt starts at position 0. padded False (no row is padded)
     gives mask None, which keeps SDPA's fused causal kernels; None reads it off valid (a host sync)."""
     if padded is None:
         padded = not bool(valid.all())
     positions = (valid.long().cumsum(-1) - 1).clamp(min=0)  # [B,T], 0 at each prompt's first token
-    return positions, causal_mask(valid, torch.arange(valid.shape[1], device=valid.device)) if padded else None
+    return positions, causal_mask(
+        valid, torch.arange(valid.shape[1], device=valid.device)
+    ) if padded else None
 
 
 class KVCache(nn.Module):
@@ -85,14 +102,18 @@ class KVCache(nn.Module):
     row's branch prefix. Shared KV (ParVL Appendix C.2): one row per sample, offset = P*Lp, slots
     p*Lp..(p+1)*Lp-1 hold branch p's prefix and the token K/V are the fp32 mean over branches."""
 
-    def __init__(self, rows: int, num_kv_heads: int, slots: int, head_dim: int, offset: int, dtype, device):
+    def __init__(
+        self, rows: int, num_kv_heads: int, slots: int, head_dim: int, offset: int, dtype, device
+    ):
         super().__init__()
         shape = (rows, num_kv_heads, slots, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.offset = offset
 
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         # input_pos [T] cache slots; k, v [rows,Hkv,T,D]
         self.k.index_copy_(2, input_pos, k)
         self.v.index_copy_(2, input_pos, v)
@@ -125,8 +146,10 @@ class Attention(PrefixKV):
         cos: torch.Tensor,  # [R,T,D]
         sin: torch.Tensor,  # [R,T,D]
         rows: Rows,
-        mask: torch.Tensor | None,  # [R,1,T,S] bool over [prefix slots; token slots] (shared KV: see LLM.forward)
-        input_pos: torch.Tensor | None,  # [T] cache slots to write (prefix offset included), None = no cache
+        mask: torch.Tensor
+        | None,  # [R,1,T,S] bool over [prefix slots; token slots] (shared KV: see LLM.forward)
+        input_pos: torch.Tensor
+        | None,  # [T] cache slots to write (prefix offset included), None = no cache
     ) -> torch.Tensor:
         cfg = self.cfg
         R, T, _ = x.shape
@@ -143,9 +166,11 @@ class Attention(PrefixKV):
         else:  # the cache was seeded with the prefixes (LLM.seed_prefixes)
             cache = self.kv_cache
             if rows.shared_kv:  # one token K/V per sample: the fp32 mean over its branches
-                k, v = mean_branches(k, rows.per_item), mean_branches(v, rows.per_item)  # [B,Hkv,T,D]
+                # [B,Hkv,T,D]
+                k, v = (mean_branches(k, rows.per_item), mean_branches(v, rows.per_item))
             k_all, v_all = cache.update(input_pos, k, v)  # [rows,Hkv,S_max,D]
-            S = mask.shape[-1] if mask is not None else cache.offset + T  # mask None: prefill from token 0
+            # mask None: prefill from token 0
+            S = mask.shape[-1] if mask is not None else cache.offset + T
             k, v = k_all[:, :, :S], v_all[:, :, :S]
             if rows.shared_kv:
                 out = shared_kv_attention(q, k, v, rows.per_item, mask)
@@ -194,15 +219,17 @@ class Decoder(nn.Module):
         """(Re)build the rotary tables, e.g. after a model built on the meta device is materialised.
         InternVL3 configs may carry dynamic-NTK rope_scaling; it only acts past max_position_embeddings,
         which no sequence here reaches (the tables end there), so plain RoPE is exact."""
-        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_position_embeddings, self.cfg.rope_theta, device)
+        cos, sin = rope_tables(
+            self.cfg.head_dim, self.cfg.max_position_embeddings, self.cfg.rope_theta, device
+        )
         self.register_buffer("rope_cos", cos, persistent=False)  # [max_pos,D] fp32
         self.register_buffer("rope_sin", sin, persistent=False)
 
 
 class LLM(nn.Module):
     """`language_model`: a Qwen3ForCausalLM (or Qwen2), optionally with P prefix-conditioned branches.
-    `forward` folds the samples into rows (aggregate.fold) and returns every row's final-normed
-    hidden states; the caller unfolds them (aggregate.unfold) and applies lm_head."""
+    `forward` folds the samples into rows (aggregate.to_rows) and returns every row's final-normed
+    hidden states; the caller unfolds them (aggregate.to_items) and applies lm_head."""
 
     def __init__(self, cfg: LLMConfig, branches: int = 1, prefix_len: int = 0):
         super().__init__()
@@ -222,8 +249,15 @@ class LLM(nn.Module):
         R = len(rows.branch)
         n, offset = (R // rows.per_item, rows.per_item * Lp) if rows.shared_kv else (R, Lp)
         for layer in self.model.layers:
-            layer.self_attn.kv_cache = KVCache(n, cfg.num_kv_heads, offset + max_len, cfg.head_dim, offset,
-                                               dtype or w.dtype, device or w.device)
+            layer.self_attn.kv_cache = KVCache(
+                n,
+                cfg.num_kv_heads,
+                offset + max_len,
+                cfg.head_dim,
+                offset,
+                dtype or w.dtype,
+                device or w.device,
+            )
         self.seed_prefixes(rows)
 
     @torch.no_grad()
@@ -235,8 +269,12 @@ class LLM(nn.Module):
                 continue
             if rows.shared_kv:  # every sample: slots p*Lp.. hold branch p's prefix
                 # [P,Hkv,Lp,D] -> [1,Hkv,P*Lp,D]
-                c.k[:, :, : c.offset] = attn.prefix_k.transpose(0, 1).flatten(1, 2).unsqueeze(0).to(c.k.dtype)
-                c.v[:, :, : c.offset] = attn.prefix_v.transpose(0, 1).flatten(1, 2).unsqueeze(0).to(c.v.dtype)
+                c.k[:, :, : c.offset] = (
+                    attn.prefix_k.transpose(0, 1).flatten(1, 2).unsqueeze(0).to(c.k.dtype)
+                )
+                c.v[:, :, : c.offset] = (
+                    attn.prefix_v.transpose(0, 1).flatten(1, 2).unsqueeze(0).to(c.v.dtype)
+                )
             else:  # [R,Hkv,Lp,D]
                 c.k[:, :, : c.offset], c.v[:, :, : c.offset] = attn.row_prefixes(rows, c.k.dtype)
 
@@ -244,11 +282,15 @@ class LLM(nn.Module):
         self,
         x: torch.Tensor,  # [B,T,C] input embeddings
         positions: torch.Tensor,  # [B,T] rotary positions (start at 0 per sample)
-        mask: torch.Tensor | None = None,  # [B,1,T,S] bool over token slots; None = causal, no padding
+        mask: torch.Tensor
+        | None = None,  # [B,1,T,S] bool over token slots; None = causal, no padding
         input_pos: torch.Tensor | None = None,  # [T] token slots in the cache; None = no cache
         rows: Rows | None = None,  # which branch each row runs (aggregate.Rows); None: all P, dense
-        segments: torch.Tensor | None = None,  # [B,T] packed rows: the sample of each token (packing.packed_mask)
-    ) -> torch.Tensor:  # [R,T,C] final-normed hidden states of every row ([P*B,T,C] dense, branch-major)
+        segments: torch.Tensor
+        | None = None,  # [B,T] packed rows: the sample of each token (packing.packed_mask)
+    ) -> (
+        torch.Tensor
+    ):  # [R,T,C] final-normed hidden states of every row ([P*B,T,C] dense, branch-major)
         dec, Lp = self.model, self.prefix_len
         B, T, _ = x.shape
         if rows is None:
@@ -257,16 +299,18 @@ class LLM(nn.Module):
             input_pos = input_pos + dec.layers[0].self_attn.kv_cache.offset
         cos = dec.rope_cos[positions].to(x.dtype)  # [B,T,D], cast like the reference does
         sin = dec.rope_sin[positions].to(x.dtype)
-        x, cos, sin = fold(x, rows), fold(cos, rows), fold(sin, rows)  # [R,T,...]
-        if segments is not None:  # samples packed in rows, no cache: the mask covers the prefix slots too
+        x, cos, sin = to_rows(x, rows), to_rows(cos, rows), to_rows(sin, rows)  # [R,T,...]
+        # samples packed in rows, no cache: the mask covers the prefix slots too
+        if segments is not None:
             assert mask is None and input_pos is None, "packed rows take no mask and no cache"
-            mask = packed_mask(segments, rows, Lp, flex=x.is_cuda)  # CUDA: a BlockMask for flex_attention
+            # CUDA: a BlockMask for flex_attention
+            mask = packed_mask(segments, rows, Lp, flex=x.is_cuda)
         elif rows.shared_kv:
             mask = shared_kv_mask(mask, B, T, rows.per_item, Lp, x.device)
         elif mask is not None and Lp > 0:  # the prefix slots are visible to every token
-            mask = fold(prefix_mask(mask, Lp), rows)  # [R,1,T,Lp+S]
+            mask = to_rows(prefix_mask(mask, Lp), rows)  # [R,1,T,Lp+S]
         elif mask is not None:
-            mask = fold(mask, rows)
+            mask = to_rows(mask, rows)
         for layer in dec.layers:
             x = layer(x, cos, sin, rows, mask, input_pos)
         return dec.norm(x)

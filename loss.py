@@ -8,6 +8,7 @@ logits, final states and the lm_head weight.
 
 Shape legend: aggregate.py's (here B rows and N scored positions).
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,13 +39,21 @@ def token_nll(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy [B, T-1] in fp32: column t scores labels[:, t+1] under logits[:, t]
     [B, T, V]; 0 where the target is not supervised."""
     B, T, V = logits.shape
-    ce = F.cross_entropy(logits[:, :-1].float().reshape(-1, V), labels[:, 1:].reshape(-1), ignore_index=IGNORE,
-                         reduction="none")
+    ce = F.cross_entropy(
+        logits[:, :-1].float().reshape(-1, V),
+        labels[:, 1:].reshape(-1),
+        ignore_index=IGNORE,
+        reduction="none",
+    )
     return ce.view(B, T - 1)
 
 
-def sft_loss(logits: torch.Tensor, labels: torch.Tensor, weight_sum: float | torch.Tensor,
-             segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+def sft_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    weight_sum: float | torch.Tensor,
+    segment_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Eq. 6 (ParVL paper, Appendix A.1; InternVL's square-root loss re-weighting): every supervised
     token of sample b weighs 1/sqrt(n_b), and the weighted sum of token losses is divided by
     `weight_sum`, the sum of the weights over the whole global batch (all micro-batches and ranks,
@@ -54,17 +63,26 @@ def sft_loss(logits: torch.Tensor, labels: torch.Tensor, weight_sum: float | tor
     return (token_nll(logits, labels) * w).sum() / weight_sum
 
 
-LOSS_CHUNK = 2048  # positions whose logits exist at once in chunked_sft_loss: [2048, 151936] fp32 is 1.2 GB
+LOSS_CHUNK = (
+    2048  # positions whose logits exist at once in chunked_sft_loss: [2048, 151936] fp32 is 1.2 GB
+)
 
 
-def chunked_sft_loss(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, weight_sum: float | torch.Tensor,
-                     segment_ids: torch.Tensor | None = None, chunk: int = LOSS_CHUNK) -> torch.Tensor:
+def chunked_sft_loss(
+    h: torch.Tensor,
+    head: torch.Tensor,
+    labels: torch.Tensor,
+    weight_sum: float | torch.Tensor,
+    segment_ids: torch.Tensor | None = None,
+    chunk: int = LOSS_CHUNK,
+) -> torch.Tensor:
     """sft_loss(h @ head.T, labels, weight_sum, segment_ids) from the final hidden states h [B, T, C]
     and the lm_head weight [V, C], without the [B, T, V] logits: at 32K tokens and InternVL3.5's
     151,936-word vocabulary those are 20 GB in fp32, plus as much again for their gradient.
     ChunkedLinearNLL scores `chunk` positions at a time and computes their gradients right there, so
     one chunk's logits exist at once and nothing is recomputed in backward."""
-    w = loss_weights(labels, segment_ids)[:, :-1].reshape(-1)  # [B*(T-1)], 0 where the target is not supervised
+    # [B*(T-1)], 0 where the target is not supervised
+    w = loss_weights(labels, segment_ids)[:, :-1].reshape(-1)
     x = h[:, :-1].reshape(-1, h.shape[-1])  # [B*(T-1), C] position t predicts labels[:, t+1]
     y = labels[:, 1:].reshape(-1)  # [B*(T-1)]
     if torch.is_grad_enabled() and (x.requires_grad or head.requires_grad):
@@ -72,24 +90,34 @@ def chunked_sft_loss(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, 
     return linear_nll(x, head, y, w, chunk, False, False)[0] / weight_sum  # no gradients to compute
 
 
-def linear_nll(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, w: torch.Tensor, chunk: int, need_x: bool,
-               need_w: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def linear_nll(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    y: torch.Tensor,
+    w: torch.Tensor,
+    chunk: int,
+    need_x: bool,
+    need_w: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """ChunkedLinearNLL's work: x [N, C], weight [V, C], y [N], w [N] -> the weighted NLL sum and, where
     asked for, its gradients dx [N, C] (x's dtype) and dW [V, C] (fp32)."""
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     dx = torch.empty_like(x) if need_x else None  # [N, C]
-    dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None  # [V, C]
+    # [V, C]
+    dw = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if need_w else None
     for s in range(0, x.shape[0], chunk):
-        xs, ys, ws = x[s:s + chunk], y[s:s + chunk].clamp(min=0), w[s:s + chunk]  # IGNORE weighs 0 anyway
+        # IGNORE weighs 0 anyway
+        xs, ys, ws = (x[s : s + chunk], y[s : s + chunk].clamp(min=0), w[s : s + chunk])
         logits = F.linear(xs, weight).float()  # [n, V]
         lse = logits.logsumexp(-1)  # [n]
         total += ((lse - logits.gather(1, ys[:, None]).squeeze(1)) * ws).sum()
         if need_x or need_w:
             g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-            g.scatter_add_(1, ys[:, None], g.new_full((len(ys), 1), -1.0))  # - onehot (no host sync)
+            # - onehot (no host sync)
+            g.scatter_add_(1, ys[:, None], g.new_full((len(ys), 1), -1.0))
             g = g.mul_(ws[:, None]).to(x.dtype)  # [n, V] d total / d logits
             if need_x:
-                dx[s:s + chunk] = g @ weight
+                dx[s : s + chunk] = g @ weight
             if need_w:
                 dw += (g.t() @ xs).float()
     return total, dx, dw
@@ -102,29 +130,41 @@ class ChunkedLinearNLL(torch.autograd.Function):
     plain lm_head + cross-entropy, one chunk's logits in memory. w must be 0 where y is IGNORE."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, w: torch.Tensor, chunk: int):
+    def forward(
+        ctx, x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, w: torch.Tensor, chunk: int
+    ):
         total, dx, dw = linear_nll(x, weight, y, w, chunk, *ctx.needs_input_grad[:2])
-        ctx.grads, ctx.weight_dtype = (dx, dw), weight.dtype  # not inputs or outputs: plain attributes
+        # not inputs or outputs: plain attributes
+        ctx.grads, ctx.weight_dtype = ((dx, dw), weight.dtype)
         return total
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         dx, dw = ctx.grads
         del ctx.grads
-        return (None if dx is None else dx * grad.to(dx.dtype),
-                None if dw is None else (dw * grad).to(ctx.weight_dtype), None, None, None)
+        return (
+            None if dx is None else dx * grad.to(dx.dtype),
+            None if dw is None else (dw * grad).to(ctx.weight_dtype),
+            None,
+            None,
+            None,
+        )
 
 
-def answer_nll(h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+def answer_nll(
+    h: torch.Tensor, head: torch.Tensor, labels: torch.Tensor, chunk: int = 4096
+) -> torch.Tensor:
     """The answer NLL of each row: the mean next-token CE over the supervised tokens of final states h
     [R,T,C] under the lm_head weight head [V,C], labels [R,T] (one row of labels per row of states:
-    fold them with aggregate.fold for branch rows) -> [R] fp32. The head runs on supervised positions
+    fold them with aggregate.to_rows for branch rows) -> [R] fp32. The head runs on supervised positions
     only, `chunk` at a time."""
     target = labels[:, 1:]  # [R,T-1] column t scores token t+1
     sel = target != IGNORE
     hs, tg, row = h[:, :-1][sel], target[sel], sel.nonzero()[:, 0]  # [N,C], [N], [N]
     total = torch.zeros(h.shape[0], device=h.device)
     for i in range(0, len(tg), chunk):
-        logits = F.linear(hs[i:i + chunk], head).float()
-        total.index_add_(0, row[i:i + chunk], F.cross_entropy(logits, tg[i:i + chunk], reduction="none"))
+        logits = F.linear(hs[i : i + chunk], head).float()
+        total.index_add_(
+            0, row[i : i + chunk], F.cross_entropy(logits, tg[i : i + chunk], reduction="none")
+        )
     return total / sel.sum(1).clamp(min=1)

@@ -6,19 +6,20 @@ queries see all Lp prefix slots of its row's branch (Eq. 1 per sample), then its
 nothing of the other samples. The mask is dense on CPU and a flex_attention BlockMask on CUDA, which
 lets the kernel skip every block no query sees.
 
-    rows = pack_rows([len(s) for s in samples], max_len=32768)          # batches.py
+    rows = pack_rows([len(s) for s in samples], max_len=32768)          # data/batches.py
     positions = segment_positions(segments)                             # parvl.ParVL.hidden_from_ids
     mask = packed_mask(segments, rows, prefix_len, flex=x.is_cuda)      # llm.LLM.forward
 
 A packed row's segments [B,T] number its samples 0, 1, ... in order, and the padding after the last
 sample is one more segment (so ids never decrease along a row). Shape legend: aggregate.py's.
 """
+
 from __future__ import annotations
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from aggregate import Rows, fold, prefix_mask
+from aggregate import Rows, prefix_mask, to_rows
 
 BLOCK = 128  # flex_attention's block size, on both axes
 
@@ -41,22 +42,26 @@ def segment_positions(segments: torch.Tensor) -> torch.Tensor:
     t = torch.arange(segments.shape[1], device=segments.device).expand_as(segments)  # [B,T]
     first = torch.ones_like(segments, dtype=torch.bool)
     first[:, 1:] = segments[:, 1:] != segments[:, :-1]
-    return t - torch.where(first, t, 0).cummax(dim=1).values  # t - index of the segment's first token
+    # t - index of the segment's first token
+    return t - torch.where(first, t, 0).cummax(dim=1).values
 
 
-def packed_mask(segments: torch.Tensor, rows: Rows, prefix_len: int, flex: bool) -> torch.Tensor | BlockMask:
+def packed_mask(
+    segments: torch.Tensor, rows: Rows, prefix_len: int, flex: bool
+) -> torch.Tensor | BlockMask:
     """The packed-row mask over [prefix slots; tokens] for every row: dense [R,1,T,Lp+T] bool (SDPA
     with a mask), or flex=True a BlockMask of 128 x 128 blocks that lets flex_attention skip every
     block no query sees (on CUDA; flex_attention has no backward on CPU). Key slot k is visible to
     query q iff k < Lp (a prefix slot) or token t = k - Lp has q's segment and t <= q."""
-    seg = fold(segments, rows).contiguous()  # [R,T]
+    seg = to_rows(segments, rows).contiguous()  # [R,T]
     R, T = seg.shape
     Lp, S = prefix_len, prefix_len + T
     if not flex:
         q = torch.arange(T, device=seg.device)[:, None]  # [T,1]
         k = torch.arange(S, device=seg.device)[None, :]  # [1,S]
         t = k[:, :T]  # [1,T] token slots
-        return prefix_mask(((seg[:, :, None] == seg[:, None, :]) & (t <= q))[:, None], Lp)  # [R,1,T,Lp+T]
+        # [R,1,T,Lp+T]
+        return prefix_mask(((seg[:, :, None] == seg[:, None, :]) & (t <= q))[:, None], Lp)
 
     def mask_mod(b, h, q, k):  # prefix_mask's predicate, one (row, query, key slot) at a time
         t = (k - Lp).clamp(min=0)
@@ -75,15 +80,19 @@ def packed_mask(segments: torch.Tensor, rows: Rows, prefix_len: int, flex: bool)
     real = (q < T)[None, :, None]  # [1,nq*n,1]
     hi = Lp + q[None, :, None]  # last visible token slot
     some = real & ((a < Lp) | (torch.maximum(a, Lp + start) <= torch.minimum(b, hi)))  # [R,nq*n,nk]
-    lo = torch.where(start > 0, Lp + start, 0)  # with start 0 the prefix and the tokens are contiguous
-    every = real & ((b < Lp) | ((a >= lo) & (b <= hi))) & (b - a + 1 == n)  # edge blocks stay partial
+    # with start 0 the prefix and the tokens are contiguous
+    lo = torch.where(start > 0, Lp + start, 0)
+    # edge blocks stay partial
+    every = real & ((b < Lp) | ((a >= lo) & (b <= hi))) & (b - a + 1 == n)
     some = some.view(R, nq, n, nk).any(2)[:, None]  # [R,1,nq,nk]
     full = every.view(R, nq, n, nk).all(2)[:, None]
     partial = some & ~full
 
-    def ordered(blocks):  # [R,1,nq,nk] bool -> per query block: count, then the block indices in order
+    # [R,1,nq,nk] bool -> per query block: count, then the block indices in order
+    def ordered(blocks):
         order = torch.argsort(blocks.int(), dim=-1, descending=True, stable=True).int()
         return blocks.sum(-1, dtype=torch.int32), order
 
-    return BlockMask.from_kv_blocks(*ordered(partial), *ordered(full), BLOCK_SIZE=n, mask_mod=mask_mod,
-                                    seq_lengths=(T, S))
+    return BlockMask.from_kv_blocks(
+        *ordered(partial), *ordered(full), BLOCK_SIZE=n, mask_mod=mask_mod, seq_lengths=(T, S)
+    )

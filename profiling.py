@@ -1,5 +1,5 @@
 """Inference profiling of ParVL (paper, Appendix C.1, C.2, Tables 4 and S7) on random weights, no
-checkpoint needed, and the printing of the parameter and FLOP counts of flops.py (Table S3).
+checkpoint needed, and the printing of the parameter and FLOP counts of evaluation/flops.py (Table S3).
 
     python profiling.py params --arch 1b --pv 2 --pl 4     # one configuration
     python profiling.py params --all                       # the nine Pv:Pl in {1,2,4}^2 of --arch (1b)
@@ -8,9 +8,10 @@ checkpoint needed, and the printing of the parameter and FLOP counts of flops.py
     python profiling.py latency ... --plot latency.png     # latency and peak memory against batch size (matplotlib)
     python profiling.py forward --arch mid --configs 1:1 2:2 4:4   # one forward pass per Pv:Pl, side by side
 
-Latency: the paper's protocol (C.1), latency.py, printed as Tables S7 and 4. Forward: one model(input_ids,
+Latency: the paper's protocol (C.1), evaluation/latency.py, printed as Tables S7 and 4. Forward: one model(input_ids,
 pixel_values) per Pv:Pl, configurations interleaved across repeats.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,15 +23,25 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import open_checkpoint
-from cli import SEEDS, check_file_out, command, make_folder, pyplot, resolve_device, resolve_dtype
 from config import PRESETS, ParConfig, ParVLConfig
-from flags import Command, branch_conflict, branch_flags, dispatch, flag, flag_of
-from flops import ARCHS, BRANCHES, Workload, build_config, profile_params
-from hub import resolve_model
-from inference import DeviceFlags, InferenceFlags, check_quant
-from latency import paper_layout, plot_latency, run_latency, shared_vs_standard, synthetic_inputs, timed, trace
+from evaluation.flops import ARCHS, BRANCHES, Workload, build_config, profile_params
+from evaluation.latency import (
+    paper_layout,
+    plot_latency,
+    run_latency,
+    shared_vs_standard,
+    synthetic_inputs,
+    timed,
+    trace,
+)
+from inference.flags import DeviceFlags, InferenceFlags, branch_conflict, branch_flags, check_quant
+from loading.config_json import open_checkpoint
+from loading.hub import resolve_model
 from parvl import ParVL
+from shell.cli import SEEDS, command, pyplot
+from shell.devices import resolve_device, resolve_dtype
+from shell.flags import Command, dispatch, flag, reuse_flag
+from shell.outputs import check_file_out, make_folder
 
 
 def print_table(rows: list[dict]) -> None:
@@ -47,11 +58,17 @@ def latency_config(args) -> tuple[ParVLConfig, str]:
     with --pv, --pl and the branch flags (the paper's branches where not given)."""
     if args.model is None:
         branches = branches_given(args)
-        return build_config(args.arch, branches.pop("pv", 1), branches.pop("pl", 1), **branches), args.arch
+        return build_config(
+            args.arch, branches.pop("pv", 1), branches.pop("pl", 1), **branches
+        ), args.arch
     cfg, _ = open_checkpoint(resolve_model(args.model))
-    towers = json.dumps([asdict(cfg.vit) if cfg.vit else None, asdict(cfg.llm)], sort_keys=True, default=str)
-    name = next((k for k, p in PRESETS.items() if (p.vit, p.llm) == (cfg.vit, cfg.llm)),
-                f"checkpoint {hashlib.sha256(towers.encode()).hexdigest()[:8]}")
+    towers = json.dumps(
+        [asdict(cfg.vit) if cfg.vit else None, asdict(cfg.llm)], sort_keys=True, default=str
+    )
+    name = next(
+        (k for k, p in PRESETS.items() if (p.vit, p.llm) == (cfg.vit, cfg.llm)),
+        f"checkpoint {hashlib.sha256(towers.encode()).hexdigest()[:8]}",
+    )
     return cfg, name
 
 
@@ -62,9 +79,16 @@ def run_forward(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
     per sample: the active-branch cost a router pays."""
     work = Workload(args.tiles, args.text_tokens, 0)  # the prompt only: image + text tokens
     cfgs = {key: build_config(args.arch, *key) for key in args.configs}
-    models = {key: ParVL.from_config(cfg, dtype, device, seed=args.seed).eval() for key, cfg in cfgs.items()}
-    runs = [(key, None) for key in models] + [(key, 0) for key in models if args.pair and key != (1, 1)]
-    ids_BT, pixels = synthetic_inputs(cfgs[args.configs[0]], work, args.batch, dtype, device, args.seed)
+    models = {
+        key: ParVL.from_config(cfg, dtype, device, seed=args.seed).eval()
+        for key, cfg in cfgs.items()
+    }
+    runs = [(key, None) for key in models] + [
+        (key, 0) for key in models if args.pair and key != (1, 1)
+    ]
+    ids_BT, pixels = synthetic_inputs(
+        cfgs[args.configs[0]], work, args.batch, dtype, device, args.seed
+    )
     times = {run: [] for run in runs}
     with torch.no_grad():
         for r in range(args.warmup + args.repeats):
@@ -76,14 +100,36 @@ def run_forward(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
         for (pv, pl), model in models.items() if args.trace else ():
             trace(lambda: model(ids_BT, pixels), device, Path(args.trace), f"forward_{pv}x{pl}")  # noqa: B023
     rows = []
-    for ((pv, pl), pair), ts in times.items():  # GFLOPs: Table S3's count (calflops: no attention products)
-        gflops = args.batch * profile_params(args.arch, *((pv, pl) if pair is None else (1, 1)), work)["total_gflops"]
+    for (
+        (pv, pl),
+        pair,
+    ), ts in times.items():  # GFLOPs: Table S3's count (calflops: no attention products)
+        gflops = (
+            args.batch
+            * profile_params(args.arch, *((pv, pl) if pair is None else (1, 1)), work)[
+                "total_gflops"
+            ]
+        )
         med = statistics.median(ts)
-        rows.append({"arch": args.arch, "pv": pv, "pl": pl, "pair": None if pair is None else f"{pair},{pair}",
-                     "batch": args.batch, "median_ms": 1e3 * med, "min_ms": 1e3 * min(ts), "gflops": gflops,
-                     "gflop_s": gflops / med, "ms": [round(1e3 * s, 2) for s in ts]})
+        rows.append(
+            {
+                "arch": args.arch,
+                "pv": pv,
+                "pl": pl,
+                "pair": None if pair is None else f"{pair},{pair}",
+                "batch": args.batch,
+                "median_ms": 1e3 * med,
+                "min_ms": 1e3 * min(ts),
+                "gflops": gflops,
+                "gflop_s": gflops / med,
+                "ms": [round(1e3 * s, 2) for s in ts],
+            }
+        )
     for r in rows:
-        r |= {"time_x": r["median_ms"] / rows[0]["median_ms"], "gflops_x": r["gflops"] / rows[0]["gflops"]}
+        r |= {
+            "time_x": r["median_ms"] / rows[0]["median_ms"],
+            "gflops_x": r["gflops"] / rows[0]["gflops"],
+        }
     return rows
 
 
@@ -93,15 +139,37 @@ def print_rows(rows: list[dict], columns: dict[str, str]) -> None:
     print("Pv:Pl  " + "  ".join(f"{k:>{w}}" for k, w in widths.items()))
     for r in rows:
         cells = ("-" if r[k] is None else format(r[k], f) for k, f in columns.items())
-        print(f"{r['pv']:>3}:{r['pl']:<1}  " + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths.values())))
+        print(
+            f"{r['pv']:>3}:{r['pl']:<1}  "
+            + "  ".join(f"{c:>{w}}" for c, w in zip(cells, widths.values()))
+        )
 
 
-LATENCY_COLUMNS = {"shared_kv": "", "batch": "d", "latency_s": ".4f", "latency_median_s": ".4f", "prefill_ms": ".1f",
-                   "decode_ms_per_step": ".2f", "compile_s": ".2f", "resident_gib": ".3f", "peak_gib": ".3f",
-                   "incremental_peak_gib": ".3f", "kv_cache_bytes": "d", "latency_x": ".3f", "peak_x": ".3f",
-                   "kv_cache_x": ".3f"}
-FORWARD_COLUMNS = {"pair": "", "median_ms": ".1f", "min_ms": ".1f", "time_x": ".3f", "gflops": ".1f", "gflops_x": ".3f",
-                   "gflop_s": ".1f"}
+LATENCY_COLUMNS = {
+    "shared_kv": "",
+    "batch": "d",
+    "latency_s": ".4f",
+    "latency_median_s": ".4f",
+    "prefill_ms": ".1f",
+    "decode_ms_per_step": ".2f",
+    "compile_s": ".2f",
+    "resident_gib": ".3f",
+    "peak_gib": ".3f",
+    "incremental_peak_gib": ".3f",
+    "kv_cache_bytes": "d",
+    "latency_x": ".3f",
+    "peak_x": ".3f",
+    "kv_cache_x": ".3f",
+}
+FORWARD_COLUMNS = {
+    "pair": "",
+    "median_ms": ".1f",
+    "min_ms": ".1f",
+    "time_x": ".3f",
+    "gflops": ".1f",
+    "gflops_x": ".3f",
+    "gflop_s": ".1f",
+}
 
 
 def branch_pair(text: str) -> tuple[int, int]:
@@ -120,7 +188,11 @@ BranchFlags = branch_flags("BranchFlags", lambda f: str(f.default))
 
 def branches_given(args) -> dict:
     """The branch flags given (not None), by ParConfig's field names."""
-    return {f.name: getattr(args, f.name) for f in fields(ParConfig) if getattr(args, f.name) is not None}
+    return {
+        f.name: getattr(args, f.name)
+        for f in fields(ParConfig)
+        if getattr(args, f.name) is not None
+    }
 
 
 @dataclass
@@ -130,15 +202,21 @@ class ParamsConfig(BranchFlags):
     json: bool = flag(False, "one JSON object per configuration and line")
     tiles: int = flag(3, "448 px image tiles, 256 tokens each", range="[0, inf)")
     text_tokens: int = flag(256, "prompt text tokens", range="[0, inf)")
-    response_tokens: int = flag(128, "response tokens, scored in the same forward pass", range="[0, inf)")
+    response_tokens: int = flag(
+        128, "response tokens, scored in the same forward pass", range="[0, inf)"
+    )
 
     def check(self) -> None:
         """Branch flags that cannot mean anything (exit 2); --all has every Pv:Pl, 1:1 as its baseline."""
         given = branches_given(self)
         if self.all and {"pv", "pl"} & given.keys():
-            raise ValueError(f"--all profiles every Pv:Pl; drop --{next(k for k in ('pv', 'pl') if k in given)}")
-        if why := branch_conflict(asdict(ParConfig()) | given | ({"pv": None, "pl": None} if self.all else {}),
-                                  ARCHS[self.arch].vit.hidden_size):
+            raise ValueError(
+                f"--all profiles every Pv:Pl; drop --{next(k for k in ('pv', 'pl') if k in given)}"
+            )
+        if why := branch_conflict(
+            asdict(ParConfig()) | given | ({"pv": None, "pl": None} if self.all else {}),
+            ARCHS[self.arch].vit.hidden_size,
+        ):
             raise ValueError(why)
 
 
@@ -151,42 +229,66 @@ class Timed(DeviceFlags):
     text_tokens: int = flag(256, "non-image tokens per sample", range="[0, inf)")
     warmup: int = flag(3, "untimed calls before the timed ones", range="[0, inf)")
     seed: int = flag(0, "weights and inputs", range=SEEDS)
-    threads: int | None = flag(None, "CPU threads (torch.set_num_threads); 1 resists a busy shared machine",
-                               range="[1, inf)", shown="torch's")
-    trace: str | None = flag(None, "also write a Chrome trace (+ CUDA memory snapshot) per row", metavar="DIR",
-                             writes=("latency_*", "forward_*"))
+    threads: int | None = flag(
+        None,
+        "CPU threads (torch.set_num_threads); 1 resists a busy shared machine",
+        range="[1, inf)",
+        shown="torch's",
+    )
+    trace: str | None = flag(
+        None,
+        "also write a Chrome trace (+ CUDA memory snapshot) per row",
+        metavar="DIR",
+        writes=("latency_*", "forward_*"),
+    )
     json: bool = flag(False, "print only the final JSON line, not the table")
 
     def check(self) -> None:
         super().check()
         if self.tiles == 0 and self.text_tokens == 0:
-            raise ValueError("--tiles 0 --text-tokens 0 leaves an empty prompt: give one of them at least 1")
+            raise ValueError(
+                "--tiles 0 --text-tokens 0 leaves an empty prompt: give one of them at least 1"
+            )
 
 
 @dataclass
 class LatencyConfig(BranchFlags, Timed):
-    model: str | None = flag(None, "profile this checkpoint's configuration (its config.json: backbone, Pv:Pl, "
-                                   "branches) on random weights, instead of --arch and the branch flags",
-                             metavar="DIR", reads=True)
-    batch: list[int] = flag(help="batch sizes, samples per generate call", range="[1, inf)",
-                            factory=lambda: [1, 2, 4, 8])
+    model: str | None = flag(
+        None,
+        "profile this checkpoint's configuration (its config.json: backbone, Pv:Pl, "
+        "branches) on random weights, instead of --arch and the branch flags",
+        metavar="DIR",
+        reads=True,
+    )
+    batch: list[int] = flag(
+        help="batch sizes, samples per generate call",
+        range="[1, inf)",
+        factory=lambda: [1, 2, 4, 8],
+    )
     new_tokens: int = flag(128, "generated tokens per sample, forced", range="[1, inf)")
     iters: int = flag(10, "timed generate calls per batch size", range="[1, inf)")
-    compile: bool | None = flag_of(InferenceFlags, "compile")
-    shared_kv: bool = flag_of(InferenceFlags, "shared_kv")
-    quant: str | None = flag_of(InferenceFlags, "quant")
-    group_size: int | None = flag_of(InferenceFlags, "group_size")
+    compile: bool | None = reuse_flag(InferenceFlags, "compile")
+    shared_kv: bool = reuse_flag(InferenceFlags, "shared_kv")
+    quant: str | None = reuse_flag(InferenceFlags, "quant")
+    group_size: int | None = reuse_flag(InferenceFlags, "group_size")
     compare_shared: bool = flag(False, "profile standard and shared KV in one run")
     baseline: bool = flag(False, "profile standard 1:1 first, as Table 4's reference")
-    plot: str | None = flag(None, "also write latency and peak memory against batch size per configuration (needs "
-                            "matplotlib)", metavar="FILE.png", writes=True)
+    plot: str | None = flag(
+        None,
+        "also write latency and peak memory against batch size per configuration (needs "
+        "matplotlib)",
+        metavar="FILE.png",
+        writes=True,
+    )
 
     def check(self) -> None:
         super().check()
         check_quant(self.quant, self.group_size)
         if self.model and (given := branches_given(self)):
-            raise ValueError(f"--model profiles the checkpoint's own configuration; drop --"
-                             f"{next(iter(given)).replace('_', '-')}")
+            raise ValueError(
+                f"--model profiles the checkpoint's own configuration; drop --"
+                f"{next(iter(given)).replace('_', '-')}"
+            )
 
 
 @dataclass
@@ -195,25 +297,37 @@ class ForwardConfig(Timed):
     tiles: int = flag(1, "448 px tiles per sample, 256 tokens each", range="[0, inf)")
     text_tokens: int = flag(128, "non-image tokens per sample", range="[0, inf)")
     warmup: int = flag(1, "untimed calls before the timed ones", range="[0, inf)")
-    configs: list[tuple] = flag(help="Pv:Pl list, the first is the reference of the ratios", type=branch_pair,
-                                factory=lambda: [(1, 1), (2, 2), (4, 4)], shown="1:1 2:2 4:4")
+    configs: list[tuple] = flag(
+        help="Pv:Pl list, the first is the reference of the ratios",
+        type=branch_pair,
+        factory=lambda: [(1, 1), (2, 2), (4, 4)],
+        shown="1:1 2:2 4:4",
+    )
     batch: int = flag(1, "samples per forward", range="[1, inf)")
     repeats: int = flag(5, "timed rounds over all configs", range="[1, inf)")
-    pair: bool = flag(False, "also time each config with branches running one pair (vision 0, language 0) per sample")
+    pair: bool = flag(
+        False,
+        "also time each config with branches running one pair (vision 0, language 0) per sample",
+    )
 
 
 def params(args: ParamsConfig) -> None:
     """`params`: Table S3's parameter and FLOP counts of one configuration, or every Pv:Pl of --arch."""
     work = Workload(args.tiles, args.text_tokens, args.response_tokens)
     branches = branches_given(args)
-    grid = [(pv, pl) for pv in BRANCHES for pl in BRANCHES] if args.all else [
-        (branches.pop("pv", 1), branches.pop("pl", 1))]
+    grid = (
+        [(pv, pl) for pv in BRANCHES for pl in BRANCHES]
+        if args.all
+        else [(branches.pop("pv", 1), branches.pop("pl", 1))]
+    )
     rows = [profile_params(args.arch, pv, pl, work, **branches) for pv, pl in grid]
     if args.json:
         for r in rows:
             print(json.dumps(r))
     else:
-        print(f"workload: {work} -> LLM sequence {work.llm_tokens(ARCHS[args.arch])} tokens, batch 1")
+        print(
+            f"workload: {work} -> LLM sequence {work.llm_tokens(ARCHS[args.arch])} tokens, batch 1"
+        )
         print_table(rows)
 
 
@@ -223,18 +337,27 @@ def timed_job(command: str):
 
     def job(args: Timed) -> None:
         if getattr(args, "plot", None):
-            check_file_out(Path(args.plot), "--plot")  # a folder or a file in the way: said before the measurement
-            make_folder(Path(args.plot).parent, "--plot")  # a missing one made now, not found after it
+            # a folder or a file in the way: said before the measurement
+            check_file_out(Path(args.plot), "--plot")
+            # a missing one made now, not found after it
+            make_folder(Path(args.plot).parent, "--plot")
             pyplot()  # a missing matplotlib too
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)
         if args.threads:  # OpenMP threads that wait for each other slow down 100x when another process holds a core
             torch.set_num_threads(args.threads)
-        env = {"torch": torch.__version__, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
-               f"cpu, {torch.get_num_threads()} threads", "dtype": str(dtype).removeprefix("torch.")}
+        env = {
+            "torch": torch.__version__,
+            "device": torch.cuda.get_device_name(device)
+            if device.type == "cuda"
+            else f"cpu, {torch.get_num_threads()} threads",
+            "dtype": str(dtype).removeprefix("torch."),
+        }
         if not args.json:
-            print(f"{command}: arch {args.arch} ({env['dtype']}, {env['device']}, torch {env['torch']}), "
-                  f"{args.tiles} tiles + {args.text_tokens} text tokens per sample")
+            print(
+                f"{command}: arch {args.arch} ({env['dtype']}, {env['device']}, torch {env['torch']}), "
+                f"{args.tiles} tiles + {args.text_tokens} text tokens per sample"
+            )
         if command == "latency":
             rows, columns = run_latency(args, *latency_config(args), device, dtype), LATENCY_COLUMNS
             extra = {"shared_vs_standard": shared_vs_standard(rows)}
@@ -254,11 +377,19 @@ def timed_job(command: str):
 
 DESCRIPTION = __doc__.split("\n")[0]
 COMMANDS = {
-    "params": Command(ParamsConfig, params, "parameters (meta device) and forward FLOPs per part, Table S3"),
-    "latency": Command(LatencyConfig, timed_job("latency"), "per-sample generation latency and peak memory, "
-                       "Appendix C.1 / Table S7"),
-    "forward": Command(ForwardConfig, timed_job("forward"), "time one full forward pass per Pv:Pl, interleaved, "
-                       "medians and ratios"),
+    "params": Command(
+        ParamsConfig, params, "parameters (meta device) and forward FLOPs per part, Table S3"
+    ),
+    "latency": Command(
+        LatencyConfig,
+        timed_job("latency"),
+        "per-sample generation latency and peak memory, Appendix C.1 / Table S7",
+    ),
+    "forward": Command(
+        ForwardConfig,
+        timed_job("forward"),
+        "time one full forward pass per Pv:Pl, interleaved, medians and ratios",
+    ),
 }
 
 

@@ -10,53 +10,66 @@ Figure 4.
         --scale-model 2b=InternVL3_5-2B-Pretrained --reference-model 1b=InternVL3_5-1B-Instruct \\
         --judge-url https://api.openai.com/v1 --judge-model gpt-4o-2024-11-20 --vlmevalkit VLMEvalKit
     python study.py ... --launcher slurm --nodes 4 --slurm-flags "--partition gpu --time 24:00:00"
-    python study.py subsample --data internvl35_sft.json --out sub/        # the first piece alone (mixture.py)
+    python study.py subsample --data internvl35_sft.json --out sub/        # the first piece alone (data/subsample.py)
 
 It runs the commands, one after the other, as a user would: study.py subsample, train.py, evaluate.py,
 router.py, profiling.py, under torchrun on this machine or through slurm/parvl.sbatch on a Slurm cluster. It
-is no workflow engine: each piece is one command with the file it leaves when it has finished (study_plan.py),
-and records what it was made from; a piece done and made from the same is skipped, one made from something
-else is made again (a trained run: refused in one line), and every command resumes by itself (train.py
---resume, `evaluate.py run` and `router.py label` keep their finished parts), so after an interrupt, a failure
-or a change of flags the same command goes on where it must (study_run.py). --plan prints what would run and
-what is done, and runs nothing.
+is no workflow engine: each piece is one command with the file it leaves when it has finished
+(evaluation/study_plan.py), and records what it was made from; a piece done and made from the same is skipped,
+one made from something else is made again (a trained run: refused in one line), and every command resumes by
+itself (train.py --resume, `evaluate.py run` and `router.py label` keep their finished parts), so after an
+interrupt, a failure or a change of flags the same command goes on where it must (evaluation/study_run.py).
+--plan prints what would run and what is done, and runs nothing.
 
     OUT/data/              the subsample (meta.json)              OUT/runs/2x2/     train.py's run (export/ the model)
     OUT/pred/RUN/B.jsonl   predictions     OUT/score/RUN/B.json   scores            OUT/router/       labels, gates
     OUT/profile/RUN.json   latency         OUT/report/            report.md, .json  OUT/tables/       S5, S2, Fig. 4
     OUT/made/              what each piece was made from          OUT/replaced/N/   what a piece made before
 """
+
 from __future__ import annotations
 
 import shlex
 import sys
 from pathlib import Path
 
-from cli import command, log
-from flags import Command, dispatch
-from mixture import SubsampleConfig, subsample
-from study_plan import Piece, StudyConfig, pairs_of, pieces
-from study_run import Plan, execute, launch
+from data.subsample import SubsampleConfig, subsample
+from evaluation.study_config import Piece, StudyConfig, pairs_of
+from evaluation.study_plan import pieces
+from evaluation.study_run import Plan, execute, launch
+from shell.cli import command, log
+from shell.flags import Command, dispatch
 
 
 def check_inputs(c: StudyConfig) -> None:
     """The folders and files the flags name, before anything runs (exit 1): --model, --tsv, each scale's and
     reference's checkpoint, --tokenizer, --vlmevalkit; --data, --router-data, --router-eval-data and every
     benchmark's TSV (a missing one found now, not after the training)."""
-    folders = [(c.model, "--model"), (c.tsv, "--tsv")] + [(d, f"--scale-model {s}=") for s, d in pairs_of(
-        c.scale_model, "--scale-model")] + [(d, f"--reference-model {s}=") for s, d in pairs_of(
-            c.reference_model, "--reference-model")] + [(x, f) for x, f in ((c.tokenizer, "--tokenizer"),
-                                                                           (c.vlmevalkit, "--vlmevalkit")) if x]
+    folders = (
+        [(c.model, "--model"), (c.tsv, "--tsv")]
+        + [(d, f"--scale-model {s}=") for s, d in pairs_of(c.scale_model, "--scale-model")]
+        + [
+            (d, f"--reference-model {s}=")
+            for s, d in pairs_of(c.reference_model, "--reference-model")
+        ]
+        + [(x, f) for x, f in ((c.tokenizer, "--tokenizer"), (c.vlmevalkit, "--vlmevalkit")) if x]
+    )
     for path, what in folders:
         if not Path(path).is_dir():
             raise ValueError(f"{what}{'' if what.endswith('=') else ' '}{path}: not a folder")
-    files = [(c.data, "--data"), (c.router_data, "--router-data"), (c.router_eval_data, "--router-eval-data")]
+    files = [
+        (c.data, "--data"),
+        (c.router_data, "--router-data"),
+        (c.router_eval_data, "--router-eval-data"),
+    ]
     for path, what in files:
         if path and not Path(path).is_file():
             raise ValueError(f"{what} {path}: no such file (a meta JSON)")
     if missing := [b for b in c.benchmarks if not (Path(c.tsv) / f"{b}.tsv").is_file()]:
-        raise ValueError(f"--tsv {c.tsv}: no {', '.join(f'{b}.tsv' for b in missing)} there (VLMEvalKit's TSV of "
-                         f"each of --benchmarks)")
+        raise ValueError(
+            f"--tsv {c.tsv}: no {', '.join(f'{b}.tsv' for b in missing)} there (VLMEvalKit's TSV of "
+            f"each of --benchmarks)"
+        )
 
 
 def left_out(c: StudyConfig, report: Piece) -> list[Path]:
@@ -73,21 +86,36 @@ def run_piece(c: StudyConfig, plan: Plan, p: Piece, head: str) -> None:
     if status in ("done", "adopt"):
         if status == "adopt":
             plan.save(p)
-        log(f"{head}: done ({p.done}" + ("; made before study.py recorded its pieces: recorded now" if status ==
-                                         "adopt" else "") + ")", sys.stdout)
+        log(
+            f"{head}: done ({p.done}"
+            + (
+                "; made before study.py recorded its pieces: recorded now"
+                if status == "adopt"
+                else ""
+            )
+            + ")",
+            sys.stdout,
+        )
         return
     if status == "redo":
-        log(f"{head}: made again ({why}); what it made before is kept in {plan.move_aside(p)}", sys.stdout)
+        log(
+            f"{head}: made again ({why}); what it made before is kept in {plan.move_aside(p)}",
+            sys.stdout,
+        )
     if p.name == "report" and (others := left_out(c, p)):
-        log(f"{head}: leaves out {len(others)} score file(s) this plan did not make: {' '.join(map(str, others))}",
-            sys.stdout)
+        log(
+            f"{head}: leaves out {len(others)} score file(s) this plan did not make: {' '.join(map(str, others))}",
+            sys.stdout,
+        )
     for o in p.outputs:  # the folders a command writes its files into (score --out needs it)
         o.parent.mkdir(parents=True, exist_ok=True)
     cmd = launch(c, p)
     log(f"{head}: {shlex.join(cmd)}" + (f" > {p.stdout}" if p.stdout else ""), sys.stdout)
     if (code := execute(cmd, p.stdout)) != 0:
-        raise ValueError(f"{p.name} failed (exit {code}; its own line above); the same study.py command resumes from "
-                         f"this piece")
+        raise ValueError(
+            f"{p.name} failed (exit {code}; its own line above); the same study.py command resumes from "
+            f"this piece"
+        )
     if not p.done.exists():
         raise ValueError(f"{p.name} ended without writing {p.done}")
     plan.save(p)
@@ -96,14 +124,20 @@ def run_piece(c: StudyConfig, plan: Plan, p: Piece, head: str) -> None:
 def print_plan(c: StudyConfig, todo: list[Piece], statuses: list[tuple[str, str | None]]) -> None:
     for k, (p, (status, why)) in enumerate(zip(todo, statuses), 1):
         head, redirect = f"[{k}/{len(todo)}] {p.name}", f" > {p.stdout}" if p.stdout else ""
-        line = {"done": f"done ({p.done})", "adopt": f"done ({p.done}; to be recorded)",
-                "after": f"done; made again if what {why} leaves changes",
-                "run": f"would run {shlex.join(launch(c, p))}{redirect}",
-                "redo": f"would be made again ({why}): {shlex.join(launch(c, p))}{redirect}"}[status]
+        line = {
+            "done": f"done ({p.done})",
+            "adopt": f"done ({p.done}; to be recorded)",
+            "after": f"done; made again if what {why} leaves changes",
+            "run": f"would run {shlex.join(launch(c, p))}{redirect}",
+            "redo": f"would be made again ({why}): {shlex.join(launch(c, p))}{redirect}",
+        }[status]
         log(f"{head}: {line}", sys.stdout)
     if others := left_out(c, next(p for p in todo if p.name == "report")):
-        log(f"the report would leave out {len(others)} score file(s) this plan did not make: "
-            f"{' '.join(map(str, others))}", sys.stdout)
+        log(
+            f"the report would leave out {len(others)} score file(s) this plan did not make: "
+            f"{' '.join(map(str, others))}",
+            sys.stdout,
+        )
 
 
 def study(c: StudyConfig) -> int:
@@ -111,23 +145,36 @@ def study(c: StudyConfig) -> int:
         check_inputs(c)
     todo = pieces(c)
     plan = Plan(c, todo)
-    statuses = [plan.status(p, planning=True) for p in todo]  # a refused change: before anything runs
+    # a refused change: before anything runs
+    statuses = [plan.status(p, planning=True) for p in todo]
     if c.plan:
         print_plan(c, todo, statuses)
         return 0
     for k, p in enumerate(todo, 1):
         run_piece(c, plan, p, f"[{k}/{len(todo)}] {p.name}")
-    log(f"the study is complete: {Path(c.out) / 'report' / 'report.md'}, {Path(c.out) / 'tables'}", sys.stdout)
+    log(
+        f"the study is complete: {Path(c.out) / 'report' / 'report.md'}, {Path(c.out) / 'tables'}",
+        sys.stdout,
+    )
     return 0
 
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 PROG = "study.py"
-COMMANDS = {None: Command(StudyConfig, study,
-                          interrupted=lambda c: "the finished pieces stay; the same command resumes"),
-            "subsample": Command(SubsampleConfig, subsample, "the study's first piece: a seeded subsample of an SFT "
-                                 "collection in Table S1's domain mixture",
-                                 interrupted=lambda c: "meta.json is written last: the same command draws again")}
+COMMANDS = {
+    None: Command(
+        StudyConfig,
+        study,
+        interrupted=lambda c: "the finished pieces stay; the same command resumes",
+    ),
+    "subsample": Command(
+        SubsampleConfig,
+        subsample,
+        "the study's first piece: a seeded subsample of an SFT "
+        "collection in Table S1's domain mixture",
+        interrupted=lambda c: "meta.json is written last: the same command draws again",
+    ),
+}
 
 
 def main(argv=None) -> int:

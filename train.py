@@ -6,10 +6,10 @@
     python train.py export runs/22 --step 7000                      # runs/22/export_step_7000, a kept checkpoint
 
 Full-parameter SFT for one epoch from an InternVL3.5 (or ParVL) checkpoint on data in the official
-InternVL format (data.py). The loss is Eq. 6: every supervised token of sample b weighs 1/sqrt(n_b),
+InternVL format (data/sft.py). The loss is Eq. 6: every supervised token of sample b weighs 1/sqrt(n_b),
 normalised by the sum of the weights over the whole global batch (all micro-batches, all ranks), so
 the value does not depend on how the batch is split, nor on packing: by default each rank packs its
-samples of a step into rows of at most --max-seq-len tokens (data.py), every sample attending only
+samples of a step into rows of at most --max-seq-len tokens (data/sft.py), every sample attending only
 to itself and its branch prefixes (packing.packed_mask: flex_attention on CUDA, a dense mask on
 CPU). AdamW with two learning rates (new branch tensors / pretrained weights), 3 % linear warm-up
 then cosine to zero, gradient clipping.
@@ -23,15 +23,14 @@ that verifies, falling back past broken ones, bit-identically: the data order is
 and on CPU with gloo (the tests).
 
 An --out folder belongs to one run (a new run into a used one is refused; --overwrite discards it);
-runs.py keeps the folder: checkpoints, resume, metrics, export.
+training/runs.py keeps the folder: checkpoints, resume, metrics, export.
 Failures are one line on stderr, from rank 0; exit codes 0 done, 1 failure, 2 bad flags, 130 / 143
 SIGINT / SIGTERM (the current step is abandoned, complete checkpoints stay).
 """
+
 from __future__ import annotations
 
 import json
-import math
-import os
 import shutil
 import sys
 import time
@@ -42,32 +41,32 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from aggregate import entropy
-from batches import filler_batch, make_loader
-from checkpoint import check_not_run_folder, open_checkpoint
-from cli import (SEED, SEEDS, allocation, check_folder, check_shared, command, log, rank,
-                 start_processes)
 from config import ParConfig
-from data import (BAD_REASONS, MAX_NAMED, BadRow, SFTData, check_bad_fraction, data_change, data_files,
-                  report_bad_rows)
-from files import regular_file
-from flags import Command, branch_conflict, branch_flags, dispatch, flag, overlap, resolve_branch_flags
-from fsdp import Trained, build_model, param_groups
-from loss import chunked_sft_loss, loss_weights
-from meter import Meter
-from parvl import ParVL
-from processor import MAX_TILES
-from runs import (RUN_FILES, check_out, checkpoints, discard_run, export, load_model_state, plot_run,
-                  recorded_run, resume, save_checkpoint, trim_metrics, verify_checkpoint)
-from schedule import lr_lambda
-from trackers import TRACKER_FILES, TRACKERS, Tracker
-
-
-def default_workers() -> int:
-    """Data loading processes per rank: 4, or fewer when this process may use fewer CPUs per local rank."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(4, cpus // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-
+from data.bad_rows import check_bad_fraction, data_change, data_files, report_bad_rows
+from data.batches import default_workers, make_loader
+from data.processor import MAX_TILES
+from data.sft import SFTData
+from inference.flags import branch_conflict, branch_flags, resolve_branch_flags
+from loading.checkpoint import check_not_run_folder
+from loading.config_json import open_checkpoint
+from shell.cli import SEED, SEEDS, command, log, rank, start_processes
+from shell.files import regular_file
+from shell.flags import Command, dispatch, flag
+from training.dcp import checkpoints, load_model_state, save_checkpoint, verify_checkpoint
+from training.fsdp import build_model, param_groups
+from training.metrics import TRACKER_FILES, TRACKERS, Meter, Tracker, plot_run
+from training.runs import (
+    RUN_FILES,
+    check_export_out,
+    check_out,
+    export,
+    recorded_run,
+    resume,
+    start_run,
+    trim_metrics,
+)
+from training.schedule import lr_lambda
+from training.step import match_micro_batch_counts, name_bad_rows, train_step
 
 # ParConfig's fields as flags (flags.branch_flags): None takes the run's on --resume, else --model's. They fix
 # the branch parameterisation (Figure 3, Table S8), saved in the export's config.json.
@@ -81,65 +80,117 @@ class TrainConfig(BranchFlags):
 
     model: str = flag("", "InternVL3.5 or ParVL checkpoint folder", reads=True)
     data: str = flag("", "meta JSON in the official InternVL SFT format", reads=True)
-    out: str = flag("runs/parvl", "run folder: config, metrics.jsonl, checkpoints, export",
-                    writes=("config.json", *RUN_FILES, *TRACKER_FILES))
+    out: str = flag(
+        "runs/parvl",
+        "run folder: config, metrics.jsonl, checkpoints, export",
+        writes=("config.json", *RUN_FILES, *TRACKER_FILES),
+    )
     lr_new: float = flag(8e-5, "peak learning rate of prefixes and aggregators", range="(0, inf)")
-    lr_pretrained: float = flag(8e-6, "peak learning rate of the pretrained weights", range="(0, inf)")
+    lr_pretrained: float = flag(
+        8e-6, "peak learning rate of the pretrained weights", range="(0, inf)"
+    )
     weight_decay: float = flag(0.05, "AdamW weight decay", range="[0, inf)")
     warmup_ratio: float = flag(0.03, "fraction of the steps in linear warm-up", range="[0, 1)")
     clip: float = flag(1.0, "max gradient norm (L2)", range="(0, inf)")
     global_batch: int = flag(512, "samples per optimizer step, any world size", range="[1, inf)")
-    micro_batch: int = flag(1, "rows per forward per rank; a row is one sample, or with --packing as many as fit "
-                            "in --max-seq-len", range="[1, inf)")
-    packing: bool = flag(True, "pack each rank's samples of a step into rows of at most --max-seq-len tokens (first "
-                         "fit, in order), each sample attending only to itself; --no-packing: one right-padded row "
-                         "per sample")
-    max_seq_len: int = flag(32768, "tokens per sample, image tokens included (longer samples are skipped as "
-                            "too_long), and with --packing the length of a packed row", unit="tokens", range="[1, inf)")
-    max_tiles: int = flag(0, "448 px image tiles per sample, shared by its images; 0 = the checkpoint's "
-                          "max_dynamic_patch, 12 for InternVL3.5", range=f"[0, {MAX_TILES}]")
+    micro_batch: int = flag(
+        1,
+        "rows per forward per rank; a row is one sample, or with --packing as many as fit "
+        "in --max-seq-len",
+        range="[1, inf)",
+    )
+    packing: bool = flag(
+        True,
+        "pack each rank's samples of a step into rows of at most --max-seq-len tokens (first "
+        "fit, in order), each sample attending only to itself; --no-packing: one right-padded row "
+        "per sample",
+    )
+    max_seq_len: int = flag(
+        32768,
+        "tokens per sample, image tokens included (longer samples are skipped as "
+        "too_long), and with --packing the length of a packed row",
+        unit="tokens",
+        range="[1, inf)",
+    )
+    max_tiles: int = flag(
+        0,
+        "448 px image tiles per sample, shared by its images; 0 = the checkpoint's "
+        "max_dynamic_patch, 12 for InternVL3.5",
+        range=f"[0, {MAX_TILES}]",
+    )
     max_steps: int = flag(0, "optimizer steps, 0 = one epoch", range="[0, inf)")
     seed: int = flag(SEED, "data order and RNG seed", range=SEEDS)
-    dtype: str = flag("auto", "parameter dtype inside FSDP mixed precision (gradients reduce in fp32); auto = bf16 "
-                      "on CUDA, fp32 on CPU", choices=["auto", "bf16", "fp32"])
+    dtype: str = flag(
+        "auto",
+        "parameter dtype inside FSDP mixed precision (gradients reduce in fp32); auto = bf16 "
+        "on CUDA, fp32 on CPU",
+        choices=["auto", "bf16", "fp32"],
+    )
     compile: bool = flag(False, "torch.compile every ViT and LLM block")
     activation_checkpointing: bool = flag(True, "recompute each block in backward")
     freeze_vit: bool = flag(False, "do not train the ViT")
     freeze_connector: bool = flag(False, "do not train mlp1")
     freeze_llm: bool = flag(False, "do not train the LLM")
-    freeze_backbone: bool = flag(False, "train only prefixes and aggregators (ParScale's efficient mode)")
+    freeze_backbone: bool = flag(
+        False, "train only prefixes and aggregators (ParScale's efficient mode)"
+    )
     save_every: int = flag(500, "steps between checkpoints (and at the end)", range="[1, inf)")
     keep_last: int = flag(2, "checkpoints kept", range="[1, inf)")
-    resume: bool = flag(False, "continue from the newest checkpoint in --out that verifies (none: start fresh)")
-    overwrite: bool = flag(False, "discard the run --out holds (checkpoints, export, metrics) and start a new one")
+    resume: bool = flag(
+        False, "continue from the newest checkpoint in --out that verifies (none: start fresh)"
+    )
+    overwrite: bool = flag(
+        False, "discard the run --out holds (checkpoints, export, metrics) and start a new one"
+    )
     log_every: int = flag(1, "steps between log lines", range="[1, inf)")
-    tracker: str | None = flag(None, "also log every metrics.jsonl line to TensorBoard (OUT/tensorboard) or W&B "
-                               "(OUT/wandb; WANDB_MODE=offline needs no network), from rank 0; optional packages "
-                               "(trackers.py)", choices=list(TRACKERS), shown="none")
-    num_workers: int = flag(help="data loading processes per rank", range="[0, inf)", factory=default_workers,
-                            shown="4, or the CPUs per local rank if fewer")
-    max_bad_frac: float = flag(0.01, "abort once more than this fraction of the data set's rows are bad "
-                               "(--validate-data's rule)", range="[0, 1]")
-    peak_tflops: float = flag(0.0, "per-device bf16 peak in TFLOP/s for MFU, 0 = from the device name "
-                              "(H100/H200: 989)", range="[0, inf)")
+    tracker: str | None = flag(
+        None,
+        "also log every metrics.jsonl line to TensorBoard (OUT/tensorboard) or W&B "
+        "(OUT/wandb; WANDB_MODE=offline needs no network), from rank 0; optional packages "
+        "(training/metrics.py)",
+        choices=list(TRACKERS),
+        shown="none",
+    )
+    num_workers: int = flag(
+        help="data loading processes per rank",
+        range="[0, inf)",
+        factory=default_workers,
+        shown="4, or the CPUs per local rank if fewer",
+    )
+    max_bad_frac: float = flag(
+        0.01,
+        "abort once more than this fraction of the data set's rows are bad "
+        "(--validate-data's rule)",
+        range="[0, 1]",
+    )
+    peak_tflops: float = flag(
+        0.0,
+        "per-device bf16 peak in TFLOP/s for MFU, 0 = from the device name (H100/H200: 989)",
+        range="[0, inf)",
+    )
     validate_data: bool = flag(False, "count and name bad rows, then exit without training")
 
     def check(self) -> None:
         """Flags that exclude each other (exit 2); branch flags against the checkpoint: resolve_branches."""
         if self.resume and self.overwrite:
-            raise ValueError("--resume continues the run in --out, --overwrite discards it: pass one of them")
+            raise ValueError(
+                "--resume continues the run in --out, --overwrite discards it: pass one of them"
+            )
         if why := branch_conflict({f.name: getattr(self, f.name) for f in fields(ParConfig)}):
             raise ValueError(why)
 
     def branches(self) -> dict:
         """The branch flags as given (None: the checkpoint's), by ParConfig's field names."""
-        return {f.name: getattr(self, f.name) for f in fields(ParConfig) if f.name not in ("pv", "pl")}
+        return {
+            f.name: getattr(self, f.name) for f in fields(ParConfig) if f.name not in ("pv", "pl")
+        }
 
     def check_files(self) -> None:
         """Bad input (exit 1): the model and data paths, before any process group starts."""
         if not self.model or not Path(self.model).is_dir():
             raise ValueError(f"--model {self.model!r}: not a checkpoint folder")
-        check_not_run_folder(Path(self.model))  # runs/11 for runs/11/export: say which folder is meant
+        # runs/11 for runs/11/export: say which folder is meant
+        check_not_run_folder(Path(self.model))
         if self.data:
             regular_file(self.data, "--data")  # a FIFO would block the read
         if not self.data or not Path(self.data).is_file():
@@ -148,21 +199,37 @@ class TrainConfig(BranchFlags):
 
 @dataclass
 class PlotConfig:
-    run: str = flag(help="run folder (train.py --out) holding metrics.jsonl", positional=True, reads=("metrics.jsonl",))
+    run: str = flag(
+        help="run folder (train.py --out) holding metrics.jsonl",
+        positional=True,
+        reads=("metrics.jsonl",),
+    )
     out: str | None = flag(None, "PNG file to write", shown="RUN/metrics.png", writes=True)
 
 
 @dataclass
 class ExportConfig:
     run: str = flag(help="run folder (train.py --out)", positional=True, reads=("checkpoints",))
-    step: int = flag(None, "the step to export: a checkpoint RUN/checkpoints/step_N the run still keeps (--keep-last)",
-                     range="[1, inf)", required=True)
-    out: str | None = flag(None, "a new or empty folder to write the ParVL checkpoint into", shown="RUN/export_step_N",
-                           writes=True)
+    step: int = flag(
+        None,
+        "the step to export: a checkpoint RUN/checkpoints/step_N the run still keeps (--keep-last)",
+        range="[1, inf)",
+        required=True,
+    )
+    out: str | None = flag(
+        None,
+        "a new or empty folder to write the ParVL checkpoint into",
+        shown="RUN/export_step_N",
+        writes=True,
+    )
     overwrite: bool = flag(False, "replace what --out holds (never the run's base model)")
-    model: str | None = flag(None, "the run's base model folder (its config.json and tokenizer), where the --model "
-                             "the run recorded is not (moved, or a relative path of a run before they were absolute)",
-                             shown="the --model the run recorded", reads=True)
+    model: str | None = flag(
+        None,
+        "the run's base model folder (its config.json and tokenizer), where the --model "
+        "the run recorded is not (moved, or a relative path of a run before they were absolute)",
+        shown="the --model the run recorded",
+        reads=True,
+    )
 
 
 def prepare(cfg: TrainConfig) -> int:
@@ -170,35 +237,65 @@ def prepare(cfg: TrainConfig) -> int:
     the checkpoint (and the run, on --resume), the data opened, then training, or with --validate-data the
     count of its bad rows."""
     tracker = Tracker(cfg.tracker, Path(cfg.out))  # a missing package is one line before any work
-    mcfg, tok = open_checkpoint(Path(cfg.model))  # tiles as the model sees them, and its own tokenizer
+    # tiles as the model sees them, and its own tokenizer
+    mcfg, tok = open_checkpoint(Path(cfg.model))
     if mcfg.vit is None:
-        raise ValueError(f"--model {cfg.model}: a language-only checkpoint; train.py trains vision-language models")
-    if not cfg.validate_data:  # what the run records: its model and data by absolute path, every branch flag resolved
-        newest = recorded_run(Path(cfg.out)) if cfg.resume else None  # a resume keeps the run's branch flags
+        raise ValueError(
+            f"--model {cfg.model}: a language-only checkpoint; train.py trains vision-language models"
+        )
+    # what the run records: its model and data by absolute path, every branch flag resolved
+    if not cfg.validate_data:
+        # a resume keeps the run's branch flags
+        newest = recorded_run(Path(cfg.out)) if cfg.resume else None
         was = json.loads((newest / "train.json").read_text()).get("config", {}) if newest else None
-        branches = resolve_branch_flags({f.name: getattr(cfg, f.name) for f in fields(ParConfig)}, mcfg.par,
-                                        mcfg.vit.hidden_size, cfg.model, was, f"--resume: {newest}")
-        cfg = replace(cfg, data=str(Path(cfg.data).resolve()), model=str(Path(cfg.model).resolve()), **branches)
+        branches = resolve_branch_flags(
+            {f.name: getattr(cfg, f.name) for f in fields(ParConfig)},
+            mcfg.par,
+            mcfg.vit.hidden_size,
+            cfg.model,
+            was,
+            f"--resume: {newest}",
+        )
+        cfg = replace(
+            cfg,
+            data=str(Path(cfg.data).resolve()),
+            model=str(Path(cfg.model).resolve()),
+            **branches,
+        )
         check_out(Path(cfg.out), cfg.resume, cfg.overwrite)
-    data = SFTData(cfg.data, tok, max_tiles=cfg.max_tiles or mcfg.max_dynamic_patch, max_seq_len=cfg.max_seq_len,
-                   image_token_id=mcfg.image_token_id, num_image_token=mcfg.tokens_per_tile,
-                   image_size=mcfg.vit.image_size, seed=cfg.seed, max_positions=mcfg.llm.max_position_embeddings)
+    data = SFTData(
+        cfg.data,
+        tok,
+        max_tiles=cfg.max_tiles or mcfg.max_dynamic_patch,
+        max_seq_len=cfg.max_seq_len,
+        image_token_id=mcfg.image_token_id,
+        num_image_token=mcfg.tokens_per_tile,
+        image_size=mcfg.vit.image_size,
+        seed=cfg.seed,
+        max_positions=mcfg.llm.max_position_embeddings,
+    )
     if cfg.validate_data:
         report_bad_rows(data, cfg.max_bad_frac)
         return 0
-    files = data_files(data) if rank() == 0 else {}  # hashed by the rank that records them in the run
+    # hashed by the rank that records them in the run
+    files = data_files(data) if rank() == 0 else {}
     if was and rank() == 0 and (why := data_change(was.get("data_files", files), files, data)):
-        raise ValueError(f"--resume: {newest} was trained on {why}; resume on the data the run was trained on, or "
-                         f"start a new run in another --out")
+        raise ValueError(
+            f"--resume: {newest} was trained on {why}; resume on the data the run was trained on, or "
+            f"start a new run in another --out"
+        )
     with tracker:
         return train(cfg, data, tracker, files)
 
 
-def stopped_words(out: Path) -> str:
+def interrupt_message(out: Path) -> str:
     """What an interrupted run says it kept."""
     kept = checkpoints(out) if out.is_dir() else []
-    return "the current step was abandoned; " + (f"last complete checkpoint {kept[-1]} (continue with --resume)"
-                                                 if kept else "no checkpoint was saved")
+    return "the current step was abandoned; " + (
+        f"last complete checkpoint {kept[-1]} (continue with --resume)"
+        if kept
+        else "no checkpoint was saved"
+    )
 
 
 def export_step(e: ExportConfig) -> int:
@@ -212,22 +309,30 @@ def export_step(e: ExportConfig) -> int:
         raise ValueError(f"{run}: not a train.py run folder (no checkpoints/)")
     if not folder.is_dir():
         kept = ", ".join(d.name for d in checkpoints(run)) or "none"
-        raise ValueError(f"{folder}: no such checkpoint (kept: {kept}); a run keeps its newest --keep-last saves, "
-                         f"see docs/training.md to keep a step")
+        raise ValueError(
+            f"{folder}: no such checkpoint (kept: {kept}); a run keeps its newest --keep-last saves, "
+            f"see docs/training.md to keep a step"
+        )
     if why := verify_checkpoint(folder):
         raise ValueError(f"{folder}: does not verify ({why})")
     saved = json.loads((folder / "train.json").read_text()).get("config", {})
     known = {f.name for f in fields(TrainConfig)}
-    cfg = replace(TrainConfig(**{k: v for k, v in saved.items() if k in known}), compile=False,
-                  activation_checkpointing=False)  # how the weights were computed does not change them
+    # how the weights were computed does not change them
+    cfg = replace(
+        TrainConfig(**{k: v for k, v in saved.items() if k in known}),
+        compile=False,
+        activation_checkpointing=False,
+    )
     if e.model is not None:
         if not Path(e.model).is_dir():
             raise ValueError(f"--model {e.model!r}: not a checkpoint folder")
         cfg = replace(cfg, model=e.model)
     elif not Path(cfg.model).is_dir():
-        raise ValueError(f"{folder}: trained from --model {cfg.model!r}, which is not a folder "
-                         f"{'any more' if Path(cfg.model).is_absolute() else 'from here'} (the export takes its config "
-                         f"and tokenizer); pass train.py export --model with that base model's folder")
+        raise ValueError(
+            f"{folder}: trained from --model {cfg.model!r}, which is not a folder "
+            f"{'any more' if Path(cfg.model).is_absolute() else 'from here'} (the export takes its config "
+            f"and tokenizer); pass train.py export --model with that base model's folder"
+        )
     out = Path(e.out) if e.out else run / f"export_step_{e.step}"
     check_export_out(out, e.overwrite, Path(cfg.model))
     device = start_processes(torch.cuda.is_available(), always=True)
@@ -246,103 +351,7 @@ def export_step(e: ExportConfig) -> int:
     return 0
 
 
-def check_export_out(out: Path, overwrite: bool, base: Path) -> None:
-    """An export goes to a new or empty folder, as a run goes to a new --out; --overwrite replaces what is there,
-    but never the run's base model, whose config and tokenizer the export reads. One line, before anything loads."""
-    check_folder(out, "--out")  # a file in the way
-    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if held and not overwrite:
-        raise ValueError(f"--out {out} already holds {', '.join(held[:4])}{', ...' * (len(held) > 4)}: an export goes "
-                         f"to a new or empty folder; pick another --out, or pass --overwrite to replace what is there")
-    if overlap((out.resolve(), None), (base.resolve(), None)) is not None:
-        raise ValueError(f"--out {out}: the run's base model {base} is there, which the export reads; an output is "
-                         f"never an input: pick another --out")
-
-
-# -- model -------------------------------------------------------------------------------------
-
-
-def name_bad_rows(data: SFTData, batches, named: int) -> int:
-    """Name this rank's bad rows on stderr (file, line, why), the first MAX_NAMED of them. A Batch
-    keeps only their indices, so a bad row is read again for its reason: rare, and cheap next to a
-    training step."""
-    for row in (row for b in batches for row in b.bad_rows):
-        if named >= MAX_NAMED:
-            break
-        item = data[row]
-        if isinstance(item, BadRow):
-            named += 1
-            print(f"warning: skipped bad row {item.detail} [{item.reason}]"
-                  + (f" (naming no more on rank {rank()})" if named == MAX_NAMED else ""), file=sys.stderr, flush=True)
-    return named
-
-
-def even_out(batches: list, group, pad_id: int, image_size: int) -> list:
-    """Packed steps: give every rank as many micro-batches as the one with the most (filler batches,
-    data.filler_batch), so that all ranks run the same FSDP collectives. The count is all-reduced on
-    the host (a gloo group): no device sync."""
-    n = torch.tensor([len(batches)])
-    if dist.get_world_size(group) > 1:
-        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
-    return batches + [filler_batch(pad_id, image_size) for _ in range(max(1, int(n)) - len(batches))]
-
-
 # -- the step ----------------------------------------------------------------------------------
-
-
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A host tensor to `device` without waiting for it: pinned and non-blocking on CUDA."""
-    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
-
-
-def micro_loss(model: Trained, batch, weight_sum: float | torch.Tensor, world: int, device):
-    """This micro-batch's share of the Eq. 6 loss (loss.sft_loss over the global weight sum, scored chunk
-    by chunk from the final states: loss.chunked_sft_loss), times the world size since FSDP averages
-    gradients over ranks. Also returns the branch weights' entropies (nan if none)."""
-    ids, labels = to_device(batch.input_ids, device), to_device(batch.labels, device)
-    segments = None if batch.segment_ids is None else to_device(batch.segment_ids, device)  # packed rows
-    pixels = to_device(batch.pixel_values, device)
-    tiles = pixels.shape[0]
-    if tiles == 0 and model.cfg.vit is not None:
-        size = model.cfg.vit.image_size
-        pixels = torch.zeros(1, 3, size, size, device=device)  # text only: a dummy tile, see ParVL.embed
-    # no padding (e.g. one sample per micro-batch): no mask, so attention keeps the causal fast path
-    mask = None if segments is not None or bool(batch.attention_mask.all()) else to_device(batch.attention_mask, device)
-    h, w_vision, w_language = model.train_states(ids, pixels if pixels.shape[0] else None, mask, segments)
-    loss = chunked_sft_loss(h, model.language_model.lm_head.weight, labels, weight_sum, segments) * world
-    nan = torch.full((), float("nan"), device=device)  # a fill, not a host-to-device copy
-    w_vision = w_vision if tiles else None  # a dummy tile's weights say nothing
-    ent = torch.stack([entropy(w.detach()) if w is not None else nan for w in (w_vision, w_language)])  # no host sync
-    return loss, ent
-
-
-def start_run(cfg: TrainConfig, data: SFTData) -> tuple[TrainConfig, torch.device, int]:
-    """The process group (FSDP2 wants one, even a world of one), the dtype resolved, the run's number
-    of steps (one epoch, as the paper trains, Appendix A.1, or --max-steps of it), and the run folder,
-    which every rank must see."""
-    device = start_processes(torch.cuda.is_available(), always=True)
-    if cfg.dtype == "auto":  # resolved before config.json is written, so the run records what it used
-        cfg = replace(cfg, dtype="bf16" if device.type == "cuda" else "fp32")
-    world = dist.get_world_size()
-    if cfg.global_batch % (world * (1 if cfg.packing else cfg.micro_batch)):
-        raise ValueError(f"--global-batch {cfg.global_batch} must divide into {world} ranks"
-                         + ("" if cfg.packing else f" x --micro-batch {cfg.micro_batch}"))
-    steps_per_epoch = len(data) // cfg.global_batch
-    if steps_per_epoch == 0:
-        raise ValueError(f"{cfg.data}: {len(data)} rows, fewer than one global batch of {cfg.global_batch}")
-    if cfg.max_steps > steps_per_epoch:
-        raise ValueError(f"--max-steps {cfg.max_steps}: {cfg.data} gives {steps_per_epoch} steps of "
-                         f"{cfg.global_batch} samples in its one epoch (train.py trains one epoch, as the paper "
-                         f"does); pass at most {steps_per_epoch}, or raise repeat_time in the meta file")
-    out = Path(cfg.out)
-    check_shared(out, "--out")  # more than one machine: every rank writes its shards there
-    if rank() == 0:
-        if cfg.overwrite:
-            discard_run(out)
-        out.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    log(f"config {json.dumps(asdict(cfg))}", sys.stdout)
-    return cfg, device, cfg.max_steps or steps_per_epoch
 
 
 def train(cfg: TrainConfig, data: SFTData, tracker: Tracker, files: dict[str, str]) -> int:
@@ -351,12 +360,17 @@ def train(cfg: TrainConfig, data: SFTData, tracker: Tracker, files: dict[str, st
     record = asdict(cfg) | {"data_files": files}
     world, out = dist.get_world_size(), Path(cfg.out)
     model = build_model(cfg, device, init_device_mesh(device.type, (world,)))
-    optim = torch.optim.AdamW(param_groups(model, cfg), weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8)
+    optim = torch.optim.AdamW(
+        param_groups(model, cfg), weight_decay=cfg.weight_decay, betas=(0.9, 0.999), eps=1e-8
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lr_lambda(total, cfg.warmup_ratio))
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)  # DTensor numel is the global size
-    log(f"Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl}, trainable parameters {trainable:,} of "
+    # DTensor numel is the global size
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log(
+        f"Pv:Pl = {model.cfg.par.pv}:{model.cfg.par.pl}, trainable parameters {trainable:,} of "
         f"{sum(p.numel() for p in model.parameters()):,}, {total} steps of {cfg.global_batch} samples on {world} ranks",
-        sys.stdout)
+        sys.stdout,
+    )
     step, meta = resume(model, optim, sched, out, asdict(cfg)) if cfg.resume else (0, {})
     if rank() == 0:  # the resume is accepted: only now does the folder's config describe this run
         (out / "config.json").write_text(json.dumps(record, indent=2))
@@ -365,10 +379,24 @@ def train(cfg: TrainConfig, data: SFTData, tracker: Tracker, files: dict[str, st
     tracker.start(step, asdict(cfg))  # rank 0; a resumed run's curves go on from its step
 
     meter = Meter(model, cfg, device, total, step, tracker)
-    loader = make_loader(data, data.epoch_order(cfg.seed), rank(), world, cfg.global_batch, cfg.micro_batch, step,
-                         cfg.num_workers, pad_id=0, pin_memory=device.type == "cuda",  # pinned: no host wait
-                         packing=cfg.packing)
-    host_group = dist.new_group(backend="gloo") if cfg.packing and world > 1 and device.type == "cuda" else None
+    loader = make_loader(
+        data,
+        data.epoch_order(cfg.seed),
+        rank(),
+        world,
+        cfg.global_batch,
+        cfg.micro_batch,
+        step,
+        cfg.num_workers,
+        pad_id=0,
+        pin_memory=device.type == "cuda",  # pinned: no host wait
+        packing=cfg.packing,
+    )
+    host_group = (
+        dist.new_group(backend="gloo")
+        if cfg.packing and world > 1 and device.type == "cuda"
+        else None
+    )
     counts = meta.get("counts", {"seen": 0, "bad": {}})  # bad-row counts go on from the checkpoint
     bad_total, seen_total = dict(counts["bad"]), counts["seen"]
     named = 0  # bad rows this rank has named on stderr
@@ -376,66 +404,36 @@ def train(cfg: TrainConfig, data: SFTData, tracker: Tracker, files: dict[str, st
         if s >= total:
             break
         if cfg.packing:
-            batches = even_out(batches, host_group, 0, data.image_size)
-        torch.manual_seed(cfg.seed + 1_000_003 * (s + 1) + rank())  # the RNG stream is a function of (step, rank)
+            batches = match_micro_batch_counts(batches, host_group, 0, data.image_size)
+        # the RNG stream is a function of (step, rank)
+        torch.manual_seed(cfg.seed + 1_000_003 * (s + 1) + rank())
         t0 = time.perf_counter()
         named = name_bad_rows(data, batches, named)
-        r = train_step(model, optim, sched, batches, cfg, device, s)
+        stats = train_step(model, optim, sched, batches, cfg, device, s)
         step = s + 1
-        for reason, n in r["bad"].items():  # global counts, all ranks
+        for reason, n in stats["bad"].items():  # global counts, all ranks
             if n:
                 bad_total[reason] = bad_total.get(reason, 0) + int(n)
-        seen_total += int(r["good"] + sum(r["bad"].values()))
+        seen_total += int(stats["good"] + sum(stats["bad"].values()))
         check_bad_fraction(bad_total, len(data), cfg.max_bad_frac)
         if step % cfg.log_every == 0 or step == total:
-            meter.log(step, r, time.perf_counter() - t0, bad_total)
+            meter.log(step, stats, time.perf_counter() - t0, bad_total)
         if step % cfg.save_every == 0 or step == total:
-            save_checkpoint(model, optim, sched, step, out, record, {"seen": seen_total, "bad": bad_total},
-                            cfg.keep_last)
+            save_checkpoint(
+                model,
+                optim,
+                sched,
+                step,
+                out,
+                record,
+                {"seen": seen_total, "bad": bad_total},
+                cfg.keep_last,
+            )
         if step >= total:
             break
     export(model, out / "export", Path(cfg.model), step)
     log(f"exported {out / 'export'}", sys.stdout)
     return 0
-
-
-def train_step(model: ParVL, optim, sched, batches: list, cfg: TrainConfig, device, s: int) -> dict:
-    """One optimizer step over this rank's micro-batches: the Eq. 6 loss (micro_loss), one gradient
-    reduce-scatter, clipping, the update. Returns the step's global figures, read in one host sync."""
-    world = dist.get_world_size()
-    # one all-reduce for everything known before the forward (Eq. 6 weight sum, counts, bad rows by
-    # reason); it stays on the device, where the loss divides by the weight sum, and the host reads
-    # it together with the loss and the gradient norm: one host sync per step
-    local = torch.tensor([sum(float(loss_weights(b.labels, b.segment_ids).sum()) for b in batches),
-                          sum(b.num_samples for b in batches), sum(int(b.attention_mask.sum()) for b in batches),
-                          sum(b.input_ids.numel() for b in batches), sum(b.pixel_values.shape[0] for b in batches),
-                          *(sum(b.bad.get(r, 0) for b in batches) for r in BAD_REASONS)], dtype=torch.float64)
-    counts = to_device(local, device)
-    dist.all_reduce(counts)
-    loss_sum, ents = torch.zeros((), device=device), []
-    for i, batch in enumerate(batches):
-        model.set_requires_gradient_sync(i == len(batches) - 1)  # reduce-scatter once per step
-        with allocation(f"--micro-batch {cfg.micro_batch} (this one {batch.input_ids.shape[0]} rows of "
-                        f"{batch.input_ids.shape[1]} tokens)", "--micro-batch or --max-seq-len"):
-            loss, ent = micro_loss(model, batch, counts[0].clamp_min(1e-12), world, device)
-            loss.backward()
-        loss_sum = loss_sum + loss.detach()
-        if batch.num_samples:  # a filler or all-bad micro-batch's weights say nothing
-            ents.append(ent)
-    grad_norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], cfg.clip)
-    grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    dist.all_reduce(loss_sum)  # the global loss is the ranks' sum over the world size (see micro_loss)
-    _, good, text_tokens, slots, tiles, *bad, loss_value, grad_value = torch.cat(  # the step's one host sync
-        [counts, torch.stack([loss_sum / world, grad_norm]).double()]).tolist()
-    if not (math.isfinite(loss_value) and math.isfinite(grad_value)):
-        raise ValueError(f"step {s + 1}: non-finite loss {loss_value} or grad norm {grad_value}; "
-                         f"stopped before the update, last checkpoint kept")
-    lrs = {g["name"]: g["lr"] for g in optim.param_groups}  # the rates this update uses
-    optim.step()
-    sched.step()
-    optim.zero_grad(set_to_none=True)
-    return {"loss": loss_value, "grad_norm": grad_value, "lr": lrs, "good": good, "text_tokens": text_tokens,
-            "slots": slots, "tiles": tiles, "bad": dict(zip(BAD_REASONS, bad)), "ents": ents}
 
 
 # -- the command -------------------------------------------------------------------------------------------
@@ -447,13 +445,25 @@ def plot(p: PlotConfig) -> None:
 
 DESCRIPTION, PROG = __doc__.split("\n\n")[0], "train.py"
 COMMANDS = {
-    None: Command(TrainConfig, prepare, writes=lambda cfg: None if cfg.validate_data else Path(cfg.out),
-                  interrupted=lambda cfg: stopped_words(Path(cfg.out))),
-    "plot": Command(PlotConfig, plot, "one PNG of a run's metrics.jsonl (loss, grad norm, lr, branch-weight "
-                    "entropies against step); needs matplotlib"),
-    "export": Command(ExportConfig, export_step, "write the ParVL checkpoint of a kept training step, in the layout "
-                      "of the run's final export (RUN/export), for generate.py, evaluate.py and router.py",
-                      interrupted=lambda e: "the export was abandoned; run it again"),
+    None: Command(
+        TrainConfig,
+        prepare,
+        writes=lambda cfg: None if cfg.validate_data else Path(cfg.out),
+        interrupted=lambda cfg: interrupt_message(Path(cfg.out)),
+    ),
+    "plot": Command(
+        PlotConfig,
+        plot,
+        "one PNG of a run's metrics.jsonl (loss, grad norm, lr, branch-weight "
+        "entropies against step); needs matplotlib",
+    ),
+    "export": Command(
+        ExportConfig,
+        export_step,
+        "write the ParVL checkpoint of a kept training step, in the layout "
+        "of the run's final export (RUN/export), for generate.py, evaluate.py and router.py",
+        interrupted=lambda e: "the export was abandoned; run it again",
+    ),
 }
 
 

@@ -10,13 +10,14 @@ Parameter names mirror the official `vision_model.*` checkpoint keys, so an Inte
 loads with no renaming. Shape legend: aggregate.py's (here B = N tiles,
 T = 1 + patches, C the ViT width).
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from aggregate import LoRA, PrefixKV, Rows, fold, lora_linear, prefix_attention
+from aggregate import LoRA, PrefixKV, Rows, lora_linear, prefix_attention, to_rows
 from config import ViTConfig
 
 
@@ -31,11 +32,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
-        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(
+            x.dtype
+        )
 
 
 def make_norm(cfg: ViTConfig, dim: int) -> nn.Module:
-    return nn.LayerNorm(dim, eps=cfg.norm_eps) if cfg.norm_type == "layer_norm" else RMSNorm(dim, cfg.norm_eps)
+    return (
+        nn.LayerNorm(dim, eps=cfg.norm_eps)
+        if cfg.norm_type == "layer_norm"
+        else RMSNorm(dim, cfg.norm_eps)
+    )
 
 
 def drop_path(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
@@ -60,7 +67,8 @@ class Embeddings(nn.Module):
         """Position embedding for an h x w patch grid: [1, 1 + h*w, C]."""
         pos = self.position_embedding
         g = self.cfg.grid
-        if (h, w) == (g, g):  # bicubic resize to the same grid is the identity (checked: max diff 0)
+        # bicubic resize to the same grid is the identity (checked: max diff 0)
+        if (h, w) == (g, g):
             return pos
         # the official encoder resizes the patch part in fp32, bicubic, align_corners=False
         patch = pos[:, 1:].reshape(1, g, g, -1).permute(0, 3, 1, 2).float()  # [1,C,g,g]
@@ -88,7 +96,8 @@ class Attention(PrefixKV):
         C = cfg.hidden_size
         self.qkv = nn.Linear(C, 3 * C, bias=cfg.qkv_bias)
         self.proj = nn.Linear(C, C)
-        lora = branches > 1 and lora_rank > 0  # LoRA vision branches: no prefix, an update of each linear
+        # LoRA vision branches: no prefix, an update of each linear
+        lora = branches > 1 and lora_rank > 0
         self.qkv_lora = LoRA(branches, lora_rank, C, 3 * C) if lora else None
         self.proj_lora = LoRA(branches, lora_rank, C, C) if lora else None
         if cfg.qk_norm:
@@ -102,7 +111,8 @@ class Attention(PrefixKV):
         q, k, v = lora_linear(self.qkv, self.qkv_lora, x, rows).split(C, dim=-1)  # 3 x [R,T,C]
         if self.qk_norm:  # over the whole width, all heads jointly (InternViT-6B)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k, v = (t.view(R, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [R,H,T,D]
+        # [R,H,T,D]
+        q, k, v = (t.view(R, T, self.num_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         pk, pv = self.row_prefixes(rows, k.dtype)  # each row's own branch prefix: [R,H,Lp,D]
         out = prefix_attention(q, k, v, pk, pv, causal=False)  # [R,H,T,D]
         return lora_linear(self.proj, self.proj_lora, out.transpose(1, 2).reshape(R, T, C), rows)
@@ -119,13 +129,20 @@ class MLP(nn.Module):
         self.fc2_lora = LoRA(branches, lora_rank, I, C) if lora else None
 
     def forward(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
-        h = F.gelu(lora_linear(self.fc1, self.fc1_lora, x, rows))  # exact erf GELU, as the checkpoint was trained
+        # exact erf GELU, as the checkpoint was trained
+        h = F.gelu(lora_linear(self.fc1, self.fc1_lora, x, rows))
         return lora_linear(self.fc2, self.fc2_lora, h, rows)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ViTConfig, drop_path_rate: float, branches: int = 1, prefix_len: int = 0,
-                 lora_rank: int = 0):
+    def __init__(
+        self,
+        cfg: ViTConfig,
+        drop_path_rate: float,
+        branches: int = 1,
+        prefix_len: int = 0,
+        lora_rank: int = 0,
+    ):
         super().__init__()
         C = cfg.hidden_size
         self.norm1 = make_norm(cfg, C)
@@ -172,7 +189,8 @@ class ViT(nn.Module):
     ) -> torch.Tensor:  # [R,T,C]: [P*N,T,C] dense (branch-major), [N,T,C] with a branch per tile
         if rows is None:
             rows = Rows.choose(None, self.branches, pixel_values.shape[0], pixel_values.device)
-        x = fold(self.embeddings(pixel_values), rows)  # [R,T,C]: the embedding is computed once per tile
+        # [R,T,C]: the embedding is computed once per tile
+        x = to_rows(self.embeddings(pixel_values), rows)
         layers = self.encoder.layers[: self.cfg.num_layers if num_layers is None else num_layers]
         for layer in layers:
             x = layer(x, rows)

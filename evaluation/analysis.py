@@ -22,6 +22,7 @@ reference lengths in tokens (the `question` cell and the reference: MMMU's `expl
 LogicVista's `reasoning`, otherwise `answer`, an empty one 0 tokens; before any prompt template),
 next to the best Pv:Pl of `evaluate.py report` when its report.json is given.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,182 +32,68 @@ from pathlib import Path
 
 import numpy as np
 
-from cli import SEED, SEEDS, pyplot
-from evaluation.scoring import BENCHMARKS, GROUPS
-from evaluation.tables import COLUMNS, config_label
-from evaluation.tsv import DataError, as_list, read_jsonl, read_tsv
-from files import regular_file, write_text, writing
-from flags import flag
-from hub import resolve_model
-from processor import ImageError, Tokenizer, open_base64
+from data.processor import ImageError, open_base64
+from evaluation.lengths import (
+    NEAR_CAP,
+    TOKENIZER_HELP,
+    counting_tokenizer,
+    read_predictions,
+    row_lengths,
+)
+from evaluation.score_files import config_label
+from evaluation.scoring import BENCHMARKS
+from evaluation.tables import COLUMNS
+from evaluation.tsv import DataError, as_list, read_tsv
+from shell.cli import pyplot
+from shell.files import regular_file, write_text, writing
+from shell.flags import flag
 
-NEAR_CAP = 4090  # the paper's threshold for its 4096-token budget
-# which count a near-cap answer is judged by: the paper's (B.4) re-tokenised length, or the run's own
-# count of generated tokens (evaluate.py run's new_tokens)
-NEAR_CAP_RULES = {"retokenised": "re-tokenised length", "generated": "generated tokens (new_tokens)"}
-# the fields of a prediction's record that make two runs' answers comparable row by row: the same TSV,
-# the same token budget and tile budget
-PRODUCED_ALIKE = ("data_fingerprint", "max_new_tokens", "max_tiles")
-# the fields that name one configuration (one checkpoint, its branches, how it was run)
-CONFIGURATION = ("model_fingerprint", "pv", "pl", "vision_branch", "language_branch", "shared_kv", "router",
-                 "random_pair", "branches")
 # Table S2's reference column (Appendix B.1): MMMU's explanation, LogicVista's reasoning, else the answer
 REFERENCE = {"MMMU_DEV_VAL": "explanation", "LogicVista": "reasoning"}
 
 
-def read_predictions(files: list) -> dict[str, tuple[str, list[dict]]]:
-    """{benchmark: (file, rows)} of prediction files (`evaluate.py run`), each file's benchmark read from
-    its own record; two files of one benchmark, or a file mixing runs, are refused."""
-    out: dict[str, tuple[str, list[dict]]] = {}
-    for f in files:
-        rows = read_jsonl(Path(f))
-        benches = {r.get("benchmark") for r in rows}
-        if len(benches) != 1 or None in benches or not rows:
-            raise DataError(f"{f}: not the predictions of one benchmark (evaluate.py run's output)")
-        bench = benches.pop()
-        if not all("index" in r and "prediction" in r for r in rows):  # a score JSON has a benchmark too
-            raise DataError(f"{f}: rows without index and prediction: not the predictions of evaluate.py run "
-                            f"(a score file?)")
-        if bench in out:
-            raise DataError(f"{f}: a second predictions file of {bench} (the first: {out[bench][0]})")
-        for field in PRODUCED_ALIKE + CONFIGURATION:
-            if len({json.dumps(r.get(field), sort_keys=True) for r in rows}) > 1:
-                raise DataError(f"{f}: its rows record more than one {field}: not one run's predictions")
-        out[bench] = (str(f), rows)
-    return out
-
-
-def row_lengths(rows: list[dict], encode, near_cap: int = NEAR_CAP, rule: str = "retokenised") -> dict[str, int | None]:
-    """{index: tokens} of one file's answers, each re-tokenised; None for an answer at the near cap by
-    `rule`: its re-tokenised length (the paper's) or its recorded new_tokens reaching near_cap."""
-    out = {}
-    for r in rows:
-        n = len(encode(str(r["prediction"])))
-        if rule == "generated" and "new_tokens" not in r:
-            raise DataError(f"row {r['index']} of {r.get('benchmark')} records no new_tokens for --near-cap-rule "
-                            f"generated")
-        out[str(r["index"])] = None if (r["new_tokens"] if rule == "generated" else n) >= near_cap else n
-    return out
-
-
-def lengths(files: list, encode, near_cap: int = NEAR_CAP, rule: str = "retokenised") -> dict[str, dict]:
-    """{benchmark: {index: tokens, None at the near cap}} of prediction files (read_predictions)."""
-    return {b: row_lengths(rows, encode, near_cap, rule) for b, (_, rows) in read_predictions(files).items()}
-
-
-def check_alike(a: dict, b: dict) -> None:
-    """Configurations A and B ({benchmark: (file, rows)}) pair only where their answers were produced
-    alike: each side one configuration, and per benchmark the same TSV, token budget and tile budget."""
-    for name, side in (("A", a), ("B", b)):
-        ids = {json.dumps({k: rows[0].get(k) for k in CONFIGURATION}, sort_keys=True): f for f, rows in side.values()}
-        if len(ids) > 1:
-            raise DataError(f"the {name} files are of more than one configuration ({', '.join(ids.values())})")
-    for bench in a.keys() & b.keys():
-        (fa, ra), (fb, rb) = a[bench], b[bench]
-        for field in PRODUCED_ALIKE:
-            if ra[0].get(field) != rb[0].get(field):
-                raise DataError(f"{bench}: {fa} and {fb} were produced with another {field} ({ra[0].get(field)!r} "
-                                f"against {rb[0].get(field)!r}): their answers do not pair")
-
-
-def compare(a: dict, b: dict, near_cap: int = NEAR_CAP, resamples: int = 10_000, seed: int = SEED,
-            rule: str = "retokenised") -> dict:
-    """Table S5 of configurations a and b ({benchmark: {index: tokens, None for a row at the near cap}},
-    the same benchmarks), over the rows both answered: per benchmark, domain and overall the clean
-    means of a and b, the paired difference b - a, and the 95 % interval of each column's paired
-    difference from one benchmark-balanced paired bootstrap (a domain's resample: the equal-weight mean
-    of its benchmarks' resampled mean differences). What was left out is counted per benchmark."""
-    if a.keys() != b.keys():
-        raise DataError(f"the two sets of predictions cover other benchmarks: {sorted(a)} against {sorted(b)}")
-    rng = np.random.default_rng(seed)
-    table, draws = {}, {}
-    for bench in [x for x in BENCHMARKS if x in a]:
-        clean = lambda n: n is not None and n < near_cap  # noqa: E731
-        common = [i for i in a[bench] if i in b[bench]]  # rows only one side answered pair with nothing
-        clean_a = [a[bench][i] for i in common if clean(a[bench][i])]
-        clean_b = [b[bench][i] for i in common if clean(b[bench][i])]
-        both = [i for i in common if clean(a[bench][i]) and clean(b[bench][i])]
-        if not both:
-            raise DataError(f"{bench}: no row is answered below {near_cap} tokens in both configurations")
-        diff = np.array([b[bench][i] - a[bench][i] for i in both], dtype=np.float64)
-        table[bench] = {"a": float(np.mean(clean_a)), "b": float(np.mean(clean_b)), "delta": float(diff.mean()),
-                        "n_a": len(clean_a), "n_b": len(clean_b), "n_paired": len(both),
-                        "only_a": len(a[bench]) - len(common), "only_b": len(b[bench]) - len(common),
-                        "near_cap_a": len(common) - len(clean_a), "near_cap_b": len(common) - len(clean_b)}
-        # [resamples], drawn in blocks of at most 2**22 indices: the same draws as one [resamples, n] block
-        block = max(1, 2**22 // len(diff))
-        draws[bench] = np.concatenate([diff[rng.integers(0, len(diff), size=(min(block, resamples - k), len(diff)))]
-                                       .mean(1) for k in range(0, resamples, block)])
-    intervals = {}
-    for group, members in [*((m, (m,)) for m in list(table)), *GROUPS.items(), ("All", BENCHMARKS)]:
-        present = [m for m in members if m in table]
-        if present:
-            if group not in table:
-                table[group] = {k: float(np.mean([table[m][k] for m in present])) for k in ("a", "b", "delta")}
-            low, high = np.percentile(np.mean([draws[m] for m in present], axis=0), [2.5, 97.5])
-            intervals[group] = [float(low), float(high)]
-    return {"table": table, "interval_95": intervals, "near_cap": near_cap, "near_cap_rule": rule,
-            "resamples": resamples, "seed": seed}
-
-
-def markdown(result: dict, names: tuple[str, str]) -> str:
-    """The Table S5 layout: benchmarks, then domains and the overall average, as columns; the paired
-    bootstrap's 95 % interval under each; the near-cap rule and what was left out."""
-    cols = list(result["table"])
-    md = [f"Table S5: Decoded output length, {names[0]} against {names[1]}. Mean lengths exclude outputs at or above "
-          f"the near-cap threshold; paired differences keep only examples below it for both configurations; domain "
-          f"and overall columns average the benchmark-level means with equal weight.", "",
-          "| Statistic | " + " | ".join(cols) + " |", "|" + " --- |" * (len(cols) + 1)]
-    for key, label in (("a", f"Clean mean ({names[0]})"), ("b", f"Clean mean ({names[1]})"),
-                       ("delta", f"Clean paired Δ ({names[1]} − {names[0]})")):
-        md.append(f"| {label} | " + " | ".join(f"{result['table'][c][key]:+.1f}" if key == "delta" else
-                                                f"{result['table'][c][key]:.1f}" for c in cols) + " |")
-    md.append("| Paired Δ, 95 % interval | " + " | ".join(
-        "[{:.1f}, {:.1f}]".format(*result["interval_95"][c]) for c in cols) + " |")
-    md += ["", f"Intervals: benchmark-balanced paired bootstrap, {result['resamples']} resamples, seed "
-               f"{result['seed']}. Near cap: {NEAR_CAP_RULES[result['near_cap_rule']]} >= {result['near_cap']} "
-               f"tokens{' (the paper’s rule)' if result['near_cap_rule'] == 'retokenised' else ''}."]
-    left = []
-    for c in cols:
-        t = result["table"][c]
-        parts = [f"{t[k]} {what}" for k, what in (("near_cap_a", f"near cap in {names[0]}"),
-                                                   ("near_cap_b", f"near cap in {names[1]}"),
-                                                   ("only_a", f"answered in {names[0]} only"),
-                                                   ("only_b", f"answered in {names[1]} only")) if t.get(k)]
-        if parts:
-            left.append(f"{c}: {', '.join(parts)}")
-    md.append("Left out: " + ("; ".join(left) if left else "nothing") + ".")
-    return "\n".join(md) + "\n"
-
-
 def best_label(record: dict) -> str:
-    """The report's label of the configuration a prediction's record names (tables.config_label)."""
-    return config_label((record.get("pv"), record.get("pl"), record.get("vision_branch"),
-                         record.get("language_branch"), bool(record.get("shared_kv")),
-                         tuple(sorted((record.get("branches") or {}).items()))))
+    """The report's label of the configuration a prediction's record names (score_files.config_label)."""
+    return config_label(
+        (
+            record.get("pv"),
+            record.get("pl"),
+            record.get("vision_branch"),
+            record.get("language_branch"),
+            bool(record.get("shared_kv")),
+            tuple(sorted((record.get("branches") or {}).items())),
+        )
+    )
 
 
-def best_responses(files: list, best: dict, encode, near_cap: int = NEAR_CAP,
-                   rule: str = "retokenised") -> tuple[dict, list[str]]:
+def best_responses(
+    files: list, best: dict, encode, near_cap: int = NEAR_CAP, rule: str = "retokenised"
+) -> tuple[dict, list[str]]:
     """Table S2's last column: per benchmark the response lengths of the predictions file whose record
     is that benchmark's best configuration in report.json (`best`: {benchmark: label}); files of other
     configurations are left out and named. A routed or random-pair file is no configuration of the
     report's grid; two files of one benchmark's best are refused."""
     responses, left = {}, []
     for f in files:
-        (bench, (_, rows)), = read_predictions([f]).items()
+        ((bench, (_, rows)),) = read_predictions([f]).items()
         rec = rows[0]
         label = None if rec.get("router") or rec.get("random_pair") is not None else best_label(rec)
         if best.get(bench) is None or label != best[bench]:
-            left.append(f"{f} ({label or 'routed or random-pair'}; the best of {bench}: {best.get(bench) or 'none'})")
+            left.append(
+                f"{f} ({label or 'routed or random-pair'}; the best of {bench}: {best.get(bench) or 'none'})"
+            )
             continue
         if bench in responses:
-            raise DataError(f"{f}: a second predictions file of {bench}'s best configuration {label}")
+            raise DataError(
+                f"{f}: a second predictions file of {bench}'s best configuration {label}"
+            )
         responses[bench] = row_lengths(rows, encode, near_cap, rule)
     return responses, left
 
 
-def descriptors(tsvs: list, encode, best: dict | None = None, responses: dict | None = None) -> dict[str, dict]:
+def descriptors(
+    tsvs: list, encode, best: dict | None = None, responses: dict | None = None
+) -> dict[str, dict]:
     """Table S2's columns per benchmark, from VLMEvalKit TSVs named <benchmark>.tsv (VLMEvalKit's own
     names): source pixels, question tokens, reference tokens (Appendix B.1: MMMU's `explanation`,
     LogicVista's `reasoning`, otherwise `answer`; an empty reference counts 0 tokens); `best`:
@@ -217,7 +104,9 @@ def descriptors(tsvs: list, encode, best: dict | None = None, responses: dict | 
     for path in map(Path, tsvs):
         bench = path.stem
         if bench not in BENCHMARKS:
-            raise DataError(f"{path}: not a benchmark's TSV name ({', '.join(b + '.tsv' for b in BENCHMARKS)})")
+            raise DataError(
+                f"{path}: not a benchmark's TSV name ({', '.join(b + '.tsv' for b in BENCHMARKS)})"
+            )
         ref = REFERENCE.get(bench, "answer")
         rows, pixels = read_tsv(path, ("index", "question", ref, "image")), []
         for r in rows:
@@ -228,30 +117,39 @@ def descriptors(tsvs: list, encode, best: dict | None = None, responses: dict | 
             pixels.append(sum(w * h for w, h in sizes))
         mine = (responses or {}).get(bench)
         clean = [n for n in (mine or {}).values() if n is not None]
-        out[bench] = {"rows": len(rows), "pixels": float(np.mean(pixels)),
-                      "question_tokens": float(np.mean([len(encode(r["question"] or "")) for r in rows])),
-                      "reference": ref,
-                      "reference_tokens": float(np.mean([len(encode(r[ref] or "")) for r in rows])),
-                      "empty_references": sum(r[ref] is None for r in rows),
-                      "best": (best or {}).get(bench),
-                      "response_tokens": float(np.mean(clean)) if clean else None,
-                      "responses_near_cap": None if mine is None else len(mine) - len(clean)}
+        out[bench] = {
+            "rows": len(rows),
+            "pixels": float(np.mean(pixels)),
+            "question_tokens": float(np.mean([len(encode(r["question"] or "")) for r in rows])),
+            "reference": ref,
+            "reference_tokens": float(np.mean([len(encode(r[ref] or "")) for r in rows])),
+            "empty_references": sum(r[ref] is None for r in rows),
+            "best": (best or {}).get(bench),
+            "response_tokens": float(np.mean(clean)) if clean else None,
+            "responses_near_cap": None if mine is None else len(mine) - len(clean),
+        }
     return out
 
 
 def descriptors_markdown(table: dict, left: list[str] = ()) -> str:
     """Table S2 in the paper's columns (dataset, source pixels, question and reference tokens, the best Pv:Pl),
     then what it does not print: the rows, the reference column, the best configuration's response tokens."""
-    md = ["Table S2: Dataset workload descriptors and empirically best branch-count configurations (from Table S4; "
-          "ties favor the lower-FLOP configuration).", "",
-          "| Dataset | Avg. Source Pixels | Avg. Question Tokens | Avg. Reference Tokens | Best Empirical Pv:Pl | rows "
-          "| reference column | its response tokens |", "|" + " --- |" * 8]
+    md = [
+        "Table S2: Dataset workload descriptors and empirically best branch-count configurations (from Table S4; "
+        "ties favor the lower-FLOP configuration).",
+        "",
+        "| Dataset | Avg. Source Pixels | Avg. Question Tokens | Avg. Reference Tokens | Best Empirical Pv:Pl | rows "
+        "| reference column | its response tokens |",
+        "|" + " --- |" * 8,
+    ]
     for b, d in table.items():
         response = "-" if d["response_tokens"] is None else f"{d['response_tokens']:.1f}"
         if d["responses_near_cap"]:
             response += f" ({d['responses_near_cap']} near cap left out)"
-        md.append(f"| {b} | {d['pixels']:,.0f} | {d['question_tokens']:.1f} | {d['reference_tokens']:.1f} | "
-                  f"{d['best'] or '-'} | {d['rows']} | {d['reference']} ({d['empty_references']} empty) | {response} |")
+        md.append(
+            f"| {b} | {d['pixels']:,.0f} | {d['question_tokens']:.1f} | {d['reference_tokens']:.1f} | "
+            f"{d['best'] or '-'} | {d['rows']} | {d['reference']} ({d['empty_references']} empty) | {response} |"
+        )
     md += [f"Left out: {f}" for f in left]
     return "\n".join(md) + "\n"
 
@@ -279,25 +177,42 @@ def score_cost(report: dict, latency: dict, column: str = "All") -> tuple[list[d
             continue
         key = profile_key(r["pv"], r["pl"], r["shared_kv"], r.get("branches"))
         if key in profile and profile[key].get("arch") != r.get("arch"):
-            raise DataError(f"the profiles hold {profile_command(key).split(' --batch')[0]} on two architectures "
-                            f"({profile[key].get('arch')} and {r.get('arch')}): pass the one the report's runs use")
+            raise DataError(
+                f"the profiles hold {profile_command(key).split(' --batch')[0]} on two architectures "
+                f"({profile[key].get('arch')} and {r.get('arch')}): pass the one the report's runs use"
+            )
         profile.setdefault(key, r)
     points, left = [], []
     for c in report["configs"]:
-        if c["vision_branch"] is not None or c["language_branch"] is not None or c["scores"].get(column) is None:
+        if (
+            c["vision_branch"] is not None
+            or c["language_branch"] is not None
+            or c["scores"].get(column) is None
+        ):
             continue  # fixed-pair diagnostics and partial runs have no point
         if c.get("reference"):
-            left.append(f"{c['label']}: a reference model (report --reference), not a configuration of the study")
+            left.append(
+                f"{c['label']}: a reference model (report --reference), not a configuration of the study"
+            )
             continue
         key = profile_key(c["pv"], c["pl"], c["shared_kv"], c.get("branches"))
         if key not in profile:
             left.append(f"{c['label']}: no batch-1 profile of its own ({profile_command(key)})")
             continue
-        points.append({"label": c["label"], "score": c["scores"][column], "latency_s": profile[key]["latency_s"],
-                       "peak_gib": profile[key]["peak_gib"], "arch": profile[key].get("arch")})
+        points.append(
+            {
+                "label": c["label"],
+                "score": c["scores"][column],
+                "latency_s": profile[key]["latency_s"],
+                "peak_gib": profile[key]["peak_gib"],
+                "arch": profile[key].get("arch"),
+            }
+        )
     if not points:
-        raise DataError(f"no configuration of the report has both a {column} score and its own batch-1 profile"
-                        + (f" ({'; '.join(left)})" if left else ""))
+        raise DataError(
+            f"no configuration of the report has both a {column} score and its own batch-1 profile"
+            + (f" ({'; '.join(left)})" if left else "")
+        )
     return cost_ratios(points, profile.get(profile_key(1, 1, False, {})), left), left
 
 
@@ -306,10 +221,14 @@ def cost_ratios(points: list[dict], base: dict | None, left: list[str]) -> list[
     1.04x and 1.23x those of 1:1"): each point's latency and peak memory over standard 1:1's batch-1 profile, None
     without one (said in `left`)."""
     if base is None:
-        left.append(f"the ratios to 1:1: no batch-1 profile of standard 1:1 ({profile_command((1, 1, False, ()))})")
+        left.append(
+            f"the ratios to 1:1: no batch-1 profile of standard 1:1 ({profile_command((1, 1, False, ()))})"
+        )
     for p in points:
-        p |= {"latency_x": p["latency_s"] / base["latency_s"] if base else None,
-              "peak_x": p["peak_gib"] / base["peak_gib"] if base else None}
+        p |= {
+            "latency_x": p["latency_s"] / base["latency_s"] if base else None,
+            "peak_x": p["peak_gib"] / base["peak_gib"] if base else None,
+        }
     return points
 
 
@@ -319,12 +238,27 @@ def plot_score_cost(points: list[dict], column: str, png: Path) -> None:
     plt = pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8, 3.2))
     ratios = all(p["latency_x"] is not None for p in points)
-    axis = ((axes[0], "latency_x", "per-sample latency (× 1:1), batch 1"), (axes[1], "peak_x", "peak memory (× 1:1)"))
-    for ax, key, name in axis if ratios else ((axes[0], "latency_s", "latency per sample (s), batch 1"),
-                                               (axes[1], "peak_gib", "peak memory (GiB)")):
+    axis = (
+        (axes[0], "latency_x", "per-sample latency (× 1:1), batch 1"),
+        (axes[1], "peak_x", "peak memory (× 1:1)"),
+    )
+    for ax, key, name in (
+        axis
+        if ratios
+        else (
+            (axes[0], "latency_s", "latency per sample (s), batch 1"),
+            (axes[1], "peak_gib", "peak memory (GiB)"),
+        )
+    ):
         ax.scatter([p[key] for p in points], [p["score"] for p in points])
         for p in points:
-            ax.annotate(p["label"], (p[key], p["score"]), textcoords="offset points", xytext=(4, 4), fontsize=8)
+            ax.annotate(
+                p["label"],
+                (p[key], p["score"]),
+                textcoords="offset points",
+                xytext=(4, 4),
+                fontsize=8,
+            )
         ax.set_xlabel(name), ax.set_ylabel(f"{column} score")
     fig.suptitle("Figure 4: performance-cost trade-off at batch size 1", fontsize=10)
     fig.tight_layout()
@@ -336,80 +270,61 @@ def plot_score_cost(points: list[dict], column: str, png: Path) -> None:
 # -- the commands (evaluate.py lengths, descriptors, cost) and their flags ---------------------------
 
 
-TOKENIZER_HELP = ("folder of the tokenizer that counts tokens (the paper's: Qwen3-VL-2B-Instruct's Qwen2Tokenizer, "
-                  "use_fast=False, no special tokens): its vocab.json + merges.txt, the files the slow tokenizer reads")
-
-
-def counting_tokenizer(folder: str | None, model: str) -> Tokenizer:
-    """The tokenizer Tables S5 and S2 count with: --tokenizer's folder read as the slow Qwen2Tokenizer reads
-    it (vocab.json + merges.txt; Appendix B.1, B.4), else --model's."""
-    if folder is None:
-        return Tokenizer.from_pretrained(resolve_model(model))
-    if not Path(folder).is_dir():
-        raise DataError(f"--tokenizer {folder}: not a folder (a tokenizer's files: vocab.json, merges.txt)")
-    return Tokenizer.from_pretrained(folder, slow_files=True)
-
-
-@dataclass
-class LengthsConfig:
-    """`evaluate.py lengths`'s flags."""
-    model: str = flag(None, "checkpoint whose tokenizer re-tokenises the answers (without --tokenizer)", required=True,
-                      reads=True)
-    tokenizer: str | None = flag(None, TOKENIZER_HELP, shown="--model's", metavar="DIR", reads=True)
-    a: list[str] = flag(None, "configuration A's predictions (evaluate.py run), one file per benchmark", nargs="+",
-                        required=True, metavar="JSONL", reads=True)
-    b: list[str] = flag(None, "configuration B's predictions (evaluate.py run), one file per benchmark", nargs="+",
-                        required=True, metavar="JSONL", reads=True)
-    names: list[str] = flag(help="the two configurations' names in the table", nargs=2, factory=lambda: ["A", "B"])
-    near_cap: int = flag(NEAR_CAP, "answers of this many tokens or more are left out", unit="tokens", range="[1, inf)",
-                         shown=f"{NEAR_CAP} of the 4096 budget, the paper's")
-    near_cap_rule: str = flag("retokenised", "what is counted against --near-cap: the re-tokenised answer (the "
-                                             "paper's) or the generated tokens the run recorded",
-                              choices=list(NEAR_CAP_RULES))
-    resamples: int = flag(10_000, "bootstrap resamples", range="[1, 1000000]")
-    seed: int = flag(SEED, "bootstrap seed", shown=f"{SEED}, the paper's", range=SEEDS)
-    out: str | None = flag(None, "also write the JSON here", writes=True)
-
-
 @dataclass
 class DescriptorsConfig:
     """`evaluate.py descriptors`'s flags."""
-    data: list[str] = flag(None, "VLMEvalKit TSVs, named <benchmark>.tsv", positional=True, nargs="+", reads=True)
-    model: str = flag(None, "checkpoint whose tokenizer counts the tokens (without --tokenizer)", required=True,
-                      reads=True)
+
+    data: list[str] = flag(
+        None, "VLMEvalKit TSVs, named <benchmark>.tsv", positional=True, nargs="+", reads=True
+    )
+    model: str = flag(
+        None,
+        "checkpoint whose tokenizer counts the tokens (without --tokenizer)",
+        required=True,
+        reads=True,
+    )
     tokenizer: str | None = flag(None, TOKENIZER_HELP, shown="--model's", metavar="DIR", reads=True)
-    report: str | None = flag(None, "report.json of evaluate.py report: its best configuration per benchmark",
-                              reads=True)
-    predictions: list[str] | None = flag(None, "predictions (evaluate.py run; with --report): per benchmark, the "
-                                               "file of its best configuration gives the mean response tokens",
-                                         nargs="+", metavar="JSONL", reads=True)
-    near_cap: int = flag(NEAR_CAP, "responses of this many tokens or more are left out", unit="tokens",
-                         range="[1, inf)", shown=f"{NEAR_CAP} of the 4096 budget, the paper's")
+    report: str | None = flag(
+        None, "report.json of evaluate.py report: its best configuration per benchmark", reads=True
+    )
+    predictions: list[str] | None = flag(
+        None,
+        "predictions (evaluate.py run; with --report): per benchmark, the "
+        "file of its best configuration gives the mean response tokens",
+        nargs="+",
+        metavar="JSONL",
+        reads=True,
+    )
+    near_cap: int = flag(
+        NEAR_CAP,
+        "responses of this many tokens or more are left out",
+        unit="tokens",
+        range="[1, inf)",
+        shown=f"{NEAR_CAP} of the 4096 budget, the paper's",
+    )
     out: str | None = flag(None, "also write the JSON here", writes=True)
 
 
 @dataclass
 class CostConfig:
     """`evaluate.py cost`'s flags."""
+
     report: str = flag(None, "report.json of evaluate.py report", required=True, reads=True)
-    latency: list[str] = flag(None, "outputs of profiling.py latency --json (their batch-1 rows), one per "
-                                    "configuration", nargs="+", required=True, reads=True)
-    column: str = flag("All", "the score column: a benchmark or an aggregate (Eq. A3)", choices=COLUMNS)
-    out: str | None = flag(None, "folder for score_cost.json and, with matplotlib, score_cost.png",
-                           writes=("score_cost.json", "score_cost.png"))
-
-
-def lengths_cmd(cfg: LengthsConfig) -> int:
-    encode = counting_tokenizer(cfg.tokenizer, cfg.model).encode
-    pa, pb = read_predictions(cfg.a), read_predictions(cfg.b)
-    check_alike(pa, pb)
-    a, b = ({k: row_lengths(rows, encode, cfg.near_cap, cfg.near_cap_rule) for k, (_, rows) in p.items()}
-            for p in (pa, pb))
-    result = compare(a, b, cfg.near_cap, cfg.resamples, cfg.seed, cfg.near_cap_rule)
-    print(markdown(result, tuple(cfg.names)), end="")
-    if cfg.out:
-        write_text(Path(cfg.out), json.dumps(result | {"names": cfg.names}) + "\n")
-    return 0
+    latency: list[str] = flag(
+        None,
+        "outputs of profiling.py latency --json (their batch-1 rows), one per configuration",
+        nargs="+",
+        required=True,
+        reads=True,
+    )
+    column: str = flag(
+        "All", "the score column: a benchmark or an aggregate (Eq. A3)", choices=COLUMNS
+    )
+    out: str | None = flag(
+        None,
+        "folder for score_cost.json and, with matplotlib, score_cost.png",
+        writes=("score_cost.json", "score_cost.png"),
+    )
 
 
 def read_json(path: str, what: str) -> dict:
@@ -434,11 +349,19 @@ def descriptors_cmd(cfg: DescriptorsConfig) -> int:
     if cfg.report:
         best = read_json(cfg.report, "a report.json of evaluate.py report").get("best")
         if not isinstance(best, dict):
-            raise DataError(f"{cfg.report}: not a report.json of evaluate.py report (no best configurations)")
+            raise DataError(
+                f"{cfg.report}: not a report.json of evaluate.py report (no best configurations)"
+            )
     if cfg.predictions and best is None:
-        raise DataError("--predictions needs --report: each benchmark's response tokens are its best configuration's")
+        raise DataError(
+            "--predictions needs --report: each benchmark's response tokens are its best configuration's"
+        )
     encode = counting_tokenizer(cfg.tokenizer, cfg.model).encode
-    responses, left = best_responses(cfg.predictions, best, encode, cfg.near_cap) if cfg.predictions else (None, [])
+    responses, left = (
+        best_responses(cfg.predictions, best, encode, cfg.near_cap)
+        if cfg.predictions
+        else (None, [])
+    )
     table = descriptors(cfg.data, encode, best, responses)
     print(descriptors_markdown(table, left), end="")
     if cfg.out:
@@ -450,20 +373,31 @@ def cost_cmd(cfg: CostConfig) -> int:
     report = read_json(cfg.report, "a report.json")
     profiles = [read_json(f, "profiling.py latency --json output") for f in cfg.latency]
     if "configs" not in report or not all("rows" in p for p in profiles):
-        raise DataError(f"{cfg.report} / {' '.join(cfg.latency)}: need report.json's configs and the profiles' rows")
-    points, left = score_cost(report, {"rows": [r for p in profiles for r in p["rows"]]}, cfg.column)
+        raise DataError(
+            f"{cfg.report} / {' '.join(cfg.latency)}: need report.json's configs and the profiles' rows"
+        )
+    points, left = score_cost(
+        report, {"rows": [r for p in profiles for r in p["rows"]]}, cfg.column
+    )
     ratio = lambda x: "-" if x is None else f"{x:.2f}×"  # noqa: E731
-    print(f"Figure 4: performance-cost trade-off at batch size 1 ({cfg.column} score; ratios to standard 1:1)\n\n"
-          f"| configuration | {cfg.column} | latency (× 1:1) | peak memory (× 1:1) | latency per sample (s) | "
-          f"peak memory (GiB) |\n|" + " --- |" * 6)
+    print(
+        f"Figure 4: performance-cost trade-off at batch size 1 ({cfg.column} score; ratios to standard 1:1)\n\n"
+        f"| configuration | {cfg.column} | latency (× 1:1) | peak memory (× 1:1) | latency per sample (s) | "
+        f"peak memory (GiB) |\n|" + " --- |" * 6
+    )
     for p in points:
-        print(f"| {p['label']} | {p['score']:.1f} | {ratio(p['latency_x'])} | {ratio(p['peak_x'])} | "
-              f"{p['latency_s']:.4f} | {p['peak_gib']:.3f} |")
+        print(
+            f"| {p['label']} | {p['score']:.1f} | {ratio(p['latency_x'])} | {ratio(p['peak_x'])} | "
+            f"{p['latency_s']:.4f} | {p['peak_gib']:.3f} |"
+        )
     for line in left:
         print(f"Left out: {line}")
     if cfg.out:
         Path(cfg.out).mkdir(parents=True, exist_ok=True)
-        write_text(Path(cfg.out) / "score_cost.json", json.dumps({"points": points, "left_out": left}) + "\n")
+        write_text(
+            Path(cfg.out) / "score_cost.json",
+            json.dumps({"points": points, "left_out": left}) + "\n",
+        )
         try:
             plot_score_cost(points, cfg.column, Path(cfg.out) / "score_cost.png")
         except ValueError as e:  # matplotlib is optional: the table and JSON are written

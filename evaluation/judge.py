@@ -5,6 +5,7 @@ A.3): "Unresolved cases, and all LogicVista cases, use gpt-4o-2024-11-20 as a fi
 
 The endpoint's API key is read from an environment variable (--judge-key-env, OPENAI_API_KEY by default)
 and sent as a bearer token: never a flag, so it shows in no command line (ps, a study's log) and no file."""
+
 from __future__ import annotations
 
 import ast
@@ -20,17 +21,21 @@ from pathlib import Path
 
 from evaluation.scoring import can_infer, mmmu_choices
 from evaluation.tsv import DataError, options, read_jsonl
-from files import regular_file
+from shell.files import regular_file
 
 _CJK = re.compile("[\u4e00-\u9fa5]")  # smp/misc.py cn_string
-MAX_REPLY = 2**20  # bytes of one reply: an extracted answer is a few bytes, a whole chat completion a few KiB
+# bytes of one reply: an extracted answer is a few bytes, a whole chat completion a few KiB
+MAX_REPLY = 2**20
 REQUEST_SECONDS = 120  # one request, whole: connection, headers and reply (urllib's timeout bounds each read alone)
-JUDGED = ("MMMU_DEV_VAL", "MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath")  # A.3's five with an extractor
+# A.3's five with an extractor
+JUDGED = ("MMMU_DEV_VAL", "MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath")
 PAPER_JUDGE = "gpt-4o-2024-11-20"  # Appendix A.3's fixed answer extractor
 KEY_ENV = "OPENAI_API_KEY"  # where the key is read from by default: the variable OpenAI's own clients read
 
 
-def judge_flags_problem(url: str | None, model: str | None, vlmevalkit: str | None, key_env: str | None) -> str | None:
+def judge_flags_problem(
+    url: str | None, model: str | None, vlmevalkit: str | None, key_env: str | None
+) -> str | None:
     """The answer extractor's flags that cannot work together, as one line naming the flag, or None: a URL
     that is not an http(s) one, --judge-url without --judge-model or --vlmevalkit, or those without it.
     A flag error (exit 2), found before anything runs: `evaluate.py score` and `study.py` share it."""
@@ -54,18 +59,29 @@ def upstream_strings(path: Path, function: str) -> dict[str, str]:
     plus the first argument of its .replace(...) calls under "replace:<k>", read with ast (the
     file is parsed, never run)."""
     try:
-        tree = ast.parse(regular_file(path).read_text(encoding="utf-8"))  # a FIFO would block the read
+        # a FIFO would block the read
+        tree = ast.parse(regular_file(path).read_text(encoding="utf-8"))
     except (OSError, SyntaxError) as e:
         raise DataError(f"{path}: cannot read VLMEvalKit source: {e}") from None
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef) and node.name == function:
             found, k = {}, 0
             for sub in ast.walk(node):
-                if (isinstance(sub, ast.Assign) and isinstance(sub.value, ast.Constant)
-                        and isinstance(sub.value.value, str)):
-                    found.update({t.id: sub.value.value for t in sub.targets if isinstance(t, ast.Name)})
-                if (isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == "replace"
-                        and sub.args and isinstance(sub.args[0], ast.Constant)):
+                if (
+                    isinstance(sub, ast.Assign)
+                    and isinstance(sub.value, ast.Constant)
+                    and isinstance(sub.value.value, str)
+                ):
+                    found.update(
+                        {t.id: sub.value.value for t in sub.targets if isinstance(t, ast.Name)}
+                    )
+                if (
+                    isinstance(sub, ast.Call)
+                    and isinstance(sub.func, ast.Attribute)
+                    and sub.func.attr == "replace"
+                    and sub.args
+                    and isinstance(sub.args[0], ast.Constant)
+                ):
                     found[f"replace:{k}"], k = sub.args[0].value, k + 1
             return found
     raise DataError(f"{path}: has no function {function} (is this a VLMEvalKit checkout?)")
@@ -77,8 +93,11 @@ def post(url: str, body: dict, seconds: float | None = None, headers: dict | Non
     thread this one waits for; one that outlives the bound is left behind (a daemon), the command ending with its
     line. At most MAX_REPLY + 1 bytes are read. A failure is urllib's exception, or a TimeoutError (an OSError)."""
     seconds = REQUEST_SECONDS if seconds is None else seconds
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     got: dict = {}
 
     def fetch() -> None:
@@ -102,10 +121,18 @@ class Judge:
     """An OpenAI-compatible chat endpoint used the way VLMEvalKit uses its judge, with every reply
     cached in a JSONL file (keyed by model, prompt, temperature and attempt), so a rerun is free."""
 
-    def __init__(self, url: str, model: str, cache: Path, vlmevalkit: Path, benchmark: str,
-                 key_env: str = KEY_ENV):
+    def __init__(
+        self,
+        url: str,
+        model: str,
+        cache: Path,
+        vlmevalkit: Path,
+        benchmark: str,
+        key_env: str = KEY_ENV,
+    ):
         self.url, self.model, self.cache_path = url.rstrip("/"), model, cache
-        self.key = os.environ.get(key_env) or None  # unset or empty: no key sent (a local server needs none)
+        # unset or empty: no key sent (a local server needs none)
+        self.key = os.environ.get(key_env) or None
         self.cache = {c["key"]: c["reply"] for c in read_jsonl(cache)}
         self.calls, self.benchmark = 0, benchmark
         utils = Path(vlmevalkit) / "vlmeval" / "dataset" / "utils"
@@ -113,44 +140,76 @@ class Judge:
             name = "build_prompt_wemath" if benchmark == "WeMath" else "build_prompt"
             self.mcq = upstream_strings(utils / "multiple_choice.py", name)
             self.mcq_cn = upstream_strings(utils / "multiple_choice.py", "build_prompt_cn")["tmpl"]
-        elif benchmark in ("MathVista_MINI", "MathVision_MINI"):  # build_mathvista_gpt4_prompt, get_gpt4_ICE
+        # build_mathvista_gpt4_prompt, get_gpt4_ICE
+        elif benchmark in ("MathVista_MINI", "MathVision_MINI"):
             f = utils / ("mathvista.py" if benchmark == "MathVista_MINI" else "mathv.py")
-            task = upstream_strings(f, "build_mathvista_gpt4_prompt" if benchmark == "MathVista_MINI"
-                                    else "build_mathv_gpt4_prompt")
+            task = upstream_strings(
+                f,
+                "build_mathvista_gpt4_prompt"
+                if benchmark == "MathVista_MINI"
+                else "build_mathv_gpt4_prompt",
+            )
             ice = upstream_strings(f, "get_gpt4_ICE")
-            self.math = (task["task_description"], [ice[k] for k in sorted(ice) if k.startswith("example_")])
+            self.math = (
+                task["task_description"],
+                [ice[k] for k in sorted(ice) if k.startswith("example_")],
+            )
         elif benchmark == "LogicVista":
-            self.logic = upstream_strings(utils / "logicvista.py", "build_prompt_logicvista")["tmpl"]
+            self.logic = upstream_strings(utils / "logicvista.py", "build_prompt_logicvista")[
+                "tmpl"
+            ]
 
-    def ask(self, prompt: str, temperature: float = 0.0, attempt: int = 0, max_tokens: int | None = None) -> str:
-        key = hashlib.sha256(json.dumps([self.model, prompt, temperature, attempt]).encode()).hexdigest()
+    def ask(
+        self, prompt: str, temperature: float = 0.0, attempt: int = 0, max_tokens: int | None = None
+    ) -> str:
+        key = hashlib.sha256(
+            json.dumps([self.model, prompt, temperature, attempt]).encode()
+        ).hexdigest()
         if key not in self.cache:
-            body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": temperature}
+            body = {
+                "model": self.model,
+                "messages": [{"role": "user", "content": prompt}],
+                "temperature": temperature,
+            }
             if max_tokens:
                 body["max_tokens"] = max_tokens
             headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
             try:
                 reply = post(self.url + "/chat/completions", body, headers=headers)
                 if len(reply) > MAX_REPLY:
-                    raise DataError(f"judge {self.url}: a reply of more than {MAX_REPLY:,} bytes, where an answer "
-                                    f"is a few; is --judge-url a chat completions endpoint? nothing of it cached")
+                    raise DataError(
+                        f"judge {self.url}: a reply of more than {MAX_REPLY:,} bytes, where an answer "
+                        f"is a few; is --judge-url a chat completions endpoint? nothing of it cached"
+                    )
                 reply = json.loads(reply)["choices"][0]["message"]["content"]
-            except (urllib.error.URLError, OSError, KeyError, IndexError, TypeError, json.JSONDecodeError) as e:
+            except (
+                urllib.error.URLError,
+                OSError,
+                KeyError,
+                IndexError,
+                TypeError,
+                json.JSONDecodeError,
+            ) as e:
                 raise DataError(f"judge {self.url}: request failed: {e}") from None
             except RecursionError:  # Python's JSON reader recurses once per level
-                raise DataError(f"judge {self.url}: the reply is nested deeper than Python's JSON reader "
-                                f"goes") from None
+                raise DataError(
+                    f"judge {self.url}: the reply is nested deeper than Python's JSON reader goes"
+                ) from None
             self.cache[key], self.calls = reply, self.calls + 1
             with open(self.cache_path, "a", encoding="utf-8") as f:
                 f.write(json.dumps({"key": key, "reply": reply}, ensure_ascii=False) + "\n")
         return self.cache[key]
 
     def __call__(self, kind: str, row: dict, prediction: str):
-        if kind == "mcq":  # 3 tries; upstream then draws a random letter, we count the row unresolved
+        # 3 tries; upstream then draws a random letter, we count the row unresolved
+        if kind == "mcq":
             choices = mmmu_choices(row)[0] if self.benchmark == "MMMU_DEV_VAL" else options(row)
-            option_str = "There are several options: \n" + "".join(f"{c}. {v}\n" for c, v in choices.items())
+            option_str = "There are several options: \n" + "".join(
+                f"{c}. {v}\n" for c, v in choices.items()
+            )
             question = row["question"] or "nan"
-            if self.benchmark == "WeMath":  # its own template, after dropping the answer-format requirement
+            # its own template, after dropping the answer-format requirement
+            if self.benchmark == "WeMath":
                 tmpl = self.mcq["tmpl"]
                 question = question.replace(self.mcq.get("replace:0", "\0"), "")
             else:  # the Chinese template for a question in Chinese
@@ -164,7 +223,8 @@ class Judge:
         if kind == "math":  # 5 tries at temperature 0, 0.5, ...; the reply is the extracted answer
             task, examples = self.math
             prompt = task + "".join(e + "\n" for e in examples) + (row["question"] or "nan") + "\n"
-            prompt += "Model respone: " + prediction + "Extracted answer:"  # upstream's spelling and spacing
+            # upstream's spelling and spacing
+            prompt += "Model respone: " + prediction + "Extracted answer:"
             for attempt in range(5):
                 reply = self.ask(prompt, attempt * 0.5, attempt, max_tokens=128)
                 if "Failed to obtain answer via API" not in reply:

@@ -3,6 +3,7 @@ A.3): equal as text, else as numbers within 1e-6, else as LaTeX through latex2sy
 latex2sympy2), as mathv.py imports them, under its 30 s limit. Upstream eval()s the reply and the
 parser's output; here a small arithmetic evaluator reads them, so no code from a reply ever runs.
 scoring.py's MathVision scorer calls mathv_equal."""
+
 from __future__ import annotations
 
 import ast
@@ -13,14 +14,23 @@ import sys
 import threading
 from contextlib import contextmanager
 
-_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-        ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow,
-        ast.USub: operator.neg, ast.UAdd: operator.pos}
+_OPS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
 
 
 def arithmetic(text: str):
     """The value of a plain arithmetic expression ("3/5", "-2**0.5", "1e-3"), else None. Replaces
     upstream's eval() of model output: only numbers and + - * / // % ** are evaluated."""
+
     def ev(node):
         if isinstance(node, ast.Constant) and type(node.value) in (int, float, complex):
             return node.value
@@ -28,14 +38,25 @@ def arithmetic(text: str):
             return _OPS[type(node.op)](ev(node.operand))
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             left, right = ev(node.left), ev(node.right)
-            if isinstance(node.op, ast.Pow) and (abs(right) > 1000 or (
-                    abs(left) > 1 and abs(right) * math.log10(abs(left)) > 4000)):  # no 10^4000-size numbers
+            # no 10^4000-size numbers
+            if isinstance(node.op, ast.Pow) and (
+                abs(right) > 1000 or (abs(left) > 1 and abs(right) * math.log10(abs(left)) > 4000)
+            ):
                 raise ValueError("power too large")
             return _OPS[type(node.op)](left, right)
         raise ValueError("not arithmetic")
+
     try:
         return ev(ast.parse(text.strip(), mode="eval").body)
-    except (SyntaxError, ValueError, TypeError, ZeroDivisionError, OverflowError, MemoryError, RecursionError):
+    except (
+        SyntaxError,
+        ValueError,
+        TypeError,
+        ZeroDivisionError,
+        OverflowError,
+        MemoryError,
+        RecursionError,
+    ):
         return None
 
 
@@ -56,7 +77,9 @@ def mathv_equal(answer, truth) -> bool:
 
 
 _LATEX: list = []  # latex_parser() once imported, or None when neither package is installed
-LATEX_SECONDS = 30  # mathv.py's @timeout_decorator.timeout(30) on is_equal: a reply that takes longer is wrong
+LATEX_SECONDS = (
+    30  # mathv.py's @timeout_decorator.timeout(30) on is_equal: a reply that takes longer is wrong
+)
 
 
 @contextmanager
@@ -86,15 +109,20 @@ def latex_parser():
     NameError, so the reply is wrong), latex2sympy2 as its right-hand side 5 (the reply is right)."""
     try:
         from latex2sympy2_extended import latex2sympy
+
         return latex2sympy
     except ImportError:
         pass
     try:
         from latex2sympy2 import latex2sympy
+
         return latex2sympy
     except ImportError:
-        print("note: latex2sympy2_extended is not installed: MathVision's LaTeX answers are compared as text and "
-              "numbers only, where VLMEvalKit also parses them (pip install latex2sympy2_extended)", file=sys.stderr)
+        print(
+            "note: latex2sympy2_extended is not installed: MathVision's LaTeX answers are compared as text and "
+            "numbers only, where VLMEvalKit also parses them (pip install latex2sympy2_extended)",
+            file=sys.stderr,
+        )
         return None
 
 
@@ -114,5 +142,7 @@ def latex_equal(truth: str, answer: str) -> bool:
             if x is None or y is None:
                 return False
             return abs(x - y) < 1e-6 or bool(abs(ta - aa) < 1e-6)
-    except Exception:  # the parser's errors on text that is not LaTeX, the time limit (upstream: a bare except)
+    except (
+        Exception
+    ):  # the parser's errors on text that is not LaTeX, the time limit (upstream: a bare except)
         return False

@@ -13,6 +13,7 @@ the reported parameters, as scipy does (tests/test_analysis.py).
 
 Shapes: S starts, R rows of the table.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -21,7 +22,9 @@ import math
 import torch
 
 # parametric_fit.py's starts: E = e^{-1, -0.5, 0}, A = e^{-4..4} (x 1e9), alpha in 0..2, k in 0.2..0.8
-GRID = list(itertools.product([-1, -0.5, 0], [-4, -2, 0, 2, 4], [0, 0.5, 1, 1.5, 2], [0.2, 0.4, 0.6, 0.8]))
+GRID = list(
+    itertools.product([-1, -0.5, 0], [-4, -2, 0, 2, 4], [0, 0.5, 1, 1.5, 2], [0.2, 0.4, 0.6, 0.8])
+)
 A_UNIT = 1e9  # parametric_fit.py optimises A in units of 1e9 parameters; reported in raw parameters
 
 
@@ -36,18 +39,21 @@ def huber(err: torch.Tensor, delta: float = 1e-3) -> torch.Tensor:
     return torch.where(err.abs() <= delta, err * err / 2, delta * (err.abs() - delta / 2))
 
 
-def lbfgs(f, x: torch.Tensor, iters: int = 2000, memory: int = 10,
-          lower: float = 1e-8) -> tuple[torch.Tensor, torch.Tensor]:
+def lbfgs(
+    f, x: torch.Tensor, iters: int = 2000, memory: int = 10, lower: float = 1e-8
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Minimise f: [S,n] -> [S] for every row of x at once: L-BFGS two-loop directions, Armijo
     backtracking, x kept >= lower by projection (parametric_fit.py runs scipy's L-BFGS-B with bounds
     (1e-8, None) once per start; here all starts of the grid run as one batch). A row whose line
     search fails is converged and stops moving."""
+
     def value_grad(x):
         x = x.detach().requires_grad_()
         v = f(x)
         v = torch.where(torch.isfinite(v), v, math.inf)
         (g,) = torch.autograd.grad(v.sum(), x)
         return v.detach(), torch.nan_to_num(g, nan=0.0, posinf=0.0, neginf=0.0)
+
     fx, g = value_grad(x)
     active, hist = torch.isfinite(fx), []
     for _ in range(iters):
@@ -93,16 +99,28 @@ def fit_law(N: list[float], P: list[float], L: list[float]) -> dict:
     """parametric_fit.py: minimise sum Huber_1e-3(log L - log L_pred) from each of the 300 grid starts
     (E = e^e0, A = e^a0 (x 1e9), alpha, k), keep the best; R^2 of L_pred against L."""
     N_, P_, L_ = (torch.tensor(v, dtype=torch.float64) for v in (N, P, L))
-    x0 = torch.tensor([[math.exp(e), math.exp(a), max(al, 1e-8), k] for e, a, al, k in GRID], dtype=torch.float64)
+    x0 = torch.tensor(
+        [[math.exp(e), math.exp(a), max(al, 1e-8), k] for e, a, al, k in GRID], dtype=torch.float64
+    )
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # [300, R] tensors: threads only add contention (docs/evaluation.md, "ParScale's law")
+    # [300, R] tensors: threads only add contention (docs/evaluation.md, "ParScale's law")
+    torch.set_num_threads(1)
     try:
         x, fx = lbfgs(lambda x: huber(L_.log() - law(x, N_, P_).log()).sum(-1), x0)
     finally:
         torch.set_num_threads(threads)
     best = int(torch.argmin(fx))
-    pred = law(x[best:best + 1], N_, P_)[0]
+    pred = law(x[best : best + 1], N_, P_)[0]
     spread = float(((L_ - L_.mean()) ** 2).sum())
-    r2 = 1 - float(((L_ - pred) ** 2).sum()) / spread if spread > 0 else None  # equal losses: R^2 is undefined
+    # equal losses: R^2 is undefined
+    r2 = 1 - float(((L_ - pred) ** 2).sum()) / spread if spread > 0 else None
     E, A, alpha, k = x[best].tolist()
-    return {"E": E, "A": A * A_UNIT, "alpha": alpha, "k": k, "r2": r2, "huber": float(fx[best]), "pred": pred.tolist()}
+    return {
+        "E": E,
+        "A": A * A_UNIT,
+        "alpha": alpha,
+        "k": k,
+        "r2": r2,
+        "huber": float(fx[best]),
+        "pred": pred.tolist(),
+    }

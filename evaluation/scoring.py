@@ -40,6 +40,7 @@ MathVision's LaTeX step is skipped (one line says so) and LaTeX answers count on
 divides by the problem groups present
 (VLMEvalKit hard-codes 525, which equals it on the full set).
 """
+
 from __future__ import annotations
 
 import ast
@@ -50,27 +51,49 @@ from dataclasses import dataclass, field
 from evaluation.mathv import mathv_equal
 from evaluation.tsv import DataError, as_list, options
 
-BENCHMARKS = ("MMMU_DEV_VAL", "MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath",
-              "ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")
-GROUPS = {"General": ("MMMU_DEV_VAL",), "Math": ("MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath"),
-          "OCR": ("ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench")}  # the paper's domains (Eq. A3)
-COLUMNS = [*BENCHMARKS, *GROUPS, "All"]  # a score table's columns, in the paper's order (Tables 1, S6, S8, S9)
+BENCHMARKS = (
+    "MMMU_DEV_VAL",
+    "MathVista_MINI",
+    "MathVision_MINI",
+    "LogicVista",
+    "WeMath",
+    "ChartQA_TEST",
+    "TextVQA_VAL",
+    "DocVQA_VAL",
+    "OCRBench",
+)
+# the paper's domains (Eq. A3)
+GROUPS = {
+    "General": ("MMMU_DEV_VAL",),
+    "Math": ("MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath"),
+    "OCR": ("ChartQA_TEST", "TextVQA_VAL", "DocVQA_VAL", "OCRBench"),
+}
+# a score table's columns, in the paper's order (Tables 1, S6, S8, S9)
+COLUMNS = [*BENCHMARKS, *GROUPS, "All"]
 # columns each benchmark's prompt (prompts.question_text) and scorer read beyond index, question, answer, image:
 # what VLMEvalKit's TSV of the benchmark holds, checked before a run or a score, so that a TSV run or scored
 # under another benchmark's name (MMMU on ChartQA's TSV: every row an open question) is refused
 # (MathVista's answer_option is the letter its multiple-choice rows are scored against: without the column every
 # such row would be silently wrong)
-SCORE_COLUMNS = {"MMMU_DEV_VAL": ("A", "B", "split"),
-                 "MathVista_MINI": ("question_type", "answer_type", "choices", "answer_option"),
-                 "MathVision_MINI": ("choices",), "WeMath": ("A", "B", "key", "ID"), "OCRBench": ("category",)}
+SCORE_COLUMNS = {
+    "MMMU_DEV_VAL": ("A", "B", "split"),
+    "MathVista_MINI": ("question_type", "answer_type", "choices", "answer_option"),
+    "MathVision_MINI": ("choices",),
+    "WeMath": ("A", "B", "key", "ID"),
+    "OCRBench": ("category",),
+}
 FAIL_MSG = "Failed to obtain answer via API"  # VLMEvalKit's marker of a failed judge call
 
 
 def aggregates(scores: dict[str, float]) -> dict[str, float | None]:
     """Eq. A3: General = MMMU, Math and OCR = means of their four, All = mean of all nine."""
-    out = {g: (sum(scores[b] for b in bs) / len(bs) if all(b in scores for b in bs) else None)
-           for g, bs in GROUPS.items()}
-    out["All"] = sum(scores[b] for b in BENCHMARKS) / 9 if all(b in scores for b in BENCHMARKS) else None
+    out = {
+        g: (sum(scores[b] for b in bs) / len(bs) if all(b in scores for b in bs) else None)
+        for g, bs in GROUPS.items()
+    }
+    out["All"] = (
+        sum(scores[b] for b in BENCHMARKS) / 9 if all(b in scores for b in BENCHMARKS) else None
+    )
     return out
 
 
@@ -79,8 +102,20 @@ def aggregates(scores: dict[str, float]) -> dict[str, float | None]:
 _PUNCT = ';/[]"{}()=+\\_-><@`,?!'
 _COMMA_DIGITS = re.compile(r"(\d)(,)(\d)")
 _LONE_PERIOD = re.compile(r"(?<!\d)\.(?!\d)")
-_NUMBER_WORDS = {"none": "0", "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5",
-                 "six": "6", "seven": "7", "eight": "8", "nine": "9", "ten": "10"}
+_NUMBER_WORDS = {
+    "none": "0",
+    "zero": "0",
+    "one": "1",
+    "two": "2",
+    "three": "3",
+    "four": "4",
+    "five": "5",
+    "six": "6",
+    "seven": "7",
+    "eight": "8",
+    "nine": "9",
+    "ten": "10",
+}
 _ARTICLES = {"a", "an", "the"}
 # The VQA contraction table: each written form below is restored from any spelling that lacks
 # exactly one of its apostrophes ("dont" -> "don't", "couldnt've" / "couldn'tve" -> "couldn't've").
@@ -95,9 +130,12 @@ _CONTRACTED = (
     "something'd something'd've something'll that's there'd there'd've there're there's they'd they'd've "
     "they'll they're they've 'twas wasn't we'd've we've weren't what'll what're what's what've when's "
     "where'd where's where've who'd who'd've who'll who's who've why'll why're why's won't would've "
-    "wouldn't wouldn't've y'all y'all'll y'all'd've you'd you'd've you'll you're you've").split()
-_CONTRACTIONS = {w[:i] + w[i + 1:]: w for w in _CONTRACTED for i, c in enumerate(w) if c == "'"}
-_CONTRACTIONS["somebody'd"] = "somebodyd"  # upstream's table has this one entry reversed; kept for parity
+    "wouldn't wouldn't've y'all y'all'll y'all'd've you'd you'd've you'll you're you've"
+).split()
+_CONTRACTIONS = {w[:i] + w[i + 1 :]: w for w in _CONTRACTED for i, c in enumerate(w) if c == "'"}
+_CONTRACTIONS["somebody'd"] = (
+    "somebodyd"  # upstream's table has this one entry reversed; kept for parity
+)
 
 
 def strip_punctuation(text: str) -> str:
@@ -120,17 +158,21 @@ def normalize_vqa(answer: str) -> str:
 def vqa_consensus(prediction: str, answers: list[str]) -> float:
     """Eq. A2: mean over the m references of min(1, matches among the other m - 1 / 3)."""
     gts, pred = [normalize_vqa(a) for a in answers], normalize_vqa(prediction)
-    return sum(min(1.0, sum(g == pred for k, g in enumerate(gts) if k != j) / 3) for j in range(len(gts))) / len(gts)
+    return sum(
+        min(1.0, sum(g == pred for k, g in enumerate(gts) if k != j) / 3) for j in range(len(gts))
+    ) / len(gts)
 
 
 def relaxed_correct(target: str, prediction: str, tolerance: float = 0.05) -> bool:
     """vqa_eval.py relaxed_correctness: numbers (a trailing % divides by 100) within 5 % of a
     non-zero target, inclusive; anything else needs a case-insensitive exact match."""
+
     def number(text: str) -> float | None:
         try:
             return float(text.rstrip("%")) / 100.0 if text.endswith("%") else float(text)
         except ValueError:
             return None
+
     p, t = number(prediction), number(target)
     if p is not None and t:  # t == 0 (or not a number) falls back to the string comparison
         return abs(p - t) / abs(t) <= tolerance
@@ -153,10 +195,12 @@ def anls(prediction: str, answers: list[str], threshold: float = 0.5) -> float:
     """vqa_eval.py anls_compute + hit_calculate: 1 - edit distance / length for the closest answer,
     0 below the threshold. Strings are compared lowercased with white space collapsed, but the
     length is that of the raw strings (upstream's max(len(gt.upper()), len(pred.upper())))."""
+
     def distance(gt: str) -> float:
         length = max(len(gt.upper()), len(prediction.upper()))
         a, b = " ".join(gt.strip().lower().split()), " ".join(prediction.strip().lower().split())
         return 0.0 if length == 0 else levenshtein(a, b) / length
+
     sim = 1 - min(distance(a) for a in answers)
     return 0.0 if sim < threshold else sim
 
@@ -173,8 +217,12 @@ def ocrbench_hit(prediction: str, answers: list[str], category: str | None) -> b
 
 # -- option extraction (utils/matching_util.py) --------------------------------------------------
 
-_REFUSALS = ("Sorry, I can't help with images of people yet.", "I can't process this file.",
-             "I'm sorry, but without the image provided", "Cannot determine the answer")
+_REFUSALS = (
+    "Sorry, I can't help with images of people yet.",
+    "I can't process this file.",
+    "I'm sorry, but without the image provided",
+    "Cannot determine the answer",
+)
 _VERBOSE_ANSWER = re.compile(r"(?i)(?:correct\s+)?answer\s+is\s+\**([ABCD])\**")
 
 
@@ -188,7 +236,8 @@ def infer_option(answer: str, choices: dict) -> str | None:
     words = answer.translate(str.maketrans({c: " " for c in ".()[],:;!*#{}"})).split()
     present = [c for c in choices if c in words]
     if len(present) == 1:
-        if words.index(present[0]) > len(words) - 5:  # a letter early in a long reply is not an answer
+        # a letter early in a long reply is not an answer
+        if words.index(present[0]) > len(words) - 5:
             return present[0]
     elif not present and "Z" in words:
         return "Z"
@@ -312,7 +361,11 @@ def wemath_groups(per_row: list[dict]) -> dict:
 def wemath_strict(counts: dict) -> float:
     """Eq. A1: 100 (N_CM + 0.5 N_IG) / problems; a group with any wrong one-step answer earns
     nothing, even when its multi-step answer is right."""
-    return 100 * (counts["CM"] + 0.5 * counts["IG"]) / counts["problems"] if counts["problems"] else 0.0
+    return (
+        100 * (counts["CM"] + 0.5 * counts["IG"]) / counts["problems"]
+        if counts["problems"]
+        else 0.0
+    )
 
 
 # -- the scorer ----------------------------------------------------------------------------------
@@ -336,7 +389,8 @@ def score(benchmark: str, rows: list[dict], predictions: dict[str, str], extract
         raise DataError(f"unknown benchmark {benchmark!r}; choose from {', '.join(BENCHMARKS)}")
     rows = [r for r in rows if r["index"] in predictions]
     if benchmark == "MMMU_DEV_VAL" and rows and "split" in rows[0]:
-        rows = [r for r in rows if r["split"] == "validation"]  # the paper reports MMMU on validation
+        # the paper reports MMMU on validation
+        rows = [r for r in rows if r["split"] == "validation"]
     per_row = []
     for r in rows:
         pred = predictions[r["index"]]
@@ -367,7 +421,9 @@ def _score_row(benchmark: str, r: dict, pred: str, extract) -> tuple[float | boo
         return anls(pred, as_list(answer)), None, True
     if benchmark == "OCRBench":
         return ocrbench_hit(pred, as_list(answer), r.get("category")), None, True
-    if benchmark in ("MMMU_DEV_VAL", "WeMath") and (benchmark == "MMMU_DEV_VAL" or extract is not None):
+    if benchmark in ("MMMU_DEV_VAL", "WeMath") and (
+        benchmark == "MMMU_DEV_VAL" or extract is not None
+    ):
         # mcq_vanilla_eval: can_infer, then the judge; WeMath goes this way only with a judge
         choices, truth = mmmu_choices(r) if benchmark == "MMMU_DEV_VAL" else (options(r), answer)
         got = can_infer(pred, choices)
@@ -392,8 +448,11 @@ def _score_row(benchmark: str, r: dict, pred: str, extract) -> tuple[float | boo
                 resolved = True
         return hit, got, resolved
     if benchmark == "LogicVista":
-        hit, got = (logicvista_check(r, pred) if extract is None
-                    else logicvista_check(r, extract("logic", r, pred) or ""))
+        hit, got = (
+            logicvista_check(r, pred)
+            if extract is None
+            else logicvista_check(r, extract("logic", r, pred) or "")
+        )
         return hit, got, got is not None
     raise AssertionError(benchmark)
 

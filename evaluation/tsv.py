@@ -6,6 +6,7 @@ string (an answer "05" stays "05"); the cells pandas reads as missing (empty, "n
 are None. `image` holds base64, a list literal of base64 strings (several images), or the index of
 another row whose image it shares (64 characters or fewer).
 """
+
 from __future__ import annotations
 
 import ast
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Iterator
 
-from files import regular_file
+from shell.files import regular_file
 
 
 class DataError(ValueError):
@@ -26,8 +27,27 @@ class DataError(ValueError):
 # -- reading VLMEvalKit TSVs --------------------------------------------------------------------
 
 # pandas.read_csv's default missing-value strings: VLMEvalKit tests options and hints with pd.isna
-PANDAS_NA = {"", "#N/A", "#N/A N/A", "#NA", "-1.#IND", "-1.#QNAN", "-NaN", "-nan", "1.#IND", "1.#QNAN",
-             "<NA>", "N/A", "NA", "NULL", "NaN", "None", "n/a", "nan", "null"}
+PANDAS_NA = {
+    "",
+    "#N/A",
+    "#N/A N/A",
+    "#NA",
+    "-1.#IND",
+    "-1.#QNAN",
+    "-NaN",
+    "-nan",
+    "1.#IND",
+    "1.#QNAN",
+    "<NA>",
+    "N/A",
+    "NA",
+    "NULL",
+    "NaN",
+    "None",
+    "n/a",
+    "nan",
+    "null",
+}
 
 
 def tsv_lines(path) -> Iterator[tuple[list[str], dict]]:
@@ -36,7 +56,9 @@ def tsv_lines(path) -> Iterator[tuple[list[str], dict]]:
     csv.field_size_limit(sys.maxsize)  # base64 images are far longer than csv's default limit
     regular_file(path)  # a FIFO would block the read
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:  # -sig: a byte-order mark is not a column name
+        with open(
+            path, newline="", encoding="utf-8-sig"
+        ) as f:  # -sig: a byte-order mark is not a column name
             reader = csv.reader(f, delimiter="\t")
             header = next(reader, None)
             if header is None:
@@ -45,10 +67,14 @@ def tsv_lines(path) -> Iterator[tuple[list[str], dict]]:
             for line in reader:
                 if not line:
                     continue
-                if len(line) > len(header):  # pandas: "Expected N fields in line L, saw M"; never a shifted row
-                    raise DataError(f"{path}: line {reader.line_num} has {len(line)} cells, the header {len(header)} "
-                                    f"(a tab inside a cell needs the cell quoted, as pandas writes it)")
-                line += [""] * (len(header) - len(line))  # a short row: its last cells missing, as pandas reads it
+                # pandas: "Expected N fields in line L, saw M"; never a shifted row
+                if len(line) > len(header):
+                    raise DataError(
+                        f"{path}: line {reader.line_num} has {len(line)} cells, the header {len(header)} "
+                        f"(a tab inside a cell needs the cell quoted, as pandas writes it)"
+                    )
+                # a short row: its last cells missing, as pandas reads it
+                line += [""] * (len(header) - len(line))
                 yield header, {k: (None if v in PANDAS_NA else v) for k, v in zip(header, line)}
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise DataError(f"{path}: cannot read TSV: {e}") from None
@@ -72,7 +98,8 @@ class Benchmark:
             if r is None:
                 check_columns(path, header, required)
                 continue
-            if r.get("index") in seen:  # VLMEvalKit keys every row by its index: two rows of one index would lose one
+            # VLMEvalKit keys every row by its index: two rows of one index would lose one
+            if r.get("index") in seen:
                 raise DataError(f"{path}: index {r['index']!r} appears twice")
             seen.add(r.get("index"))
             cell = r.get("image") if "image" in header else ""
@@ -88,9 +115,15 @@ class Benchmark:
             raise DataError(f"{path}: no row has an image (VLMEvalKit leaves such rows out)")
         for ref, first in names.items():
             if ref not in holders:
-                raise DataError(f"{path}: row {first}: image refers to {ref!r}, which holds no image")
+                raise DataError(
+                    f"{path}: row {first}: image refers to {ref!r}, which holds no image"
+                )
         self.image = "image" in header
-        self.shared = {r["index"]: r["image"] for _, r in tsv_lines(path) if r and r["index"] in names} if names else {}
+        self.shared = (
+            {r["index"]: r["image"] for _, r in tsv_lines(path) if r and r["index"] in names}
+            if names
+            else {}
+        )
 
     def rows(self) -> Iterator[dict]:
         """The rows with an image, in TSV order, each reference resolved to the shared cell."""
@@ -104,7 +137,9 @@ class Benchmark:
 def check_columns(path, header: list[str], required: tuple[str, ...]) -> None:
     missing = [c for c in required if c not in header]
     if missing:
-        raise DataError(f"{path}: missing required column(s) {', '.join(missing)} (has {', '.join(header)})")
+        raise DataError(
+            f"{path}: missing required column(s) {', '.join(missing)} (has {', '.join(header)})"
+        )
 
 
 def read_tsv(path, required: tuple[str, ...] = ("index", "question", "answer")) -> list[dict]:
@@ -128,12 +163,16 @@ def read_jsonl(path: Path) -> list[dict]:
                 raise DataError(f"{path}: line {k + 1} is not JSON") from None
             continue
         except RecursionError:  # Python's JSON reader recurses once per level
-            raise DataError(f"{path}: line {k + 1} is nested deeper than Python's JSON reader goes") from None
+            raise DataError(
+                f"{path}: line {k + 1} is nested deeper than Python's JSON reader goes"
+            ) from None
         try:  # a "\udcff" escape decodes to a lone surrogate, which no tokenizer or file takes
             json.dumps(out[-1], ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as e:
-            raise DataError(f"{path}: line {k + 1} is not valid Unicode (a lone surrogate "
-                            f"U+{ord(e.object[e.start]):04X})") from None
+            raise DataError(
+                f"{path}: line {k + 1} is not valid Unicode (a lone surrogate "
+                f"U+{ord(e.object[e.start]):04X})"
+            ) from None
     return out
 
 

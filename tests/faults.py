@@ -6,6 +6,7 @@ no test hooks, so the faults are put in here by replacing the function they happ
     python tests/faults.py save-error=ENOSPC:4 TRAIN_FLAGS... # the save of step 4 fails with ENOSPC after its shards
     python tests/faults.py oom=2:1 TRAIN_FLAGS...             # rank 1's first micro-batch of step 2 cannot allocate
 """
+
 import errno
 import os
 import sys
@@ -16,7 +17,8 @@ import torch  # noqa: E402
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 import train  # noqa: E402
-from cli import exit_process  # noqa: E402
+from shell.cli import exit_process  # noqa: E402
+from training import step as train_step  # noqa: E402
 
 
 class Stop(BaseException):
@@ -34,7 +36,7 @@ if fault == "stop-after":
 
     train.save_checkpoint = save_then_stop
 elif fault == "nan-step":
-    clip, micro_loss, steps = torch.nn.utils.clip_grad_norm_, train.micro_loss, [0]
+    clip, micro_loss, steps = torch.nn.utils.clip_grad_norm_, train_step.micro_loss, [0]
 
     def count_steps(*args, **kwargs):  # called once per optimizer step, after its micro-batches
         steps[0] += 1
@@ -45,7 +47,7 @@ elif fault == "nan-step":
         return (loss * float("nan"), ent) if steps[0] + 1 == int(value) else (loss, ent)
 
     torch.nn.utils.clip_grad_norm_ = count_steps
-    train.micro_loss = nan_loss
+    train_step.micro_loss = nan_loss
 elif fault == "save-error":
     name, step = value.split(":")
     save = dcp.save
@@ -59,15 +61,18 @@ elif fault == "save-error":
     dcp.save = save_then_fail
 elif fault == "oom":
     step, rank = map(int, value.split(":"))
-    micro_loss, calls = train.micro_loss, [0]
+    micro_loss, calls = train_step.micro_loss, [0]
 
-    def allocation_fails(*args):  # the CPU allocator's words; the first micro-batch of each step counts it
+    # the CPU allocator's words; the first micro-batch of each step counts it
+    def allocation_fails(*args):
         calls[0] += 1
         if calls[0] == step and int(os.environ.get("RANK", 0)) == rank:
-            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 37591663152 bytes.")
+            raise RuntimeError(
+                "DefaultCPUAllocator: can't allocate memory: you tried to allocate 37591663152 bytes."
+            )
         return micro_loss(*args)
 
-    train.micro_loss = allocation_fails
+    train_step.micro_loss = allocation_fails
 else:
     sys.exit(f"tests/faults.py: unknown fault {sys.argv[1]!r}")
 

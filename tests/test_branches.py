@@ -1,18 +1,21 @@
 """ParVL branches: prefix attention, branch folding and aggregation, cached and shared-KV generation,
 single-pair runs, saving and loading (ParVL, InternVL and ParScale layouts)."""
+
 import json
 import math
 from dataclasses import replace
 
 import pytest
 import torch
+from inputs import prompt_ids, random_pixels
+from official import read_safetensors
 from safetensors.torch import save_file
 
 from aggregate import Aggregator, Rows
 from config import PRESETS, LLMConfig, ParConfig, ParVLConfig, ViTConfig
-from conftest import prompt_ids, random_pixels, read_safetensors
-from engine import Engine, GenerateConfig
+from inference.engine import Engine, GenerateConfig
 from llm import apply_rope, causal_mask, rope_tables
+from loading.pretrained import load_pretrained, save_pretrained
 from parvl import ParVL, pixel_shuffle
 from vit import Attention as ViTAttention
 
@@ -27,7 +30,9 @@ def tiny(pv=1, pl=1, seed=0, **par) -> ParVL:
     return ParVL.from_config(cfg, seed=seed).eval()
 
 
-def prompt(tiles: int, text: int = 12, seed: int = 0, img: int = IMG) -> tuple[torch.Tensor, torch.Tensor | None]:
+def prompt(
+    tiles: int, text: int = 12, seed: int = 0, img: int = IMG
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Random text ids below the image token id, with one image of `tiles` tiles after 3 tokens."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, img, (text,), generator=g)
@@ -57,7 +62,7 @@ def test_one_one_is_internvl(checkpoint, reference):
     """ParVL asked for Pv = Pl = 1 (prefix lengths and aggregation set, as a 1:1 run of train.py does)
     adds no tensor and gives transformers' InternVL logits exactly, densely and as a per-sample pair."""
     folder = checkpoint("qwen3", "original")
-    par = ParVL.from_pretrained(folder, par=ParConfig(pv=1, pl=1, vit_prefix_len=96, llm_prefix_len=48))
+    par = load_pretrained(folder, par=ParConfig(pv=1, pl=1, vit_prefix_len=96, llm_prefix_len=48))
     assert par.state_dict().keys() == read_safetensors(folder).keys()
     ids = prompt_ids(folder, [2])
     px = random_pixels(2, seed=1)
@@ -73,15 +78,28 @@ def test_lora_branches_start_as_internvl_and_are_their_weight_updates(checkpoint
     from vit import ViT
 
     folder = checkpoint("qwen3", "original")
-    par = ParVL.from_pretrained(folder, par=ParConfig(pv=2, pl=1, vision_branches="lora", lora_rank=4))
+    par = load_pretrained(folder, par=ParConfig(pv=2, pl=1, vision_branches="lora", lora_rank=4))
     extra = par.state_dict().keys() - read_safetensors(folder).keys()
-    assert extra and all(k.endswith((".lora_A", ".lora_B")) or k.startswith("vision_aggregator.") for k in extra)
+    assert extra and all(
+        k.endswith((".lora_A", ".lora_B")) or k.startswith("vision_aggregator.") for k in extra
+    )
     ids, px = prompt_ids(folder, [2]), random_pixels(2, seed=1)
     # the two branch rows are the pretrained ViT's exactly and fuse with weights 1/2: fp32 matmuls of
     # 2N rather than N rows may block differently, hence a tolerance at fp32 noise, not equality
-    torch.testing.assert_close(par(ids[None], px), reference("qwen3")(input_ids=ids[None], pixel_values=px).logits,
-                               atol=1e-5, rtol=1e-5)
-    cfg = ViTConfig(hidden_size=32, num_heads=4, intermediate_size=48, num_layers=2, image_size=28, patch_size=14)
+    torch.testing.assert_close(
+        par(ids[None], px),
+        reference("qwen3")(input_ids=ids[None], pixel_values=px).logits,
+        atol=1e-5,
+        rtol=1e-5,
+    )
+    cfg = ViTConfig(
+        hidden_size=32,
+        num_heads=4,
+        intermediate_size=48,
+        num_layers=2,
+        image_size=28,
+        patch_size=14,
+    )
     torch.manual_seed(0)
     lora, plain = ViT(cfg, branches=3, lora_rank=2).double(), ViT(cfg).double()
     for p in lora.parameters():
@@ -90,8 +108,12 @@ def test_lora_branches_start_as_internvl_and_are_their_weight_updates(checkpoint
     for branch in range(3):
         state = {k: v for k, v in lora.state_dict().items() if "lora" not in k}
         for i, layer in enumerate(lora.encoder.layers):
-            for name, up in (("attn.qkv", layer.attn.qkv_lora), ("attn.proj", layer.attn.proj_lora),
-                             ("mlp.fc1", layer.mlp.fc1_lora), ("mlp.fc2", layer.mlp.fc2_lora)):
+            for name, up in (
+                ("attn.qkv", layer.attn.qkv_lora),
+                ("attn.proj", layer.attn.proj_lora),
+                ("mlp.fc1", layer.mlp.fc1_lora),
+                ("mlp.fc2", layer.mlp.fc2_lora),
+            ):
                 key = f"encoder.layers.{i}.{name}.weight"
                 state[key] = state[key] + 2.0 * up.lora_B[branch] @ up.lora_A[branch]
         plain.load_state_dict(state)
@@ -99,7 +121,7 @@ def test_lora_branches_start_as_internvl_and_are_their_weight_updates(checkpoint
             got = lora(x, Rows.choose(branch, 3, 2, "cpu"))
             dense = lora(x)  # all three, branch-major: rows branch * 2 + n
         torch.testing.assert_close(got, plain(x), atol=1e-10, rtol=1e-10)
-        torch.testing.assert_close(dense[2 * branch: 2 * branch + 2], got, atol=1e-10, rtol=1e-10)
+        torch.testing.assert_close(dense[2 * branch : 2 * branch + 2], got, atol=1e-10, rtol=1e-10)
 
 
 # -- prefix attention against an explicit reference --------------------------------------------
@@ -108,20 +130,25 @@ def test_lora_branches_start_as_internvl_and_are_their_weight_updates(checkpoint
 def test_vit_prefix_attention_equals_explicit():
     torch.manual_seed(0)
     cfg = ViTConfig(hidden_size=32, num_heads=4, intermediate_size=64, num_layers=1)
-    attn = ViTAttention(cfg, branches=3, prefix_len=5).double()  # fp64: the comparison checks the algorithm
+    attn = ViTAttention(
+        cfg, branches=3, prefix_len=5
+    ).double()  # fp64: the comparison checks the algorithm
     for p in attn.parameters():
         torch.nn.init.normal_(p)
     N, T, H, D = 2, 7, 4, 8
     x = torch.randn(3 * N, T, 32, dtype=torch.float64)  # branch-major rows
     q, k, v = attn.qkv(x).split(32, -1)
     q, k, v = (t.view(3 * N, T, H, D).transpose(1, 2) for t in (q, k, v))
-    pk, pv = attn.prefix_k.repeat_interleave(N, 0), attn.prefix_v.repeat_interleave(N, 0)  # row p*N+n: branch p
+    # row p*N+n: branch p
+    pk, pv = (attn.prefix_k.repeat_interleave(N, 0), attn.prefix_v.repeat_interleave(N, 0))
     K, V = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
     ref = ((q @ K.transpose(-1, -2)) / math.sqrt(D)).softmax(-1) @ V  # no mask: bidirectional
     ref = attn.proj(ref.transpose(1, 2).reshape(3 * N, T, 32))
-    torch.testing.assert_close(attn(x, Rows.choose(None, 3, N, 'cpu')), ref, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(attn(x, Rows.choose(None, 3, N, "cpu")), ref, atol=1e-10, rtol=1e-10)
     # one branch alone sees only its own prefix
-    torch.testing.assert_close(attn(x[N : 2 * N], Rows.choose(1, 3, N, 'cpu')), ref[N : 2 * N], atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(
+        attn(x[N : 2 * N], Rows.choose(1, 3, N, "cpu")), ref[N : 2 * N], atol=1e-10, rtol=1e-10
+    )
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -187,15 +214,23 @@ def test_folded_equals_branches_alone_aggregated_by_hand():
     with torch.no_grad():
         h, wv, wl = model.hidden_from_ids(ids[None], pv)
         # vision: each branch alone, then Eq. 2 by hand (branch-major concat, softmax, smoothing)
-        zs = [model.vision_model(pv, Rows.choose(p, 2, pv.shape[0], 'cpu')) for p in range(2)]  # [N,T,C] each
+        # [N,T,C] each
+        zs = [model.vision_model(pv, Rows.choose(p, 2, pv.shape[0], "cpu")) for p in range(2)]
         agg = model.vision_aggregator
         a = agg.mlp(torch.cat(zs, -1)).float().softmax(-1)
         a = (1 - agg.smoothing) * a + agg.smoothing / 2
         z = sum(a[..., p : p + 1] * zs[p] for p in range(2))
-        feats = model.mlp1(pixel_shuffle(z[:, 1:].reshape(1, 32, 32, -1), model.cfg.downsample_ratio))
-        emb = model.language_model.model.embed_tokens(ids[None]).masked_scatter((ids == IMG)[None, :, None], feats)
+        feats = model.mlp1(
+            pixel_shuffle(z[:, 1:].reshape(1, 32, 32, -1), model.cfg.downsample_ratio)
+        )
+        emb = model.language_model.model.embed_tokens(ids[None]).masked_scatter(
+            (ids == IMG)[None, :, None], feats
+        )
         pos = torch.arange(len(ids))[None]
-        hs = [model.language_model(emb, pos, rows=Rows.choose(p, 3, emb.shape[0], 'cpu')) for p in range(3)]
+        hs = [
+            model.language_model(emb, pos, rows=Rows.choose(p, 3, emb.shape[0], "cpu"))
+            for p in range(3)
+        ]
         agg = model.language_aggregator
         b = agg.mlp(torch.cat(hs, -1)).float().softmax(-1)
         b = (1 - agg.smoothing) * b + agg.smoothing / 3
@@ -204,12 +239,13 @@ def test_folded_equals_branches_alone_aggregated_by_hand():
     torch.testing.assert_close(model.language_model.lm_head(h), ref, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(wv, a, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(wl, b, atol=1e-6, rtol=1e-6)
-    assert agg.smoothing == 0.1 and wl.min() >= 0.1 / 3 - 1e-7  # lambda_l default: weights never collapse
+    # lambda_l default: weights never collapse
+    assert agg.smoothing == 0.1 and wl.min() >= 0.1 / 3 - 1e-7
 
 
 def test_parvl_init_is_uniform_and_small(checkpoint):
     folder = checkpoint("qwen3", "original")
-    model = ParVL.from_pretrained(folder, pv=2, pl=4)
+    model = load_pretrained(folder, pv=2, pl=4)
     ids, pv = prompt(1, seed=4, img=model.cfg.image_token_id)
     _, wv, wl = model.hidden_from_ids(ids[None], pv)
     assert torch.equal(wv, torch.full_like(wv, 0.5)) and torch.equal(wl, torch.full_like(wl, 0.25))
@@ -228,8 +264,11 @@ def greedy_recompute(model: ParVL, ids, pv, n: int, **branches) -> list[int]:
         for _ in range(n):
             gen = model.language_model.model.embed_tokens(torch.tensor([out], dtype=torch.long))
             x = torch.cat([base, gen], 1)
-            h, _ = model.hidden_from_embeds(x, torch.arange(x.shape[1])[None],
-                                            rows=model.language_rows(branches.get("language_branch"), 1, "cpu"))
+            h, _ = model.hidden_from_embeds(
+                x,
+                torch.arange(x.shape[1])[None],
+                rows=model.language_rows(branches.get("language_branch"), 1, "cpu"),
+            )
             out.append(int(model.language_model.lm_head(h[0, -1]).argmax()))
     return out
 
@@ -239,7 +278,9 @@ def test_cached_branches_equal_recompute_and_batching():
     (ids1, pv1), (ids2, _) = prompt(1, seed=5), prompt(0, text=20, seed=6)
     cfg = GenerateConfig(max_new_tokens=NEW, ignore_eos=True)
     engine = Engine(model)
-    alone = [engine.generate([i.tolist()], p, cfg, []).tokens[0] for i, p in ((ids1, pv1), (ids2, None))]
+    alone = [
+        engine.generate([i.tolist()], p, cfg, []).tokens[0] for i, p in ((ids1, pv1), (ids2, None))
+    ]
     assert alone[0] == greedy_recompute(model, ids1, pv1, NEW)
     assert alone[1] == greedy_recompute(model, ids2, None, NEW)
     assert engine.generate([ids1.tolist(), ids2.tolist()], pv1, cfg, []).tokens == alone
@@ -251,30 +292,42 @@ def test_shared_kv():
     batch = [ids1.tolist(), ids2.tolist()]
     # P = 1: one branch, nothing to share: identical to the standard cache
     one = tiny(seed=8)
-    assert (Engine(one, shared_kv=True).generate(batch, pv1, cfg, []).tokens
-            == Engine(one).generate(batch, pv1, cfg, []).tokens)
+    assert (
+        Engine(one, shared_kv=True).generate(batch, pv1, cfg, []).tokens
+        == Engine(one).generate(batch, pv1, cfg, []).tokens
+    )
     # identical branches: the mean of identical K/V is exact, so shared KV must equal standard decoding
     model = same_prefixes(tiny(pv=2, pl=3, seed=9), 0, 2)
     cache = lambda: model.language_model.model.layers[0].self_attn.kv_cache.k  # noqa: E731
     shared_tokens = Engine(model, shared_kv=True).generate(batch, pv1, cfg, []).tokens
     shared_rows = cache().shape[0]
     assert shared_tokens == Engine(model).generate(batch, pv1, cfg, []).tokens
-    assert (shared_rows, cache().shape[0]) == (2, 3 * 2)  # one token cache per sample instead of per branch
+    # one token cache per sample instead of per branch
+    assert (shared_rows, cache().shape[0]) == (2, 3 * 2)
     # distinct branches: an approximation of dense decoding, checked against Appendix C.2 written out
     distinct = tiny(pl=3, seed=10)
     distinct.init_branches(std=0.5)
-    from engine import prefill
+    from inference.engine import prefill
 
     for ids, pv in ((ids1, pv1), (ids2, None)):
         want, first = shared_kv_greedy_by_hand(distinct, ids, pv, NEW)
-        assert Engine(distinct, shared_kv=True).generate([ids.tolist()], pv, cfg, []).tokens[0] == want
+        assert (
+            Engine(distinct, shared_kv=True).generate([ids.tolist()], pv, cfg, []).tokens[0] == want
+        )
         logits = {}
         for shared in (True, False):  # the prefill logits: the approximation is visible there
             rows = distinct.language_rows(None, 1, "cpu", shared)
             distinct.language_model.setup_cache(rows, len(ids))
             with torch.no_grad():
-                logits[shared] = prefill(distinct, ids[None], pv, torch.ones(1, len(ids), dtype=torch.bool), False,
-                                         None, rows)[0]
+                logits[shared] = prefill(
+                    distinct,
+                    ids[None],
+                    pv,
+                    torch.ones(1, len(ids), dtype=torch.bool),
+                    False,
+                    None,
+                    rows,
+                )[0]
         torch.testing.assert_close(logits[True], first, atol=2e-5, rtol=1e-5)
         assert (logits[True] - logits[False]).abs().max() > 1e-3  # shared KV is not dense decoding
 
@@ -297,17 +350,26 @@ def shared_kv_greedy_by_hand(model: ParVL, ids, pv, n: int) -> tuple[list[int], 
         for layer in lm.model.layers:
             a = layer.self_attn
             y = layer.input_layernorm(h)
-            q = apply_rope(a.q_norm(a.q_proj(y).view(P, T, -1, cfg.head_dim)).transpose(1, 2), cos, sin)
-            k = apply_rope(a.k_norm(a.k_proj(y).view(P, T, -1, cfg.head_dim)).transpose(1, 2), cos, sin)
+            q = apply_rope(
+                a.q_norm(a.q_proj(y).view(P, T, -1, cfg.head_dim)).transpose(1, 2), cos, sin
+            )
+            k = apply_rope(
+                a.k_norm(a.k_proj(y).view(P, T, -1, cfg.head_dim)).transpose(1, 2), cos, sin
+            )
             v = a.v_proj(y).view(P, T, -1, cfg.head_dim).transpose(1, 2)
-            k, v = k.mean(0, keepdim=True).expand_as(k), v.mean(0, keepdim=True).expand_as(v)  # shared tokens
+            # shared tokens
+            k, v = (k.mean(0, keepdim=True).expand_as(k), v.mean(0, keepdim=True).expand_as(v))
             K = torch.cat([a.prefix_k, k], 2).repeat_interleave(G, 1)
             V = torch.cat([a.prefix_v, v], 2).repeat_interleave(G, 1)
             s = (q @ K.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
             Lp = a.prefix_k.shape[2]
             allowed = torch.ones(T, Lp + T, dtype=torch.bool)
             allowed[:, Lp:] = torch.ones(T, T, dtype=torch.bool).tril()
-            o = (s.masked_fill(~allowed, float("-inf")).softmax(-1) @ V).transpose(1, 2).reshape(P, T, -1)
+            o = (
+                (s.masked_fill(~allowed, float("-inf")).softmax(-1) @ V)
+                .transpose(1, 2)
+                .reshape(P, T, -1)
+            )
             h = h + a.o_proj(o)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         fused, _ = model.language_aggregator(lm.model.norm(h)[:, -1:])
@@ -322,7 +384,11 @@ def test_single_pair_equals_model_with_that_pairs_prefixes():
     copy = same_prefixes(model, 0, 1)
     ids, pv = prompt(1, seed=10)
     cfg = GenerateConfig(max_new_tokens=NEW, ignore_eos=True)
-    pair = Engine(model, vision_branch=0, language_branch=1).generate([ids.tolist()], pv, cfg, []).tokens
+    pair = (
+        Engine(model, vision_branch=0, language_branch=1)
+        .generate([ids.tolist()], pv, cfg, [])
+        .tokens
+    )
     assert pair == Engine(copy).generate([ids.tolist()], pv, cfg, []).tokens
     assert pair[0] == greedy_recompute(model, ids, pv, NEW, vision_branch=0, language_branch=1)
 
@@ -332,24 +398,28 @@ def test_single_pair_equals_model_with_that_pairs_prefixes():
 
 def test_save_round_trip_bit_exact(tmp_path):
     model = tiny(pv=2, pl=2, seed=12)
-    model.save(tmp_path / "m")
-    back = ParVL.from_pretrained(tmp_path / "m")
+    save_pretrained(model, tmp_path / "m")
+    back = load_pretrained(tmp_path / "m")
     assert back.cfg.par == model.cfg.par
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values())
+    )
     ids, pv = prompt(1, seed=11)
     assert torch.equal(model(ids[None], pv), back(ids[None], pv))
     with pytest.raises(ValueError, match="2:2"):
-        ParVL.from_pretrained(tmp_path / "m", pv=4)
+        load_pretrained(tmp_path / "m", pv=4)
 
 
 def test_one_one_save_is_an_internvl_checkpoint(checkpoint, tmp_path):
     folder = checkpoint("qwen3", "original")
-    ParVL.from_pretrained(folder).save(tmp_path / "out")
+    save_pretrained(load_pretrained(folder), tmp_path / "out")
     ours, theirs = read_safetensors(tmp_path / "out"), read_safetensors(folder)
     assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
     assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
     cfg = json.loads((tmp_path / "out" / "config.json").read_text())
-    assert cfg["architectures"] == ["InternVLChatModel"] and cfg["llm_config"]["model_type"] == "qwen3"
+    assert (
+        cfg["architectures"] == ["InternVLChatModel"] and cfg["llm_config"]["model_type"] == "qwen3"
+    )
     assert (tmp_path / "out" / "vocab.json").exists()  # tokenizer files travel with the weights
 
 
@@ -357,9 +427,21 @@ def test_one_one_save_is_an_internvl_checkpoint(checkpoint, tmp_path):
 
 
 def parscale_model(P=3, seed=13) -> ParVL:
-    llm = LLMConfig(vocab_size=256, hidden_size=48, intermediate_size=80, num_layers=2, num_heads=4,
-                    num_kv_heads=2, head_dim=12, qkv_bias=True, qk_norm=False, max_position_embeddings=512)
-    cfg = ParVLConfig(vit=None, llm=llm, par=ParConfig(pl=P, llm_prefix_len=6, lambda_l=0.05), image_token_id=-1)
+    llm = LLMConfig(
+        vocab_size=256,
+        hidden_size=48,
+        intermediate_size=80,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=12,
+        qkv_bias=True,
+        qk_norm=False,
+        max_position_embeddings=512,
+    )
+    cfg = ParVLConfig(
+        vit=None, llm=llm, par=ParConfig(pl=P, llm_prefix_len=6, lambda_l=0.05), image_token_id=-1
+    )
     return ParVL.from_config(cfg, seed=seed).eval()
 
 
@@ -379,28 +461,43 @@ def write_parscale(model: ParVL, folder) -> None:
     folder.mkdir()
     save_file(state, str(folder / "model.safetensors"))
     t = model.cfg.llm
-    (folder / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen2ParScaleForCausalLM"], "model_type": "qwen2_parscale", "vocab_size": t.vocab_size,
-        "hidden_size": t.hidden_size, "intermediate_size": t.intermediate_size, "num_hidden_layers": t.num_layers,
-        "num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "rms_norm_eps": t.rms_norm_eps,
-        "rope_theta": t.rope_theta, "max_position_embeddings": t.max_position_embeddings,
-        "tie_word_embeddings": False, "parscale_n": P, "parscale_n_tokens": model.cfg.par.llm_prefix_len,
-        "parscale_attn_smooth": model.cfg.par.lambda_l,
-    }))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen2ParScaleForCausalLM"],
+                "model_type": "qwen2_parscale",
+                "vocab_size": t.vocab_size,
+                "hidden_size": t.hidden_size,
+                "intermediate_size": t.intermediate_size,
+                "num_hidden_layers": t.num_layers,
+                "num_attention_heads": t.num_heads,
+                "num_key_value_heads": t.num_kv_heads,
+                "rms_norm_eps": t.rms_norm_eps,
+                "rope_theta": t.rope_theta,
+                "max_position_embeddings": t.max_position_embeddings,
+                "tie_word_embeddings": False,
+                "parscale_n": P,
+                "parscale_n_tokens": model.cfg.par.llm_prefix_len,
+                "parscale_attn_smooth": model.cfg.par.lambda_l,
+            }
+        )
+    )
 
 
 def test_parscale_checkpoint_loads_to_identical_outputs(tmp_path):
     model = parscale_model()
     write_parscale(model, tmp_path / "ps")
-    back = ParVL.from_pretrained(tmp_path / "ps")
+    back = load_pretrained(tmp_path / "ps")
     assert back.cfg.par == model.cfg.par and back.cfg.vit is None
     ids = torch.randint(0, 256, (2, 17))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
     assert torch.equal(model(ids, attention_mask=mask), back(ids, attention_mask=mask))
     cfg = GenerateConfig(max_new_tokens=NEW, ignore_eos=True)
-    assert (Engine(back).generate([ids[0].tolist()], None, cfg, []).tokens
-            == Engine(model).generate([ids[0].tolist()], None, cfg, []).tokens)
+    assert (
+        Engine(back).generate([ids[0].tolist()], None, cfg, []).tokens
+        == Engine(model).generate([ids[0].tolist()], None, cfg, []).tokens
+    )
 
 
 def test_parscale_hidden_major_aggregation_by_hand():
@@ -413,7 +510,9 @@ def test_parscale_hidden_major_aggregation_by_hand():
     concat = z.view(P, B, T, C).permute(1, 2, 3, 0).reshape(B, T, C * P)  # "(p b) t h -> b t (h p)"
     logits = torch.nn.functional.linear(
         torch.nn.functional.silu(torch.nn.functional.linear(concat, w0, agg.mlp[0].bias)),
-        agg.mlp[2].weight, agg.mlp[2].bias)
+        agg.mlp[2].weight,
+        agg.mlp[2].bias,
+    )
     a = logits.float().softmax(-1) * (1 - 0.05) + 0.05 / P  # [B,T,P]
     ref = (z.view(P, B, T, C).permute(1, 2, 0, 3) * a[..., None]).sum(2)
     fused, w = agg(z)
@@ -429,22 +528,41 @@ def test_cli_takes_branches_from_the_checkpoint(checkpoint, tmp_path, capsys):
     from PIL import Image
 
     import generate
-    from processor import Tokenizer, build_prompt, load_image
+    from data.processor import Tokenizer, build_prompt, load_image
 
-    model = ParVL.from_pretrained(checkpoint("qwen3", "original"), pv=2, pl=2)
+    model = load_pretrained(checkpoint("qwen3", "original"), pv=2, pl=2)
     model.init_branches(std=0.5)  # larger prefixes, so the branches visibly matter
     folder = tmp_path / "parvl22"
-    model.save(folder)
+    save_pretrained(model, folder)
     png = tmp_path / "img.png"
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (200, 500, 3), dtype=np.uint8)).save(png)
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (200, 500, 3), dtype=np.uint8)).save(
+        png
+    )
     tok = Tokenizer.from_pretrained(folder)
     pv = load_image(png, max_tiles=2)
     ids = tok.encode(build_prompt("What is this?", [pv.shape[0]]))
-    for flags, engine in [([], Engine(model)), (["--shared-kv"], Engine(model, shared_kv=True)),
-                          (["--vision-branch", "1", "--language-branch", "0"],
-                           Engine(model, vision_branch=1, language_branch=0))]:
-        rc = generate.main([str(png), "What is this?", "--model", str(folder), "--max-new-tokens", str(NEW),
-                            "--max-tiles", "2", "--json", *flags])
+    for flags, engine in [
+        ([], Engine(model)),
+        (["--shared-kv"], Engine(model, shared_kv=True)),
+        (
+            ["--vision-branch", "1", "--language-branch", "0"],
+            Engine(model, vision_branch=1, language_branch=0),
+        ),
+    ]:
+        rc = generate.main(
+            [
+                str(png),
+                "What is this?",
+                "--model",
+                str(folder),
+                "--max-new-tokens",
+                str(NEW),
+                "--max-tiles",
+                "2",
+                "--json",
+                *flags,
+            ]
+        )
         out = capsys.readouterr()
         assert rc == 0, out.err
         want = engine.generate([ids], pv, GenerateConfig(max_new_tokens=NEW), tok.eos_ids).tokens[0]
@@ -461,7 +579,7 @@ def left_padded(samples):
     ids = torch.zeros(len(samples), T, dtype=torch.long)
     mask = torch.zeros(len(samples), T, dtype=torch.long)
     for b, (s, _) in enumerate(samples):
-        ids[b, T - len(s):], mask[b, T - len(s):] = s, 1
+        ids[b, T - len(s) :], mask[b, T - len(s) :] = s, 1
     tiles = [p for _, p in samples if p is not None]
     return ids, mask, torch.cat(tiles) if tiles else None
 
@@ -473,7 +591,9 @@ def count_rows(model: ParVL):
     if model.cfg.vit is not None:
         blocks["vit"] = model.vision_model.encoder.layers[0]
     for name, block in blocks.items():
-        block.register_forward_pre_hook(lambda _m, args, name=name: seen[name].append(args[0].shape[0]))
+        block.register_forward_pre_hook(
+            lambda _m, args, name=name: seen[name].append(args[0].shape[0])
+        )
     return seen
 
 
@@ -482,12 +602,19 @@ def make_branches_matter(model: ParVL) -> ParVL:
     """Large prefixes, and ViT attention with weight (a tiny random ViT's blocks barely move the
     patch embedding: ls = 0.1, weights ~ N(0, 0.02^2)), so running the wrong branch shows in the logits."""
     model.init_branches(std=0.5)
-    if model.cfg.vit is not None:  # 5 prefix slots among 1025 tokens: they need large keys to be heard
+    # 5 prefix slots among 1025 tokens: they need large keys to be heard
+    if model.cfg.vit is not None:
         for layer in model.vision_model.encoder.layers:
             torch.nn.init.normal_(layer.attn.qkv.weight, std=0.3)
             layer.ls1.fill_(1.0)
-            for lora in (layer.attn.qkv_lora, layer.attn.proj_lora, layer.mlp.fc1_lora, layer.mlp.fc2_lora):
-                if lora is not None:  # LoRA branches start equal (B = 0): large updates set them apart
+            for lora in (
+                layer.attn.qkv_lora,
+                layer.attn.proj_lora,
+                layer.mlp.fc1_lora,
+                layer.mlp.fc2_lora,
+            ):
+                # LoRA branches start equal (B = 0): large updates set them apart
+                if lora is not None:
                     torch.nn.init.normal_(lora.lora_B, std=0.3)
             if layer.attn.prefix_k is not None:
                 torch.nn.init.normal_(layer.attn.prefix_k, std=3.0)
@@ -499,13 +626,17 @@ def make_branches_matter(model: ParVL) -> ParVL:
 SAMPLES = [(2, 10), (0, 23), (1, 6), (3, 8), (1, 14)]  # (tiles, text tokens)
 
 
-@pytest.mark.parametrize("pv,pl,vision", [(2, 1, "prefix"), (1, 3, "prefix"), (4, 4, "prefix"), (3, 2, "lora")])
+@pytest.mark.parametrize(
+    "pv,pl,vision", [(2, 1, "prefix"), (1, 3, "prefix"), (4, 4, "prefix"), (3, 2, "lora")]
+)
 def test_per_sample_pairs_equal_each_sample_alone(pv, pl, vision):
     """A batch whose samples carry their own (v, l) pair equals each sample run alone with that pair:
     logits within fp32 noise, greedy tokens identical; B rows enter the ViT (one per tile) and the LLM
     blocks, not P*B; and one tower per sample with the other dense equals it alone too. The same for
     LoRA vision branches (Figure 3), which run through the same rows."""
-    model = make_branches_matter(tiny(pv=pv, pl=pl, seed=20 + pv + pl, vision_branches=vision, lora_rank=3))
+    model = make_branches_matter(
+        tiny(pv=pv, pl=pl, seed=20 + pv + pl, vision_branches=vision, lora_rank=3)
+    )
     samples = [prompt(t, text=n, seed=30 + k) for k, (t, n) in enumerate(SAMPLES)]
     g = torch.Generator().manual_seed(pv * 10 + pl)
     vb = torch.randint(0, pv, (len(samples),), generator=g).tolist()
@@ -527,15 +658,24 @@ def test_per_sample_pairs_equal_each_sample_alone(pv, pl, vision):
             with torch.no_grad():
                 alone = model(s_ids[None], s_pix, vision_branch=one_v, language_branch=one_l)[0]
             # padded vs unpadded attention: the same sums in another order (fp32 noise, ~1e-6)
-            torch.testing.assert_close(batch[b, ids.shape[1] - len(s_ids):], alone, atol=2e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                batch[b, ids.shape[1] - len(s_ids) :], alone, atol=2e-5, rtol=1e-5
+            )
     # greedy generation: the batch with per-sample pairs equals each prompt alone with its pair
     engine = Engine(model)
-    got = engine.generate([s.tolist() for s, _ in samples], pixels, cfg, [], vision_branch=vb,
-                          language_branch=lb).tokens
-    want = [Engine(model, vision_branch=v, language_branch=l).generate([s.tolist()], p, cfg, []).tokens[0]
-            for (s, p), v, l in zip(samples, vb, lb)]
+    got = engine.generate(
+        [s.tolist() for s, _ in samples], pixels, cfg, [], vision_branch=vb, language_branch=lb
+    ).tokens
+    want = [
+        Engine(model, vision_branch=v, language_branch=l)
+        .generate([s.tolist()], p, cfg, [])
+        .tokens[0]
+        for (s, p), v, l in zip(samples, vb, lb)
+    ]
     assert got == want
-    assert got[0] == greedy_recompute(model, *samples[0], NEW, vision_branch=vb[0], language_branch=lb[0])
+    assert got[0] == greedy_recompute(
+        model, *samples[0], NEW, vision_branch=vb[0], language_branch=lb[0]
+    )
 
 
 def test_per_sample_pairs_differ_where_the_branches_differ():
@@ -558,14 +698,19 @@ def test_compiled_decode_equals_eager_in_every_branch_mode():
     shared KV, three left-padded samples: the pairs' 3 rows are within GEMV_ROWS (the gemv path), the
     dense modes' 9 rows past it (the BLAS). One sample at 1:1 is test_generate's compiled test. (Each
     mode is a graph of its own, compiled cold in CI: three is what this costs.)"""
-    from cpu_decode import GEMV_ROWS, cpu_backend
-    from engine import decode_one_token, prefill
+    from inference.cpu_decode import GEMV_ROWS, cpu_backend
+    from inference.engine import decode_one_token, prefill
 
     batch = 3  # one LLM layer: the graphs are compiled cold in CI, and a second layer adds compile time, not cases
-    cfg = replace(TINY, llm=replace(TINY.llm, num_layers=1),
-                  par=ParConfig(pv=2, pl=3, vit_prefix_len=5, llm_prefix_len=4))
+    cfg = replace(
+        TINY,
+        llm=replace(TINY.llm, num_layers=1),
+        par=ParConfig(pv=2, pl=3, vit_prefix_len=5, llm_prefix_len=4),
+    )
     model = make_branches_matter(ParVL.from_config(cfg, seed=43).eval())
-    samples = [prompt(1, text=7, seed=44), prompt(0, text=12, seed=45), prompt(2, text=5, seed=46)][:batch]
+    samples = [prompt(1, text=7, seed=44), prompt(0, text=12, seed=45), prompt(2, text=5, seed=46)][
+        :batch
+    ]
     prompts = [s.tolist() for s, _ in samples]
     ids, mask, pixels = left_padded(samples)
     valid, vb = mask.bool(), [1, 0, 1][:batch]
@@ -587,8 +732,12 @@ def test_compiled_decode_equals_eager_in_every_branch_mode():
         torch.testing.assert_close(fast, eager, atol=1e-5, rtol=1e-5)
         cfg = GenerateConfig(max_new_tokens=NEW, ignore_eos=True)
         kw = dict(vision_branch=vb, language_branch=lb)
-        assert (Engine(model, compile=True, shared_kv=shared).generate(prompts, pixels, cfg, [], **kw).tokens
-                == Engine(model, shared_kv=shared).generate(prompts, pixels, cfg, [], **kw).tokens)
+        assert (
+            Engine(model, compile=True, shared_kv=shared)
+            .generate(prompts, pixels, cfg, [], **kw)
+            .tokens
+            == Engine(model, shared_kv=shared).generate(prompts, pixels, cfg, [], **kw).tokens
+        )
 
 
 def test_bad_branch_choices_are_refused():
@@ -609,16 +758,22 @@ def test_bad_branch_choices_are_refused():
 def test_branch_flag_out_of_range_names_the_tower_and_its_count():
     """--vision-branch / --language-branch beyond the checkpoint's branches: one line naming the flag, the
     tower's count in words that fit it (1 branch, 2 branches) and the range to pick from."""
-    from cli import UsageError
-    from inference import check_branch_choice
+    from inference.flags import check_branch_choice
+    from shell.cli import UsageError
 
     par = ParConfig(pv=1, pl=4)
     with pytest.raises(UsageError) as e:
         check_branch_choice(par, 1, None)
-    assert str(e.value) == "--vision-branch 1 out of range: the checkpoint has 1 vision branch (0 to 0)"
+    assert (
+        str(e.value)
+        == "--vision-branch 1 out of range: the checkpoint has 1 vision branch (0 to 0)"
+    )
     with pytest.raises(UsageError) as e:
         check_branch_choice(par, 0, 4)
-    assert str(e.value) == "--language-branch 4 out of range: the checkpoint has 4 language branches (0 to 3)"
+    assert (
+        str(e.value)
+        == "--language-branch 4 out of range: the checkpoint has 4 language branches (0 to 3)"
+    )
     check_branch_choice(par, 0, 3)  # the last of each is a choice
 
 
@@ -627,8 +782,8 @@ def test_length_buckets_equal_full_cache_attention():
     """Decode attends over the written slots rounded up to a bucket: the same logits as over the whole
     cache (the masked slots weigh exactly 0), eager and compiled as Engine compiles it, and the same
     tokens, for dense, shared-KV and per-sample rows with left padding."""
-    from cpu_decode import cpu_backend
-    from engine import decode_one_token, prefill
+    from inference.cpu_decode import cpu_backend
+    from inference.engine import decode_one_token, prefill
 
     compiled = torch.compile(decode_one_token, backend=cpu_backend, fullgraph=True)
 
@@ -645,12 +800,22 @@ def test_length_buckets_equal_full_cache_attention():
             key_valid[:, :T] = valid
             step = (token, torch.tensor([T]), valid.sum(-1, keepdim=True))
             full = decode_one_token(model, *step, key_valid, rows)
-            bucketed = decode_one_token(model, *step, key_valid[:, : T + 7], rows)  # rewrites the same slot
+            # rewrites the same slot
+            bucketed = decode_one_token(model, *step, key_valid[:, : T + 7], rows)
             bucketed_compiled = compiled(model, *step, key_valid[:, : T + 7], rows)
         torch.testing.assert_close(bucketed, full, atol=1e-6, rtol=1e-6)
         torch.testing.assert_close(bucketed_compiled, full, atol=1e-5, rtol=1e-5)
         prompts = [s.tolist() for s, _ in samples]
-        tokens = [Engine(model, shared_kv=shared).generate(
-            prompts, pixels, GenerateConfig(max_new_tokens=NEW, ignore_eos=True, bucket=bucket), [],
-            language_branch=lb).tokens for bucket in (4, 0)]
+        tokens = [
+            Engine(model, shared_kv=shared)
+            .generate(
+                prompts,
+                pixels,
+                GenerateConfig(max_new_tokens=NEW, ignore_eos=True, bucket=bucket),
+                [],
+                language_branch=lb,
+            )
+            .tokens
+            for bucket in (4, 0)
+        ]
         assert tokens[0] == tokens[1]

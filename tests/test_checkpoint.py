@@ -5,6 +5,7 @@ models; the model a command loads when --model names none (the hub cache offline
 huggingface_hub, a cache that cannot be made). Every refusal is one line naming the file and the field, by
 every command that loads a model. That what is read computes what transformers' InternVL computes:
 test_equivalence.py."""
+
 from __future__ import annotations
 
 import json
@@ -16,17 +17,17 @@ import textwrap
 
 import pytest
 import torch
+from commands import ROOT, gen_main, one_line, run_main, tree
+from inputs import png_b64, prompt_ids, random_pixels, write_dataset, write_tsv
+from official import FAMILIES, LAYOUTS, hf_to_original, read_safetensors
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import generate
-from checkpoint import CheckpointError
-from conftest import (FAMILIES, LAYOUTS, ROOT, gen_main, hf_to_original, one_line, png_b64, prompt_ids, random_pixels,
-                      read_safetensors, run_main, tree, write_dataset, write_tsv)
-from hub import DEFAULT_MODEL, resolve_model
-from parvl import ParVL
-from processor import Tokenizer
-
+from data.processor import Tokenizer
+from loading.checkpoint import CheckpointError
+from loading.hub import DEFAULT_MODEL, resolve_model
+from loading.pretrained import load_pretrained, save_pretrained
 
 # bf16 against fp32 on the same weights: the bf16 checkpoint loaded as stored and once more upcast to
 # fp32, so the difference is bf16 arithmetic alone. Measured on the tiny qwen3 model (one 1-tile
@@ -62,7 +63,9 @@ def test_state_dict_keys_are_the_original_layout(checkpoint, parvl, family):
 @pytest.mark.parametrize("layout", ["original", "hf"])
 @torch.no_grad()
 def test_sharded_equals_unsharded(checkpoint, parvl, layout):
-    sharded = ParVL.from_pretrained(checkpoint("qwen3", layout, shards=3), dtype=torch.float32, device="cpu")
+    sharded = load_pretrained(
+        checkpoint("qwen3", layout, shards=3), dtype=torch.float32, device="cpu"
+    )
     whole = parvl("qwen3", layout)
     a, b = sharded.state_dict(), whole.state_dict()
     assert list(a) == list(b)
@@ -74,13 +77,17 @@ def test_sharded_equals_unsharded(checkpoint, parvl, layout):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_bf16_checkpoint_stays_bf16(checkpoint, reference, layout):
-    model = ParVL.from_pretrained(checkpoint("qwen3", layout, dtype=torch.bfloat16), dtype=None, device="cpu")
+    model = load_pretrained(
+        checkpoint("qwen3", layout, dtype=torch.bfloat16), dtype=None, device="cpu"
+    )
     not_bf16 = [n for n, p in model.named_parameters() if p.dtype != torch.bfloat16]
     assert not not_bf16, f"parameters not bf16: {not_bf16[:5]}"
     want = hf_to_original(reference("qwen3").state_dict())
     for k, v in model.state_dict().items():  # exactly the stored bf16 values
         assert torch.equal(v, want[k].to(torch.bfloat16)), k
-    fp32 = ParVL.from_pretrained(checkpoint("qwen3", layout, dtype=torch.bfloat16), dtype=torch.float32, device="cpu")
+    fp32 = load_pretrained(
+        checkpoint("qwen3", layout, dtype=torch.bfloat16), dtype=torch.float32, device="cpu"
+    )
     assert all(p.dtype == torch.float32 for p in fp32.parameters())
     ids, px = prompt_ids(checkpoint("qwen3", layout), [1]), random_pixels(1)
     with torch.no_grad():
@@ -89,9 +96,14 @@ def test_bf16_checkpoint_stays_bf16(checkpoint, reference, layout):
     assert logits.dtype == torch.bfloat16 and ref_logits.dtype == torch.float32
     err = (logits.float() - ref_logits).abs()
     agree = (logits.float().argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-    print(f"bf16 vs fp32 [{layout}]: max abs err {err.max().item():.4f}, mean {err.mean().item():.5f}, "
-          f"argmax agree {agree:.4f}, |fp32| max {ref_logits.abs().max().item():.2f}")
-    assert err.max().item() < BF16_MAX_ABS and err.mean().item() < BF16_MEAN_ABS, (err.max().item(), err.mean().item())
+    print(
+        f"bf16 vs fp32 [{layout}]: max abs err {err.max().item():.4f}, mean {err.mean().item():.5f}, "
+        f"argmax agree {agree:.4f}, |fp32| max {ref_logits.abs().max().item():.2f}"
+    )
+    assert err.max().item() < BF16_MAX_ABS and err.mean().item() < BF16_MEAN_ABS, (
+        err.max().item(),
+        err.mean().item(),
+    )
     assert agree >= BF16_ARGMAX_AGREE, agree
 
 
@@ -118,7 +130,7 @@ def test_error_missing_shard(checkpoint, tmp_path):
     folder = broken_copy(checkpoint, tmp_path, layout="original", shards=3)
     (folder / "model-00002-of-00003.safetensors").unlink()
     with pytest.raises(LOAD_ERRORS) as exc:
-        ParVL.from_pretrained(folder, dtype=torch.float32)
+        load_pretrained(folder, dtype=torch.float32)
     assert_one_line_naming(exc, "model-00002-of-00003.safetensors")
 
 
@@ -127,7 +139,7 @@ def test_error_no_config(checkpoint, tmp_path, layout):
     folder = broken_copy(checkpoint, tmp_path, layout=layout)
     (folder / "config.json").unlink()
     with pytest.raises(LOAD_ERRORS) as exc:
-        ParVL.from_pretrained(folder, dtype=torch.float32)
+        load_pretrained(folder, dtype=torch.float32)
     assert_one_line_naming(exc, "config.json")
 
 
@@ -144,18 +156,24 @@ def test_error_unexpected_key(checkpoint, tmp_path, layout):
     key = "vision_model.bogus_tensor" if layout == "original" else "model.vision_tower.bogus_tensor"
     _rewrite(folder, lambda t: t.__setitem__(key, torch.zeros(3)))
     with pytest.raises(LOAD_ERRORS) as exc:
-        ParVL.from_pretrained(folder, dtype=torch.float32)
+        load_pretrained(folder, dtype=torch.float32)
     assert_one_line_naming(exc, "bogus_tensor")
 
 
-@pytest.mark.parametrize("key", ["mlp1.1.bias", "vision_model.encoder.layers.1.ls2",
-                                 "language_model.model.layers.0.self_attn.q_norm.weight"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "mlp1.1.bias",
+        "vision_model.encoder.layers.1.ls2",
+        "language_model.model.layers.0.self_attn.q_norm.weight",
+    ],
+)
 def test_error_missing_key(checkpoint, tmp_path, key):
     # (language_model.lm_head.weight is not in this list: a missing head legitimately means tied.)
     folder = broken_copy(checkpoint, tmp_path, layout="original")
     _rewrite(folder, lambda t: t.pop(key))
     with pytest.raises(LOAD_ERRORS) as exc:
-        ParVL.from_pretrained(folder, dtype=torch.float32)
+        load_pretrained(folder, dtype=torch.float32)
     assert_one_line_naming(exc, key)
 
 
@@ -163,41 +181,72 @@ def test_error_missing_key(checkpoint, tmp_path, key):
 
 
 SPOILED_CONFIGS = {  # what is changed in the tiny checkpoint's config.json -> the line that names it
-    "layers 10**6": (lambda c: c["llm_config"].update(num_hidden_layers=10**6),
-                     "config.json: the language model's num_hidden_layers is 1000000, but the tensors in {d} hold 2 "
-                     "language model layers"),
-    "vision layers": (lambda c: c["vision_config"].update(num_hidden_layers=3),
-                      "config.json: the vision model's num_hidden_layers is 3, but the tensors in {d} hold 2 vision "
-                      "model layers"),
-    "width": (lambda c: c["llm_config"].update(hidden_size=128),
-              "config.json: the language model's hidden_size is 128, but in {d} language_model.model.embed_tokens."
-              "weight has shape [640, 64]"),
-    "mlp": (lambda c: c["vision_config"].update(intermediate_size=256),
-            "config.json: the vision model's intermediate_size is 256, but in {d} vision_model.encoder.layers.0.mlp."
-            "fc1.weight has shape [128, 64]"),
-    "negative heads": (lambda c: c["llm_config"].update(num_attention_heads=-4),
-                       "config.json: llm_config.num_attention_heads must be a positive integer, got -4"),
-    "zero heads": (lambda c: c["vision_config"].update(num_attention_heads=0),
-                   "config.json: vision_config.num_attention_heads must be a positive integer, got 0"),
-    "string size": (lambda c: c["llm_config"].update(hidden_size="64"),
-                    "config.json: llm_config.hidden_size must be a positive integer, got '64'"),
-    "kv heads": (lambda c: c["llm_config"].update(num_key_value_heads=3),
-                 "config.json: llm_config.num_attention_heads 4 is not a multiple of llm_config.num_key_value_heads 3"),
-    "ratio": (lambda c: c.update(downsample_ratio=0.3),
-              "config.json: downsample_ratio must be 1/k for a k that divides the 32-patch grid, got 0.3"),
-    "a list": (lambda c: [c], "{d}/config.json: a JSON list, not the object of names and values it must be"),
-    "block a list": (lambda c: c.update(llm_config=[1]), "config.json: llm_config must be a JSON object, got list"),
-    "tiles 10**9": (lambda c: c.update(max_dynamic_patch=10**9),  # issue 38, item 13: every command's default budget
-                    "config.json: max_dynamic_patch must be in [1, 64] (the most tiles InternVL's pipelines give), got "
-                    "1000000000"),
-    "parvl a string": (lambda c: c.update(parvl="x"),  # issue 38, item 15: an AttributeError traceback
-                       "{d}/config.json: parvl must be an object of par and language_only, got 'x'"),
+    "layers 10**6": (
+        lambda c: c["llm_config"].update(num_hidden_layers=10**6),
+        "config.json: the language model's num_hidden_layers is 1000000, but the tensors in {d} hold 2 "
+        "language model layers",
+    ),
+    "vision layers": (
+        lambda c: c["vision_config"].update(num_hidden_layers=3),
+        "config.json: the vision model's num_hidden_layers is 3, but the tensors in {d} hold 2 vision "
+        "model layers",
+    ),
+    "width": (
+        lambda c: c["llm_config"].update(hidden_size=128),
+        "config.json: the language model's hidden_size is 128, but in {d} language_model.model.embed_tokens."
+        "weight has shape [640, 64]",
+    ),
+    "mlp": (
+        lambda c: c["vision_config"].update(intermediate_size=256),
+        "config.json: the vision model's intermediate_size is 256, but in {d} vision_model.encoder.layers.0.mlp."
+        "fc1.weight has shape [128, 64]",
+    ),
+    "negative heads": (
+        lambda c: c["llm_config"].update(num_attention_heads=-4),
+        "config.json: llm_config.num_attention_heads must be a positive integer, got -4",
+    ),
+    "zero heads": (
+        lambda c: c["vision_config"].update(num_attention_heads=0),
+        "config.json: vision_config.num_attention_heads must be a positive integer, got 0",
+    ),
+    "string size": (
+        lambda c: c["llm_config"].update(hidden_size="64"),
+        "config.json: llm_config.hidden_size must be a positive integer, got '64'",
+    ),
+    "kv heads": (
+        lambda c: c["llm_config"].update(num_key_value_heads=3),
+        "config.json: llm_config.num_attention_heads 4 is not a multiple of llm_config.num_key_value_heads 3",
+    ),
+    "ratio": (
+        lambda c: c.update(downsample_ratio=0.3),
+        "config.json: downsample_ratio must be 1/k for a k that divides the 32-patch grid, got 0.3",
+    ),
+    "a list": (
+        lambda c: [c],
+        "{d}/config.json: a JSON list, not the object of names and values it must be",
+    ),
+    "block a list": (
+        lambda c: c.update(llm_config=[1]),
+        "config.json: llm_config must be a JSON object, got list",
+    ),
+    "tiles 10**9": (
+        lambda c: c.update(
+            max_dynamic_patch=10**9
+        ),  # issue 38, item 13: every command's default budget
+        "config.json: max_dynamic_patch must be in [1, 64] (the most tiles InternVL's pipelines give), got "
+        "1000000000",
+    ),
+    "parvl a string": (
+        lambda c: c.update(parvl="x"),  # issue 38, item 15: an AttributeError traceback
+        "{d}/config.json: parvl must be an object of par and language_only, got 'x'",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(SPOILED_CONFIGS))
-def test_a_config_that_disagrees_with_its_tensors_is_refused_before_building(model_dir, tmp_path, capsys,
-                                                                            monkeypatch, case):
+def test_a_config_that_disagrees_with_its_tensors_is_refused_before_building(
+    model_dir, tmp_path, capsys, monkeypatch, case
+):
     """A config.json whose sizes or counts are not the tensors' (read from the safetensors headers), or
     whose values cannot size a model, is one line naming config.json and the field, before any module
     is built (a million layers used to be built for minutes)."""
@@ -211,8 +260,11 @@ def test_a_config_that_disagrees_with_its_tensors_is_refused_before_building(mod
     config = json.loads((d / "config.json").read_text())
     config = spoil(config) or config
     (d / "config.json").write_text(json.dumps(config))
-    if case in ("layers 10**6", "vision layers"):  # counts: refused before the model's constructor runs
-        monkeypatch.setattr(parvl.ParVL, "__init__", lambda *a, **k: pytest.fail("a module was built"))
+    # counts: refused before the model's constructor runs
+    if case in ("layers 10**6", "vision layers"):
+        monkeypatch.setattr(
+            parvl.ParVL, "__init__", lambda *a, **k: pytest.fail("a module was built")
+        )
     code, err = run_main(capsys, generate.main, ["Hi", "--model", d, "--max-new-tokens", 1])
     assert code == 1 and err[-1] == "error: " + line.format(d=d), err
 
@@ -226,15 +278,31 @@ def spoiled(model_dir, tmp_path_factory):
     tok = Tokenizer.from_pretrained(model_dir)
     img = tok.token_to_id("<IMG_CONTEXT>")
     cases = {
-        "llama": (lambda c: c["llm_config"].update(architectures=["LlamaForCausalLM"]),
-                  ["llm_config.architectures 'LlamaForCausalLM' is not a supported decoder", "Qwen3ForCausalLM",
-                   "Qwen2ForCausalLM"]),
-        "qwen2-named-qwen3": (lambda c: c["llm_config"].update(architectures=["Qwen2ForCausalLM"]),
-                              ["llm_config.model_type 'qwen3'", "does not match architectures 'Qwen2ForCausalLM'"]),
-        "other-tokenizer": (lambda c: c.update(image_token_id=img + 1),
-                            [f"<IMG_CONTEXT> = {img}", f"image_token_id = {img + 1}", "config.json", "tokenizer in"]),
-        "small-vocabulary": (lambda c: c["llm_config"].update(vocab_size=tok.vocab_size - 1),
-                             [f"has {tok.vocab_size} tokens", f"embeds only {tok.vocab_size - 1}"]),
+        "llama": (
+            lambda c: c["llm_config"].update(architectures=["LlamaForCausalLM"]),
+            [
+                "llm_config.architectures 'LlamaForCausalLM' is not a supported decoder",
+                "Qwen3ForCausalLM",
+                "Qwen2ForCausalLM",
+            ],
+        ),
+        "qwen2-named-qwen3": (
+            lambda c: c["llm_config"].update(architectures=["Qwen2ForCausalLM"]),
+            ["llm_config.model_type 'qwen3'", "does not match architectures 'Qwen2ForCausalLM'"],
+        ),
+        "other-tokenizer": (
+            lambda c: c.update(image_token_id=img + 1),
+            [
+                f"<IMG_CONTEXT> = {img}",
+                f"image_token_id = {img + 1}",
+                "config.json",
+                "tokenizer in",
+            ],
+        ),
+        "small-vocabulary": (
+            lambda c: c["llm_config"].update(vocab_size=tok.vocab_size - 1),
+            [f"has {tok.vocab_size} tokens", f"embeds only {tok.vocab_size - 1}"],
+        ),
     }
     out = {}
     for name, (spoil, needles) in cases.items():
@@ -247,35 +315,70 @@ def spoiled(model_dir, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("case", ["llama", "qwen2-named-qwen3", "other-tokenizer", "small-vocabulary"])
-def test_a_checkpoint_this_code_cannot_run_is_refused_by_every_command(spoiled, png, tmp_path, capsys, case):
+@pytest.mark.parametrize(
+    "case", ["llama", "qwen2-named-qwen3", "other-tokenizer", "small-vocabulary"]
+)
+def test_a_checkpoint_this_code_cannot_run_is_refused_by_every_command(
+    spoiled, png, tmp_path, capsys, case
+):
     import evaluate
     import router
     import train
 
     folder, needles = spoiled[case]
     meta = write_dataset(tmp_path / "d", rows=4)
-    tsv = write_tsv(tmp_path / "t.tsv",
-                    [{"index": "0", "question": "Read it.", "answer": "['x']", "image": png_b64(16, 16, 5)}])
+    tsv = write_tsv(
+        tmp_path / "t.tsv",
+        [{"index": "0", "question": "Read it.", "answer": "['x']", "image": png_b64(16, 16, 5)}],
+    )
     commands = {
         "generate.py": lambda: generate.main([str(png), "q", "--model", str(folder)]),
-        "train.py": lambda: train.main(["--validate-data", "--model", str(folder), "--data", str(meta),
-                                        "--num-workers", "0"]),
-        "evaluate.py run": lambda: evaluate.main(["run", "--benchmark", "TextVQA_VAL", "--data", str(tsv), "--model",
-                                                  str(folder),
-                                                  "--out", str(tmp_path / "p.jsonl")]),
-        "router.py label": lambda: router.main(["label", "--model", str(folder), "--data", str(meta), "--out",
-                                                str(tmp_path / "labels"), "--num-workers", "0"]),
+        "train.py": lambda: train.main(
+            ["--validate-data", "--model", str(folder), "--data", str(meta), "--num-workers", "0"]
+        ),
+        "evaluate.py run": lambda: evaluate.main(
+            [
+                "run",
+                "--benchmark",
+                "TextVQA_VAL",
+                "--data",
+                str(tsv),
+                "--model",
+                str(folder),
+                "--out",
+                str(tmp_path / "p.jsonl"),
+            ]
+        ),
+        "router.py label": lambda: router.main(
+            [
+                "label",
+                "--model",
+                str(folder),
+                "--data",
+                str(meta),
+                "--out",
+                str(tmp_path / "labels"),
+                "--num-workers",
+                "0",
+            ]
+        ),
     }
     for name, command in commands.items():
         code = command()
         err = capsys.readouterr().err.strip().splitlines()
-        assert code == 1 and len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], (name, err)
+        assert (
+            code == 1
+            and len(err) == 1
+            and err[0].startswith("error: ")
+            and "Traceback" not in err[0]
+        ), (name, err)
         assert all(n in err[0] for n in needles), (name, err[0])
     assert not (tmp_path / "p.jsonl").exists() and not (tmp_path / "labels").exists()
 
 
-def test_a_bad_branch_value_in_an_export_config_names_the_file_and_the_field(model_dir, png, tmp_path, capsys):
+def test_a_bad_branch_value_in_an_export_config_names_the_file_and_the_field(
+    model_dir, png, tmp_path, capsys
+):
     """Issue 29, item 10: the "parvl" block an export's config.json carries, with a value out of range, of
     the wrong type or a field that does not exist: exit 1, one line naming config.json and the field
     (main: "lora_rank must be >= 1, got 0" naming no file, or a TypeError traceback)."""
@@ -283,26 +386,36 @@ def test_a_bad_branch_value_in_an_export_config_names_the_file_and_the_field(mod
     shutil.copytree(model_dir, folder)
     config = json.loads((folder / "config.json").read_text())
     path = folder / "config.json"
-    for par, line in [({"lora_rank": 0}, f"error: {path}: parvl.par.lora_rank must be >= 1, got 0"),
-                      ({"pv": "2"}, f"error: {path}: parvl.par.pv must be a number (an integer), got '2'"),
-                      ({"pv": 2, "prefix": 3}, f"error: {path}: parvl.par has no field 'prefix' (its fields: pv, pl, "
-                       "vit_prefix_len, llm_prefix_len, lambda_v, lambda_l, aggregation, vision_branches, lora_rank)")]:
+    for par, line in [
+        ({"lora_rank": 0}, f"error: {path}: parvl.par.lora_rank must be >= 1, got 0"),
+        ({"pv": "2"}, f"error: {path}: parvl.par.pv must be a number (an integer), got '2'"),
+        (
+            {"pv": 2, "prefix": 3},
+            f"error: {path}: parvl.par has no field 'prefix' (its fields: pv, pl, "
+            "vit_prefix_len, llm_prefix_len, lambda_v, lambda_l, aggregation, vision_branches, lora_rank)",
+        ),
+    ]:
         path.write_text(json.dumps(config | {"parvl": {"par": par}}))
         code, _, err = gen_main(capsys, png, "q", "--model", folder)
         assert (code, err.strip()) == (1, line)
 
 
-def test_language_only_on_an_export_with_vision_branches_names_config_json(model_dir, tmp_path, capsys):
-    """"language_only": true in a 2:2 export's parvl block said "a language-only model has no vision branches: pv
+def test_language_only_on_an_export_with_vision_branches_names_config_json(
+    model_dir, tmp_path, capsys
+):
+    """ "language_only": true in a 2:2 export's parvl block said "a language-only model has no vision branches: pv
     must be 1", naming no file (issue 38, item 22): the file and both fields are named, exit 1."""
     folder = tmp_path / "export"
-    ParVL.from_pretrained(model_dir, pv=2, pl=2).save(folder)
+    save_pretrained(load_pretrained(model_dir, pv=2, pl=2), folder)
     config = json.loads((folder / "config.json").read_text())
     config["parvl"]["language_only"] = True
     (folder / "config.json").write_text(json.dumps(config))
     code, _, err = gen_main(capsys, "q", "--model", folder, "--max-new-tokens", 1)
-    assert (code, err.strip()) == (1, f"error: {folder / 'config.json'}: parvl.language_only is true, but "
-                                      f"parvl.par.pv is 2: a language-only model has no vision branches")
+    assert (code, err.strip()) == (
+        1,
+        f"error: {folder / 'config.json'}: parvl.language_only is true, but "
+        f"parvl.par.pv is 2: a language-only model has no vision branches",
+    )
 
 
 # -- folders that are not a model ----------------------------------------------------------------------
@@ -311,7 +424,9 @@ def test_language_only_on_an_export_with_vision_branches_names_config_json(model
 def test_a_git_lfs_pointer_is_named(model_dir, png, tmp_path, capsys):
     lfs = tmp_path / "lfs"
     shutil.copytree(model_dir, lfs)
-    (lfs / "model.safetensors").write_text("version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 42\n")
+    (lfs / "model.safetensors").write_text(
+        "version https://git-lfs.github.com/spec/v1\noid sha256:0\nsize 42\n"
+    )
     code, _, err = gen_main(capsys, png, "q", "--model", lfs)
     assert code == 1 and "git-LFS pointer" in one_line(err) and "header too large" not in err, err
 
@@ -321,12 +436,13 @@ def test_a_run_folder_given_as_a_model_names_its_export(model_dir, png, tmp_path
     shutil.copytree(model_dir, run / "export")
     (run / "checkpoints" / "step_3").mkdir(parents=True)
     (run / "checkpoints" / "step_3" / "done").write_text("")
-    (run / "config.json").write_text(json.dumps({"model": str(model_dir),
-                                                 "out": str(run)}))  # train.py's, not a model's
+    # train.py's, not a model's
+    (run / "config.json").write_text(json.dumps({"model": str(model_dir), "out": str(run)}))
     before = tree(run)
     code, _, err = gen_main(capsys, png, "q", "--model", run)
-    assert code == 1 and one_line(err) == (f"error: {run}: a training run folder, not a model; "
-                                           f"its model is {run / 'export'}")
+    assert code == 1 and one_line(err) == (
+        f"error: {run}: a training run folder, not a model; its model is {run / 'export'}"
+    )
     shutil.rmtree(run / "export")
     with pytest.raises(CheckpointError, match="no export yet"):
         resolve_model(str(run))
@@ -338,12 +454,20 @@ def test_a_run_folder_given_as_a_model_names_its_export(model_dir, png, tmp_path
 
 def run_python(code: str, env: dict, timeout: int = 120) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter from the repo root (the hub cache settings are read at import)."""
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def hub_env(cache) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("PARVL_MODEL", "HF_HOME", "HF_HUB_CACHE")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("PARVL_MODEL", "HF_HOME", "HF_HUB_CACHE")
+    }
     return {**env, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
 
 
@@ -358,7 +482,9 @@ def test_local_folder_and_env_var(model_dir, monkeypatch, tmp_path):
         resolve_model(str(tmp_path / "a" / "b" / "c"))
 
 
-def fake_snapshot(cache, repo: str, rev: str, source, ref: str | None = "main", weights: bool = True):
+def fake_snapshot(
+    cache, repo: str, rev: str, source, ref: str | None = "main", weights: bool = True
+):
     """huggingface_hub's cache layout: models--owner--name/snapshots/<rev>/..., refs/<ref> -> rev."""
     root = cache / f"models--{repo.replace('/', '--')}"
     shutil.copytree(source, root / "snapshots" / rev)
@@ -378,16 +504,22 @@ def test_default_model_from_the_hub_cache_offline(model_dir, tmp_path, capsys):
     other = fake_snapshot(cache, DEFAULT_MODEL, pinned, folder, ref=None)
     fake_snapshot(cache, "Someone/partial", "c" * 40, folder, weights=False)
     # the two commands: no --model, no $PARVL_MODEL; the model comes from the cache, with no network
-    res = subprocess.run([sys.executable, str(ROOT / "generate.py"), "Hello?", "--max-new-tokens", "4", "--json"],
-                         env=hub_env(cache), capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "generate.py"), "Hello?", "--max-new-tokens", "4", "--json"],
+        env=hub_env(cache),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0, res.stderr
     assert f"loaded {snap}" in res.stderr and "downloading" not in res.stderr
     assert generate.main(["Hello?", "--model", str(folder), "--max-new-tokens", "4", "--json"]) == 0
     assert json.loads(res.stdout)["answer"] == json.loads(capsys.readouterr().out)["answer"]
-    res = run_python(f"""
+    res = run_python(
+        f"""
         import json, sys, generate
-        from checkpoint import CheckpointError
-        from hub import resolve_model
+        from loading.checkpoint import CheckpointError
+        from loading.hub import resolve_model
         out = {{"main": str(resolve_model()), "pinned": str(resolve_model(None, "{pinned}"))}}
         for name in ("OpenGVLab/Missing", "Someone/partial"):
             try:
@@ -396,41 +528,64 @@ def test_default_model_from_the_hub_cache_offline(model_dir, tmp_path, capsys):
                 out[name] = str(e)
         print(json.dumps(out), flush=True)
         sys.exit(generate.main(["Hello?", "--model", "OpenGVLab/Missing"]))  # offline, not cached: one line, 1
-    """, hub_env(cache))
-    assert res.returncode == 1 and "hf download OpenGVLab/Missing" in one_line(res.stderr), res.stderr
+    """,
+        hub_env(cache),
+    )
+    assert res.returncode == 1 and "hf download OpenGVLab/Missing" in one_line(res.stderr), (
+        res.stderr
+    )
     out = json.loads(res.stdout)
     assert out["main"] == str(snap) and out["pinned"] == str(other)
     assert "not in the hub cache, and HF_HUB_OFFLINE is set" in out["OpenGVLab/Missing"]
     assert "incomplete in the hub cache" in out["Someone/partial"]
     assert "hf download OpenGVLab/Missing --local-dir Missing" in out["OpenGVLab/Missing"]
-    assert "hf download Someone/partial" in out["Someone/partial"]  # incomplete copy in the cache: not loaded
+    # incomplete copy in the cache: not loaded
+    assert "hf download Someone/partial" in out["Someone/partial"]
 
 
 def test_no_network_is_one_error_line(tmp_path):
     env = {k: v for k, v in hub_env(tmp_path / "empty").items() if k != "HF_HUB_OFFLINE"}
-    env |= {"HF_ENDPOINT": "http://127.0.0.1:9",
-            "HF_HUB_ETAG_TIMEOUT": "2"}  # a port nothing listens on: refused at once
-    res = subprocess.run([sys.executable, str(ROOT / "generate.py"), "Hello?"], env=env, capture_output=True, text=True,
-                         timeout=120)
+    # a port nothing listens on: refused at once
+    env |= {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_ETAG_TIMEOUT": "2"}
+    res = subprocess.run(
+        [sys.executable, str(ROOT / "generate.py"), "Hello?"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 1 and "Traceback" not in res.stderr and len(lines) == 2, res.stderr
-    assert lines[0].startswith("downloading OpenGVLab/InternVL3_5-1B into")  # the attempt, announced
-    assert lines[1] == ("error: OpenGVLab/InternVL3_5-1B: not in the hub cache and the hub cannot be reached; download "
-                        "it "
-                        "where the hub is reachable (hf download OpenGVLab/InternVL3_5-1B --local-dir InternVL3_5-1B) "
-                        "and pass --model InternVL3_5-1B")
+    # the attempt, announced
+    assert lines[0].startswith("downloading OpenGVLab/InternVL3_5-1B into")
+    assert lines[1] == (
+        "error: OpenGVLab/InternVL3_5-1B: not in the hub cache and the hub cannot be reached; download "
+        "it "
+        "where the hub is reachable (hf download OpenGVLab/InternVL3_5-1B --local-dir InternVL3_5-1B) "
+        "and pass --model InternVL3_5-1B"
+    )
 
 
 def test_without_huggingface_hub_one_line_says_how(tmp_path):
-    res = run_python("""
+    res = run_python(
+        """
         import sys
         sys.modules["huggingface_hub"] = None  # as if not installed: its import raises ImportError
         import generate
         sys.exit(generate.main(["Hello?"]))
-    """, hub_env(tmp_path / "empty"))
+    """,
+        hub_env(tmp_path / "empty"),
+    )
     line = one_line(res.stderr)
-    assert res.returncode == 1 and "huggingface_hub is not installed" in line and "pip install huggingface_hub" in line
-    assert "hf download OpenGVLab/InternVL3_5-1B --local-dir InternVL3_5-1B" in line and "huggingface-cli" not in line
+    assert (
+        res.returncode == 1
+        and "huggingface_hub is not installed" in line
+        and "pip install huggingface_hub" in line
+    )
+    assert (
+        "hf download OpenGVLab/InternVL3_5-1B --local-dir InternVL3_5-1B" in line
+        and "huggingface-cli" not in line
+    )
 
 
 def test_hub_cache_under_a_file_is_named_with_its_variable(tmp_path, capsys, monkeypatch):
@@ -440,13 +595,24 @@ def test_hub_cache_under_a_file_is_named_with_its_variable(tmp_path, capsys, mon
 
     blocker = tmp_path / "home"
     blocker.write_text("not a folder")
-    for var, cache, fix in (("HF_HOME", blocker / "hub", "point HF_HOME at a folder"),
-                            ("HOME", blocker / ".cache" / "huggingface" / "hub", "set HF_HOME to a folder")):
-        for v in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE", "HF_HOME", "XDG_CACHE_HOME", "PARVL_MODEL"):
+    for var, cache, fix in (
+        ("HF_HOME", blocker / "hub", "point HF_HOME at a folder"),
+        ("HOME", blocker / ".cache" / "huggingface" / "hub", "set HF_HOME to a folder"),
+    ):
+        for v in (
+            "HF_HUB_CACHE",
+            "HUGGINGFACE_HUB_CACHE",
+            "HF_HOME",
+            "XDG_CACHE_HOME",
+            "PARVL_MODEL",
+        ):
             monkeypatch.delenv(v, raising=False)
         monkeypatch.setenv(var, str(blocker))
-        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))  # what huggingface_hub derives at import
+        # what huggingface_hub derives at import
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
         code, err = run_main(capsys, generate.main, ["Hi"])
-        assert code == 1 and err == [f"error: OpenGVLab/InternVL3_5-1B: the hub cache {cache} (from {var}={blocker}) "
-                                     f"cannot be a folder: {blocker} is a file; {fix}, or pass --model a local "
-                                     f"checkpoint folder"], err
+        assert code == 1 and err == [
+            f"error: OpenGVLab/InternVL3_5-1B: the hub cache {cache} (from {var}={blocker}) "
+            f"cannot be a folder: {blocker} is a file; {fix}, or pass --model a local "
+            f"checkpoint folder"
+        ], err

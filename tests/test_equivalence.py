@@ -12,19 +12,28 @@ checkpoint (shards, bf16, the layouts' state dicts, load errors): test_checkpoin
 
 Run: python -m pytest tests/test_equivalence.py -q
 """
+
 from __future__ import annotations
 
 import json
 
 import pytest
 import torch
+from inputs import left_pad, prompt_ids, random_pixels
+from official import (
+    FAMILIES,
+    LAYOUTS,
+    hf_greedy,
+    hf_to_legacy,
+    hf_to_original,
+    original_to_hf,
+    read_safetensors,
+    tokenizer_ids,
+)
 
-from conftest import (FAMILIES, LAYOUTS, hf_greedy, hf_to_legacy, hf_to_original, left_pad, original_to_hf,
-                      prompt_ids, random_pixels, read_safetensors, tokenizer_ids)
-from engine import Engine, GenerateConfig
-from parvl import ParVL
-from processor import Tokenizer, build_prompt
-
+from data.processor import Tokenizer, build_prompt
+from inference.engine import Engine, GenerateConfig
+from loading.pretrained import load_pretrained
 
 # Both sides run the same fp32 maths in a different order (fused vs split qkv, SDPA vs the reference's
 # attention path, masked vs unmasked softmax), which leaves ~1e-6 differences on O(1) activations;
@@ -34,10 +43,14 @@ ATOL, RTOL = 2e-5, 1e-5
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
     err = (actual.double() - expected.double()).abs()
-    print(f"{what}: max abs err {err.max().item():.2e}, mean abs err {err.mean().item():.2e}, "
-          f"|ref| max {expected.abs().max().item():.2f}")
+    print(
+        f"{what}: max abs err {err.max().item():.2e}, mean abs err {err.mean().item():.2e}, "
+        f"|ref| max {expected.abs().max().item():.2f}"
+    )
     torch.testing.assert_close(actual, expected, atol=ATOL, rtol=RTOL, msg=lambda m: f"{what}: {m}")
 
 
@@ -52,7 +65,9 @@ def reference_logits(ref, ids: torch.Tensor, pixels: torch.Tensor | None) -> tor
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fixture_reference_is_untied_and_random(reference, family):
     ref = reference(family)
-    assert not ref.config.tie_word_embeddings and not ref.config.get_text_config().tie_word_embeddings
+    assert (
+        not ref.config.tie_word_embeddings and not ref.config.get_text_config().tie_word_embeddings
+    )
     assert not torch.equal(ref.lm_head.weight, ref.model.language_model.embed_tokens.weight)
     assert ref.config.image_token_id == tokenizer_ids(family)["img_context_id"]
     assert ref.config.text_config.vocab_size > tokenizer_ids(family)["vocab_size_tokenizer"]
@@ -66,12 +81,17 @@ def test_fixture_hf_folder_reloads_in_transformers(checkpoint, reference, family
     from transformers import InternVLForConditionalGeneration
 
     ref = reference(family)
-    loaded = InternVLForConditionalGeneration.from_pretrained(str(checkpoint(family, layout))).eval()
+    loaded = InternVLForConditionalGeneration.from_pretrained(
+        str(checkpoint(family, layout))
+    ).eval()
     got, want = loaded.state_dict(), ref.state_dict()
     assert set(got) == set(want)
     for k in want:
         assert torch.equal(got[k], want[k]), k
-    assert loaded.lm_head.weight.data_ptr() != loaded.model.language_model.embed_tokens.weight.data_ptr()
+    assert (
+        loaded.lm_head.weight.data_ptr()
+        != loaded.model.language_model.embed_tokens.weight.data_ptr()
+    )
     ids, px = prompt_ids(checkpoint(family, layout), [1]), random_pixels(1)
     with torch.no_grad():
         assert torch.equal(reference_logits(loaded, ids, px), reference_logits(ref, ids, px))
@@ -96,7 +116,9 @@ def test_fixture_original_folder_converts_back(checkpoint, reference, family):
     assert set(files) == set(hf_to_original(want)) and set(hf_to_legacy(want)) != set(want)
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["model_type"] == "internvl_chat" and cfg["ps_version"] == "v2"
-    assert cfg["llm_config"]["architectures"] == [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]]
+    assert cfg["llm_config"]["architectures"] == [
+        {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
+    ]
 
 
 # -- the vision tower and the connector -------------------------------------------------------------------------------
@@ -163,14 +185,21 @@ def test_logits_left_padded_batch(parvl, reference, checkpoint, family, layout):
     # two are left-padded. Each must equal the reference run on that sample alone, unpadded
     # (positions restart at 0 after the padding); padded positions are not compared.
     folder = checkpoint(family, layout)
-    samples = [([1], "What is shown in this picture?"),
-               ([2, 1], "Compare the two images. What are the differences between them?"),
-               ([], "Hello")]
+    samples = [
+        ([1], "What is shown in this picture?"),
+        ([2, 1], "Compare the two images. What are the differences between them?"),
+        ([], "Hello"),
+    ]
     seqs = [prompt_ids(folder, tiles, q) for tiles, q in samples]
-    pixels = [random_pixels(sum(tiles), seed=10 + i) if tiles else None for i, (tiles, _) in enumerate(samples)]
+    pixels = [
+        random_pixels(sum(tiles), seed=10 + i) if tiles else None
+        for i, (tiles, _) in enumerate(samples)
+    ]
     ids, mask = left_pad(seqs, pad_id=tokenizer_ids(family)["endoftext_id"])
     assert len(set(map(len, seqs))) == 3
-    got = parvl(family, layout)(ids, torch.cat([p for p in pixels if p is not None]), attention_mask=mask)
+    got = parvl(family, layout)(
+        ids, torch.cat([p for p in pixels if p is not None]), attention_mask=mask
+    )
     assert got.shape == (3, ids.shape[1], reference(family).config.text_config.vocab_size)
     for b, (seq, px) in enumerate(zip(seqs, pixels)):
         want = reference_logits(reference(family), seq, px)
@@ -195,9 +224,11 @@ CHATS = {  # name -> (num_tiles per image, question, history)
 @pytest.mark.parametrize("case", list(CHATS))
 def test_greedy_matches_transformers(checkpoint, reference, family, case):
     folder = checkpoint(family, "original")
-    model, tok = ParVL.from_pretrained(folder), Tokenizer.from_pretrained(folder)
+    model, tok = load_pretrained(folder), Tokenizer.from_pretrained(folder)
     tiles, question, history = CHATS[case]
     ids = tok.encode(build_prompt(question, tiles, history=history))
     pv = random_pixels(sum(tiles), seed=1) if tiles else None
-    ours = Engine(model).generate([ids], pv, GenerateConfig(max_new_tokens=NEW, ignore_eos=True), tok.eos_ids)
+    ours = Engine(model).generate(
+        [ids], pv, GenerateConfig(max_new_tokens=NEW, ignore_eos=True), tok.eos_ids
+    )
     assert ours.tokens[0] == hf_greedy(reference(family), ids, pv, NEW)

@@ -6,6 +6,7 @@ prefixed prefill (ParVL branches, causal aligned bottom-right), masked prefill (
 decode (one query over the cache under a mask), shared KV (stacked branch queries), and the
 training forward and backward with prefixes. With PARVL_KERNEL_REPORT set, the kernels seen are
 written there as JSON (bench/h200.sh keeps them)."""
+
 import json
 import os
 from dataclasses import replace
@@ -15,14 +16,23 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from config import PRESETS, ParConfig
-from engine import decode_one_token, decode_step, prefill
+from inference.engine import decode_one_token, decode_step, prefill
 from parvl import ParVL
 
-FUSED = ("flash_attention", "efficient_attention", "cudnn_attention")  # aten::_scaled_dot_product_<kind>...
+# aten::_scaled_dot_product_<kind>...
+FUSED = ("flash_attention", "efficient_attention", "cudnn_attention")
 MATH = "_scaled_dot_product_attention_math"
 REPORT: dict = {}
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                                   reason="needs CUDA")])]
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+        ],
+    ),
+]
 
 
 def sdpa_kernels(fn) -> list[str]:
@@ -31,17 +41,23 @@ def sdpa_kernels(fn) -> list[str]:
         fn()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    return sorted({e.key for e in prof.key_averages()
-                   if "scaled_dot_product" in e.key and e.key != "aten::scaled_dot_product_attention"})
+    return sorted(
+        {
+            e.key
+            for e in prof.key_averages()
+            if "scaled_dot_product" in e.key and e.key != "aten::scaled_dot_product_attention"
+        }
+    )
 
 
 def model_and_inputs(device: str, pv: int, pl: int):
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the fused CUDA kernels want 16-bit
+    # the fused CUDA kernels want 16-bit
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     cfg = replace(PRESETS["tiny"], par=ParConfig(pv=pv, pl=pl, vit_prefix_len=8, llm_prefix_len=8))
     model = ParVL.from_config(cfg, dtype, device).eval()
     T, per = 300, cfg.tokens_per_tile
     ids = torch.randint(0, cfg.image_token_id, (2, T), device=device)
-    ids[:, 3:3 + per] = cfg.image_token_id
+    ids[:, 3 : 3 + per] = cfg.image_token_id
     pixels = torch.randn(2, 3, 448, 448, device=device, dtype=dtype)
     valid = torch.ones(2, T, dtype=torch.bool, device=device)
     valid[1, :5] = False  # sample 1 left-padded
@@ -51,8 +67,10 @@ def model_and_inputs(device: str, pv: int, pl: int):
 def cases(model, ids, pixels, valid) -> dict:
     """name -> (prepare, call): prepare runs outside the profiler (a decode step needs its prefill)."""
     dev, T, branches = ids.device, ids.shape[1], model.cfg.par.pl > 1
-    out = {"prefixed prefill" if branches else "causal prefill": (None, lambda: model(ids, pixels)),
-           "masked prefill": (None, lambda: model(ids, pixels, valid.long()))}
+    out = {
+        "prefixed prefill" if branches else "causal prefill": (None, lambda: model(ids, pixels)),
+        "masked prefill": (None, lambda: model(ids, pixels, valid.long())),
+    }
     key_valid = torch.ones(2, T + 8, dtype=torch.bool, device=dev)
     key_valid[:, :T] = valid
     for name, shared in (("decode", False), ("shared KV decode", True))[: 2 if branches else 1]:
@@ -63,8 +81,14 @@ def cases(model, ids, pixels, valid) -> dict:
             prefill(model, ids, pixels, valid, True, None, rows)
 
         def call(rows=rows):
-            decode_one_token(model, ids[:, :1], torch.tensor([T], device=dev), valid.sum(-1, keepdim=True),
-                             key_valid, rows)
+            decode_one_token(
+                model,
+                ids[:, :1],
+                torch.tensor([T], device=dev),
+                valid.sum(-1, keepdim=True),
+                key_valid,
+                rows,
+            )
 
         out[name] = (prepare, call)
 
@@ -73,7 +97,10 @@ def cases(model, ids, pixels, valid) -> dict:
         model(ids, pixels).float().sum().backward()
         model.eval()
 
-    out["training forward and backward" + (" with prefixes" if branches else "")] = (None, train_step)
+    out["training forward and backward" + (" with prefixes" if branches else "")] = (
+        None,
+        train_step,
+    )
     return out
 
 
@@ -87,19 +114,33 @@ def test_every_attention_case_gets_a_fused_kernel(device):
                 if prepare is not None:
                     prepare()
                 kernels = sdpa_kernels(call)
-            seen[f"{name} ({pv}:{pl})"] = {"kernels": kernels, "fused": any(k in x for x in kernels for k in FUSED)}
+            seen[f"{name} ({pv}:{pl})"] = {
+                "kernels": kernels,
+                "fused": any(k in x for x in kernels for k in FUSED),
+            }
     REPORT[device] = seen
     if os.environ.get("PARVL_KERNEL_REPORT"):
         with open(os.environ["PARVL_KERNEL_REPORT"], "w") as f:
-            json.dump({f"{d}: {k}": v for d, r in REPORT.items() for k, v in r.items()}, f, indent=2)
-    slow = {k: v["kernels"] for k, v in seen.items() if not v["fused"] or any(MATH in x for x in v["kernels"])}
+            json.dump(
+                {f"{d}: {k}": v for d, r in REPORT.items() for k, v in r.items()}, f, indent=2
+            )
+    slow = {
+        k: v["kernels"]
+        for k, v in seen.items()
+        if not v["fused"] or any(MATH in x for x in v["kernels"])
+    }
     assert not slow, f"attention cases off the fused kernels: {slow}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_step_has_no_graph_break(device):
     """torch._dynamo.explain over decode_step for 1:1, dense 2:2, shared KV and per-sample pairs."""
-    for pv, pl, choice, shared in ((1, 1, None, False), (2, 2, None, False), (2, 2, None, True), (2, 2, [1, 0], False)):
+    for pv, pl, choice, shared in (
+        (1, 1, None, False),
+        (2, 2, None, False),
+        (2, 2, None, True),
+        (2, 2, [1, 0], False),
+    ):
         model, ids, pixels, valid = model_and_inputs(device, pv, pl)
         rows = model.language_rows(choice, 2, device, shared)
         T = ids.shape[1]
@@ -109,9 +150,24 @@ def test_decode_step_has_no_graph_break(device):
         with torch.no_grad():
             prefill(model, ids, pixels, valid, True, None, rows)
             # the graph Engine compiles: decode, sampling (top-k, top-p, the exponential race) and the stop check
-            explained = torch._dynamo.explain(decode_step)(model, ids[:, 0], torch.tensor([T], device=device),
-                                                           valid.sum(-1, keepdim=True), key_valid, rows,
-                                                           torch.zeros(2, dtype=torch.bool, device=device),
-                                                           torch.tensor([5, 7], device=device), 0, 0.8, 20, 0.9)
-        assert explained.graph_break_count == 0 and explained.graph_count == 1, (pv, pl, choice, shared,
-                                                                                 explained.break_reasons)
+            explained = torch._dynamo.explain(decode_step)(
+                model,
+                ids[:, 0],
+                torch.tensor([T], device=device),
+                valid.sum(-1, keepdim=True),
+                key_valid,
+                rows,
+                torch.zeros(2, dtype=torch.bool, device=device),
+                torch.tensor([5, 7], device=device),
+                0,
+                0.8,
+                20,
+                0.9,
+            )
+        assert explained.graph_break_count == 0 and explained.graph_count == 1, (
+            pv,
+            pl,
+            choice,
+            shared,
+            explained.break_reasons,
+        )

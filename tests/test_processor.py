@@ -1,8 +1,8 @@
-"""Tests for processor.py against an independent transcription of the official behaviour; then images as
+"""Tests for data/processor.py against an independent transcription of the official behaviour; then images as
 files hold them (16-bit grey, several frames) and a tile budget past the model's context.
 
 The `ref_*` functions below restate the official code (dynamic_preprocess, ToTensor + Normalize) and the internvl2_5
-template (the "internvl2_5" template as `chat()` fills it) step by step, without calling processor.py's helpers.
+template (the "internvl2_5" template as `chat()` fills it) step by step, without calling data/processor.py's helpers.
 Token ids are checked against transformers' AutoTokenizer (a test-only dependency) on the tiny
 Qwen-style tokenizers from tests/tiny_tokenizer.py, in both the tokenizer.json and vocab layouts.
 
@@ -20,13 +20,16 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # so `pytest` works from anywhere
-import processor  # noqa: E402
-from conftest import gen_main, one_line  # noqa: E402
-from processor import ImageError, Tokenizer, build_prompt, load_image, open_rgb, place_images  # noqa: E402
+from commands import gen_main, one_line  # noqa: E402
 from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
-REF_SYSTEM = ("你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位"
-              "联合开发的多模态大语言模型。")
+from data import processor  # noqa: E402
+from data.processor import ImageError, Tokenizer, build_prompt, load_image, open_rgb, place_images  # noqa: E402
+
+REF_SYSTEM = (
+    "你是书生·万象，英文名是InternVL，是由上海人工智能实验室、清华大学及多家合作单位"
+    "联合开发的多模态大语言模型。"
+)
 
 # ---------------------------------------------------------------------------------------------
 # Reference: InternVL's dynamic_preprocess / build_transform, transcribed literally
@@ -102,31 +105,34 @@ def ref_query(question, num_patches_list, history=None, system=REF_SYSTEM):
 # Tile grid
 
 
-@pytest.mark.parametrize("size, max_tiles, expected", [
-    ((1, 1), 12, (1, 1)),
-    ((448, 448), 12, (1, 1)),
-    ((449, 448), 12, (1, 1)),
-    ((1, 5000), 12, (1, 12)),
-    ((5000, 1), 12, (12, 1)),
-    ((1, 5000), 6, (1, 6)),
-    ((5000, 1), 1, (1, 1)),
-    ((800, 600), 12, (4, 3)),
-    # Squares tie between (1,1), (2,2), (3,3); the bigger grid wins once the area passes half of
-    # its canvas: 0.5 * 448^2 * 4 = 401408 (side 634) and * 9 = 903168 (side 951).
-    ((633, 633), 12, (1, 1)),
-    ((634, 634), 12, (2, 2)),
-    ((950, 950), 12, (2, 2)),
-    ((951, 951), 12, (3, 3)),
-    ((4000, 4000), 6, (2, 2)),
-    ((896, 448), 12, (2, 1)),  # ties with (4,2) but 401408 is not > 802816
-    ((1268, 634), 12, (4, 2)),  # 803912 > 802816
-    # Aspect 0.225 sits exactly between 1/4 and 1/5; the area decides (0.5 * 448^2 * 5 = 501760).
-    ((171, 760), 12, (1, 4)),
-    ((342, 1520), 12, (1, 5)),
-    # Aspect 1.5 with max 2: (1,1) and (2,1) tie; 546x364 is below 0.5 * 448^2 * 2, 549x366 above.
-    ((546, 364), 2, (1, 1)),
-    ((549, 366), 2, (2, 1)),
-])
+@pytest.mark.parametrize(
+    "size, max_tiles, expected",
+    [
+        ((1, 1), 12, (1, 1)),
+        ((448, 448), 12, (1, 1)),
+        ((449, 448), 12, (1, 1)),
+        ((1, 5000), 12, (1, 12)),
+        ((5000, 1), 12, (12, 1)),
+        ((1, 5000), 6, (1, 6)),
+        ((5000, 1), 1, (1, 1)),
+        ((800, 600), 12, (4, 3)),
+        # Squares tie between (1,1), (2,2), (3,3); the bigger grid wins once the area passes half of
+        # its canvas: 0.5 * 448^2 * 4 = 401408 (side 634) and * 9 = 903168 (side 951).
+        ((633, 633), 12, (1, 1)),
+        ((634, 634), 12, (2, 2)),
+        ((950, 950), 12, (2, 2)),
+        ((951, 951), 12, (3, 3)),
+        ((4000, 4000), 6, (2, 2)),
+        ((896, 448), 12, (2, 1)),  # ties with (4,2) but 401408 is not > 802816
+        ((1268, 634), 12, (4, 2)),  # 803912 > 802816
+        # Aspect 0.225 sits exactly between 1/4 and 1/5; the area decides (0.5 * 448^2 * 5 = 501760).
+        ((171, 760), 12, (1, 4)),
+        ((342, 1520), 12, (1, 5)),
+        # Aspect 1.5 with max 2: (1,1) and (2,1) tie; 546x364 is below 0.5 * 448^2 * 2, 549x366 above.
+        ((546, 364), 2, (1, 1)),
+        ((549, 366), 2, (2, 1)),
+    ],
+)
 def test_tile_grid_known_cases(size, max_tiles, expected):
     assert ref_grid(*size, max_num=max_tiles) == expected  # the reference agrees with the spec
     assert processor.tile_grid(*size, max_tiles=max_tiles) == expected
@@ -145,8 +151,15 @@ def test_tile_grid_sweep(max_tiles):
 def test_tile_grid_exact_ties(max_tiles, min_tiles):
     """Sizes whose aspect is exactly midway between two candidate ratios, on both sides of every
     area threshold, so the tie rule (and the candidate order within a product) is exercised."""
-    grids = sorted({(i, j) for i in range(1, max_tiles + 1) for j in range(1, max_tiles + 1)
-                    if min_tiles <= i * j <= max_tiles}, key=lambda ij: ij[0] * ij[1])
+    grids = sorted(
+        {
+            (i, j)
+            for i in range(1, max_tiles + 1)
+            for j in range(1, max_tiles + 1)
+            if min_tiles <= i * j <= max_tiles
+        },
+        key=lambda ij: ij[0] * ij[1],
+    )
     midpoints = set()  # (a + b) / 2 = p / q in lowest terms
     for a in grids:
         for b in grids:
@@ -201,16 +214,19 @@ def test_tile_image_layout():
     assert len(processor.tile_image(img, max_tiles=1)) == 1  # one tile: no thumbnail
 
 
-@pytest.mark.parametrize("mode, w, h, max_tiles, thumb", [
-    ("RGB", 500, 300, 12, True),
-    ("RGBA", 333, 777, 12, True),
-    ("L", 1001, 51, 12, True),
-    ("P", 64, 64, 12, True),
-    ("RGB", 1, 1, 12, True),
-    ("RGB", 448, 448, 12, True),
-    ("RGB", 1237, 913, 6, True),
-    ("RGB", 913, 1237, 12, False),
-])
+@pytest.mark.parametrize(
+    "mode, w, h, max_tiles, thumb",
+    [
+        ("RGB", 500, 300, 12, True),
+        ("RGBA", 333, 777, 12, True),
+        ("L", 1001, 51, 12, True),
+        ("P", 64, 64, 12, True),
+        ("RGB", 1, 1, 12, True),
+        ("RGB", 448, 448, 12, True),
+        ("RGB", 1237, 913, 6, True),
+        ("RGB", 913, 1237, 12, False),
+    ],
+)
 def test_pixels_bit_identical_to_reference(mode, w, h, max_tiles, thumb):
     img = _random_image(mode, w, h)
     got = processor.load_image(img, max_tiles=max_tiles, use_thumbnail=thumb)
@@ -238,13 +254,16 @@ def _png_bytes(fmt="PNG"):
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("name, data", [
-    ("missing.png", None),
-    ("corrupt.png", b"\x89PNG not really an image" * 20),
-    ("text.jpg", b"hello"),
-    ("truncated.png", _png_bytes("PNG")[:3000]),
-    ("truncated.jpg", _png_bytes("JPEG")[:3000]),
-])
+@pytest.mark.parametrize(
+    "name, data",
+    [
+        ("missing.png", None),
+        ("corrupt.png", b"\x89PNG not really an image" * 20),
+        ("text.jpg", b"hello"),
+        ("truncated.png", _png_bytes("PNG")[:3000]),
+        ("truncated.jpg", _png_bytes("JPEG")[:3000]),
+    ],
+)
 def test_bad_images_raise_image_error(tmp_path, name, data):
     path = tmp_path / name
     if data is not None:
@@ -267,7 +286,11 @@ def toks(request, tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     folder = tmp_path_factory.mktemp("-".join(request.param))
     ids = write_tiny_tokenizer(folder, *request.param)
-    return Tokenizer.from_pretrained(folder), transformers.AutoTokenizer.from_pretrained(folder), ids
+    return (
+        Tokenizer.from_pretrained(folder),
+        transformers.AutoTokenizer.from_pretrained(folder),
+        ids,
+    )
 
 
 TEXTS = [
@@ -337,8 +360,12 @@ PROMPTS = {  # name -> (question, num_tiles, history or None, system or None)
     "single_image": ("Describe the image.", [3], None, None),
     "single_image_placed": ("What is this?\n<image>", [1], None, None),
     "multi_image": (place_images("What differs?", 2), [2, 1], None, None),
-    "multi_turn": ("And the colour?", [1, 5], [("<image>\nWhat animal?", "A cat."),
-                                               ("Now <image> this one?", "A dog.")], None),
+    "multi_turn": (
+        "And the colour?",
+        [1, 5],
+        [("<image>\nWhat animal?", "A cat."), ("Now <image> this one?", "A dog.")],
+        None,
+    ),
     "multi_turn_text": ("你好吗？", [], [("Hi", "Hello!")], "You are a helpful assistant."),
     "text_only": ("What is 2+2?", [], None, None),
     "empty_system": ("Describe.", [2], None, ""),
@@ -356,15 +383,22 @@ def test_prompt_matches_reference(toks, name):
     token_ids = ours.encode(got)
     assert token_ids == hf(want)["input_ids"]
     assert token_ids.count(ids["img_context_id"]) == 256 * sum(num_tiles)
-    assert token_ids.count(ids["img_start_id"]) == token_ids.count(ids["img_end_id"]) == len(num_tiles)
+    assert (
+        token_ids.count(ids["img_start_id"]) == token_ids.count(ids["img_end_id"]) == len(num_tiles)
+    )
 
 
 def test_prompt_layout_literal():
     """One hand-written expectation, independent of the reference function."""
     got = build_prompt("Hi", [1], system="S")
-    assert got == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n<img>" + "<IMG_CONTEXT>" * 256
-                   + "</img>\nHi<|im_end|>\n<|im_start|>assistant\n")
-    assert build_prompt("Hi", []).endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert got == (
+        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n<img>"
+        + "<IMG_CONTEXT>" * 256
+        + "</img>\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert build_prompt("Hi", []).endswith(
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_the_placeholder_rule():
@@ -372,18 +406,24 @@ def test_the_placeholder_rule():
     assert place_images("<image> vs <image>", 2) == "<image> vs <image>"  # placed by the question
     assert place_images("What is it?", 1) == "<image>\nWhat is it?"  # InternVL's chat()
     assert place_images("Is <image> a cat?", 1) == "Is <image> a cat?"
-    assert place_images("Is <image> a cat?", 1, always=True) == "<image>\nIs <image> a cat?"  # reorganize_prompt
+    # reorganize_prompt
+    assert place_images("Is <image> a cat?", 1, always=True) == "<image>\nIs <image> a cat?"
     assert place_images("Hi", 0) == place_images("Hi", 0, always=True) == "Hi"
 
 
-@pytest.mark.parametrize("question, num_tiles, history, n_slots", [
-    ("<image> and <image>", [1], (), 2),
-    ("<image>", [], (), 1),
-    ("No placeholder, but history means none is added.", [1], [("Hi", "Hello")], 0),
-    ("<image>", [1, 1, 1], [("<image>", "ok")], 2),
-])
+@pytest.mark.parametrize(
+    "question, num_tiles, history, n_slots",
+    [
+        ("<image> and <image>", [1], (), 2),
+        ("<image>", [], (), 1),
+        ("No placeholder, but history means none is added.", [1], [("Hi", "Hello")], 0),
+        ("<image>", [1, 1, 1], [("<image>", "ok")], 2),
+    ],
+)
 def test_placeholder_mismatch(question, num_tiles, history, n_slots):
-    with pytest.raises(ValueError, match=f"{n_slots} <image> placeholders .* {len(num_tiles)} images"):
+    with pytest.raises(
+        ValueError, match=f"{n_slots} <image> placeholders .* {len(num_tiles)} images"
+    ):
         build_prompt(question, num_tiles, history)
 
 
@@ -395,7 +435,8 @@ def test_sixteen_bit_grey_png_is_scaled_not_clipped(tmp_path):
     Image.fromarray(grey).save(tmp_path / "g16.png")
     assert Image.open(tmp_path / "g16.png").mode == "I;16"
     rgb = np.asarray(open_rgb(tmp_path / "g16.png"))
-    assert rgb.shape == (48, 64, 3) and (rgb == (grey >> 8)[..., None]).all()  # value >> 8, every channel
+    # value >> 8, every channel
+    assert rgb.shape == (48, 64, 3) and (rgb == (grey >> 8)[..., None]).all()
     assert (rgb == 255).mean() < 0.01  # convert("RGB") made 99.6 % of it white
     assert load_image(tmp_path / "g16.png", max_tiles=1).shape == (1, 3, 448, 448)
 
@@ -407,32 +448,54 @@ def test_multi_frame_images_use_the_first_frame_and_say_so(tmp_path, capsys, fmt
     frames[0].save(path, save_all=True, append_images=frames[1:])
     rgb = np.asarray(open_rgb(path))
     assert tuple(rgb[0, 0]) == (200, 0, 0)  # the first frame
-    assert one_line(capsys.readouterr().err) == f"note: {path} has 3 frames (animated or multi-page); using the first"
+    assert (
+        one_line(capsys.readouterr().err)
+        == f"note: {path} has 3 frames (animated or multi-page); using the first"
+    )
 
 
 def test_tile_grid_large_budgets_keep_the_official_candidate_order():
     """The grid enumeration that replaced the official triple loop gives the official answer past
     the budgets the other tests sweep, exact ties included (aspects midway between two grids)."""
     for max_tiles, min_tiles in ((64, 1), (90, 7), (120, 30)):
-        for w, h in ((5, 2), (7, 3), (3, 1), (1, 9), (448 * 5, 448 * 4), (13, 12), (2000, 3), (59, 2)):
+        for w, h in (
+            (5, 2),
+            (7, 3),
+            (3, 1),
+            (1, 9),
+            (448 * 5, 448 * 4),
+            (13, 12),
+            (2000, 3),
+            (59, 2),
+        ):
             for k in (1, 300):
-                assert processor.tile_grid(w * k, h * k, max_tiles, min_tiles) == ref_grid(w * k, h * k, min_tiles,
-                                                                                           max_tiles)
+                assert processor.tile_grid(w * k, h * k, max_tiles, min_tiles) == ref_grid(
+                    w * k, h * k, min_tiles, max_tiles
+                )
 
 
-def test_a_tile_budget_past_the_context_is_refused_before_tiling(model_dir, tmp_path, capsys, monkeypatch):
+def test_a_tile_budget_past_the_context_is_refused_before_tiling(
+    model_dir, tmp_path, capsys, monkeypatch
+):
     """--max-tiles 64 (InternVL's most) on a 2000:1 image (a 64 x 1 grid) with 30,000 new tokens: the grid is chosen
     in O(max_tiles log max_tiles) and the prompt's length, known from it, is refused against the context before
     one tile is resized (--max-tiles 10000 took minutes and gigabytes before the flag was bounded)."""
-    from checkpoint import open_checkpoint
+    from loading.config_json import open_checkpoint
 
     wide = tmp_path / "wide.png"
     Image.fromarray(np.full((2, 4000, 3), 128, dtype=np.uint8)).save(wide)
-    monkeypatch.setattr(processor, "tile_image", lambda *a, **k: pytest.fail("tiled before the context check"))
+    monkeypatch.setattr(
+        processor, "tile_image", lambda *a, **k: pytest.fail("tiled before the context check")
+    )
     mcfg, _ = open_checkpoint(model_dir)
-    code, _, err = gen_main(capsys, wide, "q", "--model", model_dir, "--max-tiles", 64, "--max-new-tokens", 30000)
+    code, _, err = gen_main(
+        capsys, wide, "q", "--model", model_dir, "--max-tiles", 64, "--max-new-tokens", 30000
+    )
     line = one_line(err)
     n = int(line.split("prompt of ")[1].split()[0])
-    assert code == 1 and line == (f"error: prompt of {n} tokens (image tokens included) + 30000 new tokens exceeds the "
-                                  f"model context of {mcfg.llm.max_position_embeddings}"), line
-    assert processor.tile_grid(4000, 2, 64) == (64, 1) and n > 65 * mcfg.tokens_per_tile  # 64 tiles + thumbnail
+    assert code == 1 and line == (
+        f"error: prompt of {n} tokens (image tokens included) + 30000 new tokens exceeds the "
+        f"model context of {mcfg.llm.max_position_embeddings}"
+    ), line
+    # 64 tiles + thumbnail
+    assert processor.tile_grid(4000, 2, 64) == (64, 1) and n > 65 * mcfg.tokens_per_tile

@@ -1,6 +1,6 @@
-"""flops.py (printed by profiling.py) against the paper's Table S3 (Appendix B.2): every parameter
+"""evaluation/flops.py (printed by profiling.py) against the paper's Table S3 (Appendix B.2): every parameter
 entry to 0.01 M, every FLOP entry to 0.03 GFLOPs (the table rounds to 0.01 and its ViT entries
-carry a constant 0.016 GFLOPs this count leaves out, see flops.py), i.e. within 1e-5 relative for
+carry a constant 0.016 GFLOPs this count leaves out, see evaluation/flops.py), i.e. within 1e-5 relative for
 every entry above 1000 GFLOPs and 2e-3 for the connector's 8.07: far inside 2 %, and tight enough
 to pin the counting convention; the totals against the table's own parts added up. The tiny preset
 counted by hand (parameters from the module shapes, checked against a materialised model; FLOPs
@@ -12,6 +12,7 @@ matplotlib), compile_s, an allocation failure and a --device that is not one.
 
 Run: python -m pytest tests/test_profiling.py -q -s   (-s prints the relative errors)
 """
+
 from __future__ import annotations
 
 import json
@@ -22,11 +23,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from commands import one_line, png_ok, run_main
 
-import flops
-import latency
 import profiling
-from conftest import one_line, png_ok, run_main
+from evaluation import flops, latency
 from parvl import ParVL
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,10 +59,16 @@ def rows() -> dict[tuple[str, int, int], dict]:
 
 def check(what: str, params: int, gflops: float, paper_m: float, paper_g: float) -> None:
     rel = (gflops - paper_g) / paper_g
-    print(f"{what:<16} {params / 1e6:9.2f} M (paper {paper_m:9.2f})  {gflops:10.2f} GFLOPs "
-          f"(paper {paper_g:10.2f}, rel err {rel:+.1e})")
-    assert round(params / 1e6, 2) == paper_m, f"{what}: {params / 1e6:.4f} M, Table S3 says {paper_m} M"
-    assert abs(gflops - paper_g) < FLOP_ATOL, f"{what}: {gflops:.3f} GFLOPs, Table S3 says {paper_g}"
+    print(
+        f"{what:<16} {params / 1e6:9.2f} M (paper {paper_m:9.2f})  {gflops:10.2f} GFLOPs "
+        f"(paper {paper_g:10.2f}, rel err {rel:+.1e})"
+    )
+    assert round(params / 1e6, 2) == paper_m, (
+        f"{what}: {params / 1e6:.4f} M, Table S3 says {paper_m} M"
+    )
+    assert abs(gflops - paper_g) < FLOP_ATOL, (
+        f"{what}: {gflops:.3f} GFLOPs, Table S3 says {paper_g}"
+    )
 
 
 @pytest.mark.parametrize("key", list(TABLE_S3), ids=[f"{a}-{pv}:{pl}" for a, pv, pl in TABLE_S3])
@@ -78,7 +84,12 @@ def test_table_s3_row(rows, key):
 def test_table_s3_connector(rows, arch):
     for pv, pl in ((1, 1), (2, 2)):  # the connector does not depend on the branch counts
         r = rows[(arch, pv, pl)]
-        check(f"{arch} {pv}:{pl} mlp1", r["connector_params"], r["connector_gflops"], *CONNECTOR[arch][::-1])
+        check(
+            f"{arch} {pv}:{pl} mlp1",
+            r["connector_params"],
+            r["connector_gflops"],
+            *CONNECTOR[arch][::-1],
+        )
 
 
 def test_totals_match_the_papers_parts(rows):
@@ -90,10 +101,19 @@ def test_totals_match_the_papers_parts(rows):
     for key, (vit_g, vit_m, llm_g, llm_m, total_g, total_m) in TABLE_S3.items():
         con_g, con_m = CONNECTOR[key[0]]
         r = rows[key]
-        assert abs(r["total_params"] / 1e6 - (vit_m + con_m + llm_m)) <= 0.015, (key, r["total_params"])
-        assert abs(r["total_gflops"] - (vit_g + con_g + llm_g)) < FLOP_ATOL, (key, r["total_gflops"])
+        assert abs(r["total_params"] / 1e6 - (vit_m + con_m + llm_m)) <= 0.015, (
+            key,
+            r["total_params"],
+        )
+        assert abs(r["total_gflops"] - (vit_g + con_g + llm_g)) < FLOP_ATOL, (
+            key,
+            r["total_gflops"],
+        )
         # the transcription itself: the table's totals are its parts' sums, to its rounding
-        assert abs(total_m - (vit_m + con_m + llm_m)) <= 0.015 and abs(total_g - (vit_g + con_g + llm_g)) <= 0.015, key
+        assert (
+            abs(total_m - (vit_m + con_m + llm_m)) <= 0.015
+            and abs(total_g - (vit_g + con_g + llm_g)) <= 0.015
+        ), key
 
 
 # -- the tiny preset by hand ----------------------------------------------------------------------
@@ -115,8 +135,13 @@ def test_totals_match_the_papers_parts(rows):
 #     2:2 adds 2 * (2 branches * 2 KV heads * 48 * 32) = 12288 per layer: 152000 + 2*12288 = 176576
 TINY_MODULE_PARAMS = {
     (1, 1): {"vision_model": 170560, "mlp1": 21120, "language_model": 152000},
-    (2, 2): {"vision_model": 219712, "vision_aggregator": 8386, "mlp1": 21120, "language_model": 176576,
-             "language_aggregator": 8386},
+    (2, 2): {
+        "vision_model": 219712,
+        "vision_aggregator": 8386,
+        "mlp1": 21120,
+        "language_model": 176576,
+        "language_aggregator": 8386,
+    },
 }
 # -> Table S3's columns (aggregators belong to their modality): (vit, connector, llm, total)
 TINY_PARAMS = {(1, 1): (170560, 21120, 152000, 343680), (2, 2): (228098, 21120, 184962, 434180)}
@@ -124,21 +149,36 @@ TINY_PARAMS = {(1, 1): (170560, 21120, 152000, 343680), (2, 2): (228098, 21120, 
 
 def tiny_flops_by_hand(tiles: int, llm_tokens: int, p: int) -> tuple[int, int, int]:
     """(ViT, connector, LLM) FLOPs of tiny at Pv = Pl = p: a linear 2 * tokens * fan_in * fan_out, an
-    affine LayerNorm 5 per element, GELU / SiLU / softmax 1 per element (flops.py's calflops convention)."""
+    affine LayerNorm 5 per element, GELU / SiLU / softmax 1 per element (evaluation/flops.py's calflops convention)."""
     patches, vt, it, lt = 1024 * tiles, 1025 * tiles, 256 * tiles, llm_tokens
-    patch_embed = 2 * patches * 588 * 64 + patches * 64  # conv 3*14*14 = 588 -> 64, as a linear, + bias
-    vit_block = (2 * vt * 64 * 192 + 2 * vt * 64 * 64  # qkv, proj
-                 + 2 * vt * 64 * 128 + 2 * vt * 128 * 64  # fc1, fc2
-                 + 2 * 5 * vt * 64)  # norm1, norm2
-    connector = 5 * it * 256 + 2 * it * 256 * 64 + it * 64 + 2 * it * 64 * 64  # LayerNorm, fc1, GELU, fc2
-    llm_layer = (2 * lt * 64 * 128 + 2 * 2 * lt * 64 * 64 + 2 * lt * 128 * 64  # q, k and v, o
-                 + 3 * 2 * lt * 64 * 96 + lt * 96)  # gate, up, down, SiLU
+    # conv 3*14*14 = 588 -> 64, as a linear, + bias
+    patch_embed = 2 * patches * 588 * 64 + patches * 64
+    vit_block = (
+        2 * vt * 64 * 192
+        + 2 * vt * 64 * 64  # qkv, proj
+        + 2 * vt * 64 * 128
+        + 2 * vt * 128 * 64  # fc1, fc2
+        + 2 * 5 * vt * 64
+    )  # norm1, norm2
+    # LayerNorm, fc1, GELU, fc2
+    connector = 5 * it * 256 + 2 * it * 256 * 64 + it * 64 + 2 * it * 64 * 64
+    llm_layer = (
+        2 * lt * 64 * 128
+        + 2 * 2 * lt * 64 * 64
+        + 2 * lt * 128 * 64  # q, k and v, o
+        + 3 * 2 * lt * 64 * 96
+        + lt * 96
+    )  # gate, up, down, SiLU
     lm_head = 2 * lt * 64 * 512
 
     def aggregator(t):  # Linear(2*64, 64), SiLU, Linear(64, 2), softmax; none for one branch
         return 0 if p == 1 else 2 * t * 128 * 64 + t * 64 + 2 * t * 64 * 2 + t * 2
-    return (patch_embed + p * 2 * vit_block + aggregator(vt), connector,
-            p * 2 * llm_layer + aggregator(lt) + lm_head)
+
+    return (
+        patch_embed + p * 2 * vit_block + aggregator(vt),
+        connector,
+        p * 2 * llm_layer + aggregator(lt) + lm_head,
+    )
 
 
 # Table S3's workload (3 tiles; 768 image + 256 text + 128 response = 1152 LLM tokens), worked out:
@@ -147,7 +187,11 @@ def tiny_flops_by_hand(tiles: int, llm_tokens: int, p: int) -> tuple[int, int, i
 #   18874368 + 18874368 + 18874368 + 42467328 + 110592 = 99201024; lm_head 75497472; aggregator
 #   16706 per token: 51370950 over 3075 ViT tokens, 19245312 over 1152 LLM tokens
 TINY_S3_FLOPS = {
-    (1, 1): (231407616 + 2 * 203491200, 32489472, 2 * 99201024 + 75497472),  # 638390016, 32489472, 273899520
+    (1, 1): (
+        231407616 + 2 * 203491200,
+        32489472,
+        2 * 99201024 + 75497472,
+    ),  # 638390016, 32489472, 273899520
     (2, 2): (231407616 + 4 * 203491200 + 51370950, 32489472, 4 * 99201024 + 19245312 + 75497472),
 }
 TINY_S3_TOTAL = {(1, 1): 944779008, (2, 2): 1620779718}
@@ -156,8 +200,14 @@ TINY_S3_TOTAL = {(1, 1): 944779008, (2, 2): 1620779718}
 @pytest.mark.parametrize("pv, pl", list(TINY_PARAMS))
 def test_tiny_params_by_hand_and_by_a_real_model(pv, pl):
     r = flops.profile_params("tiny", pv, pl)
-    assert (r["vit_params"], r["connector_params"], r["llm_params"], r["total_params"]) == TINY_PARAMS[pv, pl], r
-    model = ParVL.from_config(flops.build_config("tiny", pv, pl))  # real tensors, counted per module
+    assert (
+        r["vit_params"],
+        r["connector_params"],
+        r["llm_params"],
+        r["total_params"],
+    ) == TINY_PARAMS[pv, pl], r
+    # real tensors, counted per module
+    model = ParVL.from_config(flops.build_config("tiny", pv, pl))
     per_module: dict[str, int] = {}
     for name, t in model.named_parameters():
         per_module[name.split(".")[0]] = per_module.get(name.split(".")[0], 0) + t.numel()
@@ -167,7 +217,8 @@ def test_tiny_params_by_hand_and_by_a_real_model(pv, pl):
 
 @pytest.mark.parametrize("pv, pl", list(TINY_S3_FLOPS))
 def test_tiny_flops_by_hand(pv, pl):
-    assert tiny_flops_by_hand(3, 1152, pv) == TINY_S3_FLOPS[pv, pl]  # the helper against the worked figures
+    # the helper against the worked figures
+    assert tiny_flops_by_hand(3, 1152, pv) == TINY_S3_FLOPS[pv, pl]
     assert sum(TINY_S3_FLOPS[pv, pl]) == TINY_S3_TOTAL[pv, pl]
     r = flops.profile_params("tiny", pv, pl)
     got = (r["vit_gflops"], r["connector_gflops"], r["llm_gflops"], r["total_gflops"])
@@ -176,8 +227,13 @@ def test_tiny_flops_by_hand(pv, pl):
 
 
 def test_cli_json_lines():
-    out = subprocess.run([sys.executable, "profiling.py", "params", "--all", "--json"], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "profiling.py", "params", "--all", "--json"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     lines = [json.loads(line) for line in out.splitlines()]
     grid = {("1b", pv, pl) for pv in (1, 2, 4) for pl in (1, 2, 4)}
     assert {(r["arch"], r["pv"], r["pl"]) for r in lines} == grid
@@ -188,7 +244,8 @@ def test_cli_json_lines():
         assert isinstance(r["arch"], str)
         assert all(type(r[k]) is int for k in ints), r
         assert all(type(r[k]) is float for k in floats), r
-        assert r == flops.profile_params("1b", r["pv"], r["pl"])  # the CLI prints the function's rows
+        # the CLI prints the function's rows
+        assert r == flops.profile_params("1b", r["pv"], r["pl"])
 
 
 def test_counting_allocates_nothing():
@@ -223,8 +280,13 @@ def test_4b_branch_tensors_by_hand():
 def run_cli(*args: str) -> dict:
     """Run a profiling.py subcommand on CPU (one thread: tiny ops on two busy cores crawl); the last
     line of its output is the one JSON object."""
-    out = subprocess.run([sys.executable, "profiling.py", *args, "--device", "cpu", "--threads", "1"], cwd=REPO,
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "profiling.py", *args, "--device", "cpu", "--threads", "1"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     lines = out.splitlines()
     assert not any(line.startswith("{") for line in lines[:-1]), out  # one JSON line, at the end
     return json.loads(lines[-1])
@@ -243,11 +305,39 @@ def test_synthetic_inputs():
 def test_latency_cli_tiny():
     """Baseline, standard and shared KV in one run: rows, ratios, and the exact cache bytes."""
     tiles, text, new, P = 1, 32, 4, 2
-    res = run_cli("latency", "--arch", "tiny", "--pv", str(P), "--pl", str(P), "--batch", "1", "2", "--baseline",
-                  "--compare-shared", "--warmup", "1", "--iters", "1", "--new-tokens", str(new),
-                  "--tiles", str(tiles), "--text-tokens", str(text))
+    res = run_cli(
+        "latency",
+        "--arch",
+        "tiny",
+        "--pv",
+        str(P),
+        "--pl",
+        str(P),
+        "--batch",
+        "1",
+        "2",
+        "--baseline",
+        "--compare-shared",
+        "--warmup",
+        "1",
+        "--iters",
+        "1",
+        "--new-tokens",
+        str(new),
+        "--tiles",
+        str(tiles),
+        "--text-tokens",
+        str(text),
+    )
     rows = {(r["pv"], r["shared_kv"], r["batch"]): r for r in res["rows"]}
-    assert list(rows) == [(1, False, 1), (1, False, 2), (P, False, 1), (P, False, 2), (P, True, 1), (P, True, 2)]
+    assert list(rows) == [
+        (1, False, 1),
+        (1, False, 2),
+        (P, False, 1),
+        (P, False, 2),
+        (P, True, 1),
+        (P, True, 2),
+    ]
     # Worked by hand for tiny (2 layers, 2 KV heads of 32, fp32): k and v take 2 * 2 * 2 * 32 * 4 = 1024
     # bytes per cache row and slot. 256 + 32 + 4 = 292 tokens, rounded up to 512 slots (the engine
     # allocates in 256s); prefixes 48 slots per branch, in front. Per sample (times the batch size b):
@@ -255,16 +345,28 @@ def test_latency_cli_tiny():
     #   2:2 standard  2 rows x (48 + 512) slots     1146880 bytes, 2 x 512 x 1024 = 1048576 token bytes
     #   2:2 shared    1 row  x (2 * 48 + 512) slots  622592 bytes, 1 x 512 x 1024 =  524288 token bytes
     # so the cache ratios against 1:1 are 1146880 / 524288 = 2.1875 and 622592 / 524288 = 1.1875.
-    want = {1: (524288, 524288, 1.0), (P, False): (1146880, 1048576, 2.1875), (P, True): (622592, 524288, 1.1875)}
+    want = {
+        1: (524288, 524288, 1.0),
+        (P, False): (1146880, 1048576, 2.1875),
+        (P, True): (622592, 524288, 1.1875),
+    }
     for (pv, shared, b), r in rows.items():
         cache, token_bytes, ratio = want[1 if pv == 1 else (pv, shared)]
-        assert (r["kv_cache_bytes"], r["kv_token_bytes"], r["kv_cache_x"]) == (cache * b, token_bytes * b, ratio), r
+        assert (r["kv_cache_bytes"], r["kv_token_bytes"], r["kv_cache_x"]) == (
+            cache * b,
+            token_bytes * b,
+            ratio,
+        ), r
         assert r["memory"] == "cpu_rss" and 0 < r["resident_gib"] <= r["peak_gib"], r
         # C.2's incremental peak: the static cache warm-up left in the resident memory counts as generation's
         assert r["resident_kv_cache_bytes"] == r["kv_cache_bytes"], r
-        assert r["incremental_peak_gib"] == pytest.approx(r["peak_gib"] - r["resident_gib"] + cache * b / 2**30), r
+        assert r["incremental_peak_gib"] == pytest.approx(
+            r["peak_gib"] - r["resident_gib"] + cache * b / 2**30
+        ), r
         # one timed call holds its prefill and its decode steps; the throughput is the step time inverted
-        assert r["iter_s"][0] + 1e-4 >= (r["prefill_ms"] + r["decode_ms_per_step"] * (new - 1)) / 1e3, r
+        assert (
+            r["iter_s"][0] + 1e-4 >= (r["prefill_ms"] + r["decode_ms_per_step"] * (new - 1)) / 1e3
+        ), r
         assert r["decode_tok_s"] * r["decode_ms_per_step"] / 1e3 == pytest.approx(b), r
         assert r["latency_s"] == pytest.approx(r["iter_s"][0] / b, abs=1e-4), r
         # latency_x against the raw timings it comes from (iter_s, one timed call, rounded to 1e-4 s):
@@ -280,8 +382,20 @@ def test_latency_cli_tiny():
 
 
 def test_forward_cli_tiny(tmp_path):
-    res = run_cli("forward", "--arch", "tiny", "--configs", "1:1", "2:2", "--repeats", "2", "--warmup", "0",
-                  "--trace", str(tmp_path))
+    res = run_cli(
+        "forward",
+        "--arch",
+        "tiny",
+        "--configs",
+        "1:1",
+        "2:2",
+        "--repeats",
+        "2",
+        "--warmup",
+        "0",
+        "--trace",
+        str(tmp_path),
+    )
     rows = res["rows"]
     for name in ("forward_1x1.json", "forward_2x2.json"):  # Chrome traces, one per configuration
         assert "traceEvents" in json.loads((tmp_path / name).read_text()), name
@@ -290,15 +404,32 @@ def test_forward_cli_tiny(tmp_path):
     # in tiny_flops_by_hand: 1:1 212796672 + 10829824 + 91299840 = 314926336,
     # 2:2 365581122 + 10829824 + 163848960 = 540259906
     gflops = {(1, 1): 0.314926336, (2, 2): 0.540259906}
-    assert {p: sum(tiny_flops_by_hand(1, 384, p[0])) / 1e9 for p in gflops} == pytest.approx(gflops, rel=1e-12)
+    assert {p: sum(tiny_flops_by_hand(1, 384, p[0])) / 1e9 for p in gflops} == pytest.approx(
+        gflops, rel=1e-12
+    )
     for r in rows:
         assert len(r["ms"]) == 2 and r["min_ms"] <= r["median_ms"], r
         assert r["gflops"] == pytest.approx(gflops[r["pv"], r["pl"]], rel=1e-12), r
     assert rows[1]["gflops_x"] == pytest.approx(540259906 / 314926336, rel=1e-12)
     # --pair: each config with branches also runs one pair per sample, counted at the 1:1 workload
-    rows = run_cli("forward", "--arch", "tiny", "--configs", "1:1", "2:2", "--repeats", "1", "--warmup", "0",
-                   "--pair")["rows"]
-    assert [(r["pv"], r["pl"], r["pair"]) for r in rows] == [(1, 1, None), (2, 2, None), (2, 2, "0,0")]
+    rows = run_cli(
+        "forward",
+        "--arch",
+        "tiny",
+        "--configs",
+        "1:1",
+        "2:2",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--pair",
+    )["rows"]
+    assert [(r["pv"], r["pl"], r["pair"]) for r in rows] == [
+        (1, 1, None),
+        (2, 2, None),
+        (2, 2, "0,0"),
+    ]
     assert rows[2]["gflops"] == pytest.approx(0.314926336, rel=1e-12) and rows[2]["gflops_x"] == 1.0
 
 
@@ -306,18 +437,42 @@ def test_lora_vision_branches_count_their_updates():
     """Figure 3's LoRA branches in Table S3's terms: the vision prefixes go, each of the Pv branches
     adds r x (fan_in + fan_out) parameters per adapted linear (qkv, proj, fc1, fc2) and twice that
     per token in FLOPs, counted as the two linears they are; the CLI prints the same row."""
-    pre, lora = flops.profile_params("1b", 4, 1), flops.profile_params("1b", 4, 1, vision_branches="lora", lora_rank=16)
+    pre, lora = (
+        flops.profile_params("1b", 4, 1),
+        flops.profile_params("1b", 4, 1, vision_branches="lora", lora_rank=16),
+    )
     v = flops.ARCHS["1b"].vit
-    C, I, L, Lp = v.hidden_size, v.intermediate_size, v.num_layers, flops.ARCHS["1b"].par.vit_prefix_len
+    C, I, L, Lp = (
+        v.hidden_size,
+        v.intermediate_size,
+        v.num_layers,
+        flops.ARCHS["1b"].par.vit_prefix_len,
+    )
     per_layer = 16 * ((C + 3 * C) + (C + C) + (C + I) + (I + C))
     assert lora["vit_params"] == pre["vit_params"] - 4 * L * 2 * Lp * C + 4 * L * per_layer
     assert lora["llm_params"] == pre["llm_params"] and lora["vision_branches"] == "lora"
-    tokens = 3 * (1 + v.grid ** 2)  # the workload's 3 tiles
-    assert lora["vit_gflops"] * 1e9 == pytest.approx(pre["vit_gflops"] * 1e9 + 4 * L * 2 * tokens * per_layer,
-                                                     rel=1e-12)
-    out = subprocess.run([sys.executable, "profiling.py", "params", "--pv", "4", "--pl", "1", "--vision-branches",
-                          "lora",
-                          "--json"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    tokens = 3 * (1 + v.grid**2)  # the workload's 3 tiles
+    assert lora["vit_gflops"] * 1e9 == pytest.approx(
+        pre["vit_gflops"] * 1e9 + 4 * L * 2 * tokens * per_layer, rel=1e-12
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "profiling.py",
+            "params",
+            "--pv",
+            "4",
+            "--pl",
+            "1",
+            "--vision-branches",
+            "lora",
+            "--json",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert json.loads(out) == lora
 
 
@@ -340,11 +495,25 @@ def test_table_4_and_the_shared_kv_delta_from_table_s7():
     the resident and counts in the increment. With 2.0 GB resident everywhere, of which a static cache of
     0.4 GB (standard 4:4) and 0.1 GB (shared), at batch 1: 2.837 - (2.0 - 0.4) = 1.237 and 2.571 - (2.0 - 0.1)
     = 0.671, a change of 0.671 / 1.237 - 1 = -45.8 % (peak - resident alone gave 0.571 / 0.837 - 1 = -31.8 %)."""
-    cache = {(1, False): 0.05, (4, False): 0.4, (4, True): 0.1}  # GiB of static KV cache in the resident memory
-    rows = [{"pv": pv, "pl": pv, "shared_kv": shared, "batch": b, "latency_s": lat, "peak_gib": mem,
-             "resident_gib": 2.0, "kv_cache_bytes": 1, "memory": "cuda_allocated", "branches": {},
-             "incremental_peak_gib": mem - (2.0 - cache[pv, shared])}
-            for (pv, shared), cells in TABLE_S7.items() for b, (lat, mem) in zip((1, 2, 4, 8), cells)]
+    # GiB of static KV cache in the resident memory
+    cache = {(1, False): 0.05, (4, False): 0.4, (4, True): 0.1}
+    rows = [
+        {
+            "pv": pv,
+            "pl": pv,
+            "shared_kv": shared,
+            "batch": b,
+            "latency_s": lat,
+            "peak_gib": mem,
+            "resident_gib": 2.0,
+            "kv_cache_bytes": 1,
+            "memory": "cuda_allocated",
+            "branches": {},
+            "incremental_peak_gib": mem - (2.0 - cache[pv, shared]),
+        }
+        for (pv, shared), cells in TABLE_S7.items()
+        for b, (lat, mem) in zip((1, 2, 4, 8), cells)
+    ]
     latency.add_ratios(rows)
     delta = latency.shared_vs_standard(rows)
     assert [round(d["peak_pct"], 1) for d in delta] == [-9.4, -15.9, -23.3, -30.8]
@@ -355,7 +524,10 @@ def test_table_4_and_the_shared_kv_delta_from_table_s7():
     assert "| 4:4 | ✗ | Memory | 1.23× | 1.41× | 1.69× | 2.12× |" in md
     assert "| 4:4 | ✓ | Memory | 1.11× | 1.18× | 1.30× | 1.47× |" in md
     assert "| 1:1 | ✗ | Latency (s) | 1.963 | 0.977 | 0.498 | 0.256 |" in md  # Table S7's layout
-    assert md.startswith("Table S7: Absolute profiling results.") and "\nTable 4: Relative inference costs." in md
+    assert (
+        md.startswith("Table S7: Absolute profiling results.")
+        and "\nTable 4: Relative inference costs." in md
+    )
     assert "| 4:4 | Peak memory | -9.4 % | -15.9 % | -23.3 % | -30.8 % |" in md
     assert "| 4:4 | Latency | +18.3 % | +21.4 % | +22.0 % | +32.3 % |" in md
     assert "| 4:4 | Incremental peak (C.2) | -45.8 % |" in md
@@ -364,15 +536,36 @@ def test_table_4_and_the_shared_kv_delta_from_table_s7():
 def test_latency_profiles_a_checkpoints_own_configuration(checkpoint, capsys):
     """--model: the checkpoint's config.json (its backbone, Pv:Pl and branches) on random weights; every
     row records its branches and architecture. Branch flags beside --model are refused (exit 2)."""
-    from checkpoint import config_from_json
+    from loading.config_json import config_from_json
 
     folder = checkpoint("qwen3", "original")
     par = config_from_json(json.loads((folder / "config.json").read_text()), folder).par
-    rc = profiling.main(["latency", "--model", str(folder), "--batch", "1", "--warmup", "0", "--iters", "1",
-                         "--new-tokens", "2", "--tiles", "1", "--text-tokens", "8", "--device", "cpu", "--json"])
+    rc = profiling.main(
+        [
+            "latency",
+            "--model",
+            str(folder),
+            "--batch",
+            "1",
+            "--warmup",
+            "0",
+            "--iters",
+            "1",
+            "--new-tokens",
+            "2",
+            "--tiles",
+            "1",
+            "--text-tokens",
+            "8",
+            "--device",
+            "cpu",
+            "--json",
+        ]
+    )
     rows = json.loads(capsys.readouterr().out.splitlines()[-1])["rows"]
     assert rc == 0 and [(r["pv"], r["pl"]) for r in rows] == [(par.pv, par.pl)]
     from config import branch_variant
+
     assert rows[0]["branches"] == branch_variant(par) and rows[0]["arch"]
     with pytest.raises(SystemExit) as e:
         profiling.main(["latency", "--model", str(folder), "--vit-prefix-len", "72"])
@@ -386,21 +579,52 @@ def test_latency_plot_draws_every_row(tmp_path, capsys):
     # requirements-dev.txt has matplotlib; test_latency_plot_without_matplotlib_is_one_line covers its absence
     pytest.importorskip("matplotlib")
     png = tmp_path / "latency.png"
-    assert profiling.main(["latency", "--arch", "tiny", "--pv", "2", "--pl", "2", "--baseline", "--batch", "1", "2",
-                           "--new-tokens", "2", "--iters", "1", "--warmup", "0", "--tiles", "1", "--text-tokens", "8",
-                           "--plot", str(png), "--json"]) == 0
+    assert (
+        profiling.main(
+            [
+                "latency",
+                "--arch",
+                "tiny",
+                "--pv",
+                "2",
+                "--pl",
+                "2",
+                "--baseline",
+                "--batch",
+                "1",
+                "2",
+                "--new-tokens",
+                "2",
+                "--iters",
+                "1",
+                "--warmup",
+                "0",
+                "--tiles",
+                "1",
+                "--text-tokens",
+                "8",
+                "--plot",
+                str(png),
+                "--json",
+            ]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert {(r["pv"], r["batch"]) for r in rows} == {(1, 1), (1, 2), (2, 1), (2, 2)}
     png_ok(png, (1000, 400))
 
 
-def test_latency_plot_into_a_missing_folder_is_made_before_the_measurement(tmp_path, capsys, monkeypatch):
+def test_latency_plot_into_a_missing_folder_is_made_before_the_measurement(
+    tmp_path, capsys, monkeypatch
+):
     """--plot into a folder that is not there failed after the whole profile: the folder is made before the
     measurement starts (issue 38, item 22)."""
     pytest.importorskip("matplotlib")
     png, seen = tmp_path / "new" / "deep" / "latency.png", []
 
-    def measured(*args, **kwargs):  # what the measurement finds, then a stop: the profile itself is not the point
+    # what the measurement finds, then a stop: the profile itself is not the point
+    def measured(*args, **kwargs):
         seen.append(png.parent.is_dir())
         raise ValueError("measured")
 
@@ -411,15 +635,36 @@ def test_latency_plot_into_a_missing_folder_is_made_before_the_measurement(tmp_p
 
 def test_latency_plot_without_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-    assert profiling.main(["latency", "--arch", "tiny", "--plot", str(tmp_path / "l.png")]) == 1  # before measuring
+    # before measuring
+    assert profiling.main(["latency", "--arch", "tiny", "--plot", str(tmp_path / "l.png")]) == 1
     assert "pip install matplotlib" in one_line(capsys.readouterr().err)
     assert not (tmp_path / "l.png").exists()
 
 
 def test_latency_compile_s_is_null_without_compile(capsys):
     """compile_s is null without --compile (the first call minus the steady state was noise, even negative)."""
-    code = profiling.main(["latency", "--arch", "tiny", "--tiles", "0", "--text-tokens", "8", "--new-tokens", "2",
-                           "--batch", "1", "--iters", "2", "--warmup", "1", "--device", "cpu", "--json"])
+    code = profiling.main(
+        [
+            "latency",
+            "--arch",
+            "tiny",
+            "--tiles",
+            "0",
+            "--text-tokens",
+            "8",
+            "--new-tokens",
+            "2",
+            "--batch",
+            "1",
+            "--iters",
+            "2",
+            "--warmup",
+            "1",
+            "--device",
+            "cpu",
+            "--json",
+        ]
+    )
     rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]
     assert code == 0 and [r["compile_s"] for r in rows] == [None]
 
@@ -431,10 +676,29 @@ def test_latency_out_of_memory_is_one_line_with_the_flags_that_lower_it(capsys, 
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     monkeypatch.setattr(latency.Engine, "generate", no_memory)
-    code, err = run_main(capsys, profiling.main, ["latency", "--arch", "tiny", "--tiles", 1, "--text-tokens", 8,
-                                                  "--new-tokens", 2, "--batch", 64, "--device", "cpu"])
-    assert code == 1 and err[-1] == ("error: out of memory at Pv:Pl 1:1 --batch 64 (1 tiles, 8 text tokens, 2 new "
-                                     "tokens per sample); lower --batch, --tiles, --text-tokens or --new-tokens"), err
+    code, err = run_main(
+        capsys,
+        profiling.main,
+        [
+            "latency",
+            "--arch",
+            "tiny",
+            "--tiles",
+            1,
+            "--text-tokens",
+            8,
+            "--new-tokens",
+            2,
+            "--batch",
+            64,
+            "--device",
+            "cpu",
+        ],
+    )
+    assert code == 1 and err[-1] == (
+        "error: out of memory at Pv:Pl 1:1 --batch 64 (1 tiles, 8 text tokens, 2 new "
+        "tokens per sample); lower --batch, --tiles, --text-tokens or --new-tokens"
+    ), err
 
 
 def test_a_device_that_is_not_one_is_a_flag_error(capsys):

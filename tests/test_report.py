@@ -2,13 +2,13 @@
 configuration and its FLOPs tie-break, fixed pairs (Table S9), shared KV (Table 4's choice, Table S6 and its
 delta), Figure 3's sweeps and variants, a reference model in a row of its own, one checkpoint per
 configuration."""
+
 import json
 
 import pytest
+from commands import main_out, write_scores
 
-from conftest import main_out, write_scores
 from evaluation import scoring as S
-
 
 SCORES = {  # (pv, pl) -> the nine benchmark scores, in scoring.BENCHMARKS order
     (1, 1): [40.0, 44.0, 21.0, 27.0, 12.0, 72.0, 71.0, 82.0, 76.0],
@@ -19,38 +19,86 @@ SCORES = {  # (pv, pl) -> the nine benchmark scores, in scoring.BENCHMARKS order
 
 
 def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
-    from flops import profile_params as flops_of
+    from evaluation.flops import profile_params as flops_of
 
     files = []
     for (pv, pl), values in SCORES.items():
         for bench, v in zip(S.BENCHMARKS, values):
             f = tmp_path / f"{pv}{pl}_{bench}.json"
-            f.write_text(json.dumps({"benchmark": bench, "score": v, "n": 10, "pv": pv, "pl": pl}) + "\n")
+            f.write_text(
+                json.dumps({"benchmark": bench, "score": v, "n": 10, "pv": pv, "pl": pl}) + "\n"
+            )
             files.append(f)
-    pair = tmp_path / "pair.json"  # a fixed-pair diagnostic (Table S9) with a high score: never "best"
-    pair.write_text(json.dumps({"benchmark": "MMMU_DEV_VAL", "score": 99.0, "pv": 2, "pl": 2, "vision_branch": 0,
-                                "language_branch": 1}))
+    # a fixed-pair diagnostic (Table S9) with a high score: never "best"
+    pair = tmp_path / "pair.json"
+    pair.write_text(
+        json.dumps(
+            {
+                "benchmark": "MMMU_DEV_VAL",
+                "score": 99.0,
+                "pv": 2,
+                "pl": 2,
+                "vision_branch": 0,
+                "language_branch": 1,
+            }
+        )
+    )
     pairs = []  # Table S9: all four pairs of a 2:2 checkpoint on OCRBench
     for (vb, lb), v in {(0, 0): 70.0, (0, 1): 74.0, (1, 0): 72.0, (1, 1): 76.0}.items():
         pairs.append(tmp_path / f"pair{vb}{lb}.json")
-        pairs[-1].write_text(json.dumps({"benchmark": "OCRBench", "score": v, "pv": 2, "pl": 2,
-                                         "vision_branch": vb, "language_branch": lb}))
-    shared = tmp_path / "shared.json"  # a shared-KV 2:2 run (another decoder, Table 4) with the best WeMath
-    shared.write_text(json.dumps({"benchmark": "WeMath", "score": 90.0, "pv": 2, "pl": 2, "shared_kv": True}))
-    lora = tmp_path / "lora.json"  # a Figure 3 variant at 2:2: its own row, not in the grids, never "best"
-    lora.write_text(json.dumps({"benchmark": "MMMU_DEV_VAL", "score": 98.0, "pv": 2, "pl": 2,
-                                "branches": {"vision_branches": "lora", "lora_rank": 8}}))
-    rc, out, err = main_out(capsys, "report", *files, pair, *pairs, shared, lora, "--out", tmp_path / "rep")
+        pairs[-1].write_text(
+            json.dumps(
+                {
+                    "benchmark": "OCRBench",
+                    "score": v,
+                    "pv": 2,
+                    "pl": 2,
+                    "vision_branch": vb,
+                    "language_branch": lb,
+                }
+            )
+        )
+    # a shared-KV 2:2 run (another decoder, Table 4) with the best WeMath
+    shared = tmp_path / "shared.json"
+    shared.write_text(
+        json.dumps({"benchmark": "WeMath", "score": 90.0, "pv": 2, "pl": 2, "shared_kv": True})
+    )
+    # a Figure 3 variant at 2:2: its own row, not in the grids, never "best"
+    lora = tmp_path / "lora.json"
+    lora.write_text(
+        json.dumps(
+            {
+                "benchmark": "MMMU_DEV_VAL",
+                "score": 98.0,
+                "pv": 2,
+                "pl": 2,
+                "branches": {"vision_branches": "lora", "lora_rank": 8},
+            }
+        )
+    )
+    rc, out, err = main_out(
+        capsys, "report", *files, pair, *pairs, shared, lora, "--out", tmp_path / "rep"
+    )
     assert rc == 0
     # matplotlib is optional: without it one line says so, with it every grid gets a heatmap
-    assert "matplotlib is not installed" in err or all((tmp_path / "rep" / f).exists() for f in ("table2.png",
-                                                                                                "table_s4.png"))
+    assert "matplotlib is not installed" in err or all(
+        (tmp_path / "rep" / f).exists() for f in ("table2.png", "table_s4.png")
+    )
     data = json.loads((tmp_path / "rep" / "report.json").read_text())
-    by = {(c["pv"], c["pl"],
-           c["vision_branch"]): c for c in data["configs"] if not c["shared_kv"] and not c["branches"]}
+    by = {
+        (c["pv"], c["pl"], c["vision_branch"]): c
+        for c in data["configs"]
+        if not c["shared_kv"] and not c["branches"]
+    }
     variant = next(c for c in data["configs"] if c["branches"])
-    assert variant["label"] == "2:2 lora_rank=8 vision_branches=lora" and variant["scores"]["MMMU_DEV_VAL"] == 98.0
-    assert variant["gflops"] == flops_of("1b", 2, 2, vision_branches="lora", lora_rank=8)["total_gflops"]
+    assert (
+        variant["label"] == "2:2 lora_rank=8 vision_branches=lora"
+        and variant["scores"]["MMMU_DEV_VAL"] == 98.0
+    )
+    assert (
+        variant["gflops"]
+        == flops_of("1b", 2, 2, vision_branches="lora", lora_rank=8)["total_gflops"]
+    )
     s22 = by[(2, 2, None)]["scores"]
     assert s22["General"] == 39.0  # Eq. A3
     assert s22["Math"] == pytest.approx((48 + 24 + 29 + 13) / 4)
@@ -58,7 +106,8 @@ def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
     assert s22["All"] == pytest.approx(sum(SCORES[(2, 2)]) / 9)
     assert by[(2, 2, 0)]["scores"]["All"] is None  # one benchmark only: no aggregate
     profile_params = flops_of
-    assert by[(2, 2, 0)]["gflops"] == profile_params("1b", 1, 1)["total_gflops"]  # one pair runs: a pair's cost
+    # one pair runs: a pair's cost
+    assert by[(2, 2, 0)]["gflops"] == profile_params("1b", 1, 1)["total_gflops"]
     assert by[(2, 2, None)]["gflops"] == profile_params("1b", 2, 2)["total_gflops"]
     # Table S4's orientation: rows Pl 1, 2; columns Pv 1, 2
     assert data["grids"]["MathVista_MINI"] == [[44.0, 46.0], [45.0, 48.0]]
@@ -71,16 +120,29 @@ def test_report_grid_aggregates_and_flops_tie_break(tmp_path, capsys):
     assert best["All"] == "2:2"
     assert "| Pl \\ Pv | 1 | 2 |" in (tmp_path / "rep" / "report.md").read_text()
     assert "| 2 | 45.0 | 48.0 |" in (tmp_path / "rep" / "report.md").read_text()
-    rc, _, _ = main_out(capsys, "report", *files, shared, "--best-with-shared-kv", "--out", tmp_path / "rep2")
-    assert rc == 0 and json.loads((tmp_path / "rep2" / "report.json").read_text())["best"]["WeMath"] == "2:2 sharedKV"
+    rc, _, _ = main_out(
+        capsys, "report", *files, shared, "--best-with-shared-kv", "--out", tmp_path / "rep2"
+    )
+    assert (
+        rc == 0
+        and json.loads((tmp_path / "rep2" / "report.json").read_text())["best"]["WeMath"]
+        == "2:2 sharedKV"
+    )
     ocr = data["pairs"]["2:2"]["columns"]["OCRBench"]
-    assert ocr["grid"] == [[70.0, 74.0], [72.0, 76.0]] and ocr["best"] == [[1, 1]] and ocr["best_score"] == 76.0
+    assert (
+        ocr["grid"] == [[70.0, 74.0], [72.0, 76.0]]
+        and ocr["best"] == [[1, 1]]
+        and ocr["best_score"] == 76.0
+    )
     assert ocr["vision_mean"] == [72.0, 74.0] and ocr["language_mean"] == [71.0, 75.0]
-    assert data["pairs"]["2:2"]["columns"]["MMMU_DEV_VAL"]["vision_mean"] == [None, None]  # one pair of four run
+    # one pair of four run
+    assert data["pairs"]["2:2"]["columns"]["MMMU_DEV_VAL"]["vision_mean"] == [None, None]
 
 
-TABLE_S6 = {"Standard": [39.0, 48.0, 22.4, 29.3, 12.3, 72.1, 71.9, 82.7, 77.0],  # the paper's Table S6
-            "Shared": [39.8, 47.1, 19.4, 30.6, 11.8, 72.0, 71.7, 82.8, 77.1]}
+TABLE_S6 = {
+    "Standard": [39.0, 48.0, 22.4, 29.3, 12.3, 72.1, 71.9, 82.7, 77.0],  # the paper's Table S6
+    "Shared": [39.8, 47.1, 19.4, 30.6, 11.8, 72.0, 71.7, 82.8, 77.1],
+}
 
 
 def test_report_keeps_checkpoints_apart_and_draws_figure_3_and_table_s6(tmp_path, capsys):
@@ -93,10 +155,18 @@ def test_report_keeps_checkpoints_apart_and_draws_figure_3_and_table_s6(tmp_path
     from these rounded cells (the paper's -0.2 is of its unrounded scores)."""
     d = tmp_path / "scores"
     base = write_scores(d, "11", [40.0] * 9)
-    instruct = write_scores(d, "instruct", [50.0] * 8 + [None], model="OpenGVLab/InternVL3_5-1B-Instruct")
-    instruct = instruct[:8]  # no OCRBench: before, its eight scores and the 1:1 run's would share a row
+    instruct = write_scores(
+        d, "instruct", [50.0] * 8 + [None], model="OpenGVLab/InternVL3_5-1B-Instruct"
+    )
+    # no OCRBench: before, its eight scores and the 1:1 run's would share a row
+    instruct = instruct[:8]
     rc, _, err = main_out(capsys, "report", *base, *instruct, "--out", tmp_path / "bad")
-    assert rc == 1 and "one checkpoint per configuration" in err and "fp-instruct" in err and "fp-11" in err
+    assert (
+        rc == 1
+        and "one checkpoint per configuration" in err
+        and "fp-instruct" in err
+        and "fp-11" in err
+    )
     study = [*base]
     study += write_scores(d, "41", [41.0] * 9, pv=4)  # the dense 4:1 run: prefix length 96
     for length, v in ((72, 42.0), (128, 43.0)):
@@ -106,7 +176,9 @@ def test_report_keeps_checkpoints_apart_and_draws_figure_3_and_table_s6(tmp_path
         study += write_scores(d, f"41r{rank}", [v] * 9, pv=4, branches=lora)
     study += write_scores(d, "44", TABLE_S6["Standard"], pv=4, pl=4)
     study += write_scores(d, "44", TABLE_S6["Shared"], pv=4, pl=4, shared_kv=True)
-    rc, out, err = main_out(capsys, "report", *study, "--reference", *instruct, "--out", tmp_path / "rep")
+    rc, out, err = main_out(
+        capsys, "report", *study, "--reference", *instruct, "--out", tmp_path / "rep"
+    )
     assert rc == 0, err
     data = json.loads((tmp_path / "rep" / "report.json").read_text())
     ref = [c for c in data["configs"] if c["reference"]]
@@ -114,22 +186,36 @@ def test_report_keeps_checkpoints_apart_and_draws_figure_3_and_table_s6(tmp_path
     assert ref[0]["scores"]["MMMU_DEV_VAL"] == 50.0 and ref[0]["model"] == "fp-instruct"
     one = next(c for c in data["configs"] if c["label"] == "1:1")
     assert one["scores"]["MMMU_DEV_VAL"] == 40.0 and one["model"] == "fp-11"
-    assert data["best"]["MMMU_DEV_VAL"] != "1:1 [OpenGVLab/InternVL3_5-1B-Instruct]" and data["grid_pv"] == [1, 4]
+    assert data["best"]["MMMU_DEV_VAL"] != "1:1 [OpenGVLab/InternVL3_5-1B-Instruct]" and data[
+        "grid_pv"
+    ] == [1, 4]
     fig = data["figure3"]["4:1"]
-    assert [(p["vit_prefix_len"], p["scores"]["All"]) for p in fig["prefix"]] == [(72, 42.0), (96, 41.0), (128, 43.0)]
+    assert [(p["vit_prefix_len"], p["scores"]["All"]) for p in fig["prefix"]] == [
+        (72, 42.0),
+        (96, 41.0),
+        (128, 43.0),
+    ]
     assert [(p["lora_rank"], p["scores"]["Math"]) for p in fig["lora"]] == [(8, 44.0), (16, 45.0)]
     assert list(data["figure3"]) == ["4:1"]  # the other Pv:Pl have no sweep
     md = (tmp_path / "rep" / "report.md").read_text()
-    assert "Figure 3 (4:1): prefix vs. LoRA vision branches, domain scores against the vision prefix length" in md
+    assert (
+        "Figure 3 (4:1): prefix vs. LoRA vision branches, domain scores against the vision prefix length"
+        in md
+    )
     assert "| 128 | 43.0 | 43.0 |" in md
-    assert "matplotlib is not installed" in err or (tmp_path / "rep" / "figure3_4x1.png").stat().st_size > 0
+    assert (
+        "matplotlib is not installed" in err
+        or (tmp_path / "rep" / "figure3_4x1.png").stat().st_size > 0
+    )
     delta = data["table_s6"]["4:4"]["delta"]
     want = [0.8, -0.9, -3.0, 1.3, -0.5, -0.1, -0.2, 0.1, 0.1]
     assert [delta[b] for b in S.BENCHMARKS] == pytest.approx(want, abs=1e-9)
     assert delta["Math"] == pytest.approx(-0.775) and delta["OCR"] == pytest.approx(-0.025)
     assert delta["All"] == pytest.approx(-2.4 / 9)
-    assert ("| Δ (Shared − Standard) | +0.8 | -0.9 | -3.0 | +1.3 | -0.5 | -0.1 | -0.2 | +0.1 | +0.1 | +0.8 | -0.8 "
-            "| 0.0 | -0.3 |") in md
+    assert (
+        "| Δ (Shared − Standard) | +0.8 | -0.9 | -3.0 | +1.3 | -0.5 | -0.1 | -0.2 | +0.1 | +0.1 | +0.8 | -0.8 "
+        "| 0.0 | -0.3 |"
+    ) in md
 
 
 GPT4O = {"judge_model": "gpt-4o-2024-11-20"}
@@ -153,47 +239,87 @@ MEAN_41 = [40.4, 45.5, 21.1, 27.5, 11.4, 72.0, 72.0, 82.6, 74.9]  # Table S8, Me
 
 
 TABLE_1_PRINTED = [  # the paper's Table 1 rows as it prints them (but two cells: see below)
-    ("InternVL3_5-1B-Pretrained", "38.0 38.5 16.8 27.3 12.9 71.0 67.8 77.3 70.5 38.0 23.9 71.7 46.7"),
+    (
+        "InternVL3_5-1B-Pretrained",
+        "38.0 38.5 16.8 27.3 12.9 71.0 67.8 77.3 70.5 38.0 23.9 71.7 46.7",
+    ),
     ("InternVL3_5-1B-Instruct", "39.9 50.7 22.0 32.0 12.5 77.2 71.1 84.0 77.9 39.9 29.3 77.6 51.9"),
     ("Baseline (Pv=1, Pl=1)", "40.3 43.9 21.1 27.3 11.6 71.7 71.4 82.6 76.6 40.3 26.0 75.6 49.6"),
     ("ParVL-1B (Pv=4, Pl=1)", "39.7 45.0 22.4 30.0 11.3 72.9 71.5 82.2 75.5 39.7 27.2 75.5 50.1"),
     ("ParVL-1B (Pv=1, Pl=4)", "39.8 44.5 24.7 29.5 11.6 72.1 71.6 82.4 76.5 39.8 27.6 75.7 50.3"),
     ("ParVL-1B (Pv=4, Pl=4)", "39.0 48.0 22.4 29.3 12.3 72.1 71.9 82.7 77.0 39.0 28.0 75.9 50.5"),
-    ("InternVL3_5-2B-Pretrained", "45.7 50.3 17.4 30.9 16.3 77.8 73.6 85.4 77.7 45.7 28.7 78.6 52.8"),
+    (
+        "InternVL3_5-2B-Pretrained",
+        "45.7 50.3 17.4 30.9 16.3 77.8 73.6 85.4 77.7 45.7 28.7 78.6 52.8",
+    ),
     # two cells differ from the paper's print, whose aggregates are of its unrounded scores: the baseline's
     # Math 121.0 / 4 = 30.25 (30.2 here, rounded to even; printed 30.3) and 2:2's OCR 324.2 / 4 = 81.05
     # (81.04999... in binary: 81.0; printed 81.1)
     ("Baseline (Pv=1, Pl=1)", "46.4 49.3 19.7 33.6 18.4 76.7 76.0 88.3 81.5 46.4 30.2 80.6 54.4"),
-    ("ParVL-2B (Pv=2, Pl=2)", "46.1 53.6 18.4 31.8 18.5 78.0 76.6 88.1 81.5 46.1 30.6 81.0 54.7")]
+    ("ParVL-2B (Pv=2, Pl=2)", "46.1 53.6 18.4 31.8 18.5 78.0 76.6 88.1 81.5 46.1 30.6 81.0 54.7"),
+]
 
 
 def paper_study(d, judge=GPT4O) -> dict[str, list]:
     """The paper's study as score files: 1B (references, the grid's corners, Table 3 at step 7,000 of the 4:4
     run beside its end-of-run export, fixed pairs, Table S8's mean run) and 2B (a reference, 1:1, 2:2)."""
-    ref = lambda name: {"model": f"/hub/InternVL3_5-{name}", "model_fingerprint": f"fp-{name}", **judge}  # noqa
-    files = {"1b ref": write_scores(d, "p1", TABLE_1["1B-Pretrained"], **ref("1B-Pretrained"))
-             + write_scores(d, "i1", TABLE_1["1B-Instruct"], **ref("1B-Instruct")),
-             "2b ref": write_scores(d, "p2", TABLE_1["2B-Pretrained"], **ref("2B-Pretrained")),
-             "2b": write_scores(d, "2b11", TABLE_1["2B 1:1"], **judge)
-             + write_scores(d, "2b22", TABLE_1["2B 2:2"], pv=2, pl=2, **judge)}
-    one_b = [write_scores(d, a.replace(":", ""), TABLE_1[a], pv=int(a[0]), pl=int(a[2]), model_step=9000, **judge)
-             for a in ("1:1", "4:1", "1:4", "4:4")]
+
+    def ref(name: str) -> dict:
+        return {"model": f"/hub/InternVL3_5-{name}", "model_fingerprint": f"fp-{name}", **judge}
+
+    files = {
+        "1b ref": write_scores(d, "p1", TABLE_1["1B-Pretrained"], **ref("1B-Pretrained"))
+        + write_scores(d, "i1", TABLE_1["1B-Instruct"], **ref("1B-Instruct")),
+        "2b ref": write_scores(d, "p2", TABLE_1["2B-Pretrained"], **ref("2B-Pretrained")),
+        "2b": write_scores(d, "2b11", TABLE_1["2B 1:1"], **judge)
+        + write_scores(d, "2b22", TABLE_1["2B 2:2"], pv=2, pl=2, **judge),
+    }
+    one_b = [
+        write_scores(
+            d, a.replace(":", ""), TABLE_1[a], pv=int(a[0]), pl=int(a[2]), model_step=9000, **judge
+        )
+        for a in ("1:1", "4:1", "1:4", "4:4")
+    ]
     at_7000 = {"pv": 4, "pl": 4, "model_fingerprint": "fp-44s7000", "model_step": 7000, **judge}
-    one_b.append(write_scores(d, "44s7000", TABLE_1["4:4"], **at_7000))  # Table 3's dense row: its checkpoint
+    # Table 3's dense row: its checkpoint
+    one_b.append(write_scores(d, "44s7000", TABLE_1["4:4"], **at_7000))
     one_b.append(write_scores(d, "44r", RANDOM, **at_7000 | {"random_pair": 42}))
     one_b.append(write_scores(d, "44R", ROUTER, **at_7000 | {"router": "router/gates"}))
     for v in range(4):  # Table S9 on OCRBench: score(v, l) = 70 + v + 2 l
         for lb in range(4):
-            one_b.append(write_scores(d, f"44p{v}{lb}", [None] * 8 + [70.0 + v + 2 * lb], vision_branch=v,
-                                      language_branch=lb, **at_7000)[8:])
-    one_b.append(write_scores(d, "41mean", MEAN_41, pv=4, branches={"aggregation": "mean"}, **judge))
+            one_b.append(
+                write_scores(
+                    d,
+                    f"44p{v}{lb}",
+                    [None] * 8 + [70.0 + v + 2 * lb],
+                    vision_branch=v,
+                    language_branch=lb,
+                    **at_7000,
+                )[8:]
+            )
+    one_b.append(
+        write_scores(d, "41mean", MEAN_41, pv=4, branches={"aggregation": "mean"}, **judge)
+    )
     files["1b"] = [f for group in one_b for f in group]
     return files
 
 
 def report_of(capsys, files: dict, out) -> tuple[int, str, str]:
-    return main_out(capsys, "report", *files["1b"], "--reference", *files["1b ref"], "--scale", "2b", *files["2b"],
-                    "--scale-reference", "2b", *files["2b ref"], "--out", out)
+    return main_out(
+        capsys,
+        "report",
+        *files["1b"],
+        "--reference",
+        *files["1b ref"],
+        "--scale",
+        "2b",
+        *files["2b"],
+        "--scale-reference",
+        "2b",
+        *files["2b ref"],
+        "--out",
+        out,
+    )
 
 
 def test_report_lays_out_every_table_as_the_paper_numbers_it(tmp_path, capsys):
@@ -213,42 +339,81 @@ def test_report_lays_out_every_table_as_the_paper_numbers_it(tmp_path, capsys):
     assert md.startswith("Answer extractor: gpt-4o-2024-11-20 (Appendix A.3")
     lines = md.splitlines()
     at = lines.index("| ~1B Models |" + " |" * 13)
-    assert lines[at - 4].startswith("Table 1: Comparison of multimodal general, mathematical, and OCR performance")
-    want = [f"| {label} | " + " | ".join(values.split()) + " |" for label, values in TABLE_1_PRINTED]
+    assert lines[at - 4].startswith(
+        "Table 1: Comparison of multimodal general, mathematical, and OCR performance"
+    )
+    want = [
+        f"| {label} | " + " | ".join(values.split()) + " |" for label, values in TABLE_1_PRINTED
+    ]
     scale = ["| ~2B Models |" + " |" * 13]
-    assert lines[at:at + 11] == [lines[at], *want[:6], *scale, *want[6:]]
+    assert lines[at : at + 11] == [lines[at], *want[:6], *scale, *want[6:]]
     data = json.loads((tmp_path / "rep" / "report.json").read_text())
-    base = next(r for r in data["table1"] if r["label"] == "Baseline (Pv=1, Pl=1)" and r["scale"] == "1B")["scores"]
-    assert (base["Math"], base["OCR"], base["All"]) == pytest.approx((103.9 / 4, 302.3 / 4, 446.5 / 9))
+    base = next(
+        r for r in data["table1"] if r["label"] == "Baseline (Pv=1, Pl=1)" and r["scale"] == "1B"
+    )["scores"]
+    assert (base["Math"], base["OCR"], base["All"]) == pytest.approx(
+        (103.9 / 4, 302.3 / 4, 446.5 / 9)
+    )
     # Table 2 in the paper's subtable order, then Table S4's nine
     t2 = md.index("Table 2: Ablation on branch-count configurations")
-    assert md.index("(a) MathVista mini", t2) < md.index("(b) LogicVista", t2) < md.index("(g) General", t2)
-    assert "| Pl \\ Pv | 1 | 4 |\n| --- | --- | --- |\n| 1 | 43.9 | 45.0 |\n| 4 | 44.5 | 48.0 |" in md[t2:]
+    assert (
+        md.index("(a) MathVista mini", t2)
+        < md.index("(b) LogicVista", t2)
+        < md.index("(g) General", t2)
+    )
+    assert (
+        "| Pl \\ Pv | 1 | 4 |\n| --- | --- | --- |\n| 1 | 43.9 | 45.0 |\n| 4 | 44.5 | 48.0 |"
+        in md[t2:]
+    )
     assert md.index("(a) MMMU dev-val", md.index("Table S4: Full benchmark-level")) > t2
     # Table 3: one checkpoint, the paper's rows
     t3 = [ln for ln in lines if ln.startswith("Table 3:")]
-    assert t3 == ["Table 3: Exploration on sparse router module. All rows use the same checkpoint trained under 4:4: "
-                  "fp-44s7000 (step 7000). Random pair and the learned router activate one branch pair per sample, "
-                  "Aggregation all branches."]
-    assert lines[lines.index(t3[0]) + 2:lines.index(t3[0]) + 7] == [
-        "| Trained Pv:Pl | Active Pv:Pl | Policy | General | Math | OCR | All |", "|" + " --- |" * 7,
+    assert t3 == [
+        "Table 3: Exploration on sparse router module. All rows use the same checkpoint trained under 4:4: "
+        "fp-44s7000 (step 7000). Random pair and the learned router activate one branch pair per sample, "
+        "Aggregation all branches."
+    ]
+    assert lines[lines.index(t3[0]) + 2 : lines.index(t3[0]) + 7] == [
+        "| Trained Pv:Pl | Active Pv:Pl | Policy | General | Math | OCR | All |",
+        "|" + " --- |" * 7,
         "| 4:4 | 1:1 | Random pair (seed 42) | 38.8 | 26.6 | 75.1 | 49.5 |",
         "| 4:4 | 1:1 | Learned router | 38.8 | 27.5 | 75.8 | 50.2 |",
-        "| 4:4 | 4:4 | Aggregation | 39.0 | 28.0 | 75.9 | 50.5 |"]
+        "| 4:4 | 4:4 | Aggregation | 39.0 | 28.0 | 75.9 | 50.5 |",
+    ]
     assert {(r["checkpoint"], r["step"]) for r in data["table3"]} == {("fp-44s7000", 7000)}
-    assert next(c for c in data["configs"] if c["label"] == "4:4")["model"] == "fp-44"  # the grid: end of run
+    # the grid: end of run
+    assert next(c for c in data["configs"] if c["label"] == "4:4")["model"] == "fp-44"
     # Table S8 and S9
-    assert "Table S8: Per-benchmark comparison of mean and MLP aggregation, trained separately under 4:1" in md
-    assert ("| Mean | 40.4 | 45.5 | 21.1 | 27.5 | 11.4 | 72.0 | 72.0 | 82.6 | 74.9 | 40.4 | 26.4 | 75.4 | 49.7 |\n"
-            "| MLP | 39.7 | 45.0 | 22.4 | 30.0 | 11.3 | 72.9 | 71.5 | 82.2 | 75.5 | 39.7 | 27.2 | 75.5 | 50.1 |") in md
-    s9 = md[md.index("Table S9: Fixed-branch performance from a jointly trained 4:4 ParVL checkpoint (fp-44s7000)"):]
+    assert (
+        "Table S8: Per-benchmark comparison of mean and MLP aggregation, trained separately under 4:1"
+        in md
+    )
+    assert (
+        "| Mean | 40.4 | 45.5 | 21.1 | 27.5 | 11.4 | 72.0 | 72.0 | 82.6 | 74.9 | 40.4 | 26.4 | 75.4 | 49.7 |\n"
+        "| MLP | 39.7 | 45.0 | 22.4 | 30.0 | 11.3 | 72.9 | 71.5 | 82.2 | 75.5 | 39.7 | 27.2 | 75.5 | 50.1 |"
+    ) in md
+    s9 = md[
+        md.index(
+            "Table S9: Fixed-branch performance from a jointly trained 4:4 ParVL checkpoint (fp-44s7000)"
+        ) :
+    ]
     dash8 = "| - " * 8
     for v in range(4):
         assert f"| ViT | {v} {dash8}| {73.0 + v:.1f} | - | - | - | - |" in s9
         assert f"| LLM | {v} {dash8}| {71.5 + 2 * v:.1f} | - | - | - | - |" in s9
-    assert f"| ViT–LLM pair {dash8}| (3,3) | - | - | - | - |" in s9 and f"| Score {dash8}| 79.0 | - | - | - | - |" in s9
-    assert md.index("Table 1:") < md.index("Table 2:") < md.index("Table 3:") < md.index("Table S2, last column") \
-        < md.index("Table S4:") < md.index("Table S8:") < md.index("Table S9:")
+    assert (
+        f"| ViT–LLM pair {dash8}| (3,3) | - | - | - | - |" in s9
+        and f"| Score {dash8}| 79.0 | - | - | - | - |" in s9
+    )
+    assert (
+        md.index("Table 1:")
+        < md.index("Table 2:")
+        < md.index("Table 3:")
+        < md.index("Table S2, last column")
+        < md.index("Table S4:")
+        < md.index("Table S8:")
+        < md.index("Table S9:")
+    )
 
 
 def test_report_refuses_table_3_of_two_checkpoints_and_mixed_extractors(tmp_path, capsys):
@@ -260,23 +425,48 @@ def test_report_refuses_table_3_of_two_checkpoints_and_mixed_extractors(tmp_path
     files = paper_study(tmp_path / "s")
     no_dense = {**files, "1b": [f for f in files["1b"] if "44s7000" not in f.name]}
     rc, _, err = report_of(capsys, no_dense, tmp_path / "r1")
-    assert rc == 1 and err.count("\n") == 1 and "Table 3 at 4:4: its random-pair and router rows are checkpoint " \
-        "fp-44s7000 (step 7000), the dense 4:4 scores checkpoint fp-44 (step 9000)" in err
-    other = write_scores(tmp_path / "o", "44R", ROUTER, pv=4, pl=4, router="router/gates", model_fingerprint="fp-x",
-                         **GPT4O)
+    assert (
+        rc == 1
+        and err.count("\n") == 1
+        and "Table 3 at 4:4: its random-pair and router rows are checkpoint "
+        "fp-44s7000 (step 7000), the dense 4:4 scores checkpoint fp-44 (step 9000)"
+        in err
+    )
+    other = write_scores(
+        tmp_path / "o",
+        "44R",
+        ROUTER,
+        pv=4,
+        pl=4,
+        router="router/gates",
+        model_fingerprint="fp-x",
+        **GPT4O,
+    )
     mixed = {**files, "1b": [f for f in files["1b"] if "44R_" not in f.name] + other}
     rc, _, err = report_of(capsys, mixed, tmp_path / "r2")
     assert rc == 1 and err.count("\n") == 1 and "Table 3 at 4:4 holds rows of checkpoint" in err
     assert "fp-x" in err and "fp-44s7000" in err
-    plain = write_scores(tmp_path / "plain", "p2", TABLE_1["2B-Pretrained"], model_fingerprint="fp-2B-Pretrained",
-                         model="/hub/InternVL3_5-2B-Pretrained", judge_model=None)
+    plain = write_scores(
+        tmp_path / "plain",
+        "p2",
+        TABLE_1["2B-Pretrained"],
+        model_fingerprint="fp-2B-Pretrained",
+        model="/hub/InternVL3_5-2B-Pretrained",
+        judge_model=None,
+    )
     rc, _, err = report_of(capsys, {**files, "2b ref": plain}, tmp_path / "r3")
     assert rc == 1 and err.count("\n") == 1 and "was scored without an answer extractor" in err
     assert "with answer extractor gpt-4o-2024-11-20: one report, one extractor" in err
     assert not any((tmp_path / r).exists() for r in ("r1", "r2", "r3"))
-    rc, out, _ = main_out(capsys, "report", *paper_study(tmp_path / "n", judge={})["1b"], "--out", tmp_path / "r4")
-    assert rc == 0 and out.startswith("Answer extractor: none. Unresolved MMMU, MathVista, MathVision and WeMath rows "
-                                      "count as wrong")
+    rc, out, _ = main_out(
+        capsys, "report", *paper_study(tmp_path / "n", judge={})["1b"], "--out", tmp_path / "r4"
+    )
+    assert rc == 0 and out.startswith(
+        "Answer extractor: none. Unresolved MMMU, MathVista, MathVision and WeMath rows "
+        "count as wrong"
+    )
+
+
 def test_report_refuses_a_mix_of_weight_formats(tmp_path, capsys):
     """Scores predicted with --quant int8 beside full-precision ones: refused in one line naming a file of each,
     nothing written; all of one format, the report records it."""
@@ -284,10 +474,19 @@ def test_report_refuses_a_mix_of_weight_formats(tmp_path, capsys):
     plain = write_scores(tmp_path / "p", "22", [41.0] * 9, pv=2, pl=2)
     rc, _, err = main_out(capsys, "report", *quantized, *plain, "--out", tmp_path / "r")
     assert rc == 1 and err.count("\n") == 1 and not (tmp_path / "r").exists()
-    assert "was predicted without --quant" in err and "with --quant int8: one report, one weight format" in err
+    assert (
+        "was predicted without --quant" in err
+        and "with --quant int8: one report, one weight format" in err
+    )
     assert str(plain[0]) in err and str(quantized[0]) in err
-    rc, _, _ = main_out(capsys, "report", *quantized, *write_scores(tmp_path / "q", "22", [41.0] * 9, pv=2, pl=2,
-                                                                   quant="int8"), "--out", tmp_path / "r")
+    rc, _, _ = main_out(
+        capsys,
+        "report",
+        *quantized,
+        *write_scores(tmp_path / "q", "22", [41.0] * 9, pv=2, pl=2, quant="int8"),
+        "--out",
+        tmp_path / "r",
+    )
     assert rc == 0 and json.loads((tmp_path / "r" / "report.json").read_text())["quant"] == "int8"
 
 
@@ -303,10 +502,12 @@ def test_a_foreign_score_file_is_named_not_the_genuine_one(tmp_path, capsys):
         assert rc == 1 and err.strip().splitlines() == [
             f"error: {foreign[0]}: score(s) of checkpoint fp-other for configuration 1:1, whose other 9 score files "
             f"({genuine[0]}, ...) are checkpoint fp-11's: one checkpoint per configuration (pass a reference model "
-            f"with --reference; other model sizes with --scale)"], err
+            f"with --reference; other model sizes with --scale)"
+        ], err
     rc, _, err = main_out(capsys, "report", genuine[0], *foreign, "--out", tmp_path / "r")
     assert rc == 1 and err.strip() == (
         f"error: configuration 1:1 holds scores of 2 checkpoints: checkpoint fp-11 ({genuine[0]}); checkpoint fp-other "
         f"({foreign[0]}): one checkpoint per configuration (pass a reference model with --reference; other model sizes "
-        f"with --scale)"), err
+        f"with --scale)"
+    ), err
     assert not (tmp_path / "r").exists()

@@ -17,8 +17,17 @@ import functools
 import json
 import os
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-from tokenizers import processors, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
 
 # The split regex of the Qwen2 family (also used by Qwen2.5 and Qwen3).
 QWEN2_SPLIT_REGEX = (
@@ -42,18 +51,42 @@ CORPUS = [
 
 # Added tokens in id order, as (content, special). Qwen marks its tool/think tags non-special; the
 # InternVL image/grounding tags are added with special=True by the training code.
-QWEN_SPECIALS = [("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
-                 ("<tool_call>", False), ("</tool_call>", False)]
-QWEN3_EXTRAS = [("<tool_response>", False), ("</tool_response>", False),
-                ("<think>", False), ("</think>", False)]
-INTERNVL_TOKENS = [(t, True) for t in ("<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>",
-                                       "<ref>", "</ref>", "<box>", "</box>")]
+QWEN_SPECIALS = [
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+]
+QWEN3_EXTRAS = [
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+]
+INTERNVL_TOKENS = [
+    (t, True)
+    for t in (
+        "<img>",
+        "</img>",
+        "<IMG_CONTEXT>",
+        "<quad>",
+        "</quad>",
+        "<ref>",
+        "</ref>",
+        "<box>",
+        "</box>",
+    )
+]
 
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table, which byte-level BPE vocabularies are spelled in."""
-    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-                 + list(range(ord("®"), ord("ÿ") + 1)))
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -67,10 +100,12 @@ def _bytes_to_unicode() -> dict[int, str]:
 def _pipeline(tok: Tokenizer) -> Tokenizer:
     """Attach the Qwen2 normalizer, pre-tokenizer, decoder and post-processor."""
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     return tok
@@ -79,8 +114,12 @@ def _pipeline(tok: Tokenizer) -> Tokenizer:
 @functools.cache
 def _train_bpe(vocab_size: int = 560) -> tuple[tuple, tuple]:
     """Train merges once per process; return (vocab items, merges) in a fixed, real-looking order."""
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok = _pipeline(Tokenizer(models.BPE()))
     tok.train_from_iterator(CORPUS * 4, trainer=trainer)
     merges = json.loads(tok.to_str())["model"]["merges"]
@@ -124,25 +163,34 @@ def write_tiny_tokenizer(folder, layout: str = "json", family: str = "qwen3") ->
             f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges))
 
     dump("added_tokens.json", added_ids)
-    dump("tokenizer_config.json", {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": {
-            str(added_ids[c]): {"content": c, "lstrip": False, "normalized": False, "rstrip": False,
-                                "single_word": False, "special": s}
-            for c, s in added
+    dump(
+        "tokenizer_config.json",
+        {
+            "add_bos_token": False,
+            "add_prefix_space": False,
+            "added_tokens_decoder": {
+                str(added_ids[c]): {
+                    "content": c,
+                    "lstrip": False,
+                    "normalized": False,
+                    "rstrip": False,
+                    "single_word": False,
+                    "special": s,
+                }
+                for c, s in added
+            },
+            "additional_special_tokens": [c for c, s in added if s and c != "<|endoftext|>"],
+            "bos_token": None,
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "<|im_end|>",
+            "errors": "replace",
+            "model_max_length": 40960,
+            "pad_token": "<|endoftext|>",
+            "split_special_tokens": False,
+            "tokenizer_class": "Qwen2Tokenizer",
+            "unk_token": None,
         },
-        "additional_special_tokens": [c for c, s in added if s and c != "<|endoftext|>"],
-        "bos_token": None,
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": 40960,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    })
+    )
 
     return {
         "vocab_size_tokenizer": len(vocab) + len(added),

@@ -1,0 +1,344 @@
+"""The study's flags (StudyConfig: the paper's settings by default, every problem found at --plan) and the
+vocabulary of its plan: a Piece (one command line, what it reads and writes) and a Model (a checkpoint the
+study evaluates)."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from data.subsample import PAPER_MIXTURE, parse_mixture
+from evaluation.flops import ARCHS
+from evaluation.judge import KEY_ENV, PAPER_JUDGE, judge_flags_problem
+from evaluation.scoring import BENCHMARKS, COLUMNS, GROUPS
+from shell.flags import flag
+
+ALLOCATIONS = ["1:1", "1:2", "1:4", "2:1", "2:2", "2:4", "4:1", "4:2", "4:4"]  # Table 2 / S4
+
+
+# Figure 3: vision prefix lengths beside the base's 96, LoRA ranks (the paper names rank 16 the best of its LoRA
+# variants, not the ranks it tried: 8 and 32 bracket it); Table S8: mean aggregation
+ABLATIONS = ["prefix72", "prefix128", "lora8", "lora16", "lora32", "mean"]
+
+
+ABLATION = re.compile(r"(prefix|lora)([1-9][0-9]{0,4})|mean")
+
+
+# the --X-flags strings, split with shlex
+EXTRA = ("train", "eval", "label", "router", "profile", "slurm")
+
+
+# what a study writes in --out (the layout above): a meta JSON or the TSVs kept beside them are not its outputs
+OUT_FOLDERS = (
+    "data",
+    "runs",
+    "pred",
+    "score",
+    "router",
+    "profile",
+    "tables",
+    "report",
+    "made",
+    "replaced",
+)
+
+
+@dataclass
+class StudyConfig:
+    model: str = flag(
+        "",
+        "the starting checkpoint (the paper's: InternVL3.5 *pretrained*)",
+        required=True,
+        reads=True,
+    )
+    data: str = flag(
+        "",
+        "SFT meta JSON (official InternVL format): the whole collection --data-fraction draws from",
+        required=True,
+        reads=True,
+    )
+    tsv: str = flag(
+        "",
+        "folder of the benchmarks' VLMEvalKit TSVs, named BENCHMARK.tsv",
+        required=True,
+        reads=True,
+    )
+    out: str = flag(
+        "study",
+        "the study's folder (on a shared file system with --launcher slurm)",
+        writes=OUT_FOLDERS,
+    )
+    data_fraction: float = flag(
+        0.05,
+        "fraction of --data the runs train on, drawn in --mixture's shares (the "
+        "study's first piece); 0: --data as given",
+        range="[0, 1]",
+        shown="0.05, the paper's 1/20",
+    )
+    mixture: list[str] = flag(
+        help="domain shares of the subsample, DOMAIN=SHARE (Table S1)",
+        factory=lambda: list(PAPER_MIXTURE),
+        shown=" ".join(PAPER_MIXTURE),
+    )
+    allocations: list[str] = flag(
+        help="Pv:Pl allocations trained and evaluated",
+        factory=lambda: list(ALLOCATIONS),
+        shown="the nine of Table 2",
+    )
+    benchmarks: list[str] = flag(
+        help="benchmarks run for every model", factory=lambda: list(BENCHMARKS), shown="the nine"
+    )
+    ablations: list[str] = flag(
+        help="branch variants of --ablation-base: prefixN (Figure 3's vision prefix length N), "
+        "loraR (Figure 3's LoRA vision branches of rank R), mean (Table S8), or none",
+        factory=lambda: list(ABLATIONS),
+        shown=" ".join(ABLATIONS),
+    )
+    ablation_base: str = flag("4:1", "the allocation the ablations vary")
+    router_allocation: str = flag(
+        "4:4", "the allocation of the fixed pairs, the random pair and the router"
+    )
+    router_step: int = flag(
+        0,
+        "its training step Table 3 (every row) and S9 use (the paper: 7000; keep it with "
+        '--train-flags "--keep-last K", docs/training.md), 0 = the end-of-run export',
+        range="[0, inf)",
+    )
+    router_data: str = flag(
+        "", "meta JSON the router is labelled and trained on", shown="the training data", reads=True
+    )
+    router_eval_data: str = flag(
+        "",
+        "held-out meta JSON for `router.py eval` (Table 3 / S9 layout)",
+        shown="none",
+        reads=True,
+    )
+    shared_kv_allocation: str = flag(
+        "4:4", "the allocation evaluated with shared KV as well (Table S6), or none"
+    )
+    scale_model: list[list[str]] = flag(
+        help="another scale's starting checkpoint, SCALE=DIR (Table 1: "
+        "2b=InternVL3_5-2B-Pretrained); repeat the flag per scale",
+        nargs="+",
+        action="append",
+        factory=list,
+        metavar="SCALE=DIR",
+    )
+    scale_allocations: list[str] = flag(
+        help="the allocations trained at every --scale-model (Table 1)",
+        factory=lambda: ["1:1", "2:2"],
+    )
+    reference_model: list[list[str]] = flag(
+        help="a public model evaluated as a Table 1 reference row, SCALE=DIR "
+        "(1b=InternVL3_5-1B-Instruct); each scale's starting checkpoint "
+        "is one too",
+        nargs="+",
+        action="append",
+        factory=list,
+        metavar="SCALE=DIR",
+    )
+    lengths: list[str] = flag(
+        help="the two allocations of Table S5", nargs=2, factory=lambda: ["1:1", "4:4"]
+    )
+    tokenizer: str | None = flag(
+        None,
+        "tokenizer folder Tables S2 and S5 count with (the paper's: Qwen3-VL-2B-"
+        "Instruct's Qwen2Tokenizer, use_fast=False)",
+        shown="--model's",
+        metavar="DIR",
+        reads=True,
+    )
+    cost_column: str = flag(
+        "All", "Figure 4's score column (a benchmark, or an aggregate all of whose benchmarks ran)"
+    )
+    arch: str = flag(
+        "1b",
+        "backbone preset of --model: Tables 4 / S7's profile, the report's FLOPs, Table 1's scale",
+        choices=sorted(ARCHS),
+    )
+    judge_url: str | None = flag(
+        None,
+        "OpenAI-compatible base URL of the answer extractor every score piece uses (A.3)",
+        shown="none: deterministic extraction only",
+    )
+    judge_model: str | None = flag(
+        None, f"the answer extractor's model name (the paper's: {PAPER_JUDGE})"
+    )
+    vlmevalkit: str | None = flag(
+        None,
+        "a VLMEvalKit checkout, whose extraction prompts the answer extractor is sent",
+        reads=True,
+    )
+    judge_key_env: str = flag(
+        KEY_ENV, "environment variable holding the extractor's API key (never a flag)"
+    )
+    launcher: str = flag(
+        "local",
+        "local: torchrun on this machine; slurm: sbatch --wait slurm/parvl.sbatch (srun "
+        "for one-device pieces)",
+        choices=["local", "slurm"],
+    )
+    nproc_per_node: int = flag(
+        8, "--launcher local: processes per multi-process piece; 1 = plain python", range="[1, inf)"
+    )
+    nodes: int = flag(1, "--launcher slurm: nodes per multi-process piece", range="[1, inf)")
+    gpus_per_node: int = flag(
+        8,
+        "--launcher slurm: GPUs a node of a multi-process piece asks for (one process per "
+        "GPU), a one-device piece asks one; 0 on a partition without GPUs",
+        range="[0, inf)",
+    )
+    slurm_flags: str = flag("", "extra sbatch / srun flags (partition, account, time), one string")
+    train_flags: str = flag("", "extra train.py flags, one string")
+    eval_flags: str = flag("", "extra `evaluate.py run` flags, one string")
+    label_flags: str = flag("", "extra `router.py label` flags, one string")
+    router_flags: str = flag("", "extra `router.py train` flags, one string")
+    profile_flags: str = flag("", "extra `profiling.py latency` flags, one string")
+    plan: bool = flag(False, "print every piece, done or to run, and run nothing")
+
+    def check(self) -> None:
+        """Bad flags (exit 2), found by --plan before anything runs (flag_problem)."""
+        if why := flag_problem(self):
+            raise ValueError(why)
+
+
+def pairs_of(groups: list[list[str]], name: str) -> list[tuple[str, str]]:
+    """SCALE=DIR items of a repeated flag as (scale, dir)."""
+    out = []
+    for item in (x for g in groups for x in g):
+        scale, _, folder = item.partition("=")
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", scale) or not folder:
+            raise ValueError(f"{name} {item}: write SCALE=DIR, as 2b=InternVL3_5-2B-Pretrained")
+        out.append((scale.lower(), folder))
+    return out
+
+
+def is_allocation(a: str) -> bool:
+    return len(a.split(":")) == 2 and all(x.isdigit() and int(x) > 0 for x in a.split(":"))
+
+
+def flag_problem(c: StudyConfig) -> str | None:
+    """The first flag that cannot work, as one line naming it, or None."""
+    for a in (
+        *c.allocations,
+        c.ablation_base,
+        c.router_allocation,
+        *c.lengths,
+        *c.scale_allocations,
+        *([] if c.shared_kv_allocation == "none" else [c.shared_kv_allocation]),
+    ):
+        if not is_allocation(a):
+            return f"allocation {a!r}: write it Pv:Pl, as 2:4"
+    for name, a in (
+        ("--router-allocation", c.router_allocation),
+        ("--lengths", c.lengths[0]),
+        ("--lengths", c.lengths[1]),
+        ("--shared-kv-allocation", c.shared_kv_allocation),
+        ("--ablation-base", c.ablation_base),
+    ):
+        if a not in c.allocations and not (a == "none" and name == "--shared-kv-allocation"):
+            return f"{name} {a}: not among --allocations {' '.join(c.allocations)}"
+    if c.shared_kv_allocation != "none" and c.shared_kv_allocation.endswith(":1"):
+        return f"--shared-kv-allocation {c.shared_kv_allocation}: shared KV shares one cache over Pl > 1 branches"
+    if unknown := [a for a in c.ablations if not ABLATION.fullmatch(a) and a != "none"]:
+        return f"--ablations {' '.join(unknown)}: write prefixN, loraR or mean (as {' '.join(ABLATIONS)}), or none"
+    if c.ablation_base.startswith("1:") and any(a.startswith("lora") for a in c.ablations):
+        return f"--ablations lora at --ablation-base {c.ablation_base}: LoRA vision branches need Pv 2 or more"
+    if unknown := [b for b in c.benchmarks if b not in BENCHMARKS]:
+        return f"--benchmarks {' '.join(unknown)}: choose from {' '.join(BENCHMARKS)}"
+    if why := cost_column_problem(c):
+        return why
+    for kind in EXTRA:
+        try:
+            shlex.split(getattr(c, f"{kind}_flags"))
+        except ValueError as e:
+            return f"--{kind}-flags {getattr(c, f'{kind}_flags')!r}: {e} (one string of flags, quoted as a shell does)"
+    try:
+        parse_mixture(c.mixture)
+        scales = pairs_of(c.scale_model, "--scale-model")
+        refs = pairs_of(c.reference_model, "--reference-model")
+    except ValueError as e:
+        return str(e)
+    if c.arch in dict(scales) or len(dict(scales)) < len(scales):
+        return f"--scale-model: each scale once, and not --arch {c.arch} (--model's)"
+    if unknown := [s for s, _ in refs if s != c.arch and s not in dict(scales)]:
+        return f"--reference-model {unknown[0]}=...: no such scale (--arch {c.arch}, or a --scale-model's)"
+    return judge_flags_problem(c.judge_url, c.judge_model, c.vlmevalkit, c.judge_key_env)
+
+
+def cost_column_problem(c: StudyConfig) -> str | None:
+    """Figure 4's column must be a score every run has: a benchmark run, or an aggregate of benchmarks run."""
+    needs = {"All": BENCHMARKS, **GROUPS}.get(c.cost_column, (c.cost_column,))
+    if c.cost_column not in COLUMNS:
+        return f"--cost-column {c.cost_column}: choose a benchmark or General, Math, OCR, All"
+    if missing := [b for b in needs if b not in c.benchmarks]:
+        return f"--cost-column {c.cost_column}: needs {' '.join(missing)} in --benchmarks"
+    return None
+
+
+@dataclass
+class Piece:
+    """One command of the study: its command line (SCRIPT.py and flags, the launcher aside), the file it leaves
+    once finished, the study flags it is made from (by name) and the files it reads (by the flag or piece they
+    come from), what it writes (moved aside when it is made again), and whether a change is refused."""
+
+    name: str
+    argv: list[str]
+    done: Path
+    kind: str = (
+        "cpu"  # multi: ranks share it (torchrun / sbatch); gpu: one device; cpu: light, here
+    )
+    stdout: Path | None = None  # the command's stdout is this file (profiles, tables)
+    flags: dict = field(default_factory=dict)
+    inputs: dict = field(default_factory=dict)
+    outputs: list = field(default_factory=list)
+    resume: Path | None = None  # train.py's run folder: --resume once it has started
+    refuse_change: bool = False  # a training run is not retrained in place
+
+    def __post_init__(self):
+        self.outputs = self.outputs or [self.done]
+
+
+@dataclass
+class Model:
+    """A model the study evaluates on every benchmark: its run name, folder, `evaluate.py run` flags, scale, and
+    whether it is a reference row (Table 1's public checkpoints) and has a batch-1 profile (Figure 4)."""
+
+    name: str
+    folder: Path
+    flags: list = field(default_factory=list)
+    scale: str = ""
+    reference: bool = False
+    profile: list | None = (
+        None  # profiling.py latency's extra flags (--shared-kv), None: not profiled
+    )
+
+
+def run_name(a: str) -> str:
+    return a.replace(":", "x")  # 2:2 -> 2x2, a folder name every tool takes
+
+
+def ablation_flags(name: str) -> list[str]:
+    """train.py's branch flags of an ablation: prefixN, loraR, mean."""
+    m = ABLATION.fullmatch(name)
+    if name == "mean":
+        return ["--aggregation", "mean"]
+    return (
+        ["--vit-prefix-len", m[2]]
+        if m[1] == "prefix"
+        else ["--vision-branches", "lora", "--lora-rank", m[2]]
+    )
+
+
+def extra(c: StudyConfig, command: str) -> list[str]:
+    """The extra flags --train-flags, --eval-flags, ... give one kind of piece."""
+    return shlex.split(getattr(c, f"{command}_flags"))
+
+
+def training_data(c: StudyConfig) -> Path:
+    return Path(c.out) / "data" / "meta.json" if c.data_fraction else Path(c.data)
+
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository: the commands the pieces run
