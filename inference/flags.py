@@ -9,6 +9,10 @@ The steps are in two parts so that a command can refuse its own bad input (a pro
 unreadable image) after reading config.json and the tokenizer but before the weights load. A flag that
 contradicts another is found at parsing (InferenceFlags.check, exit 2); one that contradicts the checkpoint
 (a branch it does not have) as soon as config.json is read (a UsageError, exit 2), before any weight loads.
+
+ParConfig's fields are flags too (branch_flags), so every command that takes a branch flag (train.py,
+profiling.py) shares its help and range; the rules that tie them together (branch_conflict,
+resolve_branch_flags) are here, beside them. The flag machinery itself is the shell's (shell/flags.py).
 """
 
 from __future__ import annotations
