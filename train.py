@@ -136,6 +136,13 @@ class TrainConfig(BranchFlags):
     )
     save_every: int = flag(500, "steps between checkpoints (and at the end)", range="[1, inf)")
     keep_last: int = flag(2, "checkpoints kept", range="[1, inf)")
+    keep_step: list[int] = flag(
+        help="steps whose checkpoints --keep-last never deletes (each a multiple of --save-every, "
+        "or the last step)",
+        factory=list,
+        range="[1, inf)",
+        shown="none",
+    )
     resume: bool = flag(
         False, "continue from the newest checkpoint in --out that verifies (none: start fresh)"
     )
@@ -428,6 +435,7 @@ def train(cfg: TrainConfig, data: SFTData, tracker: Tracker, files: dict[str, st
                 record,
                 {"seen": seen_total, "bad": bad_total},
                 cfg.keep_last,
+                cfg.keep_step,
             )
         if step >= total:
             break

@@ -73,6 +73,21 @@ def judge_line(judge: str | None) -> list[str]:
     ]
 
 
+def checkpoint_line(configs: list[dict]) -> list[str]:
+    """The training step every trained configuration's numbers come from, one checkpoint per model in every
+    table (C.1: Table 1 / 2's 4:4 row, Table 3's aggregation row and Table S6's standard row are one
+    checkpoint's, "at training step 7,000")."""
+    steps: dict = {}
+    for c in configs:
+        if not c["reference"]:
+            steps.setdefault(c["model_step"], []).append(c["label"])
+    parts = [
+        f"step {'not recorded' if s is None else s}: {', '.join(labels)}"
+        for s, labels in steps.items()
+    ]
+    return ["", "Checkpoints (the training step each number comes from): " + "; ".join(parts) + "."]
+
+
 def table_1(rows: list[dict], fmt) -> list[str]:
     md = [
         "",
@@ -245,7 +260,7 @@ def every_config(configs: list[dict], arch: str, fmt) -> list[str]:
 def markdown(data: dict, decimals: int) -> list[str]:
     """report.md's lines: the answer extractor, then every table in the paper's order."""
     fmt = lambda v: "-" if v is None else f"{v:.{decimals}f}"  # noqa: E731
-    md = judge_line(data["judge"]) + table_1(data["table1"], fmt)
+    md = judge_line(data["judge"]) + checkpoint_line(data["configs"]) + table_1(data["table1"], fmt)
     md += grids(
         "Table 2: Ablation on branch-count configurations between vision branches (Pv, columns) and "
         "language branches (Pl, rows).",

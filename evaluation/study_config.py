@@ -102,8 +102,9 @@ class StudyConfig:
     )
     router_step: int = flag(
         0,
-        "its training step Table 3 (every row) and S9 use (the paper: 7000; keep it with "
-        '--train-flags "--keep-last K", docs/training.md), 0 = the end-of-run export',
+        "the router allocation's training step every table that uses it takes (Tables 1, 2, 3, S5, "
+        "S6, S9, Figure 4; the paper: 7000), kept from --keep-last by train.py --keep-step; a "
+        "multiple of --save-every; 0 = the end-of-run export",
         range="[0, inf)",
     )
     router_data: str = flag(
@@ -196,6 +197,11 @@ class StudyConfig:
     label_flags: str = flag("", "extra `router.py label` flags, one string")
     router_flags: str = flag("", "extra `router.py train` flags, one string")
     profile_flags: str = flag("", "extra `profiling.py latency` flags, one string")
+    compiled_profile: bool = flag(
+        True,
+        "Tables 4 / S7 also with the compiled CUDA-graph decode, this project's regime, beside the "
+        "paper's eager one (tables/table4_compiled.md)",
+    )
     plan: bool = flag(False, "print every piece, done or to run, and run nothing")
 
     def check(self) -> None:
@@ -265,7 +271,47 @@ def flag_problem(c: StudyConfig) -> str | None:
         return f"--scale-model: each scale once, and not --arch {c.arch} (--model's)"
     if unknown := [s for s, _ in refs if s != c.arch and s not in dict(scales)]:
         return f"--reference-model {unknown[0]}=...: no such scale (--arch {c.arch}, or a --scale-model's)"
-    return judge_flags_problem(c.judge_url, c.judge_model, c.vlmevalkit, c.judge_key_env)
+    return router_step_problem(c) or judge_flags_problem(
+        c.judge_url, c.judge_model, c.vlmevalkit, c.judge_key_env
+    )
+
+
+# train.py's --save-every default (a test holds the two equal; the study reads no command's module)
+SAVE_EVERY = 500
+
+
+def train_flag(c: StudyConfig, name: str) -> str | None:
+    """The value --train-flags gives train.py's flag `name` (the last one wins, as in argparse), or None."""
+    args, value = extra(c, "train"), None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def router_step_problem(c: StudyConfig) -> str | None:
+    """--router-step must be a step the run saves: a multiple of --save-every (train.py saves at those and at
+    its last step, which --max-steps may fix), and not past --max-steps; found at --plan, not at the export
+    after the training."""
+    if not c.router_step:
+        return None
+    try:
+        every = int(train_flag(c, "--save-every") or SAVE_EVERY)
+        last = int(train_flag(c, "--max-steps") or 0)
+    except ValueError:
+        return "--train-flags: --save-every and --max-steps take whole numbers"
+    if every < 1:
+        return f"--train-flags --save-every {every}: at least 1"
+    if last and c.router_step > last:
+        return f"--router-step {c.router_step}: past --max-steps {last} of --train-flags"
+    if c.router_step % every and c.router_step != last:
+        return (
+            f"--router-step {c.router_step}: train.py saves every {every} steps (--save-every), so step "
+            f"{c.router_step} is never written; choose a multiple of {every}"
+        )
+    return None
 
 
 def cost_column_problem(c: StudyConfig) -> str | None:
@@ -335,6 +381,15 @@ def ablation_flags(name: str) -> list[str]:
 def extra(c: StudyConfig, command: str) -> list[str]:
     """The extra flags --train-flags, --eval-flags, ... give one kind of piece."""
     return shlex.split(getattr(c, f"{command}_flags"))
+
+
+def checkpoint(c: StudyConfig, run: str) -> Path:
+    """The checkpoint every table takes of a trained run: its end-of-run export, or for --router-allocation's
+    run with --router-step N, the export of step N (C.1 and Appendix E: Table 1 / 2's 4:4 row, Table 3's
+    aggregation row and Table S6's standard row are one checkpoint's numbers, "at training step 7,000")."""
+    if c.router_step and run == run_name(c.router_allocation):
+        return Path(c.out) / "router" / f"model_step_{c.router_step}"
+    return Path(c.out) / "runs" / run / "export"
 
 
 def training_data(c: StudyConfig) -> Path:

@@ -1,5 +1,6 @@
-"""The study's pieces that measure and tabulate: the latency profiles (Tables S7 and 4, Figure 4), the report
-of every table, and the analyses of finished runs (Tables S5 and S2, Figure 4)."""
+"""The study's pieces that measure and tabulate: the latency profiles (Tables S7 and 4, Figure 4, in the paper's
+eager regime; Tables S7 and 4 compiled as well), the report of every table, and the analyses of finished runs
+(Tables S5 and S2, Figure 4)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ from evaluation.study_config import Model, Piece, StudyConfig, extra, pairs_of, 
 
 def profile_pieces(c: StudyConfig, models: list[Model]) -> list[Piece]:
     """Figure 4: each profiled model's own batch-1 latency and memory (its config, random weights); Tables 4 / S7:
-    the router allocation against 1:1, standard and shared KV (--arch)."""
+    the router allocation against 1:1, standard and shared KV (--arch). The paper's tables in the paper's regime,
+    eager decode (C.1: "using the batched generation path", min_new_tokens = max_new_tokens = 128, where launch
+    overhead hides most of the branches' extra compute); Tables 4 / S7 again with the compiled CUDA-graph
+    decode beside them, this project's own regime, titled as such (latency.paper_layout)."""
     out, todo = Path(c.out), []
     for m in (m for m in models if m.profile is not None):
         profile = out / "profile" / f"{m.name}.json"
@@ -25,6 +29,7 @@ def profile_pieces(c: StudyConfig, models: list[Model]) -> list[Piece]:
                     "--batch",
                     "1",
                     "--json",
+                    "--no-compile",
                     *m.profile,
                     *extra(c, "profile"),
                 ],
@@ -36,29 +41,22 @@ def profile_pieces(c: StudyConfig, models: list[Model]) -> list[Piece]:
             )
         )
     pv, pl = c.router_allocation.split(":")
-    table4 = out / "tables" / "table4.md"
-    return todo + [
-        Piece(
-            "Tables 4 / S7",
-            [
-                "profiling.py",
-                "latency",
-                "--arch",
-                c.arch,
-                "--pv",
-                pv,
-                "--pl",
-                pl,
-                "--baseline",
-                "--compare-shared",
-                *extra(c, "profile"),
-            ],
-            table4,
-            "gpu",
-            stdout=table4,
-            flags={"--arch": c.arch, "--profile-flags": c.profile_flags},
+    for name, regime, table in (
+        ("Tables 4 / S7", "--no-compile", out / "tables" / "table4.md"),
+        ("Tables 4 / S7, compiled", "--compile", out / "tables" / "table4_compiled.md"),
+    )[: 2 if c.compiled_profile else 1]:
+        argv = ["profiling.py", "latency", "--arch", c.arch, "--pv", pv, "--pl", pl]
+        todo.append(
+            Piece(
+                name,
+                [*argv, "--baseline", "--compare-shared", regime, *extra(c, "profile")],
+                table,
+                "gpu",
+                stdout=table,
+                flags={"--arch": c.arch, "--profile-flags": c.profile_flags},
+            )
         )
-    ]
+    return todo
 
 
 def files(c: StudyConfig, models: list[Model], kind: str) -> list[Path]:

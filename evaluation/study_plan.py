@@ -6,10 +6,10 @@ files it reads; study_run.py records them and decides what runs.
     subsample      study.py subsample: the 1/20 subsample of --data in Table S1's mixture (Setup, A.1)
     train          train.py: the allocations (Table 2 / S4), the ablations of --ablation-base (Figure 3's prefix
                    lengths and LoRA ranks, Table S8's mean aggregation), each other scale's (Table 1)
+    export         train.py export: --router-step's checkpoint of the router allocation, every table's (C.1)
     run, score     evaluate.py: every benchmark of every model: the trained runs, Table 1's references (each
-                   scale's starting checkpoint and --reference-model), Table 3's checkpoint (--router-step's
-                   export, its dense model), every fixed pair (Table S9), the random pair, the router, shared KV
-                   (Table S6); every score with the answer extractor (A.3)
+                   scale's starting checkpoint and --reference-model), every fixed pair (Table S9), the random
+                   pair, the router, shared KV (Table S6); every score with the answer extractor (A.3)
     router         router.py label, train (and eval on --router-eval-data): Appendix E
     profile        profiling.py latency: each run's batch-1 profile (Figure 4), Tables 4 / S7
     tables         evaluate.py report (Tables 1, 2, 3, S2's best, S4, S6, S8, S9, Figure 3), lengths (Table S5),
@@ -27,6 +27,7 @@ from evaluation.study_config import (
     Piece,
     StudyConfig,
     ablation_flags,
+    checkpoint,
     extra,
     pairs_of,
     run_name,
@@ -98,6 +99,8 @@ def train_piece(c: StudyConfig, name: str, start: str, alloc: str, branches: lis
     pv, pl = alloc.split(":")
     run, data = Path(c.out) / "runs" / name, training_data(c)
     start_flag = "--model" if start == c.model else "--scale-model"
+    # the step every table takes of this run, kept whatever --keep-last is
+    keep = ["--keep-step", str(c.router_step)] if checkpoint(c, name).name != "export" else []
     return Piece(
         f"train {name}",
         [
@@ -113,6 +116,7 @@ def train_piece(c: StudyConfig, name: str, start: str, alloc: str, branches: lis
             str(data),
             "--out",
             str(run),
+            *keep,
             *extra(c, "train"),
         ],
         run / "export" / "model.safetensors",
@@ -133,14 +137,8 @@ def scale_models(c: StudyConfig) -> list[tuple[str, str]]:
 def evaluated(c: StudyConfig) -> list[Model]:
     """Every model evaluated before the router's: the trained runs (each profiled at batch 1 at the study's
     scale, Figure 4), then Table 1's references: each scale's starting checkpoint and its --reference-model."""
-    out = Path(c.out)
     models = [
-        Model(
-            name,
-            out / "runs" / name / "export",
-            scale=scale,
-            profile=[] if scale == c.arch else None,
-        )
+        Model(name, checkpoint(c, name), scale=scale, profile=[] if scale == c.arch else None)
         for name, scale, *_ in trained_runs(c)
     ]
     refs = [(s, folder) for s, folder in scale_models(c)] + pairs_of(
@@ -230,42 +228,48 @@ def benchmark_pieces(c: StudyConfig, m: Model) -> list[Piece]:
     return todo
 
 
-def router_models(c: StudyConfig) -> tuple[list[Piece], list[Model], list[Model]]:
-    """Table 3 and S9's checkpoint, the router allocation's end-of-run export or --router-step's export (then its
-    dense model is evaluated too: every row of Table 3 is that checkpoint's), its fixed pairs and random pair; and
-    the routed model, evaluated once the router is trained."""
-    out, ra = Path(c.out), run_name(c.router_allocation)
-    model, todo, models = out / "runs" / ra / "export", [], []
-    if c.router_step:
-        model = out / "router" / f"model_step_{c.router_step}"
-        todo.append(
-            Piece(
-                f"export {ra} step {c.router_step}",
-                [
-                    "train.py",
-                    "export",
-                    str(out / "runs" / ra),
-                    "--step",
-                    str(c.router_step),
-                    "--out",
-                    str(model),
-                ],
-                model / "model.safetensors",
-                "gpu",
-                flags={"--router-step": c.router_step},
-                inputs={"run": out / "runs" / ra / "export"},
-                outputs=[model],
-            )
+def step_export(c: StudyConfig) -> list[Piece]:
+    """With --router-step N, `train.py export` of step N of the router allocation's run, right after the
+    training: the checkpoint every table takes of that run (study_config.checkpoint)."""
+    ra = run_name(c.router_allocation)
+    if not c.router_step:
+        return []
+    model = checkpoint(c, ra)
+    return [
+        Piece(
+            f"export {ra} step {c.router_step}",
+            [
+                "train.py",
+                "export",
+                str(Path(c.out) / "runs" / ra),
+                "--step",
+                str(c.router_step),
+                "--out",
+                str(model),
+            ],
+            model / "model.safetensors",
+            "gpu",
+            flags={"--router-step": c.router_step},
+            inputs={"run": Path(c.out) / "runs" / ra / "export"},
+            outputs=[model],
         )
-        models.append(Model(f"{ra}_step{c.router_step}", model))
-    pv, pl = map(int, c.router_allocation.split(":"))
-    models += [
+    ]
+
+
+def router_models(c: StudyConfig) -> tuple[list[Model], list[Model]]:
+    """Table 3 and S9's fixed pairs and random pair of the router allocation's checkpoint (the one its dense
+    row, Tables 1, 2 and S6 take), and the routed model, evaluated once the router is trained."""
+    ra = run_name(c.router_allocation)
+    model, pv, pl = checkpoint(c, ra), *map(int, c.router_allocation.split(":"))
+    models = [
         Model(f"{ra}_pair{v}{lb}", model, ["--vision-branch", str(v), "--language-branch", str(lb)])
         for v in range(pv)
         for lb in range(pl)
     ]
     models.append(Model(f"{ra}_random", model, ["--random-pair", "--seed", str(SEED)]))
-    return todo, models, [Model(f"{ra}_router", model, ["--router", str(out / "router" / "gates")])]
+    return models, [
+        Model(f"{ra}_router", model, ["--router", str(Path(c.out) / "router" / "gates")])
+    ]
 
 
 def router_pieces(c: StudyConfig, model: Path) -> list[Piece]:
@@ -360,14 +364,14 @@ def router_pieces(c: StudyConfig, model: Path) -> list[Piece]:
 def pieces(c: StudyConfig) -> list[Piece]:
     """The study, in order: the data, every run trained, every benchmark of every model (runs, references, Table
     3's checkpoint and its pairs, the router once trained, shared KV), the profiles, then the tables."""
-    out, trained = Path(c.out), trained_runs(c)
+    trained = trained_runs(c)
     models = evaluated(c)
     todo = subsample_piece(c) + [
         train_piece(c, name, start, a, b) for name, _, start, a, b in trained
     ]
-    todo += [p for m in models for p in benchmark_pieces(c, m)]
-    export, table3, routed = router_models(c)
-    todo += export + [p for m in table3 for p in benchmark_pieces(c, m)]
+    todo += step_export(c) + [p for m in models for p in benchmark_pieces(c, m)]
+    table3, routed = router_models(c)
+    todo += [p for m in table3 for p in benchmark_pieces(c, m)]
     todo += router_pieces(c, table3[-1].folder) + [
         p for m in routed for p in benchmark_pieces(c, m)
     ]
@@ -375,7 +379,7 @@ def pieces(c: StudyConfig) -> list[Piece]:
     if c.shared_kv_allocation != "none":
         sk = Model(
             f"{run_name(c.shared_kv_allocation)}_sharedkv",
-            out / "runs" / run_name(c.shared_kv_allocation) / "export",
+            checkpoint(c, run_name(c.shared_kv_allocation)),
             ["--shared-kv"],
             profile=["--shared-kv"],
         )

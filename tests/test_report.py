@@ -338,6 +338,11 @@ def test_report_lays_out_every_table_as_the_paper_numbers_it(tmp_path, capsys):
     md = (tmp_path / "rep" / "report.md").read_text()
     assert md.startswith("Answer extractor: gpt-4o-2024-11-20 (Appendix A.3")
     lines = md.splitlines()
+    # issue 47, item 2: the step each number comes from, named
+    assert lines[2].startswith(
+        "Checkpoints (the training step each number comes from): step 9000: 1:1, 1:4, 4:1, 4:4; "
+        "step not recorded: 4:1 aggregation=mean; step 7000: 4:4 pair (0,0), 4:4 pair (0,1)"
+    )
     at = lines.index("| ~1B Models |" + " |" * 13)
     assert lines[at - 4].startswith(
         "Table 1: Comparison of multimodal general, mathematical, and OCR performance"

@@ -5,6 +5,7 @@ the paper reports), under Slurm (the device request from one flag), flag errors 
 subsample (Table S1's mixture)."""
 
 import contextlib
+import dataclasses
 import importlib
 import io
 import json
@@ -19,8 +20,10 @@ from inputs import png_b64, write_dataset, write_tsv
 from judge_fakes import StubJudge, fake_vlmevalkit, judge_server
 
 import study
+import train
 from data.processor import Tokenizer
 from evaluation.scoring import can_infer, mmmu_choices
+from evaluation.study_config import SAVE_EVERY
 from evaluation.tsv import read_tsv
 
 KEY = "sk-study-test-5f3a9c"  # the answer extractor's key: in the environment, never in a command line or a file
@@ -181,7 +184,7 @@ def tiny_study(checkpoint, model_dir, tmp_path, monkeypatch):
                 "--save-every",
                 "1",
                 "--keep-last",
-                "2",
+                "1",  # step 1 survives by --keep-step alone
                 "--global-batch",
                 "1",
                 "--max-tiles",
@@ -196,6 +199,7 @@ def tiny_study(checkpoint, model_dir, tmp_path, monkeypatch):
         "--steps 2 --global-batch 2 --log-every 1 --check-samples 0",
         "--profile-flags",
         "--batch 1 --iters 1 --warmup 0 --new-tokens 2 --tiles 1 --text-tokens 8",
+        "--no-compiled-profile",  # a CPU compile is minutes; the plan test holds the compiled piece
     ]
     return out, argv
 
@@ -211,7 +215,7 @@ RUNS = {
     **{f"2:2 pair ({v},{lb})": f"2x2_pair{v}{lb}" for v in (0, 1) for lb in (0, 1)},
 }
 # scored, not configurations of the grid
-OTHERS = ["2x2_random", "2x2_router", "2x2_step1", "tiny2_1x1", "tiny2_2x2"]
+OTHERS = ["2x2_random", "2x2_router", "tiny2_1x1", "tiny2_2x2"]
 
 
 def read(out: Path, path: str):
@@ -288,16 +292,18 @@ def assert_tables(out: Path, report: dict, names: list[str]) -> None:
         report["table1"][-1]["scores"]["MMMU_DEV_VAL"]
         == read(out, "score/tiny2_2x2/MMMU_DEV_VAL.json")["score"]
     )
-    step_one = read(out, "score/2x2_step1/MMMU_DEV_VAL.json")["model_fingerprint"]
+    # issue 47, item 2: one checkpoint of 2:2 (--router-step 1's) in every table that uses it
+    step_one = read(out, "score/2x2/MMMU_DEV_VAL.json")["model_fingerprint"]
     assert [(r["policy"], r["checkpoint"], r["step"]) for r in report["table3"]] == [
         ("Random pair (seed 42)", step_one, 1),
         ("Learned router", step_one, 1),
         ("Aggregation", step_one, 1),
     ]
-    assert step_one != configs["2:2"]["model"] and configs["2:2"]["model_step"] == 2
+    assert configs["2:2"]["model"] == configs["2:2 sharedKV"]["model"] == step_one
+    assert configs["2:2"]["model_step"] == 1 and configs["1:1"]["model_step"] == 2
     assert (
         report["table3"][2]["scores"]["General"]
-        == read(out, "score/2x2_step1/MMMU_DEV_VAL.json")["score"]
+        == read(out, "score/2x2/MMMU_DEV_VAL.json")["score"]
     )
     assert {configs[f"2:2 pair ({v},{lb})"]["model"] for v in (0, 1) for lb in (0, 1)} == {step_one}
     s6 = report["table_s6"]["2:2"]
@@ -438,7 +444,10 @@ def changes_are_made_again_or_refused(
 
     capsys.readouterr()
     before = tree(out)
-    for flag, value, then in (("--model", other, model), ("--train-flags", "--max-steps 3", None)):
+    for flag, value, then in (
+        ("--model", other, model),
+        ("--train-flags", "--max-steps 3 --save-every 1", None),
+    ):
         assert study.main(changed(flag, value)) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"error: train 1x1 was made with {flag} ") and err.count("\n") == 0, (
@@ -458,10 +467,10 @@ def changes_are_made_again_or_refused(
         if "would be made again (--eval-flags '--max-new-tokens 3 --batch-size 4' then, "
         "'--max-new-tokens 3 --batch-size 2' now)" in x
     ]
-    # 19 models x 2 benchmarks; then their scores:
-    assert len(again) == 38 and all("] run " in x for x in again)
+    # 18 models x 2 benchmarks (one 2:2 checkpoint, issue 47); then their scores:
+    assert len(again) == 36 and all("] run " in x for x in again)
     assert (
-        sum("] score " in x and ": done; made again if what run " in x for x in plan) == 38
+        sum("] score " in x and ": done; made again if what run " in x for x in plan) == 36
         and ran == []
     )
     one_one = read(out, "tables/figure4/score_cost.json")["points"][0]["score"]
@@ -494,7 +503,7 @@ def changes_are_made_again_or_refused(
 
 
 def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsys):
-    """`study.py --plan` as a user runs it, at the defaults: 669 pieces, nothing run. The subsample first (1/20,
+    """`study.py --plan` as a user runs it, at the defaults: 670 pieces, nothing run. The subsample first (1/20,
     Table S1's mixture); 15 runs trained (the nine allocations; Figure 3's prefix lengths 72 and 128 and LoRA
     ranks 8, 16, 32, Table S8's mean, of 4:1); 35 models x 9 benchmarks run and scored, 630 pieces (the 15 runs,
     --model as Table 1's reference row, the 16 fixed pairs, random pair and router of 4:4, and 4:4 with shared KV
@@ -506,7 +515,7 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
     assert study.main(base) == 0
     plan = capsys.readouterr().out.splitlines()
     names = [x.split("] ", 1)[1].split(":", 1)[0] for x in plan]
-    assert len(plan) == 669 and all(": would run " in x for x in plan) and not out.exists()
+    assert len(plan) == 670 and all(": would run " in x for x in plan) and not out.exists()
     assert names[0] == "subsample the data" and plan[0].endswith(
         f"study.py subsample --data d.json --fraction 0.05 "
         f"--mixture math=0.15 ocr=0.15 general=0.70 "
@@ -536,7 +545,7 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
         f"--pv 2 --pl 4 --model M --data {out / 'data' / 'meta.json'} --out {out / 'runs' / '2x4'}"
     )
     assert plan[6] == (
-        f"[7/669] train 2x4: would run {sys.executable} -m torch.distributed.run --standalone "
+        f"[7/670] train 2x4: would run {sys.executable} -m torch.distributed.run --standalone "
         f"--nproc-per-node 8 {ROOT / 'train.py'} {flags}"
     )
     assert (
@@ -546,6 +555,15 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
     assert len(models) == 35 and sum(n.startswith(("run ", "score ")) for n in names) == 630
     assert {"ref_1b_M", "4x4_sharedkv", "4x4_random", "4x4_router", "4x4_pair03"} <= set(models)
     assert "--shared-kv --out" in plan[names.index("run 4x4_sharedkv MMMU_DEV_VAL")]
+    # issue 47, item 1: every profile in the paper's eager regime, Tables 4 / S7 compiled beside them
+    profiles = [x for n, x in zip(names, plan) if n.startswith(("profile ", "Tables 4 / S7"))]
+    assert len(profiles) == 18 and all("--no-compile" in x for x in profiles[:17])
+    assert plan[names.index("Tables 4 / S7")].endswith(
+        f"--compare-shared --no-compile > {out / 'tables' / 'table4.md'}"
+    )
+    assert plan[names.index("Tables 4 / S7, compiled")].endswith(
+        f"--compare-shared --compile > {out / 'tables' / 'table4_compiled.md'}"
+    )
     assert sum(n.startswith("profile ") for n in names) == 16 and names[-4:] == [
         "report",
         "Table S5",
@@ -570,7 +588,7 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
     plan = capsys.readouterr().out.splitlines()
     names = [x.split("] ", 1)[1].split(":", 1)[0] for x in plan]
     # 2b's 1:1 and 2:2 trained, run and scored; 3 references run and scored
-    assert len(plan) == 669 + 2 + 5 * 18
+    assert len(plan) == 670 + 2 + 5 * 18
     assert {
         "train 2b_1x1",
         "train 2b_2x2",
@@ -622,7 +640,7 @@ def test_study_under_slurm_asks_for_devices_by_one_flag(tmp_path, capsys):
         assert study.main([*base, *gpus]) == 0
         plan = capsys.readouterr().out.splitlines()
         assert plan[5].startswith(
-            f"[6/668] train 2x4: would run sbatch --wait --nodes=4 {multi}{sbatch}"
+            f"[6/669] train 2x4: would run sbatch --wait --nodes=4 {multi}{sbatch}"
         ), plan[5]
         profile = next(x for x in plan if "] profile 1x1:" in x)
         assert profile.split("would run ")[1].startswith(
@@ -812,3 +830,49 @@ def test_subsample_draws_table_s1s_mixture(tmp_path, capsys):
         )
         and not (tmp_path / "d").exists()
     )
+
+
+def test_study_takes_one_checkpoint_of_the_router_allocation_everywhere(tmp_path, capsys):
+    """Issue 47, item 2: with --router-step 7000 (C.1, Appendix E: "at training step 7,000") Tables 1, 2, S5,
+    S6, S9, 3 and Figure 4 all take step 7000 of 4:4: it is kept from --keep-last (train.py --keep-step),
+    exported right after the training, and every 4:4 model (dense, pairs, random, router, shared KV, its
+    profiles, the router's labels) reads that export; no second 4:4 dense model. A step the save schedule
+    never writes, or one past --max-steps, is refused at --plan (exit 2, one line)."""
+    out = tmp_path / "s"
+    base = ["--model", "M", "--data", "d.json", "--tsv", "T", "--out", str(out), "--plan"]
+    assert study.main([*base, "--router-step", "7000"]) == 0
+    plan = capsys.readouterr().out.splitlines()
+    names = [x.split("] ", 1)[1].split(":", 1)[0] for x in plan]
+    step = out / "router" / "model_step_7000"
+    assert (
+        len(plan) == 671
+        and names.index("export 4x4 step 7000") == names.index("train 4x1_mean") + 1
+    )
+    assert plan[names.index("train 4x4")].endswith(f"--out {out / 'runs' / '4x4'} --keep-step 7000")
+    assert "--keep-step" not in "".join(x for x in plan if "] train 4x2:" in x)
+    uses = [
+        n
+        for n, x in zip(names, plan)
+        if n.startswith(("run 4x4", "profile 4x4", "label router")) or n == "train router"
+    ]
+    assert len(uses) == 9 + 16 * 9 + 9 + 9 + 9 + 2 + 2
+    assert all(f"--model {step} " in plan[names.index(n)] for n in uses)
+    assert not [x for x in plan if f"{out / 'runs' / '4x4' / 'export'} " in x]
+    assert not [n for n in names if "step7000" in n]
+    cases = [
+        (["--router-step", "7100"], "--router-step 7100: train.py saves every 500 steps"),
+        (["--router-step", "7000", "--train-flags", "--save-every 300"], "saves every 300 steps"),
+        (["--router-step", "7000", "--train-flags=--max-steps=6000"], "past --max-steps 6000"),
+    ]
+    for flags, needle in cases:
+        with pytest.raises(SystemExit) as e:
+            study.main([*base, *flags])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and needle in err[0], (flags, err)
+    assert study.main([*base, "--router-step", "7000", "--train-flags", "--save-every 700"]) == 0
+    assert study.main([*base, "--router-step", "6001", "--train-flags", "--max-steps 6001"]) == 0
+    capsys.readouterr()
+    default = next(
+        f.default for f in dataclasses.fields(train.TrainConfig) if f.name == "save_every"
+    )
+    assert SAVE_EVERY == default  # the study's copy of train.py's default
