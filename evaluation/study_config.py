@@ -11,7 +11,7 @@ from pathlib import Path
 
 from data.subsample import PAPER_MIXTURE, parse_mixture
 from evaluation.flops import ARCHS
-from evaluation.judge import KEY_ENV, PAPER_JUDGE, judge_flags_problem
+from evaluation.judge import JUDGE_READS, KEY_ENV, PAPER_JUDGE, judge_flags_problem
 from evaluation.scoring import BENCHMARKS, COLUMNS, GROUPS
 from shell.flags import flag
 
@@ -170,7 +170,7 @@ class StudyConfig:
     vlmevalkit: str | None = flag(
         None,
         "a VLMEvalKit checkout, whose extraction prompts the answer extractor is sent",
-        reads=True,
+        reads=JUDGE_READS,
     )
     judge_key_env: str = flag(
         KEY_ENV, "environment variable holding the extractor's API key (never a flag)"
