@@ -11,6 +11,7 @@ Figure 4.
         --judge-url https://api.openai.com/v1 --judge-model gpt-4o-2024-11-20 --vlmevalkit VLMEvalKit
     python study.py ... --launcher slurm --nodes 4 --slurm-flags "--partition gpu --time 24:00:00"
     python study.py subsample --data internvl35_sft.json --out sub/        # the first piece alone (data/subsample.py)
+    python study.py report --out study      # study/paper/report.md: every table and figure, the paper's order
 
 It runs the commands, one after the other, as a user would: study.py subsample, train.py, evaluate.py,
 router.py, profiling.py, under torchrun on this machine or through slurm/parvl.sbatch on a Slurm cluster. It
@@ -36,6 +37,7 @@ from pathlib import Path
 from data.subsample import SubsampleConfig, subsample
 from evaluation.study_config import Piece, StudyConfig, pairs_of
 from evaluation.study_plan import pieces
+from evaluation.study_report import StudyReportConfig, study_report
 from evaluation.study_run import Plan, execute, launch
 from shell.cli import command, log
 from shell.flags import Command, dispatch
@@ -152,10 +154,7 @@ def study(c: StudyConfig) -> int:
         return 0
     for k, p in enumerate(todo, 1):
         run_piece(c, plan, p, f"[{k}/{len(todo)}] {p.name}")
-    log(
-        f"the study is complete: {Path(c.out) / 'report' / 'report.md'}, {Path(c.out) / 'tables'}",
-        sys.stdout,
-    )
+    log(f"the study is complete: {Path(c.out) / 'paper' / 'report.md'}", sys.stdout)
     return 0
 
 
@@ -170,9 +169,15 @@ COMMANDS = {
     "subsample": Command(
         SubsampleConfig,
         subsample,
-        "the study's first piece: a seeded subsample of an SFT "
-        "collection in Table S1's domain mixture",
+        "the study's first piece: a seeded subsample of an SFT collection, its composition "
+        "printed as Table S1 (--mixture: stratified)",
         interrupted=lambda c: "meta.json is written last: the same command draws again",
+    ),
+    "report": Command(
+        StudyReportConfig,
+        study_report,
+        "one document of every table and figure of the study, in the paper's order",
+        writes=lambda c: Path(c.doc) if c.doc else Path(c.out) / "paper",
     ),
 }
 

@@ -53,9 +53,14 @@ def cells(fmt, scores: dict, columns=COLUMNS) -> str:
     return " | ".join(fmt(scores.get(k)) for k in columns) + " |"
 
 
+# a column's name in a table's head: the paper's (Table 1's "MMMU dev-val"), not VLMEvalKit's file name; the
+# domain averages keep Table 1's plain names
+HEAD_NAMES = PAPER_NAMES | {"Math": "Math", "OCR": "OCR"}
+
+
 def head(first: list[str], columns=COLUMNS) -> list[str]:
     return [
-        "| " + " | ".join([*first, *columns]) + " |",
+        "| " + " | ".join([*first, *(HEAD_NAMES.get(c, c) for c in columns)]) + " |",
         "|" + " --- |" * (len(first) + len(columns)),
     ]
 
@@ -102,14 +107,17 @@ def table_1(rows: list[dict], fmt) -> list[str]:
     return md
 
 
-def grids(title: str, columns, pvs: list, pls: list, grids_: dict, fmt) -> list[str]:
+def grids(
+    title: str, columns, pvs: list, pls: list, grids_: dict, fmt, first: int = 0
+) -> list[str]:
     """Table 2 or S4: a Pl x Pv subtable per column the runs scored, in `columns`' order, lettered as the paper
-    letters it ((b) LogicVista in Table 2 whether or not MathVista ran)."""
+    letters it ((b) LogicVista in Table 2 whether or not MathVista ran); `first`: the letter of columns[0] (an
+    extra grid after Table 2's nine goes on at (j), no letter of the paper's used twice)."""
     md = ["", title]
     for col in (c for c in columns if c in grids_):
         md += [
             "",
-            f"({'abcdefghi'[columns.index(col)]}) {PAPER_NAMES[col]}",
+            f"({'abcdefghijklm'[first + columns.index(col)]}) {PAPER_NAMES[col]}",
             "",
             "| Pl \\ Pv | " + " | ".join(map(str, pvs)) + " |",
             "|" + " --- |" * (len(pvs) + 1),
@@ -165,7 +173,7 @@ def best(best_: dict, decimals: int) -> list[str]:
         f"Table S2, last column: the empirically best Pv:Pl per benchmark, selected from Table S4; ties (at "
         f"{decimals} decimals) favor the lower-FLOP configuration.",
         "",
-        "| " + " | ".join(best_) + " |",
+        "| " + " | ".join(HEAD_NAMES.get(b, b) for b in best_) + " |",
         "|" + " --- |" * len(best_),
         "| " + " | ".join(best_.values()) + " |",
     ]
@@ -279,6 +287,7 @@ def markdown(data: dict, decimals: int) -> list[str]:
             data["grid_pl"],
             data["grids"],
             fmt,
+            first=len(TABLE2),
         )
     md += (
         figure_3(data["figure3"], fmt) + table_3(data["table3"], fmt) + best(data["best"], decimals)

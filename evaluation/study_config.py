@@ -40,6 +40,7 @@ OUT_FOLDERS = (
     "profile",
     "tables",
     "report",
+    "paper",
     "made",
     "replaced",
 )
@@ -72,15 +73,16 @@ class StudyConfig:
     )
     data_fraction: float = flag(
         0.05,
-        "fraction of --data the runs train on, drawn in --mixture's shares (the "
-        "study's first piece); 0: --data as given",
+        "fraction of --data the runs train on, a plain seeded draw as the paper's (the study's first "
+        "piece; its composition reported as Table S1); 0: --data as given",
         range="[0, 1]",
         shown="0.05, the paper's 1/20",
     )
     mixture: list[str] = flag(
-        help="domain shares of the subsample, DOMAIN=SHARE (Table S1)",
-        factory=lambda: list(PAPER_MIXTURE),
-        shown=" ".join(PAPER_MIXTURE),
+        help="a stratified subsample instead: each domain's share, DOMAIN=SHARE (Table S1's rounded "
+        f"estimate: {' '.join(PAPER_MIXTURE)})",
+        factory=list,
+        shown="none: the paper's plain seeded draw",
     )
     allocations: list[str] = flag(
         help="Pv:Pl allocations trained and evaluated",
@@ -262,7 +264,8 @@ def flag_problem(c: StudyConfig) -> str | None:
         except ValueError as e:
             return f"--{kind}-flags {getattr(c, f'{kind}_flags')!r}: {e} (one string of flags, quoted as a shell does)"
     try:
-        parse_mixture(c.mixture)
+        if c.mixture:
+            parse_mixture(c.mixture)
         scales = pairs_of(c.scale_model, "--scale-model")
         refs = pairs_of(c.reference_model, "--reference-model")
     except ValueError as e:

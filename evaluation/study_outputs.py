@@ -173,3 +173,20 @@ def analysis_pieces(c: StudyConfig, models: list[Model]) -> list[Piece]:
             outputs=[tables / "figure4", tables / "figure4.md"],
         ),
     ]
+
+
+def document_piece(c: StudyConfig) -> Piece:
+    """`study.py report`: the one document of every table and figure, in the paper's order (study_report.py),
+    made again whenever a table it gathers changes."""
+    out = Path(c.out)
+    tables = ["S5.md", "S2.md", "figure4.md", "table4.md"]
+    tables += ["table4_compiled.md"] if c.compiled_profile else []
+    gathered = [out / "report" / "report.md", *(out / "tables" / t for t in tables)]
+    gathered += [out / "data" / "subsample.json"] if c.data_fraction else []
+    return Piece(
+        "the document",
+        ["study.py", "report", "--out", str(out)],
+        out / "paper" / "report.md",
+        inputs={str(p): p for p in gathered},
+        outputs=[out / "paper"],
+    )

@@ -3,7 +3,7 @@ says which sentence of the paper each piece follows): its pieces, in order (its 
 piece is one command with the file it leaves when it has finished, the study flags it is made from and the
 files it reads; study_run.py records them and decides what runs.
 
-    subsample      study.py subsample: the 1/20 subsample of --data in Table S1's mixture (Setup, A.1)
+    subsample      study.py subsample: the seeded 1/20 subsample of --data, its composition Table S1 (Setup, A.1)
     train          train.py: the allocations (Table 2 / S4), the ablations of --ablation-base (Figure 3's prefix
                    lengths and LoRA ranks, Table S8's mean aggregation), each other scale's (Table 1)
     export         train.py export: --router-step's checkpoint of the router allocation, every table's (C.1)
@@ -14,6 +14,7 @@ files it reads; study_run.py records them and decides what runs.
     profile        profiling.py latency: each run's batch-1 profile (Figure 4), Tables 4 / S7
     tables         evaluate.py report (Tables 1, 2, 3, S2's best, S4, S6, S8, S9, Figure 3), lengths (Table S5),
                    descriptors (Table S2), cost (Figure 4)
+    document       study.py report: every table and figure in one document, in the paper's order
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from evaluation.study_config import (
     run_name,
     training_data,
 )
-from evaluation.study_outputs import analysis_pieces, profile_pieces, report_piece
+from evaluation.study_outputs import analysis_pieces, document_piece, profile_pieces, report_piece
 from shell.cli import SEED
 
 # -- the pieces ------------------------------------------------------------------------------------------
@@ -69,8 +70,7 @@ def subsample_piece(c: StudyConfig) -> list[Piece]:
                 c.data,
                 "--fraction",
                 str(c.data_fraction),
-                "--mixture",
-                *c.mixture,
+                *(["--mixture", *c.mixture] if c.mixture else []),
                 "--seed",
                 str(SEED),
                 "--out",
@@ -385,4 +385,5 @@ def pieces(c: StudyConfig) -> list[Piece]:
         )
         todo += benchmark_pieces(c, sk)
         models.append(sk)
-    return todo + profile_pieces(c, models) + [report_piece(c, models)] + analysis_pieces(c, models)
+    todo += profile_pieces(c, models) + [report_piece(c, models)] + analysis_pieces(c, models)
+    return todo + [document_piece(c)]

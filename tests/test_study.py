@@ -22,6 +22,7 @@ from judge_fakes import StubJudge, fake_vlmevalkit, judge_server
 import study
 import train
 from data.processor import Tokenizer
+from data.subsample import domain_of
 from evaluation.scoring import can_infer, mmmu_choices
 from evaluation.study_config import SAVE_EVERY
 from evaluation.tsv import read_tsv
@@ -124,6 +125,10 @@ def tiny_study(checkpoint, model_dir, tmp_path, monkeypatch):
         str(collection(tmp_path / "sft")),
         "--data-fraction",
         "0.25",
+        "--mixture",  # the stratified option, end to end
+        "math=0.15",
+        "ocr=0.15",
+        "general=0.70",
         "--tsv",
         str(benchmark_tsvs(tmp_path / "tsv")),
         "--out",
@@ -356,6 +361,31 @@ def assert_tables(out: Path, report: dict, names: list[str]) -> None:
         (out / "report" / f).is_file() for f in ("table2.png", "table_s4.png", "figure3_2x2.png")
     )
     assert (out / "tables" / "figure4" / "score_cost.png").is_file()
+    # issue 47, item 4: one document, every table and figure in the paper's order, the figures beside it
+    doc = (out / "paper" / "report.md").read_text()
+    order = [
+        "Table 1:",
+        "Table 2:",
+        "Figure 3 (2:2)",
+        "Table 3:",
+        "Table 4:",
+        "Figure 4:",
+        "Table S1:",
+    ]
+    order += [
+        "Table S2:",
+        "Table S3:",
+        "Table S4:",
+        "Table S5:",
+        "Table S6:",
+        "Table S7:",
+        "Table S8:",
+    ]
+    at = [doc.index(f"\n## {title}") for title in [*order, "Table S9:"]]
+    assert at == sorted(at) and "Not made yet" not in doc
+    assert {"table2.png", "figure3_2x2.png", "score_cost.png"} <= {
+        p.name for p in (out / "paper").iterdir()
+    }
 
 
 def assert_analyses(out: Path, report: dict) -> None:
@@ -475,7 +505,11 @@ def changes_are_made_again_or_refused(
     )
     one_one = read(out, "tables/figure4/score_cost.json")["points"][0]["score"]
     assert study.main(changed("--cost-column", "LogicVista")) == 0
-    assert [Path(cmd[1]).name + " " + cmd[2] for cmd in ran] == ["evaluate.py cost"]
+    # Figure 4 again, then the document that holds it
+    assert [Path(cmd[1]).name + " " + cmd[2] for cmd in ran] == [
+        "evaluate.py cost",
+        "study.py report",
+    ]
     # LogicVista's
     assert {p["score"] for p in read(out, "tables/figure4/score_cost.json")["points"]} == {100.0}
     # kept, not lost
@@ -503,7 +537,7 @@ def changes_are_made_again_or_refused(
 
 
 def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsys):
-    """`study.py --plan` as a user runs it, at the defaults: 670 pieces, nothing run. The subsample first (1/20,
+    """`study.py --plan` as a user runs it, at the defaults: 671 pieces, nothing run. The subsample first (1/20,
     Table S1's mixture); 15 runs trained (the nine allocations; Figure 3's prefix lengths 72 and 128 and LoRA
     ranks 8, 16, 32, Table S8's mean, of 4:1); 35 models x 9 benchmarks run and scored, 630 pieces (the 15 runs,
     --model as Table 1's reference row, the 16 fixed pairs, random pair and router of 4:4, and 4:4 with shared KV
@@ -515,11 +549,9 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
     assert study.main(base) == 0
     plan = capsys.readouterr().out.splitlines()
     names = [x.split("] ", 1)[1].split(":", 1)[0] for x in plan]
-    assert len(plan) == 670 and all(": would run " in x for x in plan) and not out.exists()
+    assert len(plan) == 671 and all(": would run " in x for x in plan) and not out.exists()
     assert names[0] == "subsample the data" and plan[0].endswith(
-        f"study.py subsample --data d.json --fraction 0.05 "
-        f"--mixture math=0.15 ocr=0.15 general=0.70 "
-        f"--seed 42 --out {out / 'data'}"
+        f"study.py subsample --data d.json --fraction 0.05 --seed 42 --out {out / 'data'}"
     )
     trained = [
         n.removeprefix("train ") for n in names if n.startswith("train ") and n != "train router"
@@ -545,7 +577,7 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
         f"--pv 2 --pl 4 --model M --data {out / 'data' / 'meta.json'} --out {out / 'runs' / '2x4'}"
     )
     assert plan[6] == (
-        f"[7/670] train 2x4: would run {sys.executable} -m torch.distributed.run --standalone "
+        f"[7/671] train 2x4: would run {sys.executable} -m torch.distributed.run --standalone "
         f"--nproc-per-node 8 {ROOT / 'train.py'} {flags}"
     )
     assert (
@@ -564,12 +596,14 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
     assert plan[names.index("Tables 4 / S7, compiled")].endswith(
         f"--compare-shared --compile > {out / 'tables' / 'table4_compiled.md'}"
     )
-    assert sum(n.startswith("profile ") for n in names) == 16 and names[-4:] == [
+    assert sum(n.startswith("profile ") for n in names) == 16 and names[-5:] == [
         "report",
         "Table S5",
         "Table S2",
         "Figure 4",
+        "the document",
     ]
+    assert plan[-1].endswith(f"study.py report --out {out}")
     more = [
         *base,
         "--scale-model",
@@ -588,7 +622,7 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
     plan = capsys.readouterr().out.splitlines()
     names = [x.split("] ", 1)[1].split(":", 1)[0] for x in plan]
     # 2b's 1:1 and 2:2 trained, run and scored; 3 references run and scored
-    assert len(plan) == 670 + 2 + 5 * 18
+    assert len(plan) == 671 + 2 + 5 * 18
     assert {
         "train 2b_1x1",
         "train 2b_2x2",
@@ -640,7 +674,7 @@ def test_study_under_slurm_asks_for_devices_by_one_flag(tmp_path, capsys):
         assert study.main([*base, *gpus]) == 0
         plan = capsys.readouterr().out.splitlines()
         assert plan[5].startswith(
-            f"[6/669] train 2x4: would run sbatch --wait --nodes=4 {multi}{sbatch}"
+            f"[6/670] train 2x4: would run sbatch --wait --nodes=4 {multi}{sbatch}"
         ), plan[5]
         profile = next(x for x in plan if "] profile 1x1:" in x)
         assert profile.split("would run ")[1].startswith(
@@ -753,15 +787,9 @@ def test_study_missing_inputs_exit_1_before_anything_runs(tmp_path, capsys, monk
     assert ran == [] and not out.exists()
 
 
-def test_subsample_draws_table_s1s_mixture(tmp_path, capsys):
-    """The study's first piece (Setup: "a 1/20 subsample of the InternVL3.5 SFT collection"; Table S1: 15 % math,
-    15 % OCR and documents, 70 % general): domains from the meta entry's "domain" or the dataset's name; rows as
-    train.py counts them (repeat_time 2 doubles a dataset). By hand: math geoqa 10 rows; OCR chartqa 10 + docs
-    ("domain": "ocr") 5 x 2 = 10; general 30; 60 rows x 1/2 = 30: math 4.5, OCR 4.5, general 21 -> 5, 4, 21
-    (largest remainders, ties to the first); OCR's 4 over chartqa and docs by their rows, 2 and 2. Each kept line
-    is a line of its dataset, byte for byte; the same seed draws the same, another seed others. A domain with too
-    few rows is one line, nothing written."""
-    src = tmp_path / "src"
+def sft_sources(src: Path) -> Path:
+    """A collection of four datasets: geoqa_math 10 rows, chartqa 10, docs 5 ("domain": "ocr", repeat_time 2:
+    10 rows), llava_chat 30."""
     src.mkdir()
     meta = {}
     for name, n, extra in (
@@ -775,7 +803,57 @@ def test_subsample_draws_table_s1s_mixture(tmp_path, capsys):
         )
         meta[name] = {"root": "img", "annotation": f"{name}.jsonl", **extra}
     (src / "meta.json").write_text(json.dumps(meta))
+    return src
+
+
+def test_subsample_is_the_papers_plain_draw_reported_as_table_s1(tmp_path, capsys):
+    """Issue 47, item 3: by default the subsample is the paper's plain seeded draw of the fraction (Setup: "a 1/20
+    subsample"), not the rounded estimate of Table S1 forced as a target: 60 rows x 1/2 = 30 drawn from the
+    whole collection, each domain getting what the draw gives; every row of the collection can be drawn, and
+    over seeds each dataset's mean count is its proportional share (geoqa 10/60 x 30 = 5). Its composition is
+    printed as Table S1 (the paper's caption, categories and rounding) and kept in subsample.json. Domains from
+    words of the name: "geography" is not math ("geo" was a substring rule), "geoqa+" is."""
+    src = sft_sources(tmp_path / "src")
     argv = ["subsample", "--data", str(src / "meta.json"), "--fraction", "0.5"]
+    means = {"geoqa_math": 0, "chartqa": 0, "docs": 0, "llava_chat": 0}
+    for seed in range(40):
+        assert study.main([*argv, "--seed", str(seed), "--out", str(tmp_path / str(seed))]) == 0
+        kept = json.loads((tmp_path / str(seed) / "subsample.json").read_text())["datasets"]
+        assert sum(d["kept"] for d in kept.values()) == 30
+        for name in means:
+            means[name] += kept.get(name, {"kept": 0})["kept"] / 40
+    assert means == pytest.approx(
+        {"geoqa_math": 5, "chartqa": 5, "docs": 5, "llava_chat": 15}, abs=0.6
+    )
+    summary = json.loads((tmp_path / "0" / "subsample.json").read_text())
+    assert summary["mixture"] is None
+    printed = capsys.readouterr().out
+    kept = {d: v["kept"] for d, v in summary["domains"].items()}
+    assert (
+        "Table S1: Approximate SFT data composition by instance count. Categories are estimated from task "
+        "metadata and dataset names; percentages are rounded." in printed
+    )
+    assert f"| Mathematical reasoning | {100 * kept['math'] / 30:.0f}% |" in printed
+    assert "a plain seeded draw, seed 39" in printed
+    assert [domain_of(n, {}) for n in ("geography_qa", "geoqa+", "mavis_math", "TextVQA")] == [
+        "general",
+        "math",
+        "math",
+        "ocr",
+    ]
+
+
+def test_subsample_draws_table_s1s_mixture(tmp_path, capsys):
+    """The study's first piece (Setup: "a 1/20 subsample of the InternVL3.5 SFT collection"; Table S1: 15 % math,
+    15 % OCR and documents, 70 % general): domains from the meta entry's "domain" or the dataset's name; rows as
+    train.py counts them (repeat_time 2 doubles a dataset). By hand: math geoqa 10 rows; OCR chartqa 10 + docs
+    ("domain": "ocr") 5 x 2 = 10; general 30; 60 rows x 1/2 = 30: math 4.5, OCR 4.5, general 21 -> 5, 4, 21
+    (largest remainders, ties to the first); OCR's 4 over chartqa and docs by their rows, 2 and 2. Each kept line
+    is a line of its dataset, byte for byte; the same seed draws the same, another seed others. A domain with too
+    few rows is one line, nothing written. (Issue 47, item 3: stratified with --mixture, an option.)"""
+    src = sft_sources(tmp_path / "src")
+    argv = ["subsample", "--data", str(src / "meta.json"), "--fraction", "0.5"]
+    argv += ["--mixture", "math=0.15", "ocr=0.15", "general=0.70"]
     assert study.main([*argv, "--out", str(tmp_path / "a")]) == 0
     printed = capsys.readouterr().out
     assert "| math | 10 | 5 | 16.7 % |" in printed and "| ocr | 20 | 4 | 13.3 % |" in printed
@@ -809,7 +887,7 @@ def test_subsample_draws_table_s1s_mixture(tmp_path, capsys):
     assert (
         study.main(
             [
-                *argv[:-1],
+                *argv[:4],
                 "0.9",
                 "--out",
                 str(tmp_path / "d"),
@@ -845,7 +923,7 @@ def test_study_takes_one_checkpoint_of_the_router_allocation_everywhere(tmp_path
     names = [x.split("] ", 1)[1].split(":", 1)[0] for x in plan]
     step = out / "router" / "model_step_7000"
     assert (
-        len(plan) == 671
+        len(plan) == 672
         and names.index("export 4x4 step 7000") == names.index("train 4x1_mean") + 1
     )
     assert plan[names.index("train 4x4")].endswith(f"--out {out / 'runs' / '4x4'} --keep-step 7000")
