@@ -36,6 +36,7 @@ from pathlib import Path
 
 from data.subsample import SubsampleConfig, subsample
 from evaluation.study_config import Piece, StudyConfig, pairs_of
+from evaluation.study_cost import gpu_hours, piece_flops
 from evaluation.study_plan import pieces
 from evaluation.study_report import StudyReportConfig, study_report
 from evaluation.study_run import Plan, execute, launch
@@ -123,8 +124,45 @@ def run_piece(c: StudyConfig, plan: Plan, p: Piece, head: str) -> None:
     plan.save(p)
 
 
+def prices(c: StudyConfig, todo: list[Piece]) -> list[float | None]:
+    """Each piece's FLOPs (evaluation/study_cost.py), the training data counted from the subsample once drawn."""
+    drawn = Path(c.out) / "data" / "meta.json"
+    training = (
+        (str(drawn), 0.0) if c.data_fraction and drawn.is_file() else (c.data, c.data_fraction)
+    )
+    return [piece_flops(p.work, training) for p in todo]
+
+
+def price_lines(c: StudyConfig, todo: list[Piece], flops: list[float | None]) -> list[str]:
+    """The total, by kind of piece, in GPU-hours at --mfu of --peak-tflops; the pieces of unknown size named."""
+    h = lambda f: hours(gpu_hours(f, c.mfu, c.peak_tflops))  # noqa: E731
+    names = {"train": "training", "run": "benchmark runs", "label": "router labels"}
+    kinds: dict[str, float] = dict.fromkeys([*names, "the rest"], 0.0)
+    for p, f in zip(todo, flops):
+        first = p.name.split()[0] if p.name != "train router" else ""
+        kinds[names.get(first) and first or "the rest"] += f or 0.0
+    lines = [
+        f"estimated compute: {sum(kinds.values()) / 1e18:,.1f} EFLOP, {h(sum(kinds.values()))} GPU-hours at "
+        f"MFU {c.mfu} of {c.peak_tflops:g} TFLOP/s ("
+        + ", ".join(f"{names.get(k, k)} {h(v)}" for k, v in kinds.items())
+        + "); every sample priced at Table S3's workload (evaluation/study_cost.py)"
+    ]
+    if unknown := [p.name for p, f in zip(todo, flops) if f is None]:
+        lines.append(
+            f"not priced, their samples not countable yet (--data, a TSV or --router-data missing): "
+            f"{len(unknown)} pieces ({unknown[0]}, ...)"
+        )
+    return lines
+
+
+def hours(h: float) -> str:
+    """GPU-hours as --plan prints them: one decimal, or one significant digit below 0.1 (a profile)."""
+    return f"{h:,.1f}" if h >= 0.1 else f"{h:.1g}"
+
+
 def print_plan(c: StudyConfig, todo: list[Piece], statuses: list[tuple[str, str | None]]) -> None:
-    for k, (p, (status, why)) in enumerate(zip(todo, statuses), 1):
+    flops = prices(c, todo)
+    for k, (p, (status, why), f) in enumerate(zip(todo, statuses, flops), 1):
         head, redirect = f"[{k}/{len(todo)}] {p.name}", f" > {p.stdout}" if p.stdout else ""
         line = {
             "done": f"done ({p.done})",
@@ -133,13 +171,17 @@ def print_plan(c: StudyConfig, todo: list[Piece], statuses: list[tuple[str, str 
             "run": f"would run {shlex.join(launch(c, p))}{redirect}",
             "redo": f"would be made again ({why}): {shlex.join(launch(c, p))}{redirect}",
         }[status]
-        log(f"{head}: {line}", sys.stdout)
+        # priced pieces only: those of unknown size are named in the total's line
+        cost = f" [{hours(gpu_hours(f, c.mfu, c.peak_tflops))} GPU-h]" if f else ""
+        log(f"{head}: {line}{cost}", sys.stdout)
     if others := left_out(c, next(p for p in todo if p.name == "report")):
         log(
             f"the report would leave out {len(others)} score file(s) this plan did not make: "
             f"{' '.join(map(str, others))}",
             sys.stdout,
         )
+    for line in price_lines(c, todo, flops):
+        log(line, sys.stdout)
 
 
 def study(c: StudyConfig) -> int:

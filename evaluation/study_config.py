@@ -205,6 +205,17 @@ class StudyConfig:
         "paper's eager one (tables/table4_compiled.md)",
     )
     plan: bool = flag(False, "print every piece, done or to run, and run nothing")
+    mfu: float = flag(
+        0.4,
+        "model FLOPs utilisation --plan prices the pieces at (evaluation/study_cost.py)",
+        range="(0, 1]",
+    )
+    peak_tflops: float = flag(
+        989.0,
+        "one GPU's dense bf16 peak, TFLOP/s, --plan prices the pieces at",
+        range="(0, inf)",
+        shown="989, an H100 / H200 SXM",
+    )
 
     def check(self) -> None:
         """Bad flags (exit 2), found by --plan before anything runs (flag_problem)."""
@@ -345,6 +356,8 @@ class Piece:
     outputs: list = field(default_factory=list)
     resume: Path | None = None  # train.py's run folder: --resume once it has started
     refuse_change: bool = False  # a training run is not retrained in place
+    # what one sample costs and how many (study_cost.py): arch, pv, pl, branches, passes, rows; None: no price
+    work: dict | None = None
 
     def __post_init__(self):
         self.outputs = self.outputs or [self.done]
@@ -352,8 +365,9 @@ class Piece:
 
 @dataclass
 class Model:
-    """A model the study evaluates on every benchmark: its run name, folder, `evaluate.py run` flags, scale, and
-    whether it is a reference row (Table 1's public checkpoints) and has a batch-1 profile (Figure 4)."""
+    """A model the study evaluates on every benchmark: its run name, folder, `evaluate.py run` flags, scale,
+    whether it is a reference row (Table 1's public checkpoints), whether it has a batch-1 profile (Figure 4),
+    and what one of its samples costs."""
 
     name: str
     folder: Path
@@ -363,6 +377,8 @@ class Model:
     profile: list | None = (
         None  # profiling.py latency's extra flags (--shared-kv), None: not profiled
     )
+    # the configuration one sample runs through, for the price (study_cost.py): arch, pv, pl, branches
+    work: dict | None = None
 
 
 def run_name(a: str) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from evaluation.study_config import Model, Piece, StudyConfig, extra, pairs_of, run_name
+from evaluation.study_cost import PROFILE_CALLS
 
 
 def profile_pieces(c: StudyConfig, models: list[Model]) -> list[Piece]:
@@ -38,9 +39,12 @@ def profile_pieces(c: StudyConfig, models: list[Model]) -> list[Piece]:
                 stdout=profile,
                 flags={"--profile-flags": c.profile_flags},
                 inputs={"model": m.folder},
+                work=m.work and m.work | {"rows": ("fixed", PROFILE_CALLS)},
             )
         )
     pv, pl = c.router_allocation.split(":")
+    # batches 1, 2, 4, 8 of 1:1, standard and shared KV: priced as three of the router allocation's (a bound)
+    bound = {"arch": c.arch, "pv": int(pv), "pl": int(pl), "passes": 3}
     for name, regime, table in (
         ("Tables 4 / S7", "--no-compile", out / "tables" / "table4.md"),
         ("Tables 4 / S7, compiled", "--compile", out / "tables" / "table4_compiled.md"),
@@ -54,6 +58,7 @@ def profile_pieces(c: StudyConfig, models: list[Model]) -> list[Piece]:
                 "gpu",
                 stdout=table,
                 flags={"--arch": c.arch, "--profile-flags": c.profile_flags},
+                work=bound | {"rows": ("fixed", PROFILE_CALLS * 15)},
             )
         )
     return todo

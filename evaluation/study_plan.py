@@ -34,6 +34,7 @@ from evaluation.study_config import (
     run_name,
     training_data,
 )
+from evaluation.study_cost import TRAIN_PASSES, branch_dict
 from evaluation.study_outputs import analysis_pieces, document_piece, profile_pieces, report_piece
 from shell.cli import SEED
 
@@ -95,7 +96,16 @@ def annotations(meta: Path) -> dict:
         return {}
 
 
-def train_piece(c: StudyConfig, name: str, start: str, alloc: str, branches: list[str]) -> Piece:
+def work(arch: str, alloc: str, branches: list[str] = (), **more) -> dict:
+    """What one sample of a piece runs through (study_cost.py): arch, Pv:Pl, branch flags, and more (passes,
+    rows)."""
+    pv, pl = map(int, alloc.split(":"))
+    return {"arch": arch, "pv": pv, "pl": pl, "branches": branch_dict(list(branches))} | more
+
+
+def train_piece(
+    c: StudyConfig, name: str, scale: str, start: str, alloc: str, branches: list[str]
+) -> Piece:
     pv, pl = alloc.split(":")
     run, data = Path(c.out) / "runs" / name, training_data(c)
     start_flag = "--model" if start == c.model else "--scale-model"
@@ -126,6 +136,7 @@ def train_piece(c: StudyConfig, name: str, start: str, alloc: str, branches: lis
         outputs=[run],
         resume=run,
         refuse_change=True,
+        work=work(scale, alloc, branches, passes=TRAIN_PASSES, rows=("training", None)),
     )
 
 
@@ -138,8 +149,14 @@ def evaluated(c: StudyConfig) -> list[Model]:
     """Every model evaluated before the router's: the trained runs (each profiled at batch 1 at the study's
     scale, Figure 4), then Table 1's references: each scale's starting checkpoint and its --reference-model."""
     models = [
-        Model(name, checkpoint(c, name), scale=scale, profile=[] if scale == c.arch else None)
-        for name, scale, *_ in trained_runs(c)
+        Model(
+            name,
+            checkpoint(c, name),
+            scale=scale,
+            profile=[] if scale == c.arch else None,
+            work=work(scale, alloc, branches),
+        )
+        for name, scale, _, alloc, branches in trained_runs(c)
     ]
     refs = [(s, folder) for s, folder in scale_models(c)] + pairs_of(
         c.reference_model, "--reference-model"
@@ -148,7 +165,9 @@ def evaluated(c: StudyConfig) -> list[Model]:
         base = f"ref_{scale}_{re.sub(r'[^A-Za-z0-9._-]', '_', Path(folder).name) or 'model'}"
         # unique
         name = base + "".join(f"_{k}" for k in [sum(m.name.startswith(base) for m in models)] if k)
-        models.append(Model(name, Path(folder), scale=scale, reference=True))
+        models.append(
+            Model(name, Path(folder), scale=scale, reference=True, work=work(scale, "1:1"))
+        )
     return models
 
 
@@ -195,6 +214,7 @@ def benchmark_pieces(c: StudyConfig, m: Model) -> list[Piece]:
                 ],
                 pred,
                 "multi",
+                work=m.work and m.work | {"rows": ("tsv", data)},
                 flags={"--eval-flags": c.eval_flags},
                 inputs={"--tsv": data, "--reference-model" if m.reference else "--model": m.folder},
             )
@@ -261,21 +281,31 @@ def router_models(c: StudyConfig) -> tuple[list[Model], list[Model]]:
     row, Tables 1, 2 and S6 take), and the routed model, evaluated once the router is trained."""
     ra = run_name(c.router_allocation)
     model, pv, pl = checkpoint(c, ra), *map(int, c.router_allocation.split(":"))
+    one = work(c.arch, "1:1")  # one branch pair per sample
     models = [
-        Model(f"{ra}_pair{v}{lb}", model, ["--vision-branch", str(v), "--language-branch", str(lb)])
+        Model(
+            f"{ra}_pair{v}{lb}",
+            model,
+            ["--vision-branch", str(v), "--language-branch", str(lb)],
+            work=one,
+        )
         for v in range(pv)
         for lb in range(pl)
     ]
-    models.append(Model(f"{ra}_random", model, ["--random-pair", "--seed", str(SEED)]))
-    return models, [
-        Model(f"{ra}_router", model, ["--router", str(Path(c.out) / "router" / "gates")])
-    ]
+    models.append(Model(f"{ra}_random", model, ["--random-pair", "--seed", str(SEED)], work=one))
+    gates = str(Path(c.out) / "router" / "gates")
+    return models, [Model(f"{ra}_router", model, ["--router", gates], work=one)]
 
 
 def router_pieces(c: StudyConfig, model: Path) -> list[Piece]:
     """Appendix E: the router labelled on --router-data, trained (and evaluated on held-out labels)."""
     out, data = Path(c.out) / "router", Path(c.router_data) if c.router_data else training_data(c)
     labels, gates = out / "labels", out / "gates"
+    # Appendix E: every pair's NLL of every row, one 1:1 pass each
+    rows, (pv, pl) = (
+        ("meta", data) if c.router_data else ("training", None),
+        map(int, c.router_allocation.split(":")),
+    )
     todo = [
         Piece(
             "label router data",
@@ -295,6 +325,7 @@ def router_pieces(c: StudyConfig, model: Path) -> list[Piece]:
             flags={"--label-flags": c.label_flags},
             inputs={"model": model, "--router-data": data},
             outputs=[labels],
+            work=work(c.arch, "1:1", passes=pv * pl, rows=rows),
         ),
         Piece(
             "train router",
@@ -312,6 +343,7 @@ def router_pieces(c: StudyConfig, model: Path) -> list[Piece]:
             ],
             gates / "router.safetensors",
             "gpu",
+            work=work(c.arch, "1:1", rows=rows),
             flags={"--router-flags": c.router_flags},
             inputs={"model": model, "labels": labels},
             outputs=[gates],
@@ -335,6 +367,7 @@ def router_pieces(c: StudyConfig, model: Path) -> list[Piece]:
                 ],
                 held / "labels.json",
                 "multi",
+                work=work(c.arch, "1:1", passes=pv * pl, rows=("meta", Path(c.router_eval_data))),
                 flags={"--label-flags": c.label_flags},
                 inputs={"model": model, "--router-eval-data": Path(c.router_eval_data)},
                 outputs=[held],
@@ -366,9 +399,7 @@ def pieces(c: StudyConfig) -> list[Piece]:
     3's checkpoint and its pairs, the router once trained, shared KV), the profiles, then the tables."""
     trained = trained_runs(c)
     models = evaluated(c)
-    todo = subsample_piece(c) + [
-        train_piece(c, name, start, a, b) for name, _, start, a, b in trained
-    ]
+    todo = subsample_piece(c) + [train_piece(c, *run) for run in trained]
     todo += step_export(c) + [p for m in models for p in benchmark_pieces(c, m)]
     table3, routed = router_models(c)
     todo += [p for m in table3 for p in benchmark_pieces(c, m)]
@@ -382,6 +413,7 @@ def pieces(c: StudyConfig) -> list[Piece]:
             checkpoint(c, run_name(c.shared_kv_allocation)),
             ["--shared-kv"],
             profile=["--shared-kv"],
+            work=work(c.arch, c.shared_kv_allocation),
         )
         todo += benchmark_pieces(c, sk)
         models.append(sk)

@@ -23,7 +23,8 @@ import study
 import train
 from data.processor import Tokenizer
 from data.subsample import domain_of
-from evaluation.scoring import can_infer, mmmu_choices
+from evaluation import study_cost
+from evaluation.scoring import BENCHMARKS, can_infer, mmmu_choices
 from evaluation.study_config import SAVE_EVERY
 from evaluation.tsv import read_tsv
 
@@ -221,6 +222,11 @@ RUNS = {
 }
 # scored, not configurations of the grid
 OTHERS = ["2x2_random", "2x2_router", "tiny2_1x1", "tiny2_2x2"]
+
+
+def pieces_of(printed: str) -> list[str]:
+    """The lines of `study.py --plan` that are pieces ("[k/N] name: ..."), not its closing lines (the price)."""
+    return [x for x in printed.splitlines() if x.startswith("[")]
 
 
 def read(out: Path, path: str):
@@ -490,7 +496,7 @@ def changes_are_made_again_or_refused(
     assert (
         study.main([*changed("--eval-flags", "--max-new-tokens 3 --batch-size 2"), "--plan"]) == 0
     )
-    plan = capsys.readouterr().out.splitlines()
+    plan = pieces_of(capsys.readouterr().out)
     again = [
         x
         for x in plan
@@ -547,7 +553,7 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
     out = tmp_path / "s"
     base = ["--model", "M", "--data", "d.json", "--tsv", "T", "--out", str(out), "--plan"]
     assert study.main(base) == 0
-    plan = capsys.readouterr().out.splitlines()
+    plan = pieces_of(capsys.readouterr().out)
     names = [x.split("] ", 1)[1].split(":", 1)[0] for x in plan]
     assert len(plan) == 671 and all(": would run " in x for x in plan) and not out.exists()
     assert names[0] == "subsample the data" and plan[0].endswith(
@@ -590,11 +596,15 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
     # issue 47, item 1: every profile in the paper's eager regime, Tables 4 / S7 compiled beside them
     profiles = [x for n, x in zip(names, plan) if n.startswith(("profile ", "Tables 4 / S7"))]
     assert len(profiles) == 18 and all("--no-compile" in x for x in profiles[:17])
-    assert plan[names.index("Tables 4 / S7")].endswith(
-        f"--compare-shared --no-compile > {out / 'tables' / 'table4.md'}"
+    assert (
+        plan[names.index("Tables 4 / S7")]
+        .split(" [")[0]
+        .endswith(f"--compare-shared --no-compile > {out / 'tables' / 'table4.md'}")
     )
-    assert plan[names.index("Tables 4 / S7, compiled")].endswith(
-        f"--compare-shared --compile > {out / 'tables' / 'table4_compiled.md'}"
+    assert (
+        plan[names.index("Tables 4 / S7, compiled")]
+        .split(" [")[0]
+        .endswith(f"--compare-shared --compile > {out / 'tables' / 'table4_compiled.md'}")
     )
     assert sum(n.startswith("profile ") for n in names) == 16 and names[-5:] == [
         "report",
@@ -619,7 +629,7 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
         "K",
     ]
     assert study.main(more) == 0
-    plan = capsys.readouterr().out.splitlines()
+    plan = pieces_of(capsys.readouterr().out)
     names = [x.split("] ", 1)[1].split(":", 1)[0] for x in plan]
     # 2b's 1:1 and 2:2 trained, run and scored; 3 references run and scored
     assert len(plan) == 671 + 2 + 5 * 18
@@ -672,7 +682,7 @@ def test_study_under_slurm_asks_for_devices_by_one_flag(tmp_path, capsys):
     )
     for gpus, multi, one in cases:
         assert study.main([*base, *gpus]) == 0
-        plan = capsys.readouterr().out.splitlines()
+        plan = pieces_of(capsys.readouterr().out)
         assert plan[5].startswith(
             f"[6/670] train 2x4: would run sbatch --wait --nodes=4 {multi}{sbatch}"
         ), plan[5]
@@ -919,7 +929,7 @@ def test_study_takes_one_checkpoint_of_the_router_allocation_everywhere(tmp_path
     out = tmp_path / "s"
     base = ["--model", "M", "--data", "d.json", "--tsv", "T", "--out", str(out), "--plan"]
     assert study.main([*base, "--router-step", "7000"]) == 0
-    plan = capsys.readouterr().out.splitlines()
+    plan = pieces_of(capsys.readouterr().out)
     names = [x.split("] ", 1)[1].split(":", 1)[0] for x in plan]
     step = out / "router" / "model_step_7000"
     assert (
@@ -954,3 +964,52 @@ def test_study_takes_one_checkpoint_of_the_router_allocation_everywhere(tmp_path
         f.default for f in dataclasses.fields(train.TrainConfig) if f.name == "save_every"
     )
     assert SAVE_EVERY == default  # the study's copy of train.py's default
+
+
+def test_study_plan_prices_every_piece(tmp_path, capsys, monkeypatch):
+    """Issue 47, item 7: --plan prices each piece from the FLOP counter and the samples it processes, and the
+    total in GPU-hours at --mfu of --peak-tflops. By hand, at A.1's 4.62M-row subsample (1/20 of 92.4M, the meta's
+    "length") and Table S3's 1B 1:1 forward of 3243.03 GFLOPs, at MFU 0.4 of 989 TFLOP/s (1.42416e18 FLOP a
+    GPU-hour): training 1:1 is 3 passes, 3 x 3243.03e9 x 4.62e6 / 1.42416e18 = 31.6 GPU-h; labelling the router
+    on that subsample is 16 pairs of one 1:1 pass, 168.3 GPU-h, more than five 1:1 trainings; a benchmark of 100
+    TSV rows one pass a row, 0.0002 GPU-h; scoring has no price. Samples it cannot count yet are said."""
+    meta = tmp_path / "d.json"
+    meta.write_text(
+        json.dumps({"sft": {"root": "r", "annotation": "a.jsonl", "length": 92_400_000}})
+    )
+    tsv = tmp_path / "T"
+    tsv.mkdir()
+    for b in BENCHMARKS:
+        (tsv / f"{b}.tsv").write_text("index\tquestion\tanswer\n" + "1\tq\ta\n" * 100)
+    base = ["--model", "M", "--tsv", str(tsv), "--out", str(tmp_path / "s"), "--plan"]
+    assert study.main([*base, "--data", str(meta)]) == 0
+    printed = capsys.readouterr().out
+    plan = {x.split("] ", 1)[1].split(":", 1)[0]: x for x in pieces_of(printed)}
+    assert plan["train 1x1"].endswith("[31.6 GPU-h]") and plan["train 4x4"].endswith(
+        "[115.8 GPU-h]"
+    )
+    assert plan["label router data"].endswith("[168.3 GPU-h]")
+    assert plan["run 1x1 MMMU_DEV_VAL"].endswith("[0.0002 GPU-h]")
+    assert not plan["score 1x1 MMMU_DEV_VAL"].endswith("GPU-h]")
+    total = printed.splitlines()[-1]
+    assert total.startswith("estimated compute: ") and (
+        "GPU-hours at MFU 0.4 of 989 TFLOP/s (training 1,142.5, benchmark runs 0.1, router labels 168.3"
+        in total
+    )
+    assert study.main([*base, "--data", str(meta), "--mfu", "0.2"]) == 0
+    assert pieces_of(capsys.readouterr().out)[1].endswith("[63.1 GPU-h]")
+    # an annotation without "length" is counted, or past SCAN bytes estimated from its first lines
+    (tmp_path / "a.jsonl").write_text("x" * 99 + "\n" + ("y" * 99 + "\n") * 9)
+    assert study_cost.lines_of(tmp_path / "a.jsonl") == 10
+    monkeypatch.setattr(study_cost, "SCAN", 500)
+    (tmp_path / "a.jsonl").write_text("x" * 99 + "\n" + ("y" * 49 + "\n") * 18)
+    assert study_cost.lines_of(tmp_path / "a.jsonl") == round(9 * 1000 / 500)
+    assert study.main([*base, "--data", str(tmp_path / "none.json")]) == 0
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[-1]
+        .startswith(
+            "not priced, their samples not countable yet (--data, a TSV or --router-data missing): 17 pieces "
+            "(train 1x1, ...)"
+        )
+    )
