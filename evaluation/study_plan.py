@@ -210,6 +210,10 @@ def benchmark_pieces(c: StudyConfig, m: Model) -> list[Piece]:
                     *m.flags,
                     "--out",
                     str(pred),
+                    # one prompt per generate call, as VLMEvalKit runs InternVL: its greedy answers, not
+                    # a padded batch's (docs/evaluation.md); --eval-flags "--batch-size 8" trades that away
+                    "--batch-size",
+                    "1",
                     *extra(c, "eval"),
                 ],
                 pred,

@@ -593,6 +593,9 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
     assert len(models) == 35 and sum(n.startswith(("run ", "score ")) for n in names) == 630
     assert {"ref_1b_M", "4x4_sharedkv", "4x4_random", "4x4_router", "4x4_pair03"} <= set(models)
     assert "--shared-kv --out" in plan[names.index("run 4x4_sharedkv MMMU_DEV_VAL")]
+    # issue 47, item 6: one prompt per generate call by default, as VLMEvalKit runs InternVL
+    runs = [x for n, x in zip(names, plan) if n.startswith("run ")]
+    assert all(x.split(" [")[0].endswith("--batch-size 1") for x in runs)
     # issue 47, item 1: every profile in the paper's eager regime, Tables 4 / S7 compiled beside them
     profiles = [x for n, x in zip(names, plan) if n.startswith(("profile ", "Tables 4 / S7"))]
     assert len(profiles) == 18 and all("--no-compile" in x for x in profiles[:17])
