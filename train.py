@@ -134,6 +134,12 @@ class TrainConfig(BranchFlags):
     freeze_backbone: bool = flag(
         False, "train only prefixes and aggregators (ParScale's efficient mode)"
     )
+    lora_dropout: float = flag(
+        0.05,
+        "dropout on the input of each LoRA vision branch's update while training (InternVL's "
+        "wrap_backbone_lora: 0.05); prefix branches have none",
+        range="[0, 1)",
+    )
     save_every: int = flag(500, "steps between checkpoints (and at the end)", range="[1, inf)")
     keep_last: int = flag(2, "checkpoints kept", range="[1, inf)")
     keep_step: list[int] = flag(
