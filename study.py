@@ -35,8 +35,8 @@ import sys
 from pathlib import Path
 
 from data.subsample import SubsampleConfig, subsample
-from evaluation.study_config import Piece, StudyConfig, pairs_of
-from evaluation.study_cost import gpu_hours, piece_flops
+from evaluation.study_config import GLOBAL_BATCH, Piece, StudyConfig, pairs_of, train_flag
+from evaluation.study_cost import gpu_hours, piece_flops, samples
 from evaluation.study_plan import pieces
 from evaluation.study_report import StudyReportConfig, study_report
 from evaluation.study_run import Plan, execute, launch
@@ -124,13 +124,32 @@ def run_piece(c: StudyConfig, plan: Plan, p: Piece, head: str) -> None:
     plan.save(p)
 
 
+def training(c: StudyConfig) -> tuple[str, float]:
+    """Where the training rows are counted: the subsample once drawn, else --data and --data-fraction."""
+    drawn = Path(c.out) / "data" / "meta.json"
+    return (str(drawn), 0.0) if c.data_fraction and drawn.is_file() else (c.data, c.data_fraction)
+
+
+def check_router_step(c: StudyConfig) -> None:
+    """--router-step past the last step of the router allocation's run (one epoch of the training rows in
+    --global-batch steps, or --max-steps) is never saved: refused before the training, at --plan too (exit 1),
+    wherever the rows can be counted."""
+    rows = samples({"rows": ("training", None)}, training(c)) if c.router_step else None
+    if rows is None:
+        return
+    batch = int(train_flag(c, "--global-batch") or GLOBAL_BATCH)
+    steps = int(train_flag(c, "--max-steps") or 0) or rows // batch
+    if c.router_step > steps:
+        raise ValueError(
+            f"--router-step {c.router_step}: the {c.router_allocation} run has {steps} steps ({rows:,} "
+            f"training rows in steps of {batch}, or --max-steps); give --router-step 0 (its end) or a saved "
+            f"step up to {steps}"
+        )
+
+
 def prices(c: StudyConfig, todo: list[Piece]) -> list[float | None]:
     """Each piece's FLOPs (evaluation/study_cost.py), the training data counted from the subsample once drawn."""
-    drawn = Path(c.out) / "data" / "meta.json"
-    training = (
-        (str(drawn), 0.0) if c.data_fraction and drawn.is_file() else (c.data, c.data_fraction)
-    )
-    return [piece_flops(p.work, training) for p in todo]
+    return [piece_flops(p.work, training(c)) for p in todo]
 
 
 def price_lines(c: StudyConfig, todo: list[Piece], flops: list[float | None]) -> list[str]:
@@ -187,6 +206,7 @@ def print_plan(c: StudyConfig, todo: list[Piece], statuses: list[tuple[str, str 
 def study(c: StudyConfig) -> int:
     if not c.plan:
         check_inputs(c)
+    check_router_step(c)
     todo = pieces(c)
     plan = Plan(c, todo)
     # a refused change: before anything runs

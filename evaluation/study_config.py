@@ -103,11 +103,12 @@ class StudyConfig:
         "4:4", "the allocation of the fixed pairs, the random pair and the router"
     )
     router_step: int = flag(
-        0,
+        7000,
         "the router allocation's training step every table that uses it takes (Tables 1, 2, 3, S5, "
-        "S6, S9, Figure 4; the paper: 7000), kept from --keep-last by train.py --keep-step; a "
-        "multiple of --save-every; 0 = the end-of-run export",
+        "S6, S9, Figure 4), kept from --keep-last by train.py --keep-step; a multiple of "
+        "--save-every within the run; 0 = the end-of-run export",
         range="[0, inf)",
+        shown="7000, the paper's",
     )
     router_data: str = flag(
         "", "meta JSON the router is labelled and trained on", shown="the training data", reads=True
@@ -290,8 +291,8 @@ def flag_problem(c: StudyConfig) -> str | None:
     )
 
 
-# train.py's --save-every default (a test holds the two equal; the study reads no command's module)
-SAVE_EVERY = 500
+# train.py's --save-every and --global-batch defaults (a test holds them equal; the study reads no command)
+SAVE_EVERY, GLOBAL_BATCH = 500, 512
 
 
 def train_flag(c: StudyConfig, name: str) -> str | None:
@@ -314,8 +315,9 @@ def router_step_problem(c: StudyConfig) -> str | None:
     try:
         every = int(train_flag(c, "--save-every") or SAVE_EVERY)
         last = int(train_flag(c, "--max-steps") or 0)
+        int(train_flag(c, "--global-batch") or GLOBAL_BATCH)
     except ValueError:
-        return "--train-flags: --save-every and --max-steps take whole numbers"
+        return "--train-flags: --save-every, --max-steps and --global-batch take whole numbers"
     if every < 1:
         return f"--train-flags --save-every {every}: at least 1"
     if last and c.router_step > last:

@@ -25,7 +25,7 @@ from data.processor import Tokenizer
 from data.subsample import domain_of
 from evaluation import study_cost
 from evaluation.scoring import BENCHMARKS, can_infer, mmmu_choices
-from evaluation.study_config import SAVE_EVERY
+from evaluation.study_config import GLOBAL_BATCH, SAVE_EVERY
 from evaluation.tsv import read_tsv
 
 KEY = "sk-study-test-5f3a9c"  # the answer extractor's key: in the environment, never in a command line or a file
@@ -543,7 +543,7 @@ def changes_are_made_again_or_refused(
 
 
 def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsys):
-    """`study.py --plan` as a user runs it, at the defaults: 671 pieces, nothing run. The subsample first (1/20,
+    """`study.py --plan` as a user runs it, at the defaults: 672 pieces, nothing run. The subsample first (1/20,
     Table S1's mixture); 15 runs trained (the nine allocations; Figure 3's prefix lengths 72 and 128 and LoRA
     ranks 8, 16, 32, Table S8's mean, of 4:1); 35 models x 9 benchmarks run and scored, 630 pieces (the 15 runs,
     --model as Table 1's reference row, the 16 fixed pairs, random pair and router of 4:4, and 4:4 with shared KV
@@ -555,7 +555,7 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
     assert study.main(base) == 0
     plan = pieces_of(capsys.readouterr().out)
     names = [x.split("] ", 1)[1].split(":", 1)[0] for x in plan]
-    assert len(plan) == 671 and all(": would run " in x for x in plan) and not out.exists()
+    assert len(plan) == 672 and all(": would run " in x for x in plan) and not out.exists()
     assert names[0] == "subsample the data" and plan[0].endswith(
         f"study.py subsample --data d.json --fraction 0.05 --seed 42 --out {out / 'data'}"
     )
@@ -583,7 +583,7 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
         f"--pv 2 --pl 4 --model M --data {out / 'data' / 'meta.json'} --out {out / 'runs' / '2x4'}"
     )
     assert plan[6] == (
-        f"[7/671] train 2x4: would run {sys.executable} -m torch.distributed.run --standalone "
+        f"[7/672] train 2x4: would run {sys.executable} -m torch.distributed.run --standalone "
         f"--nproc-per-node 8 {ROOT / 'train.py'} {flags}"
     )
     assert (
@@ -635,7 +635,7 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
     plan = pieces_of(capsys.readouterr().out)
     names = [x.split("] ", 1)[1].split(":", 1)[0] for x in plan]
     # 2b's 1:1 and 2:2 trained, run and scored; 3 references run and scored
-    assert len(plan) == 671 + 2 + 5 * 18
+    assert len(plan) == 672 + 2 + 5 * 18
     assert {
         "train 2b_1x1",
         "train 2b_2x2",
@@ -687,7 +687,7 @@ def test_study_under_slurm_asks_for_devices_by_one_flag(tmp_path, capsys):
         assert study.main([*base, *gpus]) == 0
         plan = pieces_of(capsys.readouterr().out)
         assert plan[5].startswith(
-            f"[6/670] train 2x4: would run sbatch --wait --nodes=4 {multi}{sbatch}"
+            f"[6/671] train 2x4: would run sbatch --wait --nodes=4 {multi}{sbatch}"
         ), plan[5]
         profile = next(x for x in plan if "] profile 1x1:" in x)
         assert profile.split("would run ")[1].startswith(
@@ -963,10 +963,19 @@ def test_study_takes_one_checkpoint_of_the_router_allocation_everywhere(tmp_path
     assert study.main([*base, "--router-step", "7000", "--train-flags", "--save-every 700"]) == 0
     assert study.main([*base, "--router-step", "6001", "--train-flags", "--max-steps 6001"]) == 0
     capsys.readouterr()
-    default = next(
-        f.default for f in dataclasses.fields(train.TrainConfig) if f.name == "save_every"
-    )
-    assert SAVE_EVERY == default  # the study's copy of train.py's default
+    defaults = {f.name: f.default for f in dataclasses.fields(train.TrainConfig)}
+    # the study's copies of train.py's defaults
+    assert (SAVE_EVERY, GLOBAL_BATCH) == (defaults["save_every"], defaults["global_batch"])
+    # a step past the run's end, counted from the data (200,000 rows x 1/20 in steps of 512: 19), exit 1
+    meta = tmp_path / "small.json"
+    meta.write_text(json.dumps({"sft": {"root": "r", "annotation": "a.jsonl", "length": 200_000}}))
+    assert study.main([*base[:2], "--data", str(meta), *base[4:]]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: --router-step 7000: the 4:4 run has 19 steps (10,000 training rows in steps of 512, or "
+        "--max-steps); give --router-step 0 (its end) or a saved step up to 19"
+    ), err
+    assert study.main([*base[:2], "--data", str(meta), *base[4:], "--router-step", "0"]) == 0
 
 
 def test_study_plan_prices_every_piece(tmp_path, capsys, monkeypatch):
