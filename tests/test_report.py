@@ -244,16 +244,16 @@ MEAN_41 = [40.4, 45.5, 21.1, 27.5, 11.4, 72.0, 72.0, 82.6, 74.9]  # Table S8, Me
 
 TABLE_1_PRINTED = [  # the paper's Table 1 rows as it prints them (but two cells: see below)
     (
-        "InternVL3_5-1B-Pretrained",
+        "InternVL3.5-1B-Pretrained",
         "38.0 38.5 16.8 27.3 12.9 71.0 67.8 77.3 70.5 38.0 23.9 71.7 46.7",
     ),
-    ("InternVL3_5-1B-Instruct", "39.9 50.7 22.0 32.0 12.5 77.2 71.1 84.0 77.9 39.9 29.3 77.6 51.9"),
+    ("InternVL3.5-1B-Instruct", "39.9 50.7 22.0 32.0 12.5 77.2 71.1 84.0 77.9 39.9 29.3 77.6 51.9"),
     ("Baseline (Pv=1, Pl=1)", "40.3 43.9 21.1 27.3 11.6 71.7 71.4 82.6 76.6 40.3 26.0 75.6 49.6"),
     ("ParVL-1B (Pv=4, Pl=1)", "39.7 45.0 22.4 30.0 11.3 72.9 71.5 82.2 75.5 39.7 27.2 75.5 50.1"),
     ("ParVL-1B (Pv=1, Pl=4)", "39.8 44.5 24.7 29.5 11.6 72.1 71.6 82.4 76.5 39.8 27.6 75.7 50.3"),
     ("ParVL-1B (Pv=4, Pl=4)", "39.0 48.0 22.4 29.3 12.3 72.1 71.9 82.7 77.0 39.0 28.0 75.9 50.5"),
     (
-        "InternVL3_5-2B-Pretrained",
+        "InternVL3.5-2B-Pretrained",
         "45.7 50.3 17.4 30.9 16.3 77.8 73.6 85.4 77.7 45.7 28.7 78.6 52.8",
     ),
     # two cells differ from the paper's print, whose aggregates are of its unrounded scores: the baseline's
@@ -494,6 +494,14 @@ def assert_one_document(out: Path, capsys) -> None:
     parameters (1B 4:4: ViT 327.09 M, LLM 766.84 M and 4427.28 GFLOPs, total 1099.18 M) and Figure 4's 4:4
     latency ratio 1.04x."""
     study_tables(out, capsys)
+    # a study with no report yet: one line naming it, exit 1; a --doc over what it reads: exit 2
+    assert study.main(["report", "--out", str(out / "none")]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"error: --out {out / 'none'}: no report/report.md there; run the study (study.py) first"
+    )
+    with pytest.raises(SystemExit) as e:
+        study.main(["report", "--out", str(out), "--doc", str(out / "tables" / "doc")])
+    assert e.value.code == 2 and ", which --out " in capsys.readouterr().err
     assert study.main(["report", "--out", str(out)]) == 0
     capsys.readouterr()
     doc = (out / "paper" / "report.md").read_text()
