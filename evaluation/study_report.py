@@ -116,15 +116,12 @@ def trim(lines: list[str]) -> list[str]:
 def table_s3(report: dict) -> list[str]:
     """Table S3 of the allocations the report scored at its scale (dense rows: the grid's), from flops.py at the
     paper's workload (768 image tokens, 256 text, 128 response, batch 1), the paper's columns."""
-    arch = report["arch"]
-    alloc = sorted(
-        {
-            (c["pv"], c["pl"])
-            for c in report["configs"]
-            if not c["reference"] and c["vision_branch"] is None and not c["shared_kv"]
-            if not c["branches"] and c["language_branch"] is None
-        }
+    arch, dense = (
+        report["arch"],
+        lambda c: c["vision_branch"] is None and c["language_branch"] is None,
     )
+    grid = [c for c in report["configs"] if dense(c) and not (c["reference"] or c["shared_kv"])]
+    alloc = sorted({(c["pv"], c["pl"]) for c in grid if not c["branches"]})
     if arch not in ARCHS or not alloc:
         return []
     md = [
