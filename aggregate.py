@@ -157,18 +157,21 @@ class LoRA(nn.Module):
     (Hu et al. 2022): row r adds scale * B_p A_p x to the shared W x, p = rows.branch[r], so dense
     rows fold the batch, per-item rows run their own branch's update alone, and W stays shared.
     lora_A [P,r,in], lora_B [P,out,r]; B starts at zero (ParVL.branch_init), so a fresh model is the
-    shared one exactly. scale = alpha / r with alpha = 2r, as InternVL's wrap_backbone_lora sets it."""
+    shared one exactly. scale = alpha / r with alpha = 2r, as InternVL's wrap_backbone_lora sets it;
+    dropout on the update's input while training (peft's lora_dropout: InternVL's 0.05), set by the trainer
+    (train.py --lora-dropout), 0 for a module built alone."""
 
     def __init__(self, branches: int, rank: int, fan_in: int, fan_out: int):
         super().__init__()
         self.lora_A = nn.Parameter(torch.zeros(branches, rank, fan_in))
         self.lora_B = nn.Parameter(torch.zeros(branches, fan_out, rank))
-        self.scale = 2.0
+        self.scale, self.dropout = 2.0, 0.0
 
     def forward(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
         """x [R,T,in] -> every row's own branch's update [R,T,out]."""
         # [R,r,in], [R,out,r]
         a, b = (self.lora_A[rows.branch].to(x.dtype), self.lora_B[rows.branch].to(x.dtype))
+        x = F.dropout(x, self.dropout, self.training)  # the update's input only; W x sees all of x
         return (x @ a.transpose(1, 2)) @ b.transpose(1, 2) * self.scale
 
 

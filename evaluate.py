@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from evaluation import analysis, lengths, report
-from evaluation.judge import KEY_ENV, PAPER_JUDGE, Judge, judge_flags_problem
+from evaluation.judge import JUDGE_READS, KEY_ENV, PAPER_JUDGE, Judge, judge_flags_problem
 from evaluation.predict import RunConfig, file_fingerprint, predict_all
 from evaluation.scaling_law import GRID, fit_law
 from evaluation.scoring import BENCHMARKS, SCORE_COLUMNS, score
@@ -84,7 +84,7 @@ class ScoreConfig:
         None, "reply cache", shown="PREDICTIONS.judge-MODEL.jsonl", writes=True
     )
     vlmevalkit: str | None = flag(
-        None, "a VLMEvalKit checkout, whose extraction prompts the judge is sent", reads=True
+        None, "a VLMEvalKit checkout, whose extraction prompts the judge is sent", reads=JUDGE_READS
     )
     judge_key_env: str = flag(
         KEY_ENV,

@@ -11,6 +11,7 @@ Figure 4.
         --judge-url https://api.openai.com/v1 --judge-model gpt-4o-2024-11-20 --vlmevalkit VLMEvalKit
     python study.py ... --launcher slurm --nodes 4 --slurm-flags "--partition gpu --time 24:00:00"
     python study.py subsample --data internvl35_sft.json --out sub/        # the first piece alone (data/subsample.py)
+    python study.py report --out study      # study/paper/report.md: every table and figure, the paper's order
 
 It runs the commands, one after the other, as a user would: study.py subsample, train.py, evaluate.py,
 router.py, profiling.py, under torchrun on this machine or through slurm/parvl.sbatch on a Slurm cluster. It
@@ -34,8 +35,10 @@ import sys
 from pathlib import Path
 
 from data.subsample import SubsampleConfig, subsample
-from evaluation.study_config import Piece, StudyConfig, pairs_of
+from evaluation.study_config import GLOBAL_BATCH, Piece, StudyConfig, pairs_of, train_flag
+from evaluation.study_cost import gpu_hours, piece_flops, samples
 from evaluation.study_plan import pieces
+from evaluation.study_report import StudyReportConfig, study_report
 from evaluation.study_run import Plan, execute, launch
 from shell.cli import command, log
 from shell.flags import Command, dispatch
@@ -121,8 +124,64 @@ def run_piece(c: StudyConfig, plan: Plan, p: Piece, head: str) -> None:
     plan.save(p)
 
 
+def training(c: StudyConfig) -> tuple[str, float]:
+    """Where the training rows are counted: the subsample once drawn, else --data and --data-fraction."""
+    drawn = Path(c.out) / "data" / "meta.json"
+    return (str(drawn), 0.0) if c.data_fraction and drawn.is_file() else (c.data, c.data_fraction)
+
+
+def check_router_step(c: StudyConfig) -> None:
+    """--router-step past the last step of the router allocation's run (one epoch of the training rows in
+    --global-batch steps, or --max-steps) is never saved: refused before the training, at --plan too (exit 1),
+    wherever the rows can be counted."""
+    rows = samples({"rows": ("training", None)}, training(c)) if c.router_step else None
+    if rows is None:
+        return
+    batch = int(train_flag(c, "--global-batch") or GLOBAL_BATCH)
+    steps = int(train_flag(c, "--max-steps") or 0) or rows // batch
+    if c.router_step > steps:
+        raise ValueError(
+            f"--router-step {c.router_step}: the {c.router_allocation} run has {steps} steps ({rows:,} "
+            f"training rows in steps of {batch}, or --max-steps); give --router-step 0 (its end) or a saved "
+            f"step up to {steps}"
+        )
+
+
+def prices(c: StudyConfig, todo: list[Piece]) -> list[float | None]:
+    """Each piece's FLOPs (evaluation/study_cost.py), the training data counted from the subsample once drawn."""
+    return [piece_flops(p.work, training(c)) for p in todo]
+
+
+def price_lines(c: StudyConfig, todo: list[Piece], flops: list[float | None]) -> list[str]:
+    """The total, by kind of piece, in GPU-hours at --mfu of --peak-tflops; the pieces of unknown size named."""
+    h = lambda f: hours(gpu_hours(f, c.mfu, c.peak_tflops))  # noqa: E731
+    names = {"train": "training", "run": "benchmark runs", "label": "router labels"}
+    kinds: dict[str, float] = dict.fromkeys([*names, "the rest"], 0.0)
+    for p, f in zip(todo, flops):
+        first = p.name.split()[0] if p.name != "train router" else ""
+        kinds[names.get(first) and first or "the rest"] += f or 0.0
+    lines = [
+        f"estimated compute: {sum(kinds.values()) / 1e18:,.1f} EFLOP, {h(sum(kinds.values()))} GPU-hours at "
+        f"MFU {c.mfu} of {c.peak_tflops:g} TFLOP/s ("
+        + ", ".join(f"{names.get(k, k)} {h(v)}" for k, v in kinds.items())
+        + "); every sample priced at Table S3's workload (evaluation/study_cost.py)"
+    ]
+    if unknown := [p.name for p, f in zip(todo, flops) if f is None]:
+        lines.append(
+            f"not priced, their samples not countable yet (--data, a TSV or --router-data missing): "
+            f"{len(unknown)} pieces ({unknown[0]}, ...)"
+        )
+    return lines
+
+
+def hours(h: float) -> str:
+    """GPU-hours as --plan prints them: one decimal, or one significant digit below 0.1 (a profile)."""
+    return f"{h:,.1f}" if h >= 0.1 else f"{h:.1g}"
+
+
 def print_plan(c: StudyConfig, todo: list[Piece], statuses: list[tuple[str, str | None]]) -> None:
-    for k, (p, (status, why)) in enumerate(zip(todo, statuses), 1):
+    flops = prices(c, todo)
+    for k, (p, (status, why), f) in enumerate(zip(todo, statuses, flops), 1):
         head, redirect = f"[{k}/{len(todo)}] {p.name}", f" > {p.stdout}" if p.stdout else ""
         line = {
             "done": f"done ({p.done})",
@@ -131,18 +190,23 @@ def print_plan(c: StudyConfig, todo: list[Piece], statuses: list[tuple[str, str 
             "run": f"would run {shlex.join(launch(c, p))}{redirect}",
             "redo": f"would be made again ({why}): {shlex.join(launch(c, p))}{redirect}",
         }[status]
-        log(f"{head}: {line}", sys.stdout)
+        # priced pieces only: those of unknown size are named in the total's line
+        cost = f" [{hours(gpu_hours(f, c.mfu, c.peak_tflops))} GPU-h]" if f else ""
+        log(f"{head}: {line}{cost}", sys.stdout)
     if others := left_out(c, next(p for p in todo if p.name == "report")):
         log(
             f"the report would leave out {len(others)} score file(s) this plan did not make: "
             f"{' '.join(map(str, others))}",
             sys.stdout,
         )
+    for line in price_lines(c, todo, flops):
+        log(line, sys.stdout)
 
 
 def study(c: StudyConfig) -> int:
     if not c.plan:
         check_inputs(c)
+    check_router_step(c)
     todo = pieces(c)
     plan = Plan(c, todo)
     # a refused change: before anything runs
@@ -152,10 +216,7 @@ def study(c: StudyConfig) -> int:
         return 0
     for k, p in enumerate(todo, 1):
         run_piece(c, plan, p, f"[{k}/{len(todo)}] {p.name}")
-    log(
-        f"the study is complete: {Path(c.out) / 'report' / 'report.md'}, {Path(c.out) / 'tables'}",
-        sys.stdout,
-    )
+    log(f"the study is complete: {Path(c.out) / 'paper' / 'report.md'}", sys.stdout)
     return 0
 
 
@@ -170,9 +231,15 @@ COMMANDS = {
     "subsample": Command(
         SubsampleConfig,
         subsample,
-        "the study's first piece: a seeded subsample of an SFT "
-        "collection in Table S1's domain mixture",
+        "the study's first piece: a seeded subsample of an SFT collection, its composition "
+        "printed as Table S1 (--mixture: stratified)",
         interrupted=lambda c: "meta.json is written last: the same command draws again",
+    ),
+    "report": Command(
+        StudyReportConfig,
+        study_report,
+        "one document of every table and figure of the study, in the paper's order",
+        writes=lambda c: Path(c.doc) if c.doc else Path(c.out) / "paper",
     ),
 }
 

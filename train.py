@@ -134,8 +134,21 @@ class TrainConfig(BranchFlags):
     freeze_backbone: bool = flag(
         False, "train only prefixes and aggregators (ParScale's efficient mode)"
     )
+    lora_dropout: float = flag(
+        0.05,
+        "dropout on the input of each LoRA vision branch's update while training (InternVL's "
+        "wrap_backbone_lora: 0.05); prefix branches have none",
+        range="[0, 1)",
+    )
     save_every: int = flag(500, "steps between checkpoints (and at the end)", range="[1, inf)")
     keep_last: int = flag(2, "checkpoints kept", range="[1, inf)")
+    keep_step: list[int] = flag(
+        help="steps whose checkpoints --keep-last never deletes (each a multiple of --save-every, "
+        "or the last step)",
+        factory=list,
+        range="[1, inf)",
+        shown="none",
+    )
     resume: bool = flag(
         False, "continue from the newest checkpoint in --out that verifies (none: start fresh)"
     )
@@ -428,6 +441,7 @@ def train(cfg: TrainConfig, data: SFTData, tracker: Tracker, files: dict[str, st
                 record,
                 {"seen": seen_total, "bad": bad_total},
                 cfg.keep_last,
+                cfg.keep_step,
             )
         if step >= total:
             break

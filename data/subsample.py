@@ -1,19 +1,26 @@
-"""The paper's SFT data: a seeded subsample of a whole SFT collection in one domain mixture, the study's
-first piece (`python study.py subsample`). Setup: "we use a 1/20 subsample of the InternVL3.5 SFT
-collection"; Limitations: "a single data mixture"; Table S1 / A.1: "15% mathematical reasoning, 15% OCR and
-document understanding, and 70% general multimodal and other instruction-following data. The categories are
-derived from task metadata and dataset names".
+"""The paper's SFT data: a seeded subsample of a whole SFT collection, the study's first piece (`python study.py
+subsample`). Setup: "we use a 1/20 subsample of the InternVL3.5 SFT collection"; Limitations: "a single data
+mixture"; Table S1: "Approximate SFT data composition by instance count. Categories are estimated from task
+metadata and dataset names; percentages are rounded"; A.1: "the approximate instance-level composition of the
+4.62M-instance sampling manifest: 15% mathematical reasoning, 15% OCR and document understanding, and 70%
+general".
 
     python study.py subsample --data internvl35_sft.json --fraction 0.05 --out sub/    # sub/meta.json
+    python study.py subsample ... --mixture math=0.15 ocr=0.15 general=0.70            # stratified instead
 
-A dataset's domain is its meta entry's own "domain" (task metadata: math, ocr or general), else read from its
-name (DOMAIN_WORDS: the first domain one of whose words the name holds; general otherwise). The rows are those
-train.py would read (sft.py: after repeat_time). The subsample has round(fraction x rows) rows, split over
-the domains by the mixture (largest remainders), each domain's share over its datasets in proportion to their
-rows (largest remainders), and each dataset's rows drawn without replacement, seeded (--seed, 42: the paper's),
-kept in file order. OUT holds one JSONL per dataset (NNNN_NAME.jsonl) of the chosen lines, byte for byte, and
-meta.json naming them (absolute paths; repeat_time 1, the repeats already drawn), with the counts per domain
-printed and kept in subsample.json. A domain with fewer rows than its share is one line naming it, nothing written.
+The rows are those train.py would read (sft.py: after repeat_time). By default the subsample is the paper's
+plain draw: round(fraction x rows) rows drawn without replacement from the whole collection, seeded (--seed,
+42: the paper's), so each domain gets what the draw gives it, and its composition is reported as Table S1 (the
+paper reports its composition, an estimate, rounded; it does not draw to it). With --mixture the draw is
+stratified instead: the rows split over the domains by the shares (largest remainders), each domain's share
+over its datasets in proportion to their rows (largest remainders); a domain with fewer rows than its share is
+one line naming it, nothing written. Either way each dataset's rows are drawn without replacement, seeded,
+kept in file order. A dataset's domain is its meta entry's own "domain" (task metadata: math, ocr or
+general), else read from its name (DOMAIN_WORDS: a word of the name, split at anything not a letter or digit,
+that begins with one of a domain's words; general otherwise: "geoqa+" is math, "geography" is not). OUT holds
+one JSONL per dataset (NNNN_NAME.jsonl) of the chosen lines, byte for byte, and meta.json naming them
+(absolute paths; repeat_time 1, the repeats already drawn), with Table S1 printed and the counts per domain
+kept in subsample.json.
 """
 
 from __future__ import annotations
@@ -38,16 +45,18 @@ from shell.outputs import check_folder
 
 DOMAINS = ("math", "ocr", "general")  # Table S1's categories
 PAPER_MIXTURE = ("math=0.15", "ocr=0.15", "general=0.70")
-# words of dataset names by domain (InternVL's SFT sources: geoqa+, mavis_math, mathv360k, ...; chartqa, docvqa,
-# textvqa, ocrvqa, infographicsvqa, ...); a name with none is general
+# the beginnings of the words of dataset names by domain (InternVL's SFT sources: geoqa+, mavis_math, mathv360k,
+# ...; chartqa, docvqa, textvqa, ocrvqa, infographicsvqa, ...); a name with none is general
 DOMAIN_WORDS = {
     "math": (
         "math",
-        "geo",
+        "geoqa",
+        "geometry",
+        "geos",
+        "unigeo",
         "mavis",
         "gsm",
         "tabmwp",
-        "clevr_math",
         "theorem",
         "arithmetic",
         "algebra",
@@ -101,14 +110,16 @@ class SubsampleConfig:
         shown="0.05, the paper's 1/20",
     )
     mixture: list[str] = flag(
-        help="each domain's share of the subsample, DOMAIN=SHARE for math, ocr, general (Table S1)",
-        factory=lambda: list(PAPER_MIXTURE),
-        shown=" ".join(PAPER_MIXTURE),
+        help="a stratified draw instead: each domain's share, DOMAIN=SHARE for math, ocr, general (Table "
+        f"S1's rounded estimate: {' '.join(PAPER_MIXTURE)})",
+        factory=list,
+        shown="none: the paper's plain seeded draw",
     )
     seed: int = flag(SEED, "seed of the draw", range=SEEDS, shown=f"{SEED}, the paper's")
 
     def check(self) -> None:
-        parse_mixture(self.mixture)
+        if self.mixture:
+            parse_mixture(self.mixture)
 
 
 def parse_mixture(items: list[str]) -> dict[str, float]:
@@ -141,8 +152,14 @@ def domain_of(name: str, entry: dict) -> str:
                 f"dataset {name!r}: domain {entry['domain']!r} is not one of {', '.join(DOMAINS)}"
             )
         return entry["domain"]
+    tokens = re.split(r"[^a-z0-9]+", name.lower())
     return next(
-        (d for d, words in DOMAIN_WORDS.items() if any(w in name.lower() for w in words)), "general"
+        (
+            d
+            for d, words in DOMAIN_WORDS.items()
+            if any(t.startswith(w) for t in tokens for w in words)
+        ),
+        "general",
     )
 
 
@@ -179,10 +196,20 @@ def collection(meta_path: Path) -> list[dict]:
     return out
 
 
-def draw(datasets: list[dict], fraction: float, shares: dict[str, float]) -> dict[str, int]:
-    """{dataset name: rows to keep}: round(fraction x rows) split by the mixture, then over each domain's
-    datasets by their rows; a domain with too few rows is refused."""
+def draw(
+    datasets: list[dict], fraction: float, shares: dict[str, float] | None, seed: int
+) -> dict[str, int]:
+    """{dataset name: rows to keep}, round(fraction x rows) in all. shares None: the plain draw, rows drawn
+    without replacement from the whole collection (how many fall in each dataset: a multivariate
+    hypergeometric draw, seeded; which ones: write_dataset). Else stratified: split by the shares, then over
+    each domain's datasets by their rows; a domain with too few rows is refused."""
     total = round(fraction * sum(d["rows"] for d in datasets))
+    if shares is None:
+        rng = np.random.default_rng(
+            [seed, 0]
+        )  # the counts' stream; each dataset's rows have their own
+        counts = rng.multivariate_hypergeometric([d["rows"] for d in datasets], total)
+        return {d["name"]: int(k) for d, k in zip(datasets, counts)}
     per_domain = largest_remainder(total, shares)
     counts = {}
     for domain in DOMAINS:
@@ -198,6 +225,41 @@ def draw(datasets: list[dict], fraction: float, shares: dict[str, float]) -> dic
             )
         counts |= largest_remainder(per_domain[domain], {d["name"]: d["rows"] for d in mine})
     return counts
+
+
+# Table S1's category names
+CATEGORIES = {
+    "math": "Mathematical reasoning",
+    "ocr": "OCR and document understanding",
+    "general": "General multimodal and other data",
+}
+
+
+def table_s1(summary: dict) -> list[str]:
+    """Table S1 of a subsample (subsample.json): each domain's share of the instances drawn, rounded as the
+    paper rounds it, then the counts behind it."""
+    kept = {d: v["kept"] for d, v in summary["domains"].items()}
+    total = sum(kept.values())
+    how = (
+        "a plain seeded draw"
+        if not summary.get("mixture")
+        else "stratified to --mixture "
+        + " ".join(f"{d}={x}" for d, x in summary["mixture"].items())
+    )
+    md = [
+        "Table S1: Approximate SFT data composition by instance count. Categories are estimated from task "
+        "metadata and dataset names; percentages are rounded.",
+        "",
+        "| Category | Approx. Share |",
+        "| --- | --- |",
+    ]
+    md += [f"| {CATEGORIES[d]} | {100 * kept[d] / total if total else 0:.0f}% |" for d in DOMAINS]
+    return md + [
+        "",
+        f"{total:,} instances: {summary['fraction']} of {summary['data']}, {how}, seed {summary['seed']} ("
+        + ", ".join(f"{d} {kept[d]:,} of {summary['domains'][d]['rows']:,}" for d in DOMAINS)
+        + ").",
+    ]
 
 
 def write_dataset(d: dict, k: int, seed: int, file: Path) -> str:
@@ -224,7 +286,8 @@ def subsample(cfg: SubsampleConfig) -> int:
     out = Path(cfg.out)
     check_folder(out, "--out")
     datasets = collection(Path(cfg.data))
-    counts = draw(datasets, cfg.fraction, parse_mixture(cfg.mixture))
+    shares = parse_mixture(cfg.mixture) if cfg.mixture else None
+    counts = draw(datasets, cfg.fraction, shares, cfg.seed)
     out.mkdir(parents=True, exist_ok=True)
     meta, summary = (
         {},
@@ -232,7 +295,7 @@ def subsample(cfg: SubsampleConfig) -> int:
             "data": os.path.abspath(cfg.data),
             "fraction": cfg.fraction,
             "seed": cfg.seed,
-            "mixture": parse_mixture(cfg.mixture),
+            "mixture": shares,  # None: the plain draw
             "domains": {},
             "datasets": {},
         },
@@ -264,6 +327,7 @@ def subsample(cfg: SubsampleConfig) -> int:
         kept = sum(counts[d["name"]] for d in datasets if d["domain"] == domain)
         summary["domains"][domain] = {"rows": have, "kept": kept}
         print(f"| {domain} | {have} | {kept} | {100 * kept / total if total else 0:.1f} % |")
+    print("\n" + "\n".join(table_s1(summary)))
     (out / "subsample.json").write_text(json.dumps(summary, indent=1) + "\n")
     tmp = out / "meta.json.tmp"
     tmp.write_text(json.dumps(meta, indent=1) + "\n")

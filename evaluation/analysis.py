@@ -40,6 +40,7 @@ from evaluation.lengths import (
     read_predictions,
     row_lengths,
 )
+from evaluation.paper_tables import HEAD_NAMES
 from evaluation.score_files import config_label
 from evaluation.scoring import BENCHMARKS
 from evaluation.tables import COLUMNS
@@ -147,7 +148,8 @@ def descriptors_markdown(table: dict, left: list[str] = ()) -> str:
         if d["responses_near_cap"]:
             response += f" ({d['responses_near_cap']} near cap left out)"
         md.append(
-            f"| {b} | {d['pixels']:,.0f} | {d['question_tokens']:.1f} | {d['reference_tokens']:.1f} | "
+            f"| {HEAD_NAMES.get(b, b)} | {d['pixels']:,.0f} | {d['question_tokens']:.1f} | "
+            f"{d['reference_tokens']:.1f} | "
             f"{d['best'] or '-'} | {d['rows']} | {d['reference']} ({d['empty_references']} empty) | {response} |"
         )
     md += [f"Left out: {f}" for f in left]

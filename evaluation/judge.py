@@ -30,6 +30,9 @@ REQUEST_SECONDS = 120  # one request, whole: connection, headers and reply (urll
 # A.3's five with an extractor
 JUDGED = ("MMMU_DEV_VAL", "MathVista_MINI", "MathVision_MINI", "LogicVista", "WeMath")
 PAPER_JUDGE = "gpt-4o-2024-11-20"  # Appendix A.3's fixed answer extractor
+# the one part of a VLMEvalKit checkout the extractor reads (its prompts), so that an --out elsewhere in the
+# checkout is no overlap (shell.flags.output_is_input)
+JUDGE_READS = ("vlmeval/dataset/utils",)
 KEY_ENV = "OPENAI_API_KEY"  # where the key is read from by default: the variable OpenAI's own clients read
 
 
@@ -135,7 +138,7 @@ class Judge:
         self.key = os.environ.get(key_env) or None
         self.cache = {c["key"]: c["reply"] for c in read_jsonl(cache)}
         self.calls, self.benchmark = 0, benchmark
-        utils = Path(vlmevalkit) / "vlmeval" / "dataset" / "utils"
+        utils = Path(vlmevalkit) / JUDGE_READS[0]
         if benchmark in ("MMMU_DEV_VAL", "WeMath"):  # multiple_choice.py extract_answer_from_item
             name = "build_prompt_wemath" if benchmark == "WeMath" else "build_prompt"
             self.mcq = upstream_strings(utils / "multiple_choice.py", name)

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from data.processor import Tokenizer
+from evaluation.paper_tables import HEAD_NAMES
 from evaluation.scoring import BENCHMARKS, GROUPS
 from evaluation.tsv import DataError, read_jsonl
 from loading.hub import resolve_model
@@ -240,7 +241,9 @@ def markdown(result: dict, names: tuple[str, str]) -> str:
         f"the near-cap threshold; paired differences keep only examples below it for both configurations; domain "
         f"and overall columns average the benchmark-level means with equal weight.",
         "",
-        "| Statistic | " + " | ".join(cols) + " |",
+        "| Statistic | "
+        + " | ".join(HEAD_NAMES.get(c, c) for c in cols)
+        + " |",  # the paper's names
         "|" + " --- |" * (len(cols) + 1),
     ]
     for key, label in (

@@ -53,9 +53,14 @@ def cells(fmt, scores: dict, columns=COLUMNS) -> str:
     return " | ".join(fmt(scores.get(k)) for k in columns) + " |"
 
 
+# a column's name in a table's head: the paper's (Table 1's "MMMU dev-val"), not VLMEvalKit's file name; the
+# domain averages keep Table 1's plain names
+HEAD_NAMES = PAPER_NAMES | {"Math": "Math", "OCR": "OCR"}
+
+
 def head(first: list[str], columns=COLUMNS) -> list[str]:
     return [
-        "| " + " | ".join([*first, *columns]) + " |",
+        "| " + " | ".join([*first, *(HEAD_NAMES.get(c, c) for c in columns)]) + " |",
         "|" + " --- |" * (len(first) + len(columns)),
     ]
 
@@ -73,6 +78,21 @@ def judge_line(judge: str | None) -> list[str]:
     ]
 
 
+def checkpoint_line(configs: list[dict]) -> list[str]:
+    """The training step every trained configuration's numbers come from, one checkpoint per model in every
+    table (C.1: Table 1 / 2's 4:4 row, Table 3's aggregation row and Table S6's standard row are one
+    checkpoint's, "at training step 7,000")."""
+    steps: dict = {}
+    for c in configs:
+        if not c["reference"]:
+            steps.setdefault(c["model_step"], []).append(c["label"])
+    parts = [
+        f"step {'not recorded' if s is None else s}: {', '.join(labels)}"
+        for s, labels in steps.items()
+    ]
+    return ["", "Checkpoints (the training step each number comes from): " + "; ".join(parts) + "."]
+
+
 def table_1(rows: list[dict], fmt) -> list[str]:
     md = [
         "",
@@ -87,14 +107,17 @@ def table_1(rows: list[dict], fmt) -> list[str]:
     return md
 
 
-def grids(title: str, columns, pvs: list, pls: list, grids_: dict, fmt) -> list[str]:
+def grids(
+    title: str, columns, pvs: list, pls: list, grids_: dict, fmt, first: int = 0
+) -> list[str]:
     """Table 2 or S4: a Pl x Pv subtable per column the runs scored, in `columns`' order, lettered as the paper
-    letters it ((b) LogicVista in Table 2 whether or not MathVista ran)."""
+    letters it ((b) LogicVista in Table 2 whether or not MathVista ran); `first`: the letter of columns[0] (an
+    extra grid after Table 2's nine goes on at (j), no letter of the paper's used twice)."""
     md = ["", title]
     for col in (c for c in columns if c in grids_):
         md += [
             "",
-            f"({'abcdefghi'[columns.index(col)]}) {PAPER_NAMES[col]}",
+            f"({'abcdefghijklm'[first + columns.index(col)]}) {PAPER_NAMES[col]}",
             "",
             "| Pl \\ Pv | " + " | ".join(map(str, pvs)) + " |",
             "|" + " --- |" * (len(pvs) + 1),
@@ -150,7 +173,7 @@ def best(best_: dict, decimals: int) -> list[str]:
         f"Table S2, last column: the empirically best Pv:Pl per benchmark, selected from Table S4; ties (at "
         f"{decimals} decimals) favor the lower-FLOP configuration.",
         "",
-        "| " + " | ".join(best_) + " |",
+        "| " + " | ".join(HEAD_NAMES.get(b, b) for b in best_) + " |",
         "|" + " --- |" * len(best_),
         "| " + " | ".join(best_.values()) + " |",
     ]
@@ -245,7 +268,7 @@ def every_config(configs: list[dict], arch: str, fmt) -> list[str]:
 def markdown(data: dict, decimals: int) -> list[str]:
     """report.md's lines: the answer extractor, then every table in the paper's order."""
     fmt = lambda v: "-" if v is None else f"{v:.{decimals}f}"  # noqa: E731
-    md = judge_line(data["judge"]) + table_1(data["table1"], fmt)
+    md = judge_line(data["judge"]) + checkpoint_line(data["configs"]) + table_1(data["table1"], fmt)
     md += grids(
         "Table 2: Ablation on branch-count configurations between vision branches (Pv, columns) and "
         "language branches (Pl, rows).",
@@ -264,6 +287,7 @@ def markdown(data: dict, decimals: int) -> list[str]:
             data["grid_pl"],
             data["grids"],
             fmt,
+            first=len(TABLE2),
         )
     md += (
         figure_3(data["figure3"], fmt) + table_3(data["table3"], fmt) + best(data["best"], decimals)

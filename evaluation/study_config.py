@@ -11,7 +11,7 @@ from pathlib import Path
 
 from data.subsample import PAPER_MIXTURE, parse_mixture
 from evaluation.flops import ARCHS
-from evaluation.judge import KEY_ENV, PAPER_JUDGE, judge_flags_problem
+from evaluation.judge import JUDGE_READS, KEY_ENV, PAPER_JUDGE, judge_flags_problem
 from evaluation.scoring import BENCHMARKS, COLUMNS, GROUPS
 from shell.flags import flag
 
@@ -40,6 +40,7 @@ OUT_FOLDERS = (
     "profile",
     "tables",
     "report",
+    "paper",
     "made",
     "replaced",
 )
@@ -72,15 +73,16 @@ class StudyConfig:
     )
     data_fraction: float = flag(
         0.05,
-        "fraction of --data the runs train on, drawn in --mixture's shares (the "
-        "study's first piece); 0: --data as given",
+        "fraction of --data the runs train on, a plain seeded draw as the paper's (the study's first "
+        "piece; its composition reported as Table S1); 0: --data as given",
         range="[0, 1]",
         shown="0.05, the paper's 1/20",
     )
     mixture: list[str] = flag(
-        help="domain shares of the subsample, DOMAIN=SHARE (Table S1)",
-        factory=lambda: list(PAPER_MIXTURE),
-        shown=" ".join(PAPER_MIXTURE),
+        help="a stratified subsample instead: each domain's share, DOMAIN=SHARE (Table S1's rounded "
+        f"estimate: {' '.join(PAPER_MIXTURE)})",
+        factory=list,
+        shown="none: the paper's plain seeded draw",
     )
     allocations: list[str] = flag(
         help="Pv:Pl allocations trained and evaluated",
@@ -101,10 +103,12 @@ class StudyConfig:
         "4:4", "the allocation of the fixed pairs, the random pair and the router"
     )
     router_step: int = flag(
-        0,
-        "its training step Table 3 (every row) and S9 use (the paper: 7000; keep it with "
-        '--train-flags "--keep-last K", docs/training.md), 0 = the end-of-run export',
+        7000,
+        "the router allocation's training step every table that uses it takes (Tables 1, 2, 3, S5, "
+        "S6, S9, Figure 4), kept from --keep-last by train.py --keep-step; a multiple of "
+        "--save-every within the run; 0 = the end-of-run export",
         range="[0, inf)",
+        shown="7000, the paper's",
     )
     router_data: str = flag(
         "", "meta JSON the router is labelled and trained on", shown="the training data", reads=True
@@ -169,7 +173,7 @@ class StudyConfig:
     vlmevalkit: str | None = flag(
         None,
         "a VLMEvalKit checkout, whose extraction prompts the answer extractor is sent",
-        reads=True,
+        reads=JUDGE_READS,
     )
     judge_key_env: str = flag(
         KEY_ENV, "environment variable holding the extractor's API key (never a flag)"
@@ -196,7 +200,23 @@ class StudyConfig:
     label_flags: str = flag("", "extra `router.py label` flags, one string")
     router_flags: str = flag("", "extra `router.py train` flags, one string")
     profile_flags: str = flag("", "extra `profiling.py latency` flags, one string")
+    compiled_profile: bool = flag(
+        True,
+        "Tables 4 / S7 also with the compiled CUDA-graph decode, this project's regime, beside the "
+        "paper's eager one (tables/table4_compiled.md)",
+    )
     plan: bool = flag(False, "print every piece, done or to run, and run nothing")
+    mfu: float = flag(
+        0.4,
+        "model FLOPs utilisation --plan prices the pieces at (evaluation/study_cost.py)",
+        range="(0, 1]",
+    )
+    peak_tflops: float = flag(
+        989.0,
+        "one GPU's dense bf16 peak, TFLOP/s, --plan prices the pieces at",
+        range="(0, inf)",
+        shown="989, an H100 / H200 SXM",
+    )
 
     def check(self) -> None:
         """Bad flags (exit 2), found by --plan before anything runs (flag_problem)."""
@@ -256,7 +276,8 @@ def flag_problem(c: StudyConfig) -> str | None:
         except ValueError as e:
             return f"--{kind}-flags {getattr(c, f'{kind}_flags')!r}: {e} (one string of flags, quoted as a shell does)"
     try:
-        parse_mixture(c.mixture)
+        if c.mixture:
+            parse_mixture(c.mixture)
         scales = pairs_of(c.scale_model, "--scale-model")
         refs = pairs_of(c.reference_model, "--reference-model")
     except ValueError as e:
@@ -265,7 +286,48 @@ def flag_problem(c: StudyConfig) -> str | None:
         return f"--scale-model: each scale once, and not --arch {c.arch} (--model's)"
     if unknown := [s for s, _ in refs if s != c.arch and s not in dict(scales)]:
         return f"--reference-model {unknown[0]}=...: no such scale (--arch {c.arch}, or a --scale-model's)"
-    return judge_flags_problem(c.judge_url, c.judge_model, c.vlmevalkit, c.judge_key_env)
+    return router_step_problem(c) or judge_flags_problem(
+        c.judge_url, c.judge_model, c.vlmevalkit, c.judge_key_env
+    )
+
+
+# train.py's --save-every and --global-batch defaults (a test holds them equal; the study reads no command)
+SAVE_EVERY, GLOBAL_BATCH = 500, 512
+
+
+def train_flag(c: StudyConfig, name: str) -> str | None:
+    """The value --train-flags gives train.py's flag `name` (the last one wins, as in argparse), or None."""
+    args, value = extra(c, "train"), None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def router_step_problem(c: StudyConfig) -> str | None:
+    """--router-step must be a step the run saves: a multiple of --save-every (train.py saves at those and at
+    its last step, which --max-steps may fix), and not past --max-steps; found at --plan, not at the export
+    after the training."""
+    if not c.router_step:
+        return None
+    try:
+        every = int(train_flag(c, "--save-every") or SAVE_EVERY)
+        last = int(train_flag(c, "--max-steps") or 0)
+        int(train_flag(c, "--global-batch") or GLOBAL_BATCH)
+    except ValueError:
+        return "--train-flags: --save-every, --max-steps and --global-batch take whole numbers"
+    if every < 1:
+        return f"--train-flags --save-every {every}: at least 1"
+    if last and c.router_step > last:
+        return f"--router-step {c.router_step}: past --max-steps {last} of --train-flags"
+    if c.router_step % every and c.router_step != last:
+        return (
+            f"--router-step {c.router_step}: train.py saves every {every} steps (--save-every), so step "
+            f"{c.router_step} is never written; choose a multiple of {every}"
+        )
+    return None
 
 
 def cost_column_problem(c: StudyConfig) -> str | None:
@@ -296,6 +358,8 @@ class Piece:
     outputs: list = field(default_factory=list)
     resume: Path | None = None  # train.py's run folder: --resume once it has started
     refuse_change: bool = False  # a training run is not retrained in place
+    # what one sample costs and how many (study_cost.py): arch, pv, pl, branches, passes, rows; None: no price
+    work: dict | None = None
 
     def __post_init__(self):
         self.outputs = self.outputs or [self.done]
@@ -303,8 +367,9 @@ class Piece:
 
 @dataclass
 class Model:
-    """A model the study evaluates on every benchmark: its run name, folder, `evaluate.py run` flags, scale, and
-    whether it is a reference row (Table 1's public checkpoints) and has a batch-1 profile (Figure 4)."""
+    """A model the study evaluates on every benchmark: its run name, folder, `evaluate.py run` flags, scale,
+    whether it is a reference row (Table 1's public checkpoints), whether it has a batch-1 profile (Figure 4),
+    and what one of its samples costs."""
 
     name: str
     folder: Path
@@ -314,6 +379,8 @@ class Model:
     profile: list | None = (
         None  # profiling.py latency's extra flags (--shared-kv), None: not profiled
     )
+    # the configuration one sample runs through, for the price (study_cost.py): arch, pv, pl, branches
+    work: dict | None = None
 
 
 def run_name(a: str) -> str:
@@ -335,6 +402,15 @@ def ablation_flags(name: str) -> list[str]:
 def extra(c: StudyConfig, command: str) -> list[str]:
     """The extra flags --train-flags, --eval-flags, ... give one kind of piece."""
     return shlex.split(getattr(c, f"{command}_flags"))
+
+
+def checkpoint(c: StudyConfig, run: str) -> Path:
+    """The checkpoint every table takes of a trained run: its end-of-run export, or for --router-allocation's
+    run with --router-step N, the export of step N (C.1 and Appendix E: Table 1 / 2's 4:4 row, Table 3's
+    aggregation row and Table S6's standard row are one checkpoint's numbers, "at training step 7,000")."""
+    if c.router_step and run == run_name(c.router_allocation):
+        return Path(c.out) / "router" / f"model_step_{c.router_step}"
+    return Path(c.out) / "runs" / run / "export"
 
 
 def training_data(c: StudyConfig) -> Path:

@@ -103,7 +103,8 @@ def table_1(scales: list[tuple[str, Scores]]) -> list[dict]:
                 {
                     "scale": name,
                     "kind": "reference",
-                    "label": Path(c[6]).name,
+                    # the paper's spelling of a hub folder's name: InternVL3_5-1B-Instruct -> InternVL3.5-...
+                    "label": Path(c[6]).name.replace("InternVL3_5", "InternVL3.5"),
                     "config": f"{c[0]}:{c[1]}",
                     "checkpoint": s.models[c],
                     "scores": s.runs[c] | aggregates(s.runs[c]),

@@ -85,6 +85,7 @@ def flag(
     `factory` makes a default that is a list, or one read at start (an environment variable). A flag
     that names a path says what the command does there: `reads` or `writes` True for the path itself (a
     file, or a folder and everything in it), or the names in the folder it reads or writes ("metrics.jsonl",
+    "vlmeval/dataset/utils": a sub-folder, part by part,
     "heatmap_*.png"); an output is never an input (output_is_input, checked at parse)."""
     meta = {
         "help": help,
@@ -239,7 +240,9 @@ def overlap(a: tuple[Path, str | None], b: tuple[Path, str | None]) -> Path | No
                 and top.exists()
                 and os.path.samefile(x, top)
             )
-        return top in x.parents and fnmatch(x.relative_to(top).parts[0], name)
+        # a name of several parts ("vlmeval/dataset/utils"): that sub-folder of the folder, part by part
+        want, got = name.split("/"), x.relative_to(top).parts if top in x.parents else ()
+        return len(got) >= len(want) and all(fnmatch(g, w) for g, w in zip(got, want))
 
     for (folder, name), other in ((a, b), (b, a)):
         top = folder if name is None else folder / name

@@ -819,3 +819,47 @@ def test_length_buckets_equal_full_cache_attention():
             for bucket in (4, 0)
         ]
         assert tokens[0] == tokens[1]
+
+
+def test_lora_dropout_trains_as_internvl_and_recomputes_alike():
+    """Issue 47, item 5: LoRA vision branches as InternVL's wrap_backbone_lora builds them, dropout 0.05 on the
+    update's input while training (train.py --lora-dropout sets it; none in eval, none on W x). A ViT block
+    that draws those masks must recompute them alike under activation checkpointing: with its RNG state kept
+    (fsdp.build_model's preserve_rng_state for the ViT of a LoRA run) the gradients equal the plain block's;
+    without it (the setting of blocks with no randomness) they do not."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from aggregate import LoRA
+    from vit import Block
+
+    cfg = ViTConfig(hidden_size=32, num_heads=4, intermediate_size=48, num_layers=1)
+    torch.manual_seed(0)
+    block = Block(cfg, 0.0, branches=2, lora_rank=4).double()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    x, rows = torch.randn(2, 5, 32, dtype=torch.float64), Rows.choose(1, 2, 2, "cpu")
+
+    def dropout(p: float) -> None:
+        for m in block.modules():
+            if isinstance(m, LoRA):
+                m.dropout = p
+
+    with torch.no_grad():
+        eval_out = block.eval()(x, rows)
+        torch.testing.assert_close(block.train()(x, rows), eval_out)  # a module built alone: none
+        dropout(0.05)
+        assert not torch.equal(block(x, rows), eval_out)  # masks drawn while training
+        torch.testing.assert_close(block.eval()(x, rows), eval_out)  # and none in eval
+    block.train()
+
+    def grads(module) -> list[torch.Tensor]:
+        block.zero_grad()
+        torch.manual_seed(1)
+        module(x, rows).square().sum().backward()
+        return [p.grad.clone() for p in block.parameters()]
+
+    plain = grads(block)
+    kept = grads(checkpoint_wrapper(block, preserve_rng_state=True))
+    lost = grads(checkpoint_wrapper(block, preserve_rng_state=False))
+    assert all(torch.equal(a, b) for a, b in zip(plain, kept))
+    assert not all(torch.allclose(a, b) for a, b in zip(plain, lost))

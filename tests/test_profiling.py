@@ -528,6 +528,12 @@ def test_table_4_and_the_shared_kv_delta_from_table_s7():
         md.startswith("Table S7: Absolute profiling results.")
         and "\nTable 4: Relative inference costs." in md
     )
+    # issue 47, item 1: the paper's titles for the eager regime only, the compiled one titled as this project's
+    assert "Decode: eager, the paper's regime (C.1" in md and "compiled" not in md
+    compiled = latency.paper_layout([r | {"compiled": True} for r in rows], delta)
+    assert compiled.startswith("Table S7's layout: Absolute profiling results.")
+    assert "\nTable 4's layout: Relative" in compiled and "Table 4:" not in compiled
+    assert "Decode: compiled, CUDA graphs (this project's regime, not the paper's" in compiled
     assert "| 4:4 | Peak memory | -9.4 % | -15.9 % | -23.3 % | -30.8 % |" in md
     assert "| 4:4 | Latency | +18.3 % | +21.4 % | +22.0 % | +32.3 % |" in md
     assert "| 4:4 | Incremental peak (C.2) | -45.8 % |" in md

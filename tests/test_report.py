@@ -4,11 +4,15 @@ delta), Figure 3's sweeps and variants, a reference model in a row of its own, o
 configuration."""
 
 import json
+from pathlib import Path
 
 import pytest
 from commands import main_out, write_scores
 
+import study
+from evaluation import latency
 from evaluation import scoring as S
+from evaluation.analysis import descriptors_markdown
 
 SCORES = {  # (pv, pl) -> the nine benchmark scores, in scoring.BENCHMARKS order
     (1, 1): [40.0, 44.0, 21.0, 27.0, 12.0, 72.0, 71.0, 82.0, 76.0],
@@ -240,16 +244,16 @@ MEAN_41 = [40.4, 45.5, 21.1, 27.5, 11.4, 72.0, 72.0, 82.6, 74.9]  # Table S8, Me
 
 TABLE_1_PRINTED = [  # the paper's Table 1 rows as it prints them (but two cells: see below)
     (
-        "InternVL3_5-1B-Pretrained",
+        "InternVL3.5-1B-Pretrained",
         "38.0 38.5 16.8 27.3 12.9 71.0 67.8 77.3 70.5 38.0 23.9 71.7 46.7",
     ),
-    ("InternVL3_5-1B-Instruct", "39.9 50.7 22.0 32.0 12.5 77.2 71.1 84.0 77.9 39.9 29.3 77.6 51.9"),
+    ("InternVL3.5-1B-Instruct", "39.9 50.7 22.0 32.0 12.5 77.2 71.1 84.0 77.9 39.9 29.3 77.6 51.9"),
     ("Baseline (Pv=1, Pl=1)", "40.3 43.9 21.1 27.3 11.6 71.7 71.4 82.6 76.6 40.3 26.0 75.6 49.6"),
     ("ParVL-1B (Pv=4, Pl=1)", "39.7 45.0 22.4 30.0 11.3 72.9 71.5 82.2 75.5 39.7 27.2 75.5 50.1"),
     ("ParVL-1B (Pv=1, Pl=4)", "39.8 44.5 24.7 29.5 11.6 72.1 71.6 82.4 76.5 39.8 27.6 75.7 50.3"),
     ("ParVL-1B (Pv=4, Pl=4)", "39.0 48.0 22.4 29.3 12.3 72.1 71.9 82.7 77.0 39.0 28.0 75.9 50.5"),
     (
-        "InternVL3_5-2B-Pretrained",
+        "InternVL3.5-2B-Pretrained",
         "45.7 50.3 17.4 30.9 16.3 77.8 73.6 85.4 77.7 45.7 28.7 78.6 52.8",
     ),
     # two cells differ from the paper's print, whose aggregates are of its unrounded scores: the baseline's
@@ -300,6 +304,10 @@ def paper_study(d, judge=GPT4O) -> dict[str, list]:
     one_b.append(
         write_scores(d, "41mean", MEAN_41, pv=4, branches={"aggregation": "mean"}, **judge)
     )
+    shared = [39.8, 47.1, 19.4, 30.6, 11.8, 72.0, 71.7, 82.8, 77.1]  # Table S6's Shared row
+    one_b.append(
+        write_scores(d, "44", shared, pv=4, pl=4, shared_kv=True, model_step=9000, **judge)
+    )
     files["1b"] = [f for group in one_b for f in group]
     return files
 
@@ -333,11 +341,17 @@ def test_report_lays_out_every_table_as_the_paper_numbers_it(tmp_path, capsys):
     = 26.375, All 447.4 / 9 = 49.71). Table S9: the ViT and LLM marginals of score(v, l) = 70 + v + 2 l, 73 + v
     and 71.5 + 2 l, the best pair (3, 3) at 79. The answer extractor is said first."""
     files = paper_study(tmp_path / "s")
-    rc, out, err = report_of(capsys, files, tmp_path / "rep")
+    rc, out, err = report_of(capsys, files, tmp_path / "study" / "report")
     assert rc == 0, err
-    md = (tmp_path / "rep" / "report.md").read_text()
+    md = (tmp_path / "study" / "report" / "report.md").read_text()
     assert md.startswith("Answer extractor: gpt-4o-2024-11-20 (Appendix A.3")
     lines = md.splitlines()
+    # issue 47, item 2: the step each number comes from, named
+    assert lines[2].startswith(
+        "Checkpoints (the training step each number comes from): step 9000: 1:1, 1:4, 4:1, 4:4, "
+        "4:4 sharedKV; "
+        "step not recorded: 4:1 aggregation=mean; step 7000: 4:4 pair (0,0), 4:4 pair (0,1)"
+    )
     at = lines.index("| ~1B Models |" + " |" * 13)
     assert lines[at - 4].startswith(
         "Table 1: Comparison of multimodal general, mathematical, and OCR performance"
@@ -347,7 +361,7 @@ def test_report_lays_out_every_table_as_the_paper_numbers_it(tmp_path, capsys):
     ]
     scale = ["| ~2B Models |" + " |" * 13]
     assert lines[at : at + 11] == [lines[at], *want[:6], *scale, *want[6:]]
-    data = json.loads((tmp_path / "rep" / "report.json").read_text())
+    data = json.loads((tmp_path / "study" / "report" / "report.json").read_text())
     base = next(
         r for r in data["table1"] if r["label"] == "Baseline (Pv=1, Pl=1)" and r["scale"] == "1B"
     )["scores"]
@@ -414,100 +428,129 @@ def test_report_lays_out_every_table_as_the_paper_numbers_it(tmp_path, capsys):
         < md.index("Table S8:")
         < md.index("Table S9:")
     )
+    assert_one_document(tmp_path / "study", capsys)
 
 
-def test_report_refuses_table_3_of_two_checkpoints_and_mixed_extractors(tmp_path, capsys):
-    """Issue 37, item 2: Table 3's rows come from one checkpoint: without the step-7,000 dense scores its dense row
-    would be the end-of-run export's, and a router of another checkpoint than the random pair's would share it;
-    both are refused in one line naming the two checkpoints, never averaged together. Item 1: a study whose
-    MMMU / MathVista / MathVision / LogicVista / WeMath scores were made with and without the answer extractor is
-    refused, naming a file of each; without one anywhere the report says so first."""
-    files = paper_study(tmp_path / "s")
-    no_dense = {**files, "1b": [f for f in files["1b"] if "44s7000" not in f.name]}
-    rc, _, err = report_of(capsys, no_dense, tmp_path / "r1")
-    assert (
-        rc == 1
-        and err.count("\n") == 1
-        and "Table 3 at 4:4: its random-pair and router rows are checkpoint "
-        "fp-44s7000 (step 7000), the dense 4:4 scores checkpoint fp-44 (step 9000)"
-        in err
-    )
-    other = write_scores(
-        tmp_path / "o",
-        "44R",
-        ROUTER,
-        pv=4,
-        pl=4,
-        router="router/gates",
-        model_fingerprint="fp-x",
-        **GPT4O,
-    )
-    mixed = {**files, "1b": [f for f in files["1b"] if "44R_" not in f.name] + other}
-    rc, _, err = report_of(capsys, mixed, tmp_path / "r2")
-    assert rc == 1 and err.count("\n") == 1 and "Table 3 at 4:4 holds rows of checkpoint" in err
-    assert "fp-x" in err and "fp-44s7000" in err
-    plain = write_scores(
-        tmp_path / "plain",
-        "p2",
-        TABLE_1["2B-Pretrained"],
-        model_fingerprint="fp-2B-Pretrained",
-        model="/hub/InternVL3_5-2B-Pretrained",
-        judge_model=None,
-    )
-    rc, _, err = report_of(capsys, {**files, "2b ref": plain}, tmp_path / "r3")
-    assert rc == 1 and err.count("\n") == 1 and "was scored without an answer extractor" in err
-    assert "with answer extractor gpt-4o-2024-11-20: one report, one extractor" in err
-    assert not any((tmp_path / r).exists() for r in ("r1", "r2", "r3"))
-    rc, out, _ = main_out(
-        capsys, "report", *paper_study(tmp_path / "n", judge={})["1b"], "--out", tmp_path / "r4"
-    )
-    assert rc == 0 and out.startswith(
-        "Answer extractor: none. Unresolved MMMU, MathVista, MathVision and WeMath rows "
-        "count as wrong"
-    )
+# the paper's Table S2: source pixels, question and reference tokens, the best Pv:Pl
+TABLE_S2 = {
+    "MMMU_DEV_VAL": (470496, 50.6, 22.9, "2:2"),
+    "MathVista_MINI": (431255, 67.3, 2.2, "4:4"),
+    "MathVision_MINI": (479278, 97.4, 1.2, "1:4"),
+    "LogicVista": (383914, 53.6, 65.4, "4:1"),
+    "WeMath": (231998, 36.4, 1.0, "2:1"),
+    "ChartQA_TEST": (454992, 15.5, 3.5, "2:4"),
+    "TextVQA_VAL": (770512, 8.3, 49.9, "4:4"),
+    "DocVQA_VAL": (3925844, 11.0, 11.0, "2:4"),
+    "OCRBench": (1017574, 12.5, 11.0, "4:4"),
+}
+# the paper's Table S7: (latency s, memory GB) at batch sizes 1, 2, 4, 8 of standard 1:1, 4:4, shared-KV 4:4
+TABLE_S7 = {
+    (1, False): [(1.963, 2.310), (0.977, 2.458), (0.498, 2.760), (0.256, 3.361)],
+    (4, False): [(2.048, 2.837), (1.061, 3.456), (0.558, 4.677), (0.313, 7.117)],
+    (4, True): [(2.422, 2.571), (1.288, 2.908), (0.681, 3.585), (0.414, 4.927)],
+}
 
 
-def test_report_refuses_a_mix_of_weight_formats(tmp_path, capsys):
-    """Scores predicted with --quant int8 beside full-precision ones: refused in one line naming a file of each,
-    nothing written; all of one format, the report records it."""
-    quantized = write_scores(tmp_path / "q", "11", [40.0] * 9, quant="int8")
-    plain = write_scores(tmp_path / "p", "22", [41.0] * 9, pv=2, pl=2)
-    rc, _, err = main_out(capsys, "report", *quantized, *plain, "--out", tmp_path / "r")
-    assert rc == 1 and err.count("\n") == 1 and not (tmp_path / "r").exists()
-    assert (
-        "was predicted without --quant" in err
-        and "with --quant int8: one report, one weight format" in err
-    )
-    assert str(plain[0]) in err and str(quantized[0]) in err
-    rc, _, _ = main_out(
-        capsys,
-        "report",
-        *quantized,
-        *write_scores(tmp_path / "q", "22", [41.0] * 9, pv=2, pl=2, quant="int8"),
-        "--out",
-        tmp_path / "r",
-    )
-    assert rc == 0 and json.loads((tmp_path / "r" / "report.json").read_text())["quant"] == "int8"
+def study_tables(out: Path, capsys) -> None:
+    """The rest of a study's tables from the paper's own numbers, each as its command writes it: Tables S7 / 4
+    (profiling.py's stdout: its own table first, the JSON line last), Table S2, Figure 4 (`evaluate.py cost` of
+    the batch-1 profiles of 1:1 and 4:4) and the subsample of A.1's 4.62M instances in Table S1's shares."""
+    rows = [
+        {"pv": pv, "pl": pv, "shared_kv": sh, "batch": b, "latency_s": lat, "peak_gib": mem}
+        | {"memory": "cuda_allocated", "branches": {}, "arch": "1b", "compiled": False}
+        for (pv, sh), cells in TABLE_S7.items()
+        for b, (lat, mem) in zip((1, 2, 4, 8), cells)
+    ]
+    layout = latency.paper_layout(latency.add_ratios(rows), [])
+    (out / "tables").mkdir()
+    (out / "tables" / "table4.md").write_text(f"| arch | ... |\n\n{layout}\n\n" + '{"rows": []}\n')
+    s2 = {
+        b: {"pixels": p, "question_tokens": q, "reference_tokens": r, "best": best}
+        | {"rows": 1, "reference": "answer", "empty_references": 0}
+        | {"response_tokens": None, "responses_near_cap": 0}
+        for b, (p, q, r, best) in TABLE_S2.items()
+    }
+    (out / "tables" / "S2.md").write_text(descriptors_markdown(s2))
+    profiles = [out / "1x1.json", out / "4x4.json"]
+    profiles[0].write_text(json.dumps({"rows": rows[:1]}))
+    profiles[1].write_text(json.dumps({"rows": rows[4:5]}))
+    report = str(out / "report" / "report.json")
+    rc, fig4, err = main_out(capsys, "cost", "--report", report, "--latency", *profiles)
+    assert rc == 0, err
+    (out / "tables" / "figure4.md").write_text(fig4)
+    (out / "data").mkdir()
+    domains = {"math": 693_000, "ocr": 693_000, "general": 3_234_000}  # 15, 15, 70 % of 4.62M
+    summary = {"data": "internvl35_sft.json", "fraction": 0.05, "seed": 42, "mixture": None}
+    summary["domains"] = {d: {"rows": 20 * k, "kept": k} for d, k in domains.items()}
+    (out / "data" / "subsample.json").write_text(json.dumps(summary))
 
 
-def test_a_foreign_score_file_is_named_not_the_genuine_one(tmp_path, capsys):
-    """A configuration's nine score files and one of another checkpoint: whichever came first, the one line names
-    the foreign file, not a genuine one (the file read second was blamed: the foreign one given first made every
-    genuine file the culprit; issue 38, item 22). A tie names both sides. Exit 1, nothing written."""
-    d = tmp_path / "scores"
-    genuine = write_scores(d, "11", [40.0] * 9)
-    foreign = write_scores(tmp_path / "other", "x", [50.0], model_fingerprint="fp-other")
-    for order in ([*foreign, *genuine], [*genuine, *foreign]):
-        rc, _, err = main_out(capsys, "report", *order, "--out", tmp_path / "r")
-        assert rc == 1 and err.strip().splitlines() == [
-            f"error: {foreign[0]}: score(s) of checkpoint fp-other for configuration 1:1, whose other 9 score files "
-            f"({genuine[0]}, ...) are checkpoint fp-11's: one checkpoint per configuration (pass a reference model "
-            f"with --reference; other model sizes with --scale)"
-        ], err
-    rc, _, err = main_out(capsys, "report", genuine[0], *foreign, "--out", tmp_path / "r")
-    assert rc == 1 and err.strip() == (
-        f"error: configuration 1:1 holds scores of 2 checkpoints: checkpoint fp-11 ({genuine[0]}); checkpoint fp-other "
-        f"({foreign[0]}): one checkpoint per configuration (pass a reference model with --reference; other model sizes "
-        f"with --scale)"
-    ), err
-    assert not (tmp_path / "r").exists()
+def assert_one_document(out: Path, capsys) -> None:
+    """Issue 47, item 4: `study.py report` gathers the report, the tables and the subsample of a study into one
+    document, every table in the paper's order under its title (Table 1, 2, 3, 4, Figure 4, S1 to S9; Figure 3
+    has no runs here and is named as not made), this project's own tables after them; the paper's column names,
+    Table 2's letters unique; each of the paper's printed numbers where the paper prints it: Table 1's rows,
+    Table 4's 4:4 ratios, Table S7's 1:1 latencies, Table S1's shares, Table S2's best column, Table S3's
+    parameters (1B 4:4: ViT 327.09 M, LLM 766.84 M and 4427.28 GFLOPs, total 1099.18 M) and Figure 4's 4:4
+    latency ratio 1.04x."""
+    study_tables(out, capsys)
+    # a study with no report yet: one line naming it, exit 1; a --doc over what it reads: exit 2
+    assert study.main(["report", "--out", str(out / "none")]) == 1
+    assert capsys.readouterr().err.strip() == (
+        f"error: --out {out / 'none'}: no report/report.md there; run the study (study.py) first"
+    )
+    with pytest.raises(SystemExit) as e:
+        study.main(["report", "--out", str(out), "--doc", str(out / "tables" / "doc")])
+    assert e.value.code == 2 and ", which --out " in capsys.readouterr().err
+    assert study.main(["report", "--out", str(out)]) == 0
+    capsys.readouterr()
+    doc = (out / "paper" / "report.md").read_text()
+    paper, ours = doc.split("\n# Beyond the paper: this project's own tables\n")
+    heads = [ln.split(":")[0].split(",")[0] for ln in paper.splitlines() if ln.startswith("## ")]
+    assert heads == [
+        "## Table 1",
+        "## Table 2",
+        "## Table 3",
+        "## Table 4",
+        "## Figure 4",
+        "## Table S1",
+        "## Table S2",
+        "## Table S2",
+        "## Table S3",
+        "## Table S4",
+        "## Table S6",
+        "## Table S7",
+        "## Table S8",
+        "## Table S9",
+    ], heads
+    assert [ln.split(",")[0] for ln in ours.splitlines() if ln.startswith("## ")] == [
+        "## Table 2's nine-benchmark average (All)",
+        "## Every configuration scored",
+    ]
+    assert doc.rstrip().endswith(
+        "Not made yet (the study's piece that writes each): Figure 3 (report/report.md); "
+        "Table S5 (tables/S5.md)."
+    )
+
+    def section(title: str) -> str:
+        at = doc.index(f"\n## {title}")
+        return doc[at : doc.index("\n## ", at + 1)]
+
+    assert all(
+        f"| {label} | " + " | ".join(values.split()) + " |" in section("Table 1:")
+        for label, values in TABLE_1_PRINTED
+    )
+    assert "| Model | MMMU dev-val | MathVista mini | MathVision mini |" in section("Table 1:")
+    assert "(j) All" in doc and "(a) All" not in doc and "MMMU_DEV_VAL |" not in doc
+    assert "| 4:4 | ✗ | Latency | 1.04× | 1.09× | 1.12× | 1.22× |" in section("Table 4:")
+    assert "| 1:1 | ✗ | Latency (s) | 1.963 | 0.977 | 0.498 | 0.256 |" in section("Table S7:")
+    assert "| 4:4 | 50.5 | 1.04× | 1.23× |" in section("Figure 4:")
+    assert "| Mathematical reasoning | 15% |" in section("Table S1:")
+    assert "| General multimodal and other data | 70% |" in section("Table S1:")
+    assert "| DocVQA val | 3,925,844 | 11.0 | 11.0 | 2:4 |" in section("Table S2:")
+    assert "| 1B | 4:4 | 7461.50 | 327.09 | 4427.28 | 766.84 | 11896.85 | 1099.18 |" in section(
+        "Table S3:"
+    )
+    assert "{" not in section("Table 4:") and "| arch | ... |" not in doc  # the command's own lines
+    assert all((out / "paper" / f).is_file() for f in ("table2.png", "table_s4.png"))
+    assert "![table2](table2.png)" in section("Table 2:")

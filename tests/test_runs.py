@@ -987,3 +987,12 @@ def test_train_plot_reads_nulls_and_foreign_rows(input_files, capsys):
     code = train.main(["plot", str(input_files["run"]), "--out", str(png)])
     assert code == 0 and capsys.readouterr().out.strip() == str(png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_keep_step_survives_keep_last(tmp_path):
+    """Issue 47, item 2: a save deletes all but the newest --keep-last checkpoints, except the steps of
+    --keep-step (the study's --router-step), which a later export needs whatever --keep-last is."""
+    saved = [tmp_path / f"step_{s}" for s in (500, 1000, 1500, 2000)]
+    assert dcp.stale(saved, 2, []) == saved[:2]
+    assert dcp.stale(saved, 2, [1000]) == saved[:1]
+    assert dcp.stale(saved, 1, [500, 2000]) == saved[1:3]

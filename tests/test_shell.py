@@ -44,6 +44,7 @@ import router
 import study
 import train
 from shell import cli, files, rendezvous
+from shell.flags import overlap
 
 # -- flags: exit 2 and one line, said once -------------------------------------------------------------
 
@@ -1728,3 +1729,37 @@ def test_a_command_signalled_twice_exits_143_with_one_line(model_dir):
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+
+
+def test_a_folder_read_in_part_refuses_only_outputs_over_that_part(tmp_path, capsys):
+    """Issue 47, item 8: --vlmevalkit is read only in vlmeval/dataset/utils (the extractor's prompts), so a study
+    or score --out elsewhere in the checkout is accepted at parse, and one inside that part still refused (exit 2,
+    one line naming both flags)."""
+    kit = tmp_path / "VLMEvalKit"
+    judge = ["--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m", "--vlmevalkit", str(kit)]
+    plan = ["--model", "M", "--data", "d.json", "--tsv", "T", *judge, "--plan"]
+    assert study.main([*plan, "--out", str(kit / "study")]) == 0
+    assert (
+        study.main([*plan, "--out", str(kit / "vlmeval")]) == 0
+    )  # writes vlmeval/data, not dataset
+    capsys.readouterr()
+    score = [
+        "score",
+        "--benchmark",
+        "OCRBench",
+        "--data",
+        "t.tsv",
+        "--predictions",
+        "p.jsonl",
+        *judge,
+    ]
+    for main, argv in (
+        (study.main, [*plan, "--out", str(kit / "vlmeval" / "dataset" / "utils")]),
+        (evaluate.main, [*score, "--out", str(kit / "vlmeval" / "dataset" / "utils" / "mathv.py")]),
+    ):
+        code, err = run_main(capsys, main, argv)
+        assert code == 2 and len(err) == 1 and ", which --vlmevalkit " in err[0], err
+    assert overlap((kit, "vlmeval/dataset/utils"), (kit / "vlmeval" / "dataset", None)) == (
+        kit / "vlmeval" / "dataset" / "utils"
+    )
+    assert overlap((kit, "vlmeval/dataset/utils"), (kit / "vlmeval" / "data", None)) is None

@@ -5,6 +5,7 @@ the paper reports), under Slurm (the device request from one flag), flag errors 
 subsample (Table S1's mixture)."""
 
 import contextlib
+import dataclasses
 import importlib
 import io
 import json
@@ -19,8 +20,12 @@ from inputs import png_b64, write_dataset, write_tsv
 from judge_fakes import StubJudge, fake_vlmevalkit, judge_server
 
 import study
+import train
 from data.processor import Tokenizer
-from evaluation.scoring import can_infer, mmmu_choices
+from data.subsample import domain_of
+from evaluation import study_cost
+from evaluation.scoring import BENCHMARKS, can_infer, mmmu_choices
+from evaluation.study_config import GLOBAL_BATCH, SAVE_EVERY
 from evaluation.tsv import read_tsv
 
 KEY = "sk-study-test-5f3a9c"  # the answer extractor's key: in the environment, never in a command line or a file
@@ -121,6 +126,10 @@ def tiny_study(checkpoint, model_dir, tmp_path, monkeypatch):
         str(collection(tmp_path / "sft")),
         "--data-fraction",
         "0.25",
+        "--mixture",  # the stratified option, end to end
+        "math=0.15",
+        "ocr=0.15",
+        "general=0.70",
         "--tsv",
         str(benchmark_tsvs(tmp_path / "tsv")),
         "--out",
@@ -181,7 +190,7 @@ def tiny_study(checkpoint, model_dir, tmp_path, monkeypatch):
                 "--save-every",
                 "1",
                 "--keep-last",
-                "2",
+                "1",  # step 1 survives by --keep-step alone
                 "--global-batch",
                 "1",
                 "--max-tiles",
@@ -196,6 +205,7 @@ def tiny_study(checkpoint, model_dir, tmp_path, monkeypatch):
         "--steps 2 --global-batch 2 --log-every 1 --check-samples 0",
         "--profile-flags",
         "--batch 1 --iters 1 --warmup 0 --new-tokens 2 --tiles 1 --text-tokens 8",
+        "--no-compiled-profile",  # a CPU compile is minutes; the plan test holds the compiled piece
     ]
     return out, argv
 
@@ -211,7 +221,12 @@ RUNS = {
     **{f"2:2 pair ({v},{lb})": f"2x2_pair{v}{lb}" for v in (0, 1) for lb in (0, 1)},
 }
 # scored, not configurations of the grid
-OTHERS = ["2x2_random", "2x2_router", "2x2_step1", "tiny2_1x1", "tiny2_2x2"]
+OTHERS = ["2x2_random", "2x2_router", "tiny2_1x1", "tiny2_2x2"]
+
+
+def pieces_of(printed: str) -> list[str]:
+    """The lines of `study.py --plan` that are pieces ("[k/N] name: ..."), not its closing lines (the price)."""
+    return [x for x in printed.splitlines() if x.startswith("[")]
 
 
 def read(out: Path, path: str):
@@ -288,16 +303,18 @@ def assert_tables(out: Path, report: dict, names: list[str]) -> None:
         report["table1"][-1]["scores"]["MMMU_DEV_VAL"]
         == read(out, "score/tiny2_2x2/MMMU_DEV_VAL.json")["score"]
     )
-    step_one = read(out, "score/2x2_step1/MMMU_DEV_VAL.json")["model_fingerprint"]
+    # issue 47, item 2: one checkpoint of 2:2 (--router-step 1's) in every table that uses it
+    step_one = read(out, "score/2x2/MMMU_DEV_VAL.json")["model_fingerprint"]
     assert [(r["policy"], r["checkpoint"], r["step"]) for r in report["table3"]] == [
         ("Random pair (seed 42)", step_one, 1),
         ("Learned router", step_one, 1),
         ("Aggregation", step_one, 1),
     ]
-    assert step_one != configs["2:2"]["model"] and configs["2:2"]["model_step"] == 2
+    assert configs["2:2"]["model"] == configs["2:2 sharedKV"]["model"] == step_one
+    assert configs["2:2"]["model_step"] == 1 and configs["1:1"]["model_step"] == 2
     assert (
         report["table3"][2]["scores"]["General"]
-        == read(out, "score/2x2_step1/MMMU_DEV_VAL.json")["score"]
+        == read(out, "score/2x2/MMMU_DEV_VAL.json")["score"]
     )
     assert {configs[f"2:2 pair ({v},{lb})"]["model"] for v in (0, 1) for lb in (0, 1)} == {step_one}
     s6 = report["table_s6"]["2:2"]
@@ -350,6 +367,31 @@ def assert_tables(out: Path, report: dict, names: list[str]) -> None:
         (out / "report" / f).is_file() for f in ("table2.png", "table_s4.png", "figure3_2x2.png")
     )
     assert (out / "tables" / "figure4" / "score_cost.png").is_file()
+    # issue 47, item 4: one document, every table and figure in the paper's order, the figures beside it
+    doc = (out / "paper" / "report.md").read_text()
+    order = [
+        "Table 1:",
+        "Table 2:",
+        "Figure 3 (2:2)",
+        "Table 3:",
+        "Table 4:",
+        "Figure 4:",
+        "Table S1:",
+    ]
+    order += [
+        "Table S2:",
+        "Table S3:",
+        "Table S4:",
+        "Table S5:",
+        "Table S6:",
+        "Table S7:",
+        "Table S8:",
+    ]
+    at = [doc.index(f"\n## {title}") for title in [*order, "Table S9:"]]
+    assert at == sorted(at) and "Not made yet" not in doc
+    assert {"table2.png", "figure3_2x2.png", "score_cost.png"} <= {
+        p.name for p in (out / "paper").iterdir()
+    }
 
 
 def assert_analyses(out: Path, report: dict) -> None:
@@ -438,7 +480,10 @@ def changes_are_made_again_or_refused(
 
     capsys.readouterr()
     before = tree(out)
-    for flag, value, then in (("--model", other, model), ("--train-flags", "--max-steps 3", None)):
+    for flag, value, then in (
+        ("--model", other, model),
+        ("--train-flags", "--max-steps 3 --save-every 1", None),
+    ):
         assert study.main(changed(flag, value)) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"error: train 1x1 was made with {flag} ") and err.count("\n") == 0, (
@@ -451,22 +496,26 @@ def changes_are_made_again_or_refused(
     assert (
         study.main([*changed("--eval-flags", "--max-new-tokens 3 --batch-size 2"), "--plan"]) == 0
     )
-    plan = capsys.readouterr().out.splitlines()
+    plan = pieces_of(capsys.readouterr().out)
     again = [
         x
         for x in plan
         if "would be made again (--eval-flags '--max-new-tokens 3 --batch-size 4' then, "
         "'--max-new-tokens 3 --batch-size 2' now)" in x
     ]
-    # 19 models x 2 benchmarks; then their scores:
-    assert len(again) == 38 and all("] run " in x for x in again)
+    # 18 models x 2 benchmarks (one 2:2 checkpoint, issue 47); then their scores:
+    assert len(again) == 36 and all("] run " in x for x in again)
     assert (
-        sum("] score " in x and ": done; made again if what run " in x for x in plan) == 38
+        sum("] score " in x and ": done; made again if what run " in x for x in plan) == 36
         and ran == []
     )
     one_one = read(out, "tables/figure4/score_cost.json")["points"][0]["score"]
     assert study.main(changed("--cost-column", "LogicVista")) == 0
-    assert [Path(cmd[1]).name + " " + cmd[2] for cmd in ran] == ["evaluate.py cost"]
+    # Figure 4 again, then the document that holds it
+    assert [Path(cmd[1]).name + " " + cmd[2] for cmd in ran] == [
+        "evaluate.py cost",
+        "study.py report",
+    ]
     # LogicVista's
     assert {p["score"] for p in read(out, "tables/figure4/score_cost.json")["points"]} == {100.0}
     # kept, not lost
@@ -494,7 +543,7 @@ def changes_are_made_again_or_refused(
 
 
 def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsys):
-    """`study.py --plan` as a user runs it, at the defaults: 669 pieces, nothing run. The subsample first (1/20,
+    """`study.py --plan` as a user runs it, at the defaults: 672 pieces, nothing run. The subsample first (1/20,
     Table S1's mixture); 15 runs trained (the nine allocations; Figure 3's prefix lengths 72 and 128 and LoRA
     ranks 8, 16, 32, Table S8's mean, of 4:1); 35 models x 9 benchmarks run and scored, 630 pieces (the 15 runs,
     --model as Table 1's reference row, the 16 fixed pairs, random pair and router of 4:4, and 4:4 with shared KV
@@ -504,13 +553,11 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
     out = tmp_path / "s"
     base = ["--model", "M", "--data", "d.json", "--tsv", "T", "--out", str(out), "--plan"]
     assert study.main(base) == 0
-    plan = capsys.readouterr().out.splitlines()
+    plan = pieces_of(capsys.readouterr().out)
     names = [x.split("] ", 1)[1].split(":", 1)[0] for x in plan]
-    assert len(plan) == 669 and all(": would run " in x for x in plan) and not out.exists()
+    assert len(plan) == 672 and all(": would run " in x for x in plan) and not out.exists()
     assert names[0] == "subsample the data" and plan[0].endswith(
-        f"study.py subsample --data d.json --fraction 0.05 "
-        f"--mixture math=0.15 ocr=0.15 general=0.70 "
-        f"--seed 42 --out {out / 'data'}"
+        f"study.py subsample --data d.json --fraction 0.05 --seed 42 --out {out / 'data'}"
     )
     trained = [
         n.removeprefix("train ") for n in names if n.startswith("train ") and n != "train router"
@@ -536,7 +583,7 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
         f"--pv 2 --pl 4 --model M --data {out / 'data' / 'meta.json'} --out {out / 'runs' / '2x4'}"
     )
     assert plan[6] == (
-        f"[7/669] train 2x4: would run {sys.executable} -m torch.distributed.run --standalone "
+        f"[7/672] train 2x4: would run {sys.executable} -m torch.distributed.run --standalone "
         f"--nproc-per-node 8 {ROOT / 'train.py'} {flags}"
     )
     assert (
@@ -546,12 +593,30 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
     assert len(models) == 35 and sum(n.startswith(("run ", "score ")) for n in names) == 630
     assert {"ref_1b_M", "4x4_sharedkv", "4x4_random", "4x4_router", "4x4_pair03"} <= set(models)
     assert "--shared-kv --out" in plan[names.index("run 4x4_sharedkv MMMU_DEV_VAL")]
-    assert sum(n.startswith("profile ") for n in names) == 16 and names[-4:] == [
+    # issue 47, item 6: one prompt per generate call by default, as VLMEvalKit runs InternVL
+    runs = [x for n, x in zip(names, plan) if n.startswith("run ")]
+    assert all(x.split(" [")[0].endswith("--batch-size 1") for x in runs)
+    # issue 47, item 1: every profile in the paper's eager regime, Tables 4 / S7 compiled beside them
+    profiles = [x for n, x in zip(names, plan) if n.startswith(("profile ", "Tables 4 / S7"))]
+    assert len(profiles) == 18 and all("--no-compile" in x for x in profiles[:17])
+    assert (
+        plan[names.index("Tables 4 / S7")]
+        .split(" [")[0]
+        .endswith(f"--compare-shared --no-compile > {out / 'tables' / 'table4.md'}")
+    )
+    assert (
+        plan[names.index("Tables 4 / S7, compiled")]
+        .split(" [")[0]
+        .endswith(f"--compare-shared --compile > {out / 'tables' / 'table4_compiled.md'}")
+    )
+    assert sum(n.startswith("profile ") for n in names) == 16 and names[-5:] == [
         "report",
         "Table S5",
         "Table S2",
         "Figure 4",
+        "the document",
     ]
+    assert plan[-1].endswith(f"study.py report --out {out}")
     more = [
         *base,
         "--scale-model",
@@ -567,10 +632,10 @@ def test_study_plan_at_the_defaults_lists_every_run_of_the_paper(tmp_path, capsy
         "K",
     ]
     assert study.main(more) == 0
-    plan = capsys.readouterr().out.splitlines()
+    plan = pieces_of(capsys.readouterr().out)
     names = [x.split("] ", 1)[1].split(":", 1)[0] for x in plan]
     # 2b's 1:1 and 2:2 trained, run and scored; 3 references run and scored
-    assert len(plan) == 669 + 2 + 5 * 18
+    assert len(plan) == 672 + 2 + 5 * 18
     assert {
         "train 2b_1x1",
         "train 2b_2x2",
@@ -620,9 +685,9 @@ def test_study_under_slurm_asks_for_devices_by_one_flag(tmp_path, capsys):
     )
     for gpus, multi, one in cases:
         assert study.main([*base, *gpus]) == 0
-        plan = capsys.readouterr().out.splitlines()
+        plan = pieces_of(capsys.readouterr().out)
         assert plan[5].startswith(
-            f"[6/668] train 2x4: would run sbatch --wait --nodes=4 {multi}{sbatch}"
+            f"[6/671] train 2x4: would run sbatch --wait --nodes=4 {multi}{sbatch}"
         ), plan[5]
         profile = next(x for x in plan if "] profile 1x1:" in x)
         assert profile.split("would run ")[1].startswith(
@@ -735,15 +800,9 @@ def test_study_missing_inputs_exit_1_before_anything_runs(tmp_path, capsys, monk
     assert ran == [] and not out.exists()
 
 
-def test_subsample_draws_table_s1s_mixture(tmp_path, capsys):
-    """The study's first piece (Setup: "a 1/20 subsample of the InternVL3.5 SFT collection"; Table S1: 15 % math,
-    15 % OCR and documents, 70 % general): domains from the meta entry's "domain" or the dataset's name; rows as
-    train.py counts them (repeat_time 2 doubles a dataset). By hand: math geoqa 10 rows; OCR chartqa 10 + docs
-    ("domain": "ocr") 5 x 2 = 10; general 30; 60 rows x 1/2 = 30: math 4.5, OCR 4.5, general 21 -> 5, 4, 21
-    (largest remainders, ties to the first); OCR's 4 over chartqa and docs by their rows, 2 and 2. Each kept line
-    is a line of its dataset, byte for byte; the same seed draws the same, another seed others. A domain with too
-    few rows is one line, nothing written."""
-    src = tmp_path / "src"
+def sft_sources(src: Path) -> Path:
+    """A collection of four datasets: geoqa_math 10 rows, chartqa 10, docs 5 ("domain": "ocr", repeat_time 2:
+    10 rows), llava_chat 30."""
     src.mkdir()
     meta = {}
     for name, n, extra in (
@@ -757,7 +816,57 @@ def test_subsample_draws_table_s1s_mixture(tmp_path, capsys):
         )
         meta[name] = {"root": "img", "annotation": f"{name}.jsonl", **extra}
     (src / "meta.json").write_text(json.dumps(meta))
+    return src
+
+
+def test_subsample_is_the_papers_plain_draw_reported_as_table_s1(tmp_path, capsys):
+    """Issue 47, item 3: by default the subsample is the paper's plain seeded draw of the fraction (Setup: "a 1/20
+    subsample"), not the rounded estimate of Table S1 forced as a target: 60 rows x 1/2 = 30 drawn from the
+    whole collection, each domain getting what the draw gives; every row of the collection can be drawn, and
+    over seeds each dataset's mean count is its proportional share (geoqa 10/60 x 30 = 5). Its composition is
+    printed as Table S1 (the paper's caption, categories and rounding) and kept in subsample.json. Domains from
+    words of the name: "geography" is not math ("geo" was a substring rule), "geoqa+" is."""
+    src = sft_sources(tmp_path / "src")
     argv = ["subsample", "--data", str(src / "meta.json"), "--fraction", "0.5"]
+    means = {"geoqa_math": 0, "chartqa": 0, "docs": 0, "llava_chat": 0}
+    for seed in range(40):
+        assert study.main([*argv, "--seed", str(seed), "--out", str(tmp_path / str(seed))]) == 0
+        kept = json.loads((tmp_path / str(seed) / "subsample.json").read_text())["datasets"]
+        assert sum(d["kept"] for d in kept.values()) == 30
+        for name in means:
+            means[name] += kept.get(name, {"kept": 0})["kept"] / 40
+    assert means == pytest.approx(
+        {"geoqa_math": 5, "chartqa": 5, "docs": 5, "llava_chat": 15}, abs=0.6
+    )
+    summary = json.loads((tmp_path / "0" / "subsample.json").read_text())
+    assert summary["mixture"] is None
+    printed = capsys.readouterr().out
+    kept = {d: v["kept"] for d, v in summary["domains"].items()}
+    assert (
+        "Table S1: Approximate SFT data composition by instance count. Categories are estimated from task "
+        "metadata and dataset names; percentages are rounded." in printed
+    )
+    assert f"| Mathematical reasoning | {100 * kept['math'] / 30:.0f}% |" in printed
+    assert "a plain seeded draw, seed 39" in printed
+    assert [domain_of(n, {}) for n in ("geography_qa", "geoqa+", "mavis_math", "TextVQA")] == [
+        "general",
+        "math",
+        "math",
+        "ocr",
+    ]
+
+
+def test_subsample_draws_table_s1s_mixture(tmp_path, capsys):
+    """The study's first piece (Setup: "a 1/20 subsample of the InternVL3.5 SFT collection"; Table S1: 15 % math,
+    15 % OCR and documents, 70 % general): domains from the meta entry's "domain" or the dataset's name; rows as
+    train.py counts them (repeat_time 2 doubles a dataset). By hand: math geoqa 10 rows; OCR chartqa 10 + docs
+    ("domain": "ocr") 5 x 2 = 10; general 30; 60 rows x 1/2 = 30: math 4.5, OCR 4.5, general 21 -> 5, 4, 21
+    (largest remainders, ties to the first); OCR's 4 over chartqa and docs by their rows, 2 and 2. Each kept line
+    is a line of its dataset, byte for byte; the same seed draws the same, another seed others. A domain with too
+    few rows is one line, nothing written. (Issue 47, item 3: stratified with --mixture, an option.)"""
+    src = sft_sources(tmp_path / "src")
+    argv = ["subsample", "--data", str(src / "meta.json"), "--fraction", "0.5"]
+    argv += ["--mixture", "math=0.15", "ocr=0.15", "general=0.70"]
     assert study.main([*argv, "--out", str(tmp_path / "a")]) == 0
     printed = capsys.readouterr().out
     assert "| math | 10 | 5 | 16.7 % |" in printed and "| ocr | 20 | 4 | 13.3 % |" in printed
@@ -791,7 +900,7 @@ def test_subsample_draws_table_s1s_mixture(tmp_path, capsys):
     assert (
         study.main(
             [
-                *argv[:-1],
+                *argv[:4],
                 "0.9",
                 "--out",
                 str(tmp_path / "d"),
@@ -811,4 +920,108 @@ def test_subsample_draws_table_s1s_mixture(tmp_path, capsys):
             "subsample, 27 of 54; lower --fraction or change --mixture"
         )
         and not (tmp_path / "d").exists()
+    )
+
+
+def test_study_takes_one_checkpoint_of_the_router_allocation_everywhere(tmp_path, capsys):
+    """Issue 47, item 2: with --router-step 7000 (C.1, Appendix E: "at training step 7,000") Tables 1, 2, S5,
+    S6, S9, 3 and Figure 4 all take step 7000 of 4:4: it is kept from --keep-last (train.py --keep-step),
+    exported right after the training, and every 4:4 model (dense, pairs, random, router, shared KV, its
+    profiles, the router's labels) reads that export; no second 4:4 dense model. A step the save schedule
+    never writes, or one past --max-steps, is refused at --plan (exit 2, one line)."""
+    out = tmp_path / "s"
+    base = ["--model", "M", "--data", "d.json", "--tsv", "T", "--out", str(out), "--plan"]
+    assert study.main([*base, "--router-step", "7000"]) == 0
+    plan = pieces_of(capsys.readouterr().out)
+    names = [x.split("] ", 1)[1].split(":", 1)[0] for x in plan]
+    step = out / "router" / "model_step_7000"
+    assert (
+        len(plan) == 672
+        and names.index("export 4x4 step 7000") == names.index("train 4x1_mean") + 1
+    )
+    assert plan[names.index("train 4x4")].endswith(f"--out {out / 'runs' / '4x4'} --keep-step 7000")
+    assert "--keep-step" not in "".join(x for x in plan if "] train 4x2:" in x)
+    uses = [
+        n
+        for n, x in zip(names, plan)
+        if n.startswith(("run 4x4", "profile 4x4", "label router")) or n == "train router"
+    ]
+    assert len(uses) == 9 + 16 * 9 + 9 + 9 + 9 + 2 + 2
+    assert all(f"--model {step} " in plan[names.index(n)] for n in uses)
+    assert not [x for x in plan if f"{out / 'runs' / '4x4' / 'export'} " in x]
+    assert not [n for n in names if "step7000" in n]
+    cases = [
+        (["--router-step", "7100"], "--router-step 7100: train.py saves every 500 steps"),
+        (["--router-step", "7000", "--train-flags", "--save-every 300"], "saves every 300 steps"),
+        (["--router-step", "7000", "--train-flags=--max-steps=6000"], "past --max-steps 6000"),
+    ]
+    for flags, needle in cases:
+        with pytest.raises(SystemExit) as e:
+            study.main([*base, *flags])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and needle in err[0], (flags, err)
+    assert study.main([*base, "--router-step", "7000", "--train-flags", "--save-every 700"]) == 0
+    assert study.main([*base, "--router-step", "6001", "--train-flags", "--max-steps 6001"]) == 0
+    capsys.readouterr()
+    defaults = {f.name: f.default for f in dataclasses.fields(train.TrainConfig)}
+    # the study's copies of train.py's defaults
+    assert (SAVE_EVERY, GLOBAL_BATCH) == (defaults["save_every"], defaults["global_batch"])
+    # a step past the run's end, counted from the data (200,000 rows x 1/20 in steps of 512: 19), exit 1
+    meta = tmp_path / "small.json"
+    meta.write_text(json.dumps({"sft": {"root": "r", "annotation": "a.jsonl", "length": 200_000}}))
+    assert study.main([*base[:2], "--data", str(meta), *base[4:]]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        "error: --router-step 7000: the 4:4 run has 19 steps (10,000 training rows in steps of 512, or "
+        "--max-steps); give --router-step 0 (its end) or a saved step up to 19"
+    ), err
+    assert study.main([*base[:2], "--data", str(meta), *base[4:], "--router-step", "0"]) == 0
+
+
+def test_study_plan_prices_every_piece(tmp_path, capsys, monkeypatch):
+    """Issue 47, item 7: --plan prices each piece from the FLOP counter and the samples it processes, and the
+    total in GPU-hours at --mfu of --peak-tflops. By hand, at A.1's 4.62M-row subsample (1/20 of 92.4M, the meta's
+    "length") and Table S3's 1B 1:1 forward of 3243.03 GFLOPs, at MFU 0.4 of 989 TFLOP/s (1.42416e18 FLOP a
+    GPU-hour): training 1:1 is 3 passes, 3 x 3243.03e9 x 4.62e6 / 1.42416e18 = 31.6 GPU-h; labelling the router
+    on that subsample is 16 pairs of one 1:1 pass, 168.3 GPU-h, more than five 1:1 trainings; a benchmark of 100
+    TSV rows one pass a row, 0.0002 GPU-h; scoring has no price. Samples it cannot count yet are said."""
+    meta = tmp_path / "d.json"
+    meta.write_text(
+        json.dumps({"sft": {"root": "r", "annotation": "a.jsonl", "length": 92_400_000}})
+    )
+    tsv = tmp_path / "T"
+    tsv.mkdir()
+    for b in BENCHMARKS:
+        (tsv / f"{b}.tsv").write_text("index\tquestion\tanswer\n" + "1\tq\ta\n" * 100)
+    base = ["--model", "M", "--tsv", str(tsv), "--out", str(tmp_path / "s"), "--plan"]
+    assert study.main([*base, "--data", str(meta)]) == 0
+    printed = capsys.readouterr().out
+    plan = {x.split("] ", 1)[1].split(":", 1)[0]: x for x in pieces_of(printed)}
+    assert plan["train 1x1"].endswith("[31.6 GPU-h]") and plan["train 4x4"].endswith(
+        "[115.8 GPU-h]"
+    )
+    assert plan["label router data"].endswith("[168.3 GPU-h]")
+    assert plan["run 1x1 MMMU_DEV_VAL"].endswith("[0.0002 GPU-h]")
+    assert not plan["score 1x1 MMMU_DEV_VAL"].endswith("GPU-h]")
+    total = printed.splitlines()[-1]
+    assert total.startswith("estimated compute: ") and (
+        "GPU-hours at MFU 0.4 of 989 TFLOP/s (training 1,142.5, benchmark runs 0.1, router labels 168.3"
+        in total
+    )
+    assert study.main([*base, "--data", str(meta), "--mfu", "0.2"]) == 0
+    assert pieces_of(capsys.readouterr().out)[1].endswith("[63.1 GPU-h]")
+    # an annotation without "length" is counted, or past SCAN bytes estimated from its first lines
+    (tmp_path / "a.jsonl").write_text("x" * 99 + "\n" + ("y" * 99 + "\n") * 9)
+    assert study_cost.lines_of(tmp_path / "a.jsonl") == 10
+    monkeypatch.setattr(study_cost, "SCAN", 500)
+    (tmp_path / "a.jsonl").write_text("x" * 99 + "\n" + ("y" * 49 + "\n") * 18)
+    assert study_cost.lines_of(tmp_path / "a.jsonl") == round(9 * 1000 / 500)
+    assert study.main([*base, "--data", str(tmp_path / "none.json")]) == 0
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[-1]
+        .startswith(
+            "not priced, their samples not countable yet (--data, a TSV or --router-data missing): 17 pieces "
+            "(train 1x1, ...)"
+        )
     )

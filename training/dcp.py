@@ -195,8 +195,23 @@ def verify_checkpoint(folder: Path) -> str | None:
     return None
 
 
+def stale(saved: list[Path], keep_last: int, keep_steps: list[int]) -> list[Path]:
+    """The checkpoints a save deletes: all but the newest keep_last of `saved` (oldest first), less the
+    steps named in keep_steps (train.py --keep-step: the study keeps Table 3's step this way, whatever
+    --keep-last is)."""
+    return [d for d in saved[:-keep_last] if int(d.name.split("_")[1]) not in keep_steps]
+
+
 def save_checkpoint(
-    model, optim, sched, step: int, out: Path, config: dict, counts: dict, keep_last: int
+    model,
+    optim,
+    sched,
+    step: int,
+    out: Path,
+    config: dict,
+    counts: dict,
+    keep_last: int,
+    keep_steps: list[int] = (),
 ) -> None:
     """DCP save into step_N.tmp, then train.json (with the size of every file), the done marker and
     one rename, so a folder named step_N is complete. A failed save (full disk, read-only file
@@ -252,7 +267,7 @@ def save_checkpoint(
             f"kept {kept[-1] if kept else 'no earlier checkpoint'}"
         ) from None
     if rank() == 0:
-        for old in checkpoints(run)[:-keep_last]:
+        for old in stale(checkpoints(run), keep_last, keep_steps):
             shutil.rmtree(old)
     dist.barrier()
 

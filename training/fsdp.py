@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
+from aggregate import LoRA
 from loading.checkpoint import read_json
 from loading.config_json import config_from_json
 from loading.pretrained import check_checkpoint, checkpoint_config
@@ -40,6 +41,11 @@ class TrainedParVL(ParVL):
             input_ids, pixel_values, attention_mask, segment_ids=segment_ids
         )
         return (h.clone() if h._base is not None else h), w_vision, w_language
+
+
+def has_lora_dropout(model: ParVL, cfg) -> bool:
+    """Whether the ViT's blocks draw random masks while training (LoRA vision branches, --lora-dropout > 0)."""
+    return any(isinstance(m, LoRA) for m in model.modules()) and cfg.lora_dropout > 0
 
 
 def build_model(cfg, device, mesh) -> TrainedParVL:
@@ -71,6 +77,11 @@ def build_model(cfg, device, mesh) -> TrainedParVL:
             )
         )
         p.requires_grad_(not frozen)
+    for m in model.modules():  # LoRA vision branches: InternVL's dropout, a training setting
+        if isinstance(m, LoRA):
+            m.dropout = cfg.lora_dropout
+    # a block that draws dropout masks recomputes them alike only with its RNG state kept
+    random = {id(model.vision_model.encoder.layers)} if has_lora_dropout(model, cfg) else set()
     blocks = [model.language_model.model.layers]
     if model.cfg.vit is not None:
         blocks.append(model.vision_model.encoder.layers)
@@ -80,7 +91,7 @@ def build_model(cfg, device, mesh) -> TrainedParVL:
     for layers in blocks:
         for i, block in enumerate(layers):
             if cfg.activation_checkpointing:
-                block = checkpoint_wrapper(block, preserve_rng_state=False)
+                block = checkpoint_wrapper(block, preserve_rng_state=id(layers) in random)
             if cfg.compile:
                 block.compile(fullgraph=True)
             layers[i] = block

@@ -127,8 +127,9 @@ def recorded_run(out: Path) -> Path | None:
 
 
 # Flags a resumed run must share with the run it continues: they fix the data order, the loss and the
-# update rule, so a change would silently make a different run. --max-steps may change (the schedule
-# is rebuilt for the new total); the others (logging, saving, workers, compile) do not change the maths.
+# update rule (LoRA's dropout too), so a change would silently make a different run. --max-steps may change
+# (the schedule is rebuilt for the new total); the others (logging, saving, workers, compile) do not change
+# the maths.
 # The branch parameterisation (Pv:Pl, prefix lengths, ...) fixes the run too: flags.resolve_branch_flags.
 RESUME_FIXED = (
     "data",
@@ -141,6 +142,7 @@ RESUME_FIXED = (
     "weight_decay",
     "warmup_ratio",
     "clip",
+    "lora_dropout",
     "dtype",
     "freeze_vit",
     "freeze_connector",
