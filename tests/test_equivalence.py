@@ -21,6 +21,7 @@ import pytest
 import torch
 from inputs import left_pad, prompt_ids, random_pixels
 from official import (
+    ARCHITECTURES,
     FAMILIES,
     LAYOUTS,
     hf_greedy,
@@ -28,6 +29,7 @@ from official import (
     hf_to_original,
     original_to_hf,
     read_safetensors,
+    text_family,
     tokenizer_ids,
 )
 
@@ -116,9 +118,7 @@ def test_fixture_original_folder_converts_back(checkpoint, reference, family):
     assert set(files) == set(hf_to_original(want)) and set(hf_to_legacy(want)) != set(want)
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["model_type"] == "internvl_chat" and cfg["ps_version"] == "v2"
-    assert cfg["llm_config"]["architectures"] == [
-        {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
-    ]
+    assert cfg["llm_config"]["architectures"] == [ARCHITECTURES[text_family(family)]]
 
 
 # -- the vision tower and the connector -------------------------------------------------------------------------------
@@ -220,7 +220,7 @@ CHATS = {  # name -> (num_tiles per image, question, history)
 }
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen2"])
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "qwen3_moe+vit6b"])
 @pytest.mark.parametrize("case", list(CHATS))
 def test_greedy_matches_transformers(checkpoint, reference, family, case):
     folder = checkpoint(family, "original")
