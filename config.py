@@ -233,8 +233,21 @@ class ParVLConfig:
         return self.select_layer % n
 
 
-# The InternVL3.5 sizes (the released configs) and a tiny preset that runs on CPU in seconds.
+# The InternVL3.5 sizes (the released configs) and a tiny preset that runs on CPU in seconds. 1B-30B-A3B
+# read images with InternViT-300M-448px-V2_5, 38B and 241B-A28B with InternViT-6B-448px-V2_5 (45 layers of
+# width 3200, 25 heads, RMSNorm, q/k norm, no qkv bias: its connector reads 4 x 3200 = 12800 channels).
+# 30B-A3B and 241B-A28B decode with Qwen3-30B-A3B and Qwen3-235B-A22B: 128 experts, 8 a token,
+# renormalised, every layer sparse (decoder_sparse_step 1, no mlp_only_layers).
 VIT_300M = ViTConfig()
+VIT_6B = ViTConfig(
+    hidden_size=3200,
+    intermediate_size=12800,
+    num_layers=45,
+    num_heads=25,
+    qkv_bias=False,
+    qk_norm=True,
+    norm_type="rms_norm",
+)
 PRESETS = {
     "1b": ParVLConfig(
         VIT_300M, LLMConfig(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16)
@@ -247,6 +260,36 @@ PRESETS = {
     ),
     "8b": ParVLConfig(
         VIT_300M, LLMConfig(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32)
+    ),
+    "14b": ParVLConfig(
+        VIT_300M, LLMConfig(hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40)
+    ),
+    "38b": ParVLConfig(
+        VIT_6B, LLMConfig(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64)
+    ),
+    "30b-a3b": ParVLConfig(
+        VIT_300M,
+        LLMConfig(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_layers=48,
+            num_heads=32,
+            num_kv_heads=4,
+            num_experts=128,
+            moe_intermediate_size=768,
+        ),
+    ),
+    "241b-a28b": ParVLConfig(
+        VIT_6B,
+        LLMConfig(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_layers=94,
+            num_heads=64,
+            num_kv_heads=4,
+            num_experts=128,
+            moe_intermediate_size=1536,
+        ),
     ),
     "tiny": ParVLConfig(
         ViTConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4),
