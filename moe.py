@@ -13,11 +13,12 @@ per expert) and down_proj [E,C,I], as transformers 5 holds them: FSDP2 shards th
 dimension, as it shards every other weight; the checkpoint's per-expert keys
 (`mlp.experts.{e}.gate_proj.weight`, ...) are stacked once at load and unstacked at save (loading/).
 One formulation serves prefill, decode and training: the N*K (token, expert) pairs are sorted by expert,
-and one grouped matrix product per projection (F.grouped_mm) runs every expert over its contiguous rows.
-The shapes are static (always N*K rows), nothing reads a tensor value on the host and no Python loop runs
-over the experts, so it compiles into the decode step whole (docs/performance.md measures it on CPU
-against a loop over experts, which syncs the host once per expert, and against running every expert on
-every token, E/K times the work).
+and one grouped matrix product per projection (F.grouped_mm, in bf16) runs every expert over its
+contiguous rows; in fp32 each pair's row is multiplied by its expert's gathered weights instead (grouped_mm
+takes bf16 only). The shapes are static (always N*K rows), nothing reads a tensor value on the host and no
+Python loop runs over the experts, so it compiles into the decode step whole (docs/performance.md
+measures it on CPU against a loop over experts, which syncs the host once per expert, and against running
+every expert on every token, E/K times the work).
 
 A ParVL branch is a row of its own (aggregate.Rows): its tokens carry their branch's prefix context, so
 they are routed on their own states, and two branches of one sample may choose different experts.
@@ -55,11 +56,20 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * width, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
 
-    def forward(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        """x [N*K,C] sorted by expert, expert e's rows ending at offsets[e] (int32, [E]) -> [N*K,C]."""
-        # grouped_mm multiplies row group e by its own [C,2I] matrix: the transposed view, no copy
-        gate, up = F.grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offsets).chunk(2, dim=-1)
-        return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+    def forward(self, x: torch.Tensor, offsets: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        """x [N*K,C] sorted by expert, expert e's rows ending at offsets[e] (int32, [E]); expert [N*K] the
+        expert of each row -> [N*K,C]. bf16 runs grouped_mm (its kernels and its compile-time checks take
+        bf16 only); any other dtype (fp32: the tests, a CPU) multiplies each row by its expert's gathered
+        weights, the same static shapes at K weight copies per token."""
+        if (
+            x.dtype == torch.bfloat16
+        ):  # row group e times its own [C,2I]: the transposed view, no copy
+            h = F.grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offsets)  # [N*K,2I]
+            gate, up = h.chunk(2, dim=-1)
+            return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
+        h = torch.bmm(self.gate_up_proj[expert], x[:, :, None])  # [N*K,2I,C] @ [N*K,C,1]
+        gate, up = h.squeeze(-1).chunk(2, dim=-1)  # [N*K,I] each
+        return torch.bmm(self.down_proj[expert], (F.silu(gate) * up)[:, :, None]).squeeze(-1)
 
 
 class SparseMoE(nn.Module):
@@ -85,7 +95,8 @@ class SparseMoE(nn.Module):
         # rows per expert by a scatter, not bincount: a static [E] shape, no host sync
         counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)
         counts.index_add_(0, experts.flatten(), torch.ones_like(order, dtype=torch.int32))
-        out = self.experts(x[token], counts.cumsum(0, dtype=torch.int32))  # [N*K,C]
+        offsets = counts.cumsum(0, dtype=torch.int32)  # [E] where each expert's rows end
+        out = self.experts(x[token], offsets, experts.flatten()[order])  # [N*K,C]
         out = out * weights.flatten()[order, None]  # each expert's output at its routing weight
         y = torch.zeros_like(x).index_add_(0, token, out)  # [N,C] summed per token
         return y.reshape(shape)

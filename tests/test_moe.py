@@ -1,0 +1,192 @@
+"""The Qwen3-MoE decoder (moe.py) on its own and under ParVL branches: the sparse block against a plain
+loop over experts, each row (a branch, a sample) routed on its own, the block traced whole by dynamo,
+cached decoding with branches equal to recomputing, a save that loads back bit for bit in the
+per-expert layout, and config.json's MoE fields checked against the tensors. The model against
+transformers, in every checkpoint layout, is test_equivalence.py's (family "qwen3_moe")."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from test_branches import TINY, greedy_recompute, prompt
+
+from config import LLMConfig, ParConfig
+from inference.engine import Engine, GenerateConfig
+from loading.checkpoint import CheckpointError
+from loading.pretrained import load_pretrained, save_pretrained
+from moe import SparseMoE
+from parvl import ParVL
+
+# the tiny preset with a routed layer 0 (6 experts, top 2) and a dense layer 1
+TINY_MOE = replace(
+    TINY,
+    llm=replace(
+        TINY.llm,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        mlp_only_layers=(1,),
+    ),
+)
+
+
+def moe_block(renormalise: bool = True, seed: int = 0) -> SparseMoE:
+    torch.manual_seed(seed)
+    cfg = replace(TINY_MOE.llm, norm_topk_prob=renormalise)
+    block = SparseMoE(cfg)
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return block.eval()
+
+
+def loop_over_experts(block: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """The official block's arithmetic written plainly: every token, every chosen expert, in turn."""
+    flat = x.reshape(-1, x.shape[-1])
+    probs = F.softmax(block.gate(flat).float(), dim=-1)
+    weights, experts = probs.topk(block.top_k, dim=-1)
+    if block.renormalise:
+        weights = weights / weights.sum(-1, keepdim=True)
+    out = torch.zeros_like(flat)
+    E = block.experts
+    for n in range(flat.shape[0]):
+        for w, e in zip(weights[n].to(x.dtype), experts[n]):
+            gate, up = (E.gate_up_proj[e] @ flat[n]).chunk(2)
+            out[n] += w * (E.down_proj[e] @ (F.silu(gate) * up))
+    return out.reshape(x.shape)
+
+
+@pytest.mark.parametrize("renormalise", [True, False])
+@torch.no_grad()
+def test_sparse_block_equals_a_loop_over_experts(renormalise):
+    block = moe_block(renormalise)
+    x = torch.randn(3, 5, TINY_MOE.llm.hidden_size)
+    torch.testing.assert_close(block(x), loop_over_experts(block, x), atol=1e-5, rtol=1e-5)
+    # bf16: the routing weights cast to the activation dtype, as the official block does
+    block16, x16 = moe_block(renormalise).bfloat16(), x.bfloat16()
+    torch.testing.assert_close(
+        block16(x16).float(), loop_over_experts(block16, x16).float(), atol=3e-2, rtol=3e-2
+    )
+
+
+@torch.no_grad()
+def test_each_row_routes_its_own_tokens():
+    """No capacity, no balancing across the batch: a row's output is the block run on that row alone,
+    so a branch (a row of its own) routes its tokens on its own states, whatever rows run beside it."""
+    block = moe_block()
+    x = torch.randn(4, 7, TINY_MOE.llm.hidden_size)
+    route = lambda x: block.gate(x).topk(block.top_k).indices  # noqa: E731
+    assert torch.equal(route(x), torch.cat([route(x[r : r + 1]) for r in range(4)]))
+    alone = torch.cat([block(x[r : r + 1]) for r in range(4)])
+    torch.testing.assert_close(block(x), alone, atol=1e-6, rtol=1e-6)  # the products' blocking only
+
+
+@torch.no_grad()
+def test_branches_choose_their_own_experts():
+    """Two language branches of one sample: their prefixes make their states differ, and so do the experts
+    their tokens are routed to (recorded at the gate of the routed layer)."""
+    cfg = replace(TINY_MOE, par=ParConfig(pv=1, pl=2, llm_prefix_len=4))
+    model = ParVL.from_config(cfg, seed=3).eval()
+    for p in (model.language_model.model.layers[0].self_attn.prefix_k,):
+        p.normal_(std=3.0)  # prefixes far apart, so that the branches' states differ a lot
+    chosen = []
+    gate = model.language_model.model.layers[0].mlp.gate
+    hook = gate.register_forward_hook(lambda m, i, out: chosen.append(out.topk(2).indices))
+    ids, _ = prompt(0, text=16, seed=4)
+    model(ids[None], None)
+    hook.remove()
+    per_branch = chosen[0].reshape(2, -1, 2)  # rows branch-major: [P, T, K]
+    assert not torch.equal(per_branch[0], per_branch[1])
+
+
+def test_sparse_block_traces_whole():
+    """One graph, no graph break (fullgraph), no host sync: the decode step compiles it whole."""
+    for dtype in (torch.bfloat16, torch.float32):  # grouped_mm, and the gathered weights
+        block = moe_block().to(dtype)
+        x = torch.randn(2, 1, TINY_MOE.llm.hidden_size, dtype=dtype)
+        compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), block(x), atol=0, rtol=0)
+
+
+def test_cached_branches_equal_recompute_on_moe():
+    model = ParVL.from_config(
+        replace(TINY_MOE, par=ParConfig(pv=2, pl=2, vit_prefix_len=5, llm_prefix_len=4)), seed=6
+    ).eval()
+    (ids1, pv1), (ids2, _) = prompt(1, seed=5), prompt(0, text=20, seed=6)
+    cfg = GenerateConfig(max_new_tokens=6, ignore_eos=True)
+    engine = Engine(model)
+    alone = [
+        engine.generate([i.tolist()], p, cfg, []).tokens[0] for i, p in ((ids1, pv1), (ids2, None))
+    ]
+    assert alone[0] == greedy_recompute(model, ids1, pv1, 6)
+    assert alone[1] == greedy_recompute(model, ids2, None, 6)
+    assert engine.generate([ids1.tolist(), ids2.tolist()], pv1, cfg, []).tokens == alone
+
+
+def test_save_writes_one_key_per_expert_and_loads_back_bit_exact(tmp_path):
+    model = ParVL.from_config(
+        replace(TINY_MOE, par=ParConfig(pv=2, pl=2, vit_prefix_len=5, llm_prefix_len=4)), seed=7
+    ).eval()
+    save_pretrained(model, tmp_path / "m")
+    with safe_open(str(tmp_path / "m" / "model.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+    expert = "language_model.model.layers.0.mlp.experts."
+    assert {
+        f"{expert}5.gate_proj.weight",
+        f"{expert}5.up_proj.weight",
+        f"{expert}0.down_proj.weight",
+    } <= keys
+    assert f"{expert}gate_up_proj" not in keys
+    raw = json.loads((tmp_path / "m" / "config.json").read_text())["llm_config"]
+    assert raw["architectures"] == ["Qwen3MoeForCausalLM"] and raw["mlp_only_layers"] == [1]
+    back = load_pretrained(tmp_path / "m")
+    assert back.cfg == model.cfg
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values())
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (
+            {"num_experts": 6},
+            "the language model's num_experts is 6, but in .* language_model.model.layers.0.mlp.gate.weight "
+            r"has shape \[8, 64\]",
+        ),
+        (
+            {"num_experts_per_tok": 9},
+            "llm_config.num_experts_per_tok 9 is more than llm_config.num_experts 8",
+        ),
+        ({"moe_intermediate_size": 16}, "moe_intermediate_size is 32, but in"),
+        ({"num_experts": 0}, "llm_config.num_experts must be a positive integer, got 0"),
+    ],
+)
+def test_config_moe_fields_checked_against_the_tensors(checkpoint, tmp_path, change, message):
+    folder = tmp_path / "m"
+    shutil.copytree(checkpoint("qwen3_moe", "original"), folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw["llm_config"].update(change)
+    (folder / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match=message) as e:
+        load_pretrained(folder)
+    assert "\n" not in str(e.value)
+
+
+def test_dense_layers_where_the_config_says():
+    cfg = LLMConfig(
+        num_layers=6,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=8,
+        decoder_sparse_step=2,
+        mlp_only_layers=(3,),
+    )
+    assert [cfg.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
+    assert not LLMConfig().is_sparse(0)  # a dense decoder
