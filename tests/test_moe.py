@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 import torch.nn.functional as F
+from commands import COMMON, metrics, run_train, train_here
 from safetensors import safe_open
 from test_branches import TINY, greedy_recompute, prompt
 
@@ -190,3 +191,25 @@ def test_dense_layers_where_the_config_says():
     )
     assert [cfg.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
     assert not LLMConfig().is_sparse(0)  # a dense decoder
+
+
+@pytest.mark.slow
+def test_train_on_moe_and_6b_encoder_two_ranks_equal_one_and_resume(checkpoint, meta, tmp_path):
+    """train.py 2:2 on the Qwen3-MoE + InternViT-6B-style checkpoint (241B-A28B in small): FSDP2 on two
+    ranks (the stacked experts sharded on the expert dimension, read per rank) gives one process's
+    losses and gradient norms; a run stopped after step 2 and resumed is bit-identical; its export
+    writes the per-expert layout and loads back."""
+    model = checkpoint("qwen3_moe+vit6b", "original")
+    args = ["--model", model, "--data", meta, "--pv", "2", "--pl", "2", "--max-steps", "3"]
+    args += ["--save-every", "1", *COMMON]
+    train_here(*args, "--out", tmp_path / "one")
+    run_train(*args, "--out", tmp_path / "two", nproc=2)
+    run_train(*args, "--out", tmp_path / "cut", fault="stop-after=2")
+    train_here(*args, "--out", tmp_path / "cut", "--resume")
+    one, two, cut = (metrics(tmp_path / name) for name in ("one", "two", "cut"))
+    for a, b in zip(one, two, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert [(m["loss"], m["grad_norm"]) for m in cut] == [(m["loss"], m["grad_norm"]) for m in one]
+    back = load_pretrained(tmp_path / "one" / "export")
+    assert back.cfg.llm.num_experts == 8 and back.cfg.vit.norm_type == "rms_norm"
