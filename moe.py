@@ -13,12 +13,12 @@ per expert) and down_proj [E,C,I], as transformers 5 holds them: FSDP2 shards th
 dimension, as it shards every other weight; the checkpoint's per-expert keys
 (`mlp.experts.{e}.gate_proj.weight`, ...) are stacked once at load and unstacked at save (loading/).
 One formulation serves prefill, decode and training: the N*K (token, expert) pairs are sorted by expert,
-and one grouped matrix product per projection (F.grouped_mm, in bf16) runs every expert over its
-contiguous rows; in fp32 each pair's row is multiplied by its expert's gathered weights instead (grouped_mm
-takes bf16 only). The shapes are static (always N*K rows), nothing reads a tensor value on the host and no
-Python loop runs over the experts, so it compiles into the decode step whole (docs/performance.md
-measures it on CPU against a loop over experts, which syncs the host once per expert, and against running
-every expert on every token, E/K times the work).
+and one grouped matrix product per projection (F.grouped_mm) runs every expert over its contiguous rows
+(where grouped_mm cannot run, fp32 compiled or on a GPU, each pair's row is multiplied by its expert's
+gathered weights: Experts.forward). The shapes are static (always N*K rows), nothing reads a tensor value
+on the host and no Python loop runs over the experts, so it compiles into the decode step whole
+(docs/performance.md measures it on CPU against a loop over experts, which syncs the host once per
+expert, and against running every expert on every token, E/K times the work).
 
 A ParVL branch is a row of its own (aggregate.Rows): its tokens carry their branch's prefix context, so
 they are routed on their own states, and two branches of one sample may choose different experts.
@@ -48,6 +48,27 @@ def route(
     return weights.to(dtype), experts
 
 
+def grouped_experts(
+    x: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU experts over rows sorted by expert: x [N*K,C], expert e's rows ending at offsets[e] (int32,
+    [E]); gate_up [E,2I,C], down [E,C,I]. One grouped product per projection: row group e times its own
+    expert's matrix (the transposed views, no copy)."""
+    h = F.grouped_mm(x, gate_up.transpose(1, 2), offs=offsets)  # [N*K,2I]
+    gate, up = h.chunk(2, dim=-1)  # [N*K,I] each
+    return F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [N*K,C]
+
+
+def gathered_experts(
+    x: torch.Tensor, expert: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor
+) -> torch.Tensor:
+    """The same SwiGLU experts with each row times its own expert's weights, gathered: expert [N*K] the
+    expert of each row. K weight copies per token: for the few rows of a decode step."""
+    h = torch.bmm(gate_up[expert], x[:, :, None])  # [N*K,2I,C] @ [N*K,C,1]
+    gate, up = h.squeeze(-1).chunk(2, dim=-1)  # [N*K,I] each
+    return torch.bmm(down[expert], (F.silu(gate) * up)[:, :, None]).squeeze(-1)  # [N*K,C]
+
+
 class Experts(nn.Module):
     """E SwiGLU experts stacked: `gate_up_proj` [E,2I,C] (rows 0:I gate, I:2I up) and `down_proj` [E,C,I]."""
 
@@ -57,19 +78,15 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, width))
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
-        """x [N*K,C] sorted by expert, expert e's rows ending at offsets[e] (int32, [E]); expert [N*K] the
-        expert of each row -> [N*K,C]. bf16 runs grouped_mm (its kernels and its compile-time checks take
-        bf16 only); any other dtype (fp32: the tests, a CPU) multiplies each row by its expert's gathered
-        weights, the same static shapes at K weight copies per token."""
-        if (
-            x.dtype == torch.bfloat16
-        ):  # row group e times its own [C,2I]: the transposed view, no copy
-            h = F.grouped_mm(x, self.gate_up_proj.transpose(1, 2), offs=offsets)  # [N*K,2I]
-            gate, up = h.chunk(2, dim=-1)
-            return F.grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offs=offsets)
-        h = torch.bmm(self.gate_up_proj[expert], x[:, :, None])  # [N*K,2I,C] @ [N*K,C,1]
-        gate, up = h.squeeze(-1).chunk(2, dim=-1)  # [N*K,I] each
-        return torch.bmm(self.down_proj[expert], (F.silu(gate) * up)[:, :, None]).squeeze(-1)
+        """x [N*K,C] sorted by expert, expert e's rows ending at offsets[e]; expert [N*K] each row's.
+        grouped_mm's CUDA kernels and its compile-time shape check take bf16 only, its CPU kernel any
+        dtype: so bf16 anywhere and eager CPU run the grouped products, and the rest (a compiled fp32
+        decode step, fp32 on a GPU) the gathered weights (docs/performance.md: bench/bench_moe.py)."""
+        if x.dtype == torch.bfloat16 or (
+            x.device.type == "cpu" and not torch.compiler.is_compiling()
+        ):
+            return grouped_experts(x, offsets, self.gate_up_proj, self.down_proj)
+        return gathered_experts(x, expert, self.gate_up_proj, self.down_proj)
 
 
 class SparseMoE(nn.Module):

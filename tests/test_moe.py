@@ -84,7 +84,7 @@ def test_each_row_routes_its_own_tokens():
     route = lambda x: block.gate(x).topk(block.top_k).indices  # noqa: E731
     assert torch.equal(route(x), torch.cat([route(x[r : r + 1]) for r in range(4)]))
     alone = torch.cat([block(x[r : r + 1]) for r in range(4)])
-    torch.testing.assert_close(block(x), alone, atol=1e-6, rtol=1e-6)  # the products' blocking only
+    torch.testing.assert_close(block(x), alone, atol=1e-5, rtol=1e-5)  # the products' blocking only
 
 
 @torch.no_grad()
@@ -112,7 +112,7 @@ def test_sparse_block_traces_whole():
         x = torch.randn(2, 1, TINY_MOE.llm.hidden_size, dtype=dtype)
         compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
         with torch.no_grad():
-            torch.testing.assert_close(compiled(x), block(x), atol=0, rtol=0)
+            torch.testing.assert_close(compiled(x), block(x), atol=1e-5, rtol=1e-5)
 
 
 def test_cached_branches_equal_recompute_on_moe():
