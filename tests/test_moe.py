@@ -213,3 +213,64 @@ def test_train_on_moe_and_6b_encoder_two_ranks_equal_one_and_resume(checkpoint, 
     assert [(m["loss"], m["grad_norm"]) for m in cut] == [(m["loss"], m["grad_norm"]) for m in one]
     back = load_pretrained(tmp_path / "one" / "export")
     assert back.cfg.llm.num_experts == 8 and back.cfg.vit.norm_type == "rms_norm"
+
+
+@pytest.mark.slow
+def test_every_command_runs_on_moe_and_6b_encoder(checkpoint, bench, meta, tmp_path, capsys):
+    """generate.py, evaluate.py run, router.py label and train, and profiling.py params on a 2:2 ParVL of
+    the Qwen3-MoE + InternViT-6B-style checkpoint (241B-A28B in small); generate.py's answer is the
+    engine's, compiled (fp32 on CPU: the gathered experts) equal to eager."""
+    import evaluate
+    import generate
+    import profiling
+    import router
+
+    model = load_pretrained(checkpoint("qwen3_moe+vit6b", "original"), pv=2, pl=2)
+    torch.manual_seed(0)
+    model.init_branches(std=0.5)
+    folder = tmp_path / "m22"
+    save_pretrained(model, folder)
+    _, tsv, _, _ = bench
+    question = ["Hi?"]  # text only
+    answers = []
+    for extra in ([], ["--compile"]):
+        assert (
+            generate.main(
+                [*question, "--model", str(folder), "--max-new-tokens", "4", "--json", *extra]
+            )
+            == 0
+        )
+        answers.append(json.loads(capsys.readouterr().out.splitlines()[-1])["answer"])
+    assert answers[0] == answers[1]
+    out = tmp_path / "pred.jsonl"
+    run = ["run", "--benchmark", "MMMU_DEV_VAL", "--data", str(tsv), "--model", str(folder)]
+    assert (
+        evaluate.main([*run, "--out", str(out), "--batch-size", "3", "--max-new-tokens", "3"]) == 0
+    )
+    # every row answered but the one whose image is corrupt
+    assert {json.loads(x)["index"] for x in out.read_text().splitlines()} == {
+        "10",
+        "11",
+        "12",
+        "14",
+    }
+    label = ["--num-workers", "0", "--max-tiles", "2", "--max-bad-frac", "0.5", "--batch-size", "2"]
+    assert (
+        router.main(
+            [
+                "label",
+                "--model",
+                str(folder),
+                "--data",
+                str(meta),
+                "--out",
+                str(tmp_path / "L"),
+                *label,
+            ]
+        )
+        == 0
+    )
+    train = ["train", "--model", str(folder), "--labels", str(tmp_path / "L"), "--steps", "2"]
+    assert router.main([*train, "--global-batch", "4", "--out", str(tmp_path / "R")]) == 0
+    assert profiling.main(["params", "--arch", "241b-a28b", "--pv", "2", "--pl", "2"]) == 0
+    assert "241b-a28b" in capsys.readouterr().out
