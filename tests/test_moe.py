@@ -274,3 +274,21 @@ def test_every_command_runs_on_moe_and_6b_encoder(checkpoint, bench, meta, tmp_p
     assert router.main([*train, "--global-batch", "4", "--out", str(tmp_path / "R")]) == 0
     assert profiling.main(["params", "--arch", "241b-a28b", "--pv", "2", "--pl", "2"]) == 0
     assert "241b-a28b" in capsys.readouterr().out
+
+
+def test_training_refuses_a_config_that_asks_for_the_router_loss(checkpoint, meta, tmp_path):
+    """The released Qwen3-MoE configs say output_router_logits false and the official SFT adds no
+    load-balancing loss then (train.py neither); one that says true is refused in one line, not trained
+    without the loss the official code would add."""
+    folder = tmp_path / "m"
+    shutil.copytree(checkpoint("qwen3_moe", "original"), folder)
+    raw = json.loads((folder / "config.json").read_text())
+    raw["llm_config"]["output_router_logits"] = True
+    (folder / "config.json").write_text(json.dumps(raw))
+    res = train_here(
+        "--model", folder, "--data", meta, "--out", tmp_path / "run", *COMMON, check=False
+    )
+    line = res.stderr.strip().splitlines()[-1]
+    assert res.returncode == 1 and "llm_config.output_router_logits is true" in line, res.stderr
+    assert "router_aux_loss_coef 0.001" in line and "Traceback" not in res.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
