@@ -292,3 +292,36 @@ def test_training_refuses_a_config_that_asks_for_the_router_loss(checkpoint, met
     assert res.returncode == 1 and "llm_config.output_router_logits is true" in line, res.stderr
     assert "router_aux_loss_coef 0.001" in line and "Traceback" not in res.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_study_plans_the_new_scales(tmp_path, capsys):
+    """study.py --plan takes the new presets as --arch and as another scale (Table 1's rows)."""
+    import study
+
+    base = [
+        "--model",
+        "M",
+        "--data",
+        "d.json",
+        "--tsv",
+        "T",
+        "--out",
+        str(tmp_path / "s"),
+        "--plan",
+    ]
+    assert (
+        study.main(
+            [
+                *base,
+                "--arch",
+                "241b-a28b",
+                "--scale-model",
+                "30b-a3b=M30",
+                "--scale-model",
+                "38b=M38",
+            ]
+        )
+        == 0
+    )
+    plan = capsys.readouterr().out
+    assert "--arch 241b-a28b" in plan and "--model M30" in plan and "--model M38" in plan
