@@ -62,18 +62,21 @@ def test_state_dict_keys_are_the_original_layout(checkpoint, parvl, family):
     assert model_keys == file_keys, (sorted(model_keys - file_keys), sorted(file_keys - model_keys))
 
 
+@pytest.mark.parametrize(
+    "family", ["qwen3", "qwen3_moe+vit6b"]
+)  # a MoE's experts over the shards too
 @pytest.mark.parametrize("layout", ["original", "hf"])
 @torch.no_grad()
-def test_sharded_equals_unsharded(checkpoint, parvl, layout):
+def test_sharded_equals_unsharded(checkpoint, parvl, layout, family):
     sharded = load_pretrained(
-        checkpoint("qwen3", layout, shards=3), dtype=torch.float32, device="cpu"
+        checkpoint(family, layout, shards=3), dtype=torch.float32, device="cpu"
     )
-    whole = parvl("qwen3", layout)
+    whole = parvl(family, layout)
     a, b = sharded.state_dict(), whole.state_dict()
     assert list(a) == list(b)
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    ids, px = prompt_ids(checkpoint("qwen3", layout), [2]), random_pixels(2, seed=4)
+    ids, px = prompt_ids(checkpoint(family, layout), [2]), random_pixels(2, seed=4)
     assert torch.equal(sharded(ids[None], px), whole(ids[None], px))
 
 

@@ -124,14 +124,15 @@ def test_fixture_original_folder_converts_back(checkpoint, reference, family):
 # -- the vision tower and the connector -------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("vision", ["qwen3", "qwen3+vit6b"])  # InternViT-300M, -6B-style
 @pytest.mark.parametrize("layout", LAYOUTS)
 @torch.no_grad()
-def test_vit_last_hidden_state(parvl, reference, layout):
+def test_vit_last_hidden_state(parvl, reference, layout, vision):
     px = random_pixels(2, seed=1)
-    got = parvl("qwen3", layout).vision_model(px)
-    want = reference("qwen3").model.vision_tower(pixel_values=px).last_hidden_state
+    got = parvl(vision, layout).vision_model(px)
+    want = reference(vision).model.vision_tower(pixel_values=px).last_hidden_state
     assert got.shape == (2, 1025, 64)
-    assert_close(got, want, f"ViT [{layout}]")
+    assert_close(got, want, f"ViT [{vision} {layout}]")
 
 
 @pytest.mark.parametrize("size", [(224, 224), (336, 448)])
@@ -146,14 +147,15 @@ def test_vit_interpolates_position_embedding(parvl, reference, size):
     assert_close(got, want, f"ViT {size}")
 
 
+@pytest.mark.parametrize("vision", ["qwen3", "qwen3+vit6b"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 @torch.no_grad()
-def test_connector_output(parvl, reference, layout):
+def test_connector_output(parvl, reference, layout, vision):
     px = random_pixels(2, seed=2)
-    got = parvl("qwen3", layout).extract_features(px)
-    want = reference("qwen3").get_image_features(pixel_values=px).pooler_output
+    got = parvl(vision, layout).extract_features(px)
+    want = reference(vision).get_image_features(pixel_values=px).pooler_output
     assert got.shape == (2, 256, 64)
-    assert_close(got, want, f"connector [{layout}]")
+    assert_close(got, want, f"connector [{vision} {layout}]")
 
 
 # -- the logits -------------------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from commands import COMMON, metrics, run_train, train_here
 from safetensors import safe_open
-from test_branches import TINY, greedy_recompute, prompt
+from test_branches import TINY_MOE, greedy_recompute, prompt
 
 from config import LLMConfig, ParConfig
 from inference.engine import Engine, GenerateConfig
@@ -23,18 +23,6 @@ from loading.checkpoint import CheckpointError
 from loading.pretrained import load_pretrained, save_pretrained
 from moe import SparseMoE
 from parvl import ParVL
-
-# the tiny preset with a routed layer 0 (6 experts, top 2) and a dense layer 1
-TINY_MOE = replace(
-    TINY,
-    llm=replace(
-        TINY.llm,
-        num_experts=6,
-        num_experts_per_tok=2,
-        moe_intermediate_size=24,
-        mlp_only_layers=(1,),
-    ),
-)
 
 
 def moe_block(renormalise: bool = True, seed: int = 0) -> SparseMoE:

@@ -734,3 +734,13 @@ def test_presets_have_the_published_parameter_counts(arch):
         assert 3.3 <= llm_active_b < 3.4, r  # lm_head included); the whole model runs 3.67 B
     else:  # Qwen3-235B-A22B's card: "22B activated"; InternVL3.5-241B-A28B: 27.8 B with the 6B ViT
         assert (round(llm_active_b), round(active_b)) == (22, 28), r
+
+
+def test_the_6b_encoder_widens_the_connector():
+    """InternViT-6B's width 3200, pixel-shuffled 2 x 2: the connector of 38B and 241B-A28B reads 12,800
+    channels (mlp1's LayerNorm and first Linear), into the decoder's width."""
+    for arch, width in (("38b", 5120), ("241b-a28b", 4096), ("30b-a3b", 2048)):
+        mlp1 = flops.meta_model(flops.build_config(arch, 1, 1)).mlp1
+        vit = 3200 if arch != "30b-a3b" else 1024
+        assert mlp1[0].normalized_shape == (4 * vit,) and mlp1[1].in_features == 4 * vit, arch
+        assert mlp1[1].out_features == mlp1[3].out_features == width, arch
