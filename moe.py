@@ -14,8 +14,8 @@ dimension, as it shards every other weight; the checkpoint's per-expert keys
 (`mlp.experts.{e}.gate_proj.weight`, ...) are stacked once at load and unstacked at save (loading/).
 One formulation serves prefill, decode and training: the N*K (token, expert) pairs are sorted by expert,
 and one grouped matrix product per projection (F.grouped_mm) runs every expert over its contiguous rows
-(where grouped_mm cannot run, fp32 compiled or on a GPU, each pair's row is multiplied by its expert's
-gathered weights: Experts.forward). The shapes are static (always N*K rows), nothing reads a tensor value
+(where grouped_mm cannot run, in a compiled fp32 step or in fp32 on a GPU, each pair's row is multiplied by
+its expert's gathered weights: Experts.forward). The shapes are static (always N*K rows), nothing reads a tensor value
 on the host and no Python loop runs over the experts, so it compiles into the decode step whole
 (docs/performance.md measures it on CPU against a loop over experts, which syncs the host once per
 expert, and against running every expert on every token, E/K times the work).
