@@ -313,3 +313,34 @@ def test_study_plans_the_new_scales(tmp_path, capsys):
     )
     plan = capsys.readouterr().out
     assert "--arch 241b-a28b" in plan and "--model M30" in plan and "--model M38" in plan
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_experts_and_compiled_decode():
+    """On CUDA (bench/h200.sh's tests step): the block in bf16 (grouped_mm's CUDA kernel) and in fp32 (the
+    gathered weights) against the loop, forward and backward; a 2:2 MoE ParVL's greedy tokens with the
+    decode step compiled (reduce-overhead: CUDA graphs) equal eager's, recorded and replayed (fp32: see
+    test_gpu.py on bf16 ties)."""
+    for dtype, tol in ((torch.bfloat16, 3e-2), (torch.float32, 1e-5)):
+        block = moe_block().to("cuda", dtype)
+        x = torch.randn(3, 5, TINY_MOE.llm.hidden_size, device="cuda", dtype=dtype)
+        x.requires_grad_()
+        y = block(x)
+        want = loop_over_experts(block, x.detach()).float()
+        torch.testing.assert_close(y.float(), want, atol=tol, rtol=tol)
+        y.float().square().sum().backward()  # grouped_mm's backward on the GPU
+        assert (
+            torch.isfinite(block.experts.gate_up_proj.grad).all() and torch.isfinite(x.grad).all()
+        )
+    par = ParConfig(pv=2, pl=2, vit_prefix_len=5, llm_prefix_len=4)
+    model = ParVL.from_config(replace(TINY_MOE, par=par), torch.float32, "cuda", seed=6).eval()
+    model.init_branches(std=0.5)
+    (ids1, pv1), (ids2, _) = prompt(1, seed=5), prompt(0, text=20, seed=6)
+    prompts, pixels = [ids1.tolist(), ids2.tolist()], pv1.to("cuda")
+    cfg = GenerateConfig(max_new_tokens=8, ignore_eos=True)
+    with torch.no_grad():
+        eager = Engine(model).generate(prompts, pixels, cfg, []).tokens
+        fast = Engine(model, compile=True)
+        assert fast.generate(prompts, pixels, cfg, []).tokens == eager
+        assert fast.generate(prompts, pixels, cfg, []).tokens == eager  # a replay
