@@ -647,7 +647,7 @@ SAMPLES = [(2, 10), (0, 23), (1, 6), (3, 8), (1, 14)]  # (tiles, text tokens)
         (1, 3, "prefix", False),
         (4, 4, "prefix", False),
         (3, 2, "lora", False),
-        (2, 3, "prefix", True),  # a Qwen3-MoE decoder: each row's tokens routed on their own
+        pytest.param(2, 3, "prefix", True, marks=pytest.mark.slow),  # Qwen3-MoE (test_moe.py's too)
     ],
 )
 def test_per_sample_pairs_equal_each_sample_alone(pv, pl, vision, moe):

@@ -166,9 +166,19 @@ def test_connector_output(parvl, reference, layout, vision):
 PROMPTS = {"1img-1tile": [1], "1img-3tiles": [3], "2imgs": [2, 1], "text-only": []}
 
 
-@pytest.mark.parametrize("prompt", PROMPTS)
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("family", FAMILIES)
+# The kinds added for 14B-241B (Qwen3-MoE, the 6B-style encoder) run every prompt in the original layout
+# and one in each -HF one: the layouts' loaded weights are equal tensor for tensor
+# (test_checkpoint.py::test_layouts_give_identical_state_dicts), so more would repeat it (CI's budget).
+CASES = [
+    (family, layout, prompt)
+    for family in FAMILIES
+    for layout in LAYOUTS
+    for prompt in PROMPTS
+    if family in ("qwen3", "qwen2") or layout == "original" or prompt == "1img-1tile"
+]
+
+
+@pytest.mark.parametrize("family, layout, prompt", CASES)
 @torch.no_grad()
 def test_logits_single_prompt(parvl, reference, checkpoint, family, layout, prompt):
     tiles = PROMPTS[prompt]
@@ -179,8 +189,10 @@ def test_logits_single_prompt(parvl, reference, checkpoint, family, layout, prom
     assert_close(got[0], want, f"logits [{family} {layout} {prompt}]")
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "family, layout",
+    [(f, lay) for f in FAMILIES for lay in LAYOUTS if f in ("qwen3", "qwen2") or lay == "original"],
+)
 @torch.no_grad()
 def test_logits_left_padded_batch(parvl, reference, checkpoint, family, layout):
     # Three samples with 1, 3 (two images) and 0 tiles and different text: different lengths, so

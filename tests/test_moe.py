@@ -344,3 +344,23 @@ def test_cuda_experts_and_compiled_decode():
         fast = Engine(model, compile=True)
         assert fast.generate(prompts, pixels, cfg, []).tokens == eager
         assert fast.generate(prompts, pixels, cfg, []).tokens == eager  # a replay
+
+
+@torch.no_grad()
+def test_per_sample_pairs_on_moe_equal_each_sample_alone():
+    """A batch whose samples run their own (vision, language) pair equals each sample alone with it, on a
+    Qwen3-MoE decoder (every LLM row routes its own tokens); test_branches.py's full version is slow."""
+    par = ParConfig(pv=2, pl=3, vit_prefix_len=5, llm_prefix_len=4)
+    model = ParVL.from_config(replace(TINY_MOE, par=par), seed=9).eval()
+    model.init_branches(std=0.5)
+    samples = [prompt(1, text=6, seed=11), prompt(0, text=14, seed=12)]
+    vb, lb = [1, 0], [2, 1]
+    T = max(len(ids) for ids, _ in samples)
+    ids = torch.zeros(2, T, dtype=torch.long)
+    mask = torch.zeros(2, T, dtype=torch.long)
+    for b, (s, _) in enumerate(samples):
+        ids[b, T - len(s) :], mask[b, T - len(s) :] = s, 1
+    batch = model(ids, samples[0][1], mask, vision_branch=vb, language_branch=lb)
+    for b, (s, px) in enumerate(samples):
+        alone = model(s[None], px, vision_branch=vb[b], language_branch=lb[b])[0]
+        torch.testing.assert_close(batch[b, T - len(s) :], alone, atol=2e-5, rtol=1e-5)
