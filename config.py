@@ -66,10 +66,36 @@ class LLMConfig:
     qkv_bias: bool = False  # Qwen2/2.5: True
     qk_norm: bool = True  # Qwen3: per-head RMSNorm on q and k before RoPE; Qwen2/2.5: False
     tie_word_embeddings: bool = False  # every InternVL3.5 size ships its own lm_head
+    # Qwen3-MoE (InternVL3.5-30B-A3B, 241B-A28B): num_experts > 0 makes the MLP of every sparse layer a
+    # routed mixture (moe.py); 0 is a dense decoder and the fields below are unused.
+    num_experts: int = 0  # experts per sparse layer (Qwen3-30B-A3B, 235B-A22B: 128)
+    num_experts_per_tok: int = 8  # top-k experts each token runs
+    moe_intermediate_size: int = 0  # each expert's SwiGLU width (30B-A3B: 768, 235B-A22B: 1536)
+    norm_topk_prob: bool = (
+        True  # renormalise the k routing weights to sum to 1 (both released: true)
+    )
+    decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (these stay dense)
 
     def __post_init__(self):
         assert self.num_heads % self.num_kv_heads == 0, (self.num_heads, self.num_kv_heads)
         assert self.head_dim % 2 == 0, self.head_dim
+        self.mlp_only_layers = tuple(self.mlp_only_layers)
+        if self.num_experts:
+            assert 1 <= self.num_experts_per_tok <= self.num_experts, (
+                self.num_experts_per_tok,
+                self.num_experts,
+            )
+            assert self.moe_intermediate_size > 0 and self.decoder_sparse_step > 0, self
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (0-based) routes its tokens through experts, as Qwen3-MoE decides it
+        (Qwen3MoeDecoderLayer): experts exist, the layer is on the sparse step and not listed as dense."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
 
 def range_error(value: float, interval: str) -> str | None:
@@ -207,8 +233,21 @@ class ParVLConfig:
         return self.select_layer % n
 
 
-# The InternVL3.5 sizes (the released configs) and a tiny preset that runs on CPU in seconds.
+# The InternVL3.5 sizes (the released configs) and a tiny preset that runs on CPU in seconds. 1B-30B-A3B
+# read images with InternViT-300M-448px-V2_5, 38B and 241B-A28B with InternViT-6B-448px-V2_5 (45 layers of
+# width 3200, 25 heads, RMSNorm, q/k norm, no qkv bias: its connector reads 4 x 3200 = 12800 channels).
+# 30B-A3B and 241B-A28B decode with Qwen3-30B-A3B and Qwen3-235B-A22B: 128 experts, 8 a token,
+# renormalised, every layer sparse (decoder_sparse_step 1, no mlp_only_layers).
 VIT_300M = ViTConfig()
+VIT_6B = ViTConfig(
+    hidden_size=3200,
+    intermediate_size=12800,
+    num_layers=45,
+    num_heads=25,
+    qkv_bias=False,
+    qk_norm=True,
+    norm_type="rms_norm",
+)
 PRESETS = {
     "1b": ParVLConfig(
         VIT_300M, LLMConfig(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16)
@@ -221,6 +260,36 @@ PRESETS = {
     ),
     "8b": ParVLConfig(
         VIT_300M, LLMConfig(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32)
+    ),
+    "14b": ParVLConfig(
+        VIT_300M, LLMConfig(hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40)
+    ),
+    "38b": ParVLConfig(
+        VIT_6B, LLMConfig(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64)
+    ),
+    "30b-a3b": ParVLConfig(
+        VIT_300M,
+        LLMConfig(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_layers=48,
+            num_heads=32,
+            num_kv_heads=4,
+            num_experts=128,
+            moe_intermediate_size=768,
+        ),
+    ),
+    "241b-a28b": ParVLConfig(
+        VIT_6B,
+        LLMConfig(
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_layers=94,
+            num_heads=64,
+            num_kv_heads=4,
+            num_experts=128,
+            moe_intermediate_size=1536,
+        ),
     ),
     "tiny": ParVLConfig(
         ViTConfig(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4),

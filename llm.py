@@ -1,4 +1,6 @@
-"""The Qwen3 decoder of InternVL3.5 (and the Qwen2/2.5 decoder of InternVL3), in plain PyTorch.
+"""The Qwen3 decoder of InternVL3.5 (and the Qwen2/2.5 decoder of InternVL3), in plain PyTorch; the
+Qwen3-MoE decoder of 30B-A3B and 241B-A28B is the same with moe.py's routed experts as the MLP of its
+sparse layers.
 
 Qwen3: RMSNorm pre-norm blocks, grouped-query attention with a per-head RMSNorm on q and k
 before rotary embeddings, SwiGLU MLP, no biases, untied lm_head. Qwen2/2.5 is the same with
@@ -32,6 +34,7 @@ from aggregate import (
     to_rows,
 )
 from config import LLMConfig
+from moe import SparseMoE
 from packing import packed_mask
 
 
@@ -192,12 +195,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LLMConfig, branches: int = 1, prefix_len: int = 0):
+    """One decoder layer; its MLP is Qwen3-MoE's routed experts where the config makes layer `index`
+    sparse (LLMConfig.is_sparse), else the dense SwiGLU."""
+
+    def __init__(self, cfg: LLMConfig, branches: int = 1, prefix_len: int = 0, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, branches, prefix_len)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.is_sparse(index) else MLP(cfg)
 
     def forward(self, x, cos, sin, rows, mask, input_pos) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, rows, mask, input_pos)
@@ -211,7 +217,9 @@ class Decoder(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg, branches, prefix_len) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            Block(cfg, branches, prefix_len, i) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.init_rope()
 

@@ -46,10 +46,15 @@ from shell.outputs import check_file_out, make_folder
 
 def print_table(rows: list[dict]) -> None:
     parts = ("vit", "connector", "llm", "total")
-    print(f"{'arch':<5}{'Pv:Pl':>6}" + "".join(f"{p + ' GFLOPs':>17}{p + ' M':>12}" for p in parts))
+    print(
+        f"{'arch':<10}{'Pv:Pl':>6}"
+        + "".join(f"{p + ' GFLOPs':>17}{p + ' M':>12}" for p in parts)
+        + f"{'active M':>12}"  # a Qwen3-MoE's parameters a token runs (K of E experts); else the total
+    )
     for r in rows:
         cells = "".join(f"{r[p + '_gflops']:>17.2f}{r[p + '_params'] / 1e6:>12.2f}" for p in parts)
-        print(f"{r['arch']:<5}{r['pv']:>4}:{r['pl']:<1}" + cells)
+        active = f"{r['total_active_params'] / 1e6:>12.2f}"
+        print(f"{r['arch']:<10}{r['pv']:>4}:{r['pl']:<1}" + cells + active)
 
 
 def latency_config(args) -> tuple[ParVLConfig, str]:

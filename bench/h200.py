@@ -15,7 +15,8 @@ OUT/h200.json whole, "not run" for the steps it skips).
 Steps, each in its own process with a time limit, so one failure never stops the rest (run in the
 order 1, 3, 4, 2: the CUDA paths first, the long protocol last):
 1. tests: `pytest -m gpu` (tests/test_gpu.py: compiled reduce-overhead decode against eager for 1:1,
-   4:4, shared KV and per-sample pairs; tests/test_quant.py: the same with int8 / int4 weights) and
+   4:4, shared KV and per-sample pairs; tests/test_quant.py: the same with int8 / int4 weights;
+   tests/test_moe.py: Qwen3-MoE's grouped_mm on CUDA and its compiled decode) and
    tests/test_kernels.py (the SDPA kernel of every attention case from torch.profiler, and no graph
    break in the decode step); the kernel table is kept.
 2. latency: profiling.py's latency protocol (paper Appendix C.1: 3 tiles = 768 image tokens, 256
@@ -125,6 +126,7 @@ def step_tests(out: Path, dry: bool) -> dict:
         "tests/test_gpu.py",
         "tests/test_quant.py",
         "tests/test_kernels.py",
+        "tests/test_moe.py",  # Qwen3-MoE's grouped_mm on CUDA, its compiled decode
     ]
     # on CUDA the GPU tests and the kernel tests; the dry run (CPU, inside the suite, which runs both
     # files itself) only proves the plumbing: pytest runs and the kernel table comes back

@@ -23,7 +23,9 @@ passes through it, so this file counts the same things:
     all 1025 tokens of every tile; the vision aggregator runs once per token (CLS included, it is
     dropped after aggregation); pixel shuffle and the connector run once; the Pl LLM branches each
     run the decoder blocks over all 1152 tokens; the language aggregator and lm_head run once per
-    token, after aggregation. An aggregator (P*C -> C, SiLU, C -> P, softmax) exists only for P > 1.
+    token, after aggregation. A Qwen3-MoE layer counts its router (linear and softmax) and the K experts
+    each token runs (their linears and SiLU), not the E - K it skips; `*_active_params` count only those
+    K too (idle_expert_params). An aggregator (P*C -> C, SiLU, C -> P, softmax) exists only for P > 1.
   - LoRA vision branches (Figure 3): each branch's update of qkv, proj, fc1 and fc2 is two linears
     (fan_in -> r -> fan_out) over that branch's tokens, counted as linears; no prefix.
 This reproduces Table S3 (tests/test_profiling.py): every parameter entry to 0.01 M, the LLM and
@@ -109,6 +111,20 @@ def count_params(model: ParVL) -> dict[str, int]:
     return counts
 
 
+def idle_expert_params(m: LLMConfig) -> int:
+    """The parameters a token does not run in a Qwen3-MoE decoder: per sparse layer, the E - K experts it
+    is not routed to (each 3 x C x I: gate, up, down); 0 for a dense one. Total minus this is the
+    "active" count of a name like 30B-A3B."""
+    sparse = sum(m.is_sparse(i) for i in range(m.num_layers))
+    return (
+        sparse
+        * (m.num_experts - m.num_experts_per_tok)
+        * 3
+        * m.hidden_size
+        * m.moe_intermediate_size
+    )
+
+
 # -- FLOPs, one function per part (calflops convention, see the module docstring) ----------------
 
 
@@ -168,8 +184,13 @@ def llm_flops(cfg: ParVLConfig, tokens: int) -> int:
     )
     attn = linear(tokens, C, HD) + 2 * linear(tokens, C, KD) + linear(tokens, HD, C)  # q, k, v, o
     mlp = 3 * linear(tokens, C, I) + tokens * I  # gate, up, down and the SiLU
+    # Qwen3-MoE: the router's linear and softmax, then K experts' SwiGLU per token (top-k is not counted)
+    E, K, Im = m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size
+    moe = linear(tokens, C, E) + tokens * E + K * (3 * linear(tokens, C, Im) + tokens * Im)
+    sparse = sum(m.is_sparse(i) for i in range(m.num_layers))
+    layers = (m.num_layers - sparse) * (attn + mlp) + sparse * (attn + moe)
     lm_head = linear(tokens, C, m.vocab_size)
-    return pl * m.num_layers * (attn + mlp) + aggregator_flops(cfg, tokens, C, pl) + lm_head
+    return pl * layers + aggregator_flops(cfg, tokens, C, pl) + lm_head
 
 
 def profile_params(arch: str, pv: int, pl: int, work: Workload = Workload(), **branches) -> dict:
@@ -183,6 +204,11 @@ def profile_params(arch: str, pv: int, pl: int, work: Workload = Workload(), **b
     }
     row = {"arch": arch, "pv": pv, "pl": pl, "vision_branches": cfg.par.vision_branches}
     row |= {f"{k}_params": n for k, n in params.items()} | {"total_params": sum(params.values())}
+    idle = idle_expert_params(cfg.llm)  # a MoE decoder runs K of its E experts per token
+    row |= {
+        "llm_active_params": params["llm"] - idle,
+        "total_active_params": row["total_params"] - idle,
+    }
     row |= {f"{k}_gflops": f / 1e9 for k, f in flops.items()} | {
         "total_gflops": sum(flops.values()) / 1e9
     }

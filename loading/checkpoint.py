@@ -139,8 +139,19 @@ def check_sizes(cfg: ParVLConfig, shapes: dict[str, tuple[int, ...]], folder: Pa
         L + "layers.0.self_attn.k_proj.weight": (
             (0, t.num_kv_heads * t.head_dim, "num_key_value_heads x head_dim"),
         ),
-        L + "layers.0.mlp.gate_proj.weight": ((0, t.intermediate_size, "intermediate_size"),),
     }
+    layers = range(t.num_layers)
+    if dense := [i for i in layers if not t.is_sparse(i)]:
+        sized[L + f"layers.{dense[0]}.mlp.gate_proj.weight"] = (
+            (0, t.intermediate_size, "intermediate_size"),
+        )
+    if sparse := [i for i in layers if t.is_sparse(i)]:  # Qwen3-MoE: the experts stacked at read
+        M = L + f"layers.{sparse[0]}.mlp."
+        sized[M + "gate.weight"] = ((0, t.num_experts, "num_experts"),)
+        sized[M + "experts.gate_up_proj"] = (
+            (0, t.num_experts, "num_experts"),
+            (1, 2 * t.moe_intermediate_size, "2 x moe_intermediate_size"),
+        )
     tower = {k: "language model" for k in sized}
     if cfg.vit is not None:
         v, V = cfg.vit, "vision_model."

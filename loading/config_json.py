@@ -23,9 +23,13 @@ from data.processor import IM_END, IM_START, IMG_CONTEXT, IMG_END, IMG_START, MA
 from loading.checkpoint import CheckpointError, read_json
 
 # The decoders this code implements, by the llm_config.architectures name InternVL's own code
-# dispatches on (InternVLChatModel.__init__), and the family each one is. Anything else (Llama,
-# InternLM2, Phi-3, Qwen3-MoE, GPT-OSS) is refused rather than run as a Qwen decoder.
-DECODERS = {"Qwen3ForCausalLM": "qwen3", "Qwen2ForCausalLM": "qwen2"}
+# dispatches on (InternVLChatConfig.__init__), and the family each one is. Anything else (Llama,
+# InternLM2, Phi-3, GPT-OSS) is refused rather than run as a Qwen decoder.
+DECODERS = {
+    "Qwen3ForCausalLM": "qwen3",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
 
 
 def open_checkpoint(folder: Path) -> tuple[ParVLConfig, Tokenizer]:
@@ -140,9 +144,41 @@ def llm_config_from_json(
         rope_theta=Fields({"rope_theta": rope_theta}, where).number("rope_theta"),
         max_position_embeddings=f.int("max_position_embeddings", 32768),
         qkv_bias=family == "qwen2" or bool(t.get("attention_bias", False)),
-        qk_norm=family == "qwen3",
+        qk_norm=family in ("qwen3", "qwen3_moe"),
         # the checkpoint decides: a stored lm_head is used, a missing one means tied embeddings
         tie_word_embeddings=tied if tied is not None else bool(t.get("tie_word_embeddings", False)),
+        **(moe_fields(f) if family == "qwen3_moe" else {}),
+    )
+
+
+def moe_fields(f: Fields) -> dict:
+    """Qwen3-MoE's fields of llm_config, each checked as read; a missing one takes Qwen3MoeConfig's
+    default (norm_topk_prob False, as the class has it: the released configs all state true). The expert
+    count is num_experts, or num_local_experts where transformers 5 saved the config."""
+    count = (
+        "num_local_experts"
+        if "num_experts" not in f.block and "num_local_experts" in f.block
+        else "num_experts"
+    )
+    experts, top_k = f.int(count), f.int("num_experts_per_tok")
+    if top_k > experts:
+        raise CheckpointError(
+            f"config.json: {f.where}num_experts_per_tok {top_k} is more than "
+            f"{f.where}{count} {experts}"
+        )
+    dense = f.block.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(type(i) is not int or i < 0 for i in dense):
+        raise f.bad("mlp_only_layers", "a list of layer indices", dense)
+    renormalise = f.block.get("norm_topk_prob", False)
+    if not isinstance(renormalise, bool):
+        raise f.bad("norm_topk_prob", "true or false", renormalise)
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=f.int("moe_intermediate_size"),
+        norm_topk_prob=renormalise,
+        decoder_sparse_step=f.int("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(dense),
     )
 
 
@@ -350,8 +386,16 @@ def config_to_json(cfg: ParVLConfig) -> dict:
     """The original InternVLChatConfig layout, which InternVL's own code reads, plus a "parvl" block
     with the branch configuration (ignored by InternVL, read back by config_from_json)."""
     v, t = cfg.vit, cfg.llm
-    family = "qwen3" if t.qk_norm else "qwen2"
+    family = "qwen3_moe" if t.num_experts else "qwen3" if t.qk_norm else "qwen2"
     arch = {v: k for k, v in DECODERS.items()}[family]
+    moe = dict(
+        num_experts=t.num_experts,
+        num_experts_per_tok=t.num_experts_per_tok,
+        moe_intermediate_size=t.moe_intermediate_size,
+        norm_topk_prob=t.norm_topk_prob,
+        decoder_sparse_step=t.decoder_sparse_step,
+        mlp_only_layers=list(t.mlp_only_layers),
+    )
     out = {
         "architectures": ["InternVLChatModel"],
         "model_type": "internvl_chat",
@@ -372,7 +416,8 @@ def config_to_json(cfg: ParVLConfig) -> dict:
             "attention_bias": t.qkv_bias,
             "hidden_act": "silu",
             "tie_word_embeddings": t.tie_word_embeddings,
-        },
+        }
+        | (moe if t.num_experts else {}),
         "parvl": {"par": asdict(cfg.par), "language_only": v is None},
     }
     if v is None:

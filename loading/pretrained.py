@@ -34,7 +34,7 @@ from loading.checkpoint import (
     read_json,
 )
 from loading.config_json import config_from_json, config_to_json
-from loading.weights import CheckpointReader
+from loading.weights import CheckpointReader, unstack_experts
 from parvl import ParVL, is_branch_tensor
 
 
@@ -131,7 +131,10 @@ def save_pretrained(
     was loaded from). At Pv = Pl = 1 the result is a plain InternVL checkpoint."""
     folder = Path(path)
     folder.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    # Qwen3-MoE's experts one key each, as InternVL's code reads them
+    state = unstack_experts(
+        {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    )
     # safetensors refuses shared storage; the tie is in config
     if model.cfg.llm.tie_word_embeddings:
         state.pop("language_model.lm_head.weight")

@@ -107,6 +107,27 @@ def parscale_key(key: str) -> str:
     return "language_model." + key  # model.embed_tokens / model.layers.* / model.norm
 
 
+# a Qwen3-MoE expert's weight as every official layout stores it: (prefix, expert, projection)
+EXPERT_KEY = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def unstack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """moe.py's stacked experts -> the per-expert keys every official layout stores (the inverse of
+    CheckpointReader.stack_experts), so a saved Qwen3-MoE loads in InternVL's own code; the rest as it is."""
+    out = {}
+    for key, t in state.items():
+        prefix, _, name = key.rpartition(".")
+        if not prefix.endswith(".mlp.experts") or name not in ("gate_up_proj", "down_proj"):
+            out[key] = t
+            continue
+        for e, w in enumerate(t):
+            parts = (
+                zip(("gate_proj", "up_proj"), w.chunk(2)) if name == "gate_up_proj" else [(name, w)]
+            )
+            out |= {f"{prefix}.{e}.{p}.weight": part.contiguous() for p, part in parts}
+    return out
+
+
 # safetensors dtype names -> torch dtypes (the format: an 8-byte little-endian header length, a JSON
 # header of {name: {dtype, shape, data_offsets}}, then the raw little-endian bytes)
 SAFETENSORS_DTYPES = {
@@ -146,6 +167,37 @@ class CheckpointReader:
             self.parts[fused] = [part for name in names for part in self.parts.pop(name)]
             shapes = [self.shapes.pop(name) for name in names]
             self.shapes[fused] = (sum(shape[0] for shape in shapes), *shapes[0][1:])
+        self.stack_experts()
+
+    def stack_experts(self) -> None:
+        """Qwen3-MoE: the per-expert keys `mlp.experts.{e}.{gate,up,down}_proj.weight` (every official layout,
+        transformers 5's save included) -> moe.py's stacked `mlp.experts.gate_up_proj` [E,2I,C] (expert e's
+        gate rows, then its up rows) and `mlp.experts.down_proj` [E,C,I]; nothing is read, the parts are
+        listed in stacking order. Experts numbered with a gap are refused, naming the first one missing."""
+        found: dict[str, dict[int, dict[str, str]]] = {}
+        for key in self.parts:
+            if m := EXPERT_KEY.match(key):
+                found.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = key
+        for prefix, experts in found.items():
+            if missing := sorted(set(range(len(experts))) - set(experts)):
+                raise CheckpointError(
+                    f"{self.folder}: {prefix}.{missing[0]} is missing (the checkpoint holds "
+                    f"{len(experts)} experts, numbered up to {max(experts)})"
+                )
+            for name, projections in (
+                ("gate_up_proj", ("gate_proj", "up_proj")),
+                ("down_proj", ("down_proj",)),
+            ):
+                keys = [experts[e].get(p) for e in range(len(experts)) for p in projections]
+                if None in keys:
+                    raise CheckpointError(
+                        f"{self.folder}: an expert of {prefix} has no {'/'.join(projections)} weight"
+                    )
+                rows, rest = self.shapes[keys[0]][0] * len(projections), self.shapes[keys[0]][1:]
+                self.parts[f"{prefix}.{name}"] = [part for k in keys for part in self.parts.pop(k)]
+                self.shapes[f"{prefix}.{name}"] = (len(experts), rows, *rest)
+                for k in keys:
+                    self.shapes.pop(k)
 
     def keys(self) -> set[str]:
         return set(self.parts)
@@ -153,9 +205,14 @@ class CheckpointReader:
     def rows(
         self, key: str, start: int = 0, stop: int | None = None, dtype: torch.dtype | None = None
     ) -> torch.Tensor:
-        """Rows start:stop (dim 0) of one tensor, on the reader's device; only those bytes are read."""
-        shape = self.shapes[key]
-        stop = (shape[0] if shape else 1) if stop is None else stop
+        """Rows start:stop (dim 0) of one tensor, on the reader's device; only those bytes are read. A tensor
+        stacked of 2-D parts (experts [E,2I,C]) reads its rows as the parts' rows they are made of."""
+        whole = self.shapes[key]
+        stop = (whole[0] if whole else 1) if stop is None else stop
+        rows_out, stacked = stop - start, len(whole) > len(self.parts[key][0][2])
+        if stacked:  # expert e's rows are the parts' rows e*per:(e+1)*per
+            per = whole[1]
+            start, stop = start * per, stop * per
         pieces, first = [], 0
         for file, part_dtype, shape, offset in self.parts[key]:
             n = shape[0] if shape else 1
@@ -178,6 +235,8 @@ class CheckpointReader:
             )
             pieces.append(t)
         t = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        if stacked:
+            t = t.reshape(rows_out, *whole[1:])
         # [C, C*P], column h*P + p -> p*C + h
         if self.parscale and key == "language_aggregator.mlp.0.weight":
             t = t.reshape(t.shape[0], -1, self.parscale).transpose(1, 2).reshape(t.shape[0], -1)

@@ -7,7 +7,14 @@ untied lm_head and a vocabulary a little larger than the tokenizer. Every tensor
 (norm weights and biases, layer scales, q/k norms, class token and position embedding included),
 so a swapped, skipped or mis-scaled tensor shows up in the logits.
 
-One set of weights is written in three layouts:
+Five kinds of model: "qwen3" (InternVL3.5 1B-14B), "qwen2" (InternVL3), "qwen3_moe" (Qwen3-MoE, as in
+30B-A3B: 8 experts, top 2, renormalised, layer 1 listed dense in mlp_only_layers), "qwen3+vit6b" (an
+InternViT-6B-style encoder: RMSNorm, q/k norm over the width, no qkv bias, as in 38B) and
+"qwen3_moe+vit6b" (both, as in 241B-A28B). The reference runs Qwen3-MoE's experts with transformers'
+"eager" loop over experts (the official model's arithmetic), not its grouped kernel.
+
+One set of weights is written in three layouts (Qwen3-MoE experts one key per expert and projection,
+`mlp.experts.{e}.gate_proj.weight`, in all three, as InternVL's code and transformers 5 both save them):
   "original"   InternVLChatModel keys (`vision_model.*`, fused `attn.qkv`, `mlp1.*`,
                `language_model.model.*`) with the original config.json (`internvl_chat`),
   "hf"         new-style transformers keys (`model.vision_tower.*`, ..., `lm_head.weight`),
@@ -31,6 +38,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for `import parvl`
+from official_layouts import (  # noqa: E402, F401  (re-exported: the tests import them from here)
+    hf_to_legacy,
+    hf_to_original,
+    original_to_hf,
+    per_expert,
+    stacked_experts,
+)
 from tiny_tokenizer import write_tiny_tokenizer  # noqa: E402  (tests/ is on sys.path under pytest)
 
 IMAGE_SIZE, PATCH_SIZE = 448, 14  # must stay real: tiling and 256 tokens per tile depend on them
@@ -44,6 +58,10 @@ TOKENS_PER_TILE = 256  # (448 / 14)^2 * 0.5^2
 TINY_VISION = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4
 )
+# What InternViT-6B changes (its config: norm_type rms_norm, qk_normalization, no qkv bias), in -HF and
+# original spellings.
+VIT6B_HF = dict(attention_bias=False, use_qk_norm=True, norm_type="rms_norm")
+VIT6B_ORIGINAL = dict(qkv_bias=False, qk_normalization=True, norm_type="rms_norm")
 
 
 # Tiny decoders. Qwen3: 4 heads x 32 = 128 != hidden 64, as in the 1B; q/k norm, no biases.
@@ -64,20 +82,48 @@ TINY_TEXT = {
         num_attention_heads=4,
         num_key_value_heads=2,
     ),
+    # Qwen3-MoE: layer 0 routed (8 experts of width 32, top 2), layer 1 dense (mlp_only_layers)
+    "qwen3_moe": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],
+    ),
 }
 
 
 LAYOUTS = ("original", "hf", "hf_legacy")
 
 
-FAMILIES = ("qwen3", "qwen2")
+FAMILIES = ("qwen3", "qwen2", "qwen3_moe", "qwen3+vit6b", "qwen3_moe+vit6b")
+
+
+def text_family(family: str) -> str:
+    """The decoder of a kind: "qwen3_moe+vit6b" -> "qwen3_moe"."""
+    return family.split("+")[0]
+
+
+def is_vit6b(family: str) -> bool:
+    return family.endswith("+vit6b")
 
 
 @functools.cache
 def tokenizer_ids(family: str) -> dict:
     """Ids of the tiny tokenizer of `family` (identical for both file layouts)."""
     with tempfile.TemporaryDirectory() as tmp:
-        return write_tiny_tokenizer(tmp, layout="json", family=family)
+        return write_tiny_tokenizer(tmp, layout="json", family=tokenizer_family(family))
+
+
+def tokenizer_family(family: str) -> str:
+    return "qwen2" if family == "qwen2" else "qwen3"  # Qwen3-MoE has Qwen3's tokenizer
 
 
 def model_vocab_size(family: str) -> int:
@@ -87,23 +133,31 @@ def model_vocab_size(family: str) -> int:
 
 def hf_config(family: str):
     """The transformers `InternVLConfig` of the tiny model (untied everywhere)."""
-    from transformers import InternVLConfig, InternVLVisionConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        InternVLConfig,
+        InternVLVisionConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     ids = tokenizer_ids(family)
     vision = InternVLVisionConfig(
         **TINY_VISION,
-        attention_bias=True,
-        use_qk_norm=False,
-        norm_type="layer_norm",
+        **(
+            VIT6B_HF
+            if is_vit6b(family)
+            else dict(attention_bias=True, use_qk_norm=False, norm_type="layer_norm")
+        ),
         layer_norm_eps=VIT_LN_EPS,
         hidden_act="gelu",
         image_size=IMAGE_SIZE,
         patch_size=PATCH_SIZE,
         use_mean_pooling=True,
     )
-    text_cls = Qwen3Config if family == "qwen3" else Qwen2Config
-    text = text_cls(
-        **TINY_TEXT[family],
+    text_cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}
+    text = text_cls[text_family(family)](
+        **TINY_TEXT[text_family(family)],
         vocab_size=model_vocab_size(family),
         rms_norm_eps=RMS_EPS,
         rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
@@ -112,6 +166,9 @@ def hf_config(family: str):
         tie_word_embeddings=False,
         bos_token_id=ids["endoftext_id"],
         eos_token_id=ids["im_end_id"],
+    )
+    text.experts_implementation = (
+        "eager"  # Qwen3-MoE: the loop over experts, the official arithmetic
     )
     # InternVLConfig defaults to tie_word_embeddings=True in transformers 5: switch it off, or the
     # reference would silently reuse embed_tokens as the output head.
@@ -130,11 +187,11 @@ def hf_config(family: str):
 
 def original_config(family: str, dtype: torch.dtype) -> dict:
     """The config.json of an original (remote-code) InternVL checkpoint."""
-    ids, t = tokenizer_ids(family), TINY_TEXT[family]
+    ids, t = tokenizer_ids(family), TINY_TEXT[text_family(family)]
     dtype_name = str(dtype).removeprefix("torch.")
     llm = {
-        "architectures": ["Qwen3ForCausalLM" if family == "qwen3" else "Qwen2ForCausalLM"],
-        "model_type": family,
+        "architectures": [ARCHITECTURES[text_family(family)]],
+        "model_type": text_family(family),
         "attention_dropout": 0.0,
         "bos_token_id": ids["endoftext_id"],
         "eos_token_id": ids["im_end_id"],
@@ -156,9 +213,13 @@ def original_config(family: str, dtype: torch.dtype) -> dict:
         "use_sliding_window": False,
         "vocab_size": model_vocab_size(family),
     }
-    if family == "qwen3":
+    if family.startswith("qwen3"):
         # InternVL3.5 llm_config: explicit head_dim, attention_bias false, no tie_word_embeddings key.
         llm.update(head_dim=t["head_dim"], attention_bias=False)
+    if text_family(family) == "qwen3_moe":  # Qwen3-30B-A3B's MoE keys (SFT adds no router loss)
+        moe = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
+        llm.update({k: t[k] for k in moe + ("decoder_sparse_step", "mlp_only_layers")})
+        llm.update(output_router_logits=False, router_aux_loss_coef=0.001)
     else:
         # InternVL3's config class forces an untied head; Qwen2 has no head_dim key (= hidden/heads).
         llm.update(tie_word_embeddings=False)
@@ -184,7 +245,7 @@ def original_config(family: str, dtype: torch.dtype) -> dict:
         "qkv_bias": True,
         "torch_dtype": dtype_name,
         "use_flash_attn": True,
-    }
+    } | (VIT6B_ORIGINAL if is_vit6b(family) else {})
     return {
         "architectures": ["InternVLChatModel"],
         "auto_map": {
@@ -235,9 +296,18 @@ def randomize_(model: torch.nn.Module, seed: int) -> None:
             value = 0.5 * randn
         elif "embed_tokens" in name:
             value = randn
+        elif leaf in ("gate_up_proj", "down_proj") and p.ndim == 3:  # stacked experts [E,out,in]
+            value = randn * p.shape[-1] ** -0.5
         else:  # Linear / Conv2d weight: fan_in = everything but the output dim
             value = randn * p[0].numel() ** -0.5
         p.copy_(value)
+
+
+ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
 
 
 @functools.cache
@@ -253,104 +323,6 @@ def build_reference(family: str = "qwen3", seed: int = 0):
         "reference is tied"
     )
     return model
-
-
-def hf_to_original(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """New-style transformers keys -> InternVLChatModel keys (inverse of internvl_custom2hf.py); fuses q|k|v."""
-    out = {}
-    for key, t in sd.items():
-        k = key
-        if k == "lm_head.weight":
-            k = "language_model.lm_head.weight"
-        elif k.startswith("model.language_model."):
-            k = "language_model.model." + k.removeprefix("model.language_model.")
-        elif k.startswith("model.multi_modal_projector."):
-            k = k.removeprefix("model.multi_modal_projector.")
-            k = "mlp1." + k.replace("layer_norm.", "0.").replace("linear_1.", "1.").replace(
-                "linear_2.", "3."
-            )
-        elif k.startswith("model.vision_tower."):
-            k = "vision_model." + k.removeprefix("model.vision_tower.")
-            k = (
-                k.replace("embeddings.cls_token", "embeddings.class_embedding")
-                .replace("embeddings.patch_embeddings.projection.", "embeddings.patch_embedding.")
-                .replace("embeddings.position_embeddings", "embeddings.position_embedding")
-                .replace("encoder.layer.", "encoder.layers.")
-                .replace(".attention.projection_layer.", ".attn.proj.")
-                .replace(".attention.q_norm.", ".attn.q_norm.")
-                .replace(".attention.k_norm.", ".attn.k_norm.")
-                .replace(".attention.q_proj.", ".attn.qkv.q.")
-                .replace(".attention.k_proj.", ".attn.qkv.k.")
-                .replace(".attention.v_proj.", ".attn.qkv.v.")
-                .replace(".layernorm_before.", ".norm1.")
-                .replace(".layernorm_after.", ".norm2.")
-                .replace(".lambda_1", ".ls1")
-                .replace(".lambda_2", ".ls2")
-            )
-        else:
-            raise AssertionError(f"unexpected transformers key {key!r}")
-        out[k] = t
-    for k in [k for k in out if ".attn.qkv.q." in k]:  # fused qkv: rows [q | k | v]
-        parts = [out.pop(k.replace(".qkv.q.", f".qkv.{x}.")) for x in "qkv"]
-        out[k.replace(".qkv.q.", ".qkv.")] = torch.cat(parts, dim=0)
-    return out
-
-
-def original_to_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """InternVLChatModel keys -> new-style transformers keys (the direction of internvl_custom2hf.py)."""
-    out = {}
-    for key, t in sd.items():
-        k = key
-        if k == "language_model.lm_head.weight":
-            k = "lm_head.weight"
-        elif k.startswith("language_model.model."):
-            k = "model.language_model." + k.removeprefix("language_model.model.")
-        elif k.startswith("mlp1."):
-            idx, leaf = k.removeprefix("mlp1.").split(".")
-            k = (
-                "model.multi_modal_projector."
-                + {"0": "layer_norm", "1": "linear_1", "3": "linear_2"}[idx]
-                + "."
-                + leaf
-            )
-        elif k.startswith("vision_model."):
-            k = "model.vision_tower." + k.removeprefix("vision_model.")
-            k = (
-                k.replace("embeddings.class_embedding", "embeddings.cls_token")
-                .replace("embeddings.patch_embedding.", "embeddings.patch_embeddings.projection.")
-                .replace("embeddings.position_embedding", "embeddings.position_embeddings")
-                .replace("encoder.layers.", "encoder.layer.")
-                .replace(".attn.proj.", ".attention.projection_layer.")
-                .replace(".attn.q_norm.", ".attention.q_norm.")
-                .replace(".attn.k_norm.", ".attention.k_norm.")
-                .replace(".norm1.", ".layernorm_before.")
-                .replace(".norm2.", ".layernorm_after.")
-                .replace(".ls1", ".lambda_1")
-                .replace(".ls2", ".lambda_2")
-            )
-            if ".attn.qkv." in k:
-                q, kk, v = t.chunk(3, dim=0)
-                for name, part in zip("qkv", (q, kk, v)):
-                    out[k.replace(".attn.qkv.", f".attention.{name}_proj.")] = part.clone()
-                continue
-        else:
-            raise AssertionError(f"unexpected original key {key!r}")
-        out[k] = t
-    return out
-
-
-def hf_to_legacy(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """New-style -> llava-style spelling (what transformers 5 `save_pretrained` writes)."""
-    out = {}
-    for k, t in sd.items():
-        if k == "lm_head.weight":
-            k = "language_model.lm_head.weight"
-        elif k.startswith("model.language_model."):
-            k = "language_model.model." + k.removeprefix("model.language_model.")
-        else:
-            k = k.removeprefix("model.")
-        out[k] = t
-    return out
 
 
 def shard_name(k: int, n: int) -> str:
@@ -413,7 +385,7 @@ def make_checkpoint(
             json.dumps(original_config(family, dtype), indent=2) + "\n"
         )
     else:
-        tensors = sd if layout == "hf" else hf_to_legacy(sd)
+        tensors = per_expert(sd if layout == "hf" else hf_to_legacy(sd))
         cfg = hf_config(family)
         cfg.dtype = dtype
         cfg.architectures = ["InternVLForConditionalGeneration"]
@@ -421,7 +393,7 @@ def make_checkpoint(
     write_safetensors(folder, tensors, shards)
     # The original repos ship vocab.json + merges.txt, the -HF ones tokenizer.json.
     ids = write_tiny_tokenizer(
-        folder, layout="vocab" if layout == "original" else "json", family=family
+        folder, layout="vocab" if layout == "original" else "json", family=tokenizer_family(family)
     )
     assert ids["img_context_id"] == tokenizer_ids(family)["img_context_id"], "tokenizer ids drifted"
     return folder

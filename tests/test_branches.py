@@ -25,8 +25,22 @@ PER_TILE, SIZE = TINY.tokens_per_tile, TINY.vit.image_size  # 256 tokens per 448
 NEW = 8
 
 
-def tiny(pv=1, pl=1, seed=0, **par) -> ParVL:
-    cfg = replace(TINY, par=ParConfig(pv=pv, pl=pl, vit_prefix_len=5, llm_prefix_len=4, **par))
+# the tiny preset with Qwen3-MoE's routed layer 0 (6 experts, top 2) and a dense layer 1
+TINY_MOE = replace(
+    TINY,
+    llm=replace(
+        TINY.llm,
+        num_experts=6,
+        num_experts_per_tok=2,
+        moe_intermediate_size=24,
+        mlp_only_layers=(1,),
+    ),
+)
+
+
+def tiny(pv=1, pl=1, seed=0, moe=False, **par) -> ParVL:
+    base = TINY_MOE if moe else TINY
+    cfg = replace(base, par=ParConfig(pv=pv, pl=pl, vit_prefix_len=5, llm_prefix_len=4, **par))
     return ParVL.from_config(cfg, seed=seed).eval()
 
 
@@ -627,15 +641,22 @@ SAMPLES = [(2, 10), (0, 23), (1, 6), (3, 8), (1, 14)]  # (tiles, text tokens)
 
 
 @pytest.mark.parametrize(
-    "pv,pl,vision", [(2, 1, "prefix"), (1, 3, "prefix"), (4, 4, "prefix"), (3, 2, "lora")]
+    "pv,pl,vision,moe",
+    [
+        (2, 1, "prefix", False),
+        (1, 3, "prefix", False),
+        (4, 4, "prefix", False),
+        (3, 2, "lora", False),
+        pytest.param(2, 3, "prefix", True, marks=pytest.mark.slow),  # Qwen3-MoE (test_moe.py's too)
+    ],
 )
-def test_per_sample_pairs_equal_each_sample_alone(pv, pl, vision):
+def test_per_sample_pairs_equal_each_sample_alone(pv, pl, vision, moe):
     """A batch whose samples carry their own (v, l) pair equals each sample run alone with that pair:
     logits within fp32 noise, greedy tokens identical; B rows enter the ViT (one per tile) and the LLM
     blocks, not P*B; and one tower per sample with the other dense equals it alone too. The same for
     LoRA vision branches (Figure 3), which run through the same rows."""
     model = make_branches_matter(
-        tiny(pv=pv, pl=pl, seed=20 + pv + pl, vision_branches=vision, lora_rank=3)
+        tiny(pv=pv, pl=pl, seed=20 + pv + pl, moe=moe, vision_branches=vision, lora_rank=3)
     )
     samples = [prompt(t, text=n, seed=30 + k) for k, (t, n) in enumerate(SAMPLES)]
     g = torch.Generator().manual_seed(pv * 10 + pl)

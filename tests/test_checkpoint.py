@@ -28,6 +28,7 @@ from data.processor import Tokenizer
 from loading.checkpoint import CheckpointError
 from loading.hub import DEFAULT_MODEL, resolve_model
 from loading.pretrained import load_pretrained, save_pretrained
+from loading.weights import unstack_experts
 
 # bf16 against fp32 on the same weights: the bf16 checkpoint loaded as stored and once more upcast to
 # fp32, so the difference is bf16 arithmetic alone. Measured on the tiny qwen3 model (one 1-tile
@@ -56,22 +57,26 @@ def test_layouts_give_identical_state_dicts(parvl, family):
 def test_state_dict_keys_are_the_original_layout(checkpoint, parvl, family):
     with safe_open(str(checkpoint(family, "original") / "model.safetensors"), framework="pt") as f:
         file_keys = set(f.keys())
-    model_keys = set(parvl(family, "hf").state_dict())
+    # Qwen3-MoE: the experts stacked in the model are one key per expert in the file (and in a save)
+    model_keys = set(unstack_experts(parvl(family, "hf").state_dict()))
     assert model_keys == file_keys, (sorted(model_keys - file_keys), sorted(file_keys - model_keys))
 
 
+@pytest.mark.parametrize(
+    "family", ["qwen3", "qwen3_moe+vit6b"]
+)  # a MoE's experts over the shards too
 @pytest.mark.parametrize("layout", ["original", "hf"])
 @torch.no_grad()
-def test_sharded_equals_unsharded(checkpoint, parvl, layout):
+def test_sharded_equals_unsharded(checkpoint, parvl, layout, family):
     sharded = load_pretrained(
-        checkpoint("qwen3", layout, shards=3), dtype=torch.float32, device="cpu"
+        checkpoint(family, layout, shards=3), dtype=torch.float32, device="cpu"
     )
-    whole = parvl("qwen3", layout)
+    whole = parvl(family, layout)
     a, b = sharded.state_dict(), whole.state_dict()
     assert list(a) == list(b)
     for k in a:
         assert torch.equal(a[k], b[k]), k
-    ids, px = prompt_ids(checkpoint("qwen3", layout), [2]), random_pixels(2, seed=4)
+    ids, px = prompt_ids(checkpoint(family, layout), [2]), random_pixels(2, seed=4)
     assert torch.equal(sharded(ids[None], px), whole(ids[None], px))
 
 

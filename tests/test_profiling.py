@@ -238,6 +238,7 @@ def test_cli_json_lines():
     grid = {("1b", pv, pl) for pv in (1, 2, 4) for pl in (1, 2, 4)}
     assert {(r["arch"], r["pv"], r["pl"]) for r in lines} == grid
     ints = ("pv", "pl", "vit_params", "connector_params", "llm_params", "total_params")
+    ints += ("llm_active_params", "total_active_params")
     floats = ("vit_gflops", "connector_gflops", "llm_gflops", "total_gflops")
     for r in lines:
         assert set(r) == {"arch", "vision_branches", *ints, *floats}, sorted(r)
@@ -711,3 +712,41 @@ def test_a_device_that_is_not_one_is_a_flag_error(capsys):
     with pytest.raises(SystemExit) as e:  # a flag that names no device: exit 2, as in every command
         profiling.main(["latency", "--device", "tpu9"])
     assert e.value.code == 2 and "not a device" in one_line(capsys.readouterr().err)
+
+
+# Every released InternVL3.5 (Qwen3 decoders; the GPT-OSS one is not implemented): the model card's
+# vision / language / total parameters in billions, as published (0.1 B).
+PUBLISHED = {
+    "1b": (0.3, 0.8, 1.1),
+    "2b": (0.3, 2.0, 2.3),
+    "4b": (0.3, 4.4, 4.7),
+    "8b": (0.3, 8.2, 8.5),
+    "14b": (0.3, 14.8, 15.1),
+    "38b": (5.5, 32.8, 38.4),
+    "30b-a3b": (0.3, 30.5, 30.8),
+    "241b-a28b": (5.5, 235.1, 240.7),
+}
+
+
+@pytest.mark.parametrize("arch", PUBLISHED)
+def test_presets_have_the_published_parameter_counts(arch):
+    r = flops.profile_params(arch, 1, 1)
+    got = tuple(round(r[f"{k}_params"] / 1e9, 1) for k in ("vit", "llm", "total"))
+    assert got == PUBLISHED[arch], r
+    active_b, llm_active_b = r["total_active_params"] / 1e9, r["llm_active_params"] / 1e9
+    if "-a" not in arch:  # dense: every parameter runs for every token
+        assert r["total_active_params"] == r["total_params"], r
+    elif arch == "30b-a3b":  # Qwen3-30B-A3B's card: "3.3B activated" (3.35 B here, embeddings and
+        assert 3.3 <= llm_active_b < 3.4, r  # lm_head included); the whole model runs 3.67 B
+    else:  # Qwen3-235B-A22B's card: "22B activated"; InternVL3.5-241B-A28B: 27.8 B with the 6B ViT
+        assert (round(llm_active_b), round(active_b)) == (22, 28), r
+
+
+def test_the_6b_encoder_widens_the_connector():
+    """InternViT-6B's width 3200, pixel-shuffled 2 x 2: the connector of 38B and 241B-A28B reads 12,800
+    channels (mlp1's LayerNorm and first Linear), into the decoder's width."""
+    for arch, width in (("38b", 5120), ("241b-a28b", 4096), ("30b-a3b", 2048)):
+        mlp1 = flops.meta_model(flops.build_config(arch, 1, 1)).mlp1
+        vit = 3200 if arch != "30b-a3b" else 1024
+        assert mlp1[0].normalized_shape == (4 * vit,) and mlp1[1].in_features == 4 * vit, arch
+        assert mlp1[1].out_features == mlp1[3].out_features == width, arch

@@ -54,6 +54,7 @@ def build_model(cfg, device, mesh) -> TrainedParVL:
     rows only (load_shards): no rank ever holds the whole model, in any dtype."""
     folder = Path(cfg.model)
     raw = read_json(folder / "config.json")
+    check_no_router_loss(raw, folder)
     reader = CheckpointReader(folder, parscale_branches=int(raw.get("parscale_n", 0)))
     with torch.device("meta"):
         # into the export's config.json
@@ -104,6 +105,23 @@ def build_model(cfg, device, mesh) -> TrainedParVL:
     load_shards(model, reader, fresh)
     model.language_model.model.init_rope(device)
     return model
+
+
+def check_no_router_loss(raw: dict, folder: Path) -> None:
+    """The official InternVL3.5 SFT (internvl_chat_gpt_oss/internvl/train/internvl_chat_finetune.py) adds
+    the experts' load-balancing loss only where the language model's config has output_router_logits
+    true: it sets it for GPT-OSS alone and leaves Qwen3-MoE's as the checkpoint has it, false in every
+    released config, so its loss is the language loss alone, and so is train.py's. A checkpoint that asks
+    for the loss is refused in one line rather than trained without it."""
+    block = raw.get("llm_config") or raw.get("text_config") or {}
+    if isinstance(block, dict) and block.get("output_router_logits") is True:
+        key = "llm_config" if "llm_config" in raw else "text_config"
+        raise ValueError(
+            f"{folder / 'config.json'}: {key}.output_router_logits is true: the official fine-tuning "
+            f"then adds the experts' load-balancing loss (router_aux_loss_coef "
+            f"{block.get('router_aux_loss_coef', 0.001)}), which train.py does not; set it false to "
+            f"train on the language loss alone, as the released configs do"
+        )
 
 
 @torch.no_grad()
