@@ -83,19 +83,8 @@ def run_piece(c: StudyConfig, plan: Plan, p: Piece, head: str) -> None:
     """One piece, decided now (what came before it in this call has run): skipped, recorded, or run (what it made
     before moved aside first when it is made again), then recorded."""
     status, why = plan.status(p)
-    if status in ("done", "adopt"):
-        if status == "adopt":
-            plan.save(p)
-        log(
-            f"{head}: done ({p.done}"
-            + (
-                "; made before study.py recorded its pieces: recorded now"
-                if status == "adopt"
-                else ""
-            )
-            + ")",
-            sys.stdout,
-        )
+    if status == "done":
+        log(f"{head}: done ({p.done})", sys.stdout)
         return
     if status == "redo":
         log(
@@ -126,7 +115,6 @@ def print_plan(c: StudyConfig, todo: list[Piece], statuses: list[tuple[str, str 
         head, redirect = f"[{k}/{len(todo)}] {p.name}", f" > {p.stdout}" if p.stdout else ""
         line = {
             "done": f"done ({p.done})",
-            "adopt": f"done ({p.done}; to be recorded)",
             "after": f"done; made again if what {why} leaves changes",
             "run": f"would run {shlex.join(launch(c, p))}{redirect}",
             "redo": f"would be made again ({why}): {shlex.join(launch(c, p))}{redirect}",
@@ -165,6 +153,8 @@ COMMANDS = {
     None: Command(
         StudyConfig,
         study,
+        # one study per OUT, held for the whole call (a second is refused before its first piece); --plan writes none
+        writes=lambda c: None if c.plan else Path(c.out),
         interrupted=lambda c: "the finished pieces stay; the same command resumes",
     ),
     "subsample": Command(
@@ -172,6 +162,7 @@ COMMANDS = {
         subsample,
         "the study's first piece: a seeded subsample of an SFT "
         "collection in Table S1's domain mixture",
+        writes=lambda c: Path(c.out),
         interrupted=lambda c: "meta.json is written last: the same command draws again",
     ),
 }

@@ -3,6 +3,11 @@ with these settings, a Ctrl-C that is never an answer, the answer extractor as a
 lie or redirect, nothing saved that is not finite, one writer for every output, a study that resumes where it
 lives, and flags spelled whole. Each test names the rule it holds; each is small (no model is trained)."""
 
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
 import pytest
 from cluster_fakes import fake_slurm, sbatch, slurm_log
 from commands import run_main
@@ -53,3 +58,118 @@ def test_sbatch_refuses_a_first_word_that_is_no_script(tmp_path):
         "interpreter is PYTHON's)"
     ]
     assert not [c for c in slurm_log(env) if c[0] == "srun"]
+
+
+# -- rules 1, 6, 7: the study's records; one study per --out ----------------------------------------------
+
+
+def study_pieces(out: Path, data: Path) -> list:
+    """Two pieces as study_plan makes them: the subsample (its file OUT/data/meta.json) and a trained run reading
+    it (refused rather than retrained)."""
+    from evaluation.study_config import Piece
+
+    meta = out / "data" / "meta.json"
+    return [
+        Piece(
+            "subsample",
+            ["study.py", "subsample", "--data", str(data), "--out", str(out / "data")],
+            meta,
+            flags={"--data-fraction": 0.05},
+            inputs={"--data": data},
+            outputs=[out / "data"],
+        ),
+        Piece(
+            "train 2:2",
+            ["train.py", "--data", str(meta), "--out", str(out / "runs" / "2x2")],
+            out / "runs" / "2x2" / "export" / "config.json",
+            inputs={"data": meta},
+            resume=out / "runs" / "2x2",
+            refuse_change=True,
+        ),
+    ]
+
+
+def made_study(out: Path, data: Path):
+    """The two pieces' files under `out`, and their Plan."""
+    from evaluation.study_run import Plan
+
+    todo = study_pieces(out, data)
+    for p in todo:
+        p.done.parent.mkdir(parents=True, exist_ok=True)
+        p.done.write_text("{}")
+    return todo, Plan(SimpleNamespace(out=str(out)), todo)
+
+
+def test_an_output_without_its_record_is_not_adopted(tmp_path):
+    """Rule 1: OUT/made/ lost (a partial rsync, a clean-up), or a --out that already held a data/meta.json: the
+    old files were taken as made with the new flags and recorded ("adopt"), and every allocation trained on them.
+    Now a piece without its record is made again (moved aside, nothing lost) and a trained run is refused in one
+    line; a record that is not JSON is one line naming it."""
+    data = tmp_path / "sft.json"
+    data.write_text("{}")
+    (sub, run), plan = made_study(tmp_path / "st", data)
+    status, why = plan.status(sub)
+    assert status == "redo" and "without its record" in why, (status, why)
+    with pytest.raises(
+        ValueError, match="is there but not its record .*remove .*2x2 to train it again"
+    ):
+        plan.decide(run)
+    plan.save(sub)
+    assert plan.decide(sub) == ("done", None)
+    plan.made(sub).write_text('{"argv": [')
+    with pytest.raises(ValueError, match=r"made/subsample.json: not a record study.py wrote"):
+        plan.decide(sub)
+
+
+def test_a_study_resumes_under_another_spelling_and_moved(tmp_path, monkeypatch):
+    """Rule 7: the same study resumed with --out st1 after /abs/st1, or moved to another disk, was refused as
+    "another study.py" (its records held the command lines as spelled). Records now name OUT's files relative to
+    it and other paths resolved: every piece is done under each spelling and after a move."""
+    from evaluation.study_run import Plan
+
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "sft.json"
+    data.write_text("{}")
+    todo, plan = made_study(Path("st1"), Path("sft.json"))
+    for p in todo:
+        plan.save(p)
+    again = study_pieces(tmp_path / "st1", data)
+    assert [Plan(SimpleNamespace(out=str(tmp_path / "st1")), again).decide(p) for p in again] == [
+        ("done", None)
+    ] * 2
+    (tmp_path / "disk2").mkdir()
+    shutil.move(tmp_path / "st1", tmp_path / "disk2" / "st1")
+    moved = study_pieces(tmp_path / "disk2" / "st1", data)
+    plan = Plan(SimpleNamespace(out=str(tmp_path / "disk2" / "st1")), moved)
+    assert [plan.decide(p) for p in moved] == [("done", None)] * 2
+
+
+def test_one_study_per_out_and_subsample_keeps_what_it_did_not_write(tmp_path, capsys):
+    """Rule 6: a second study.py on one --out was refused only at its first piece's lock, with advice to resume
+    while the first ran; it is refused before anything, as a second writer. `study.py subsample --out` replaced a
+    meta.json it did not write, and drew 0 rows without a word: both one line, exit 1, nothing touched."""
+    from shell.outputs import one_writer
+
+    out = tmp_path / "st"
+    argv = ["--model", "m", "--data", "d.json", "--tsv", "lmu", "--out", str(out)]
+    with one_writer(out):
+        code, err = run_main(capsys, study.main, argv)
+    assert code == 1 and len(err) == 1 and "another process is writing it" in err[0], err
+    data = tmp_path / "sft.json"
+    (tmp_path / "rows.jsonl").write_text('{"id": 1, "conversations": []}\n' * 4)
+    data.write_text(json.dumps({"general_chat": {"root": "img", "annotation": "rows.jsonl"}}))
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "meta.json").write_text('{"mine": 1}')
+    code, err = run_main(capsys, study.main, ["subsample", "--data", data, "--out", theirs])
+    assert code == 1 and err == [
+        f"error: --out {theirs}: holds a meta.json that study.py subsample did not write (no "
+        "subsample.json beside it); pick another --out"
+    ]
+    assert (theirs / "meta.json").read_text() == '{"mine": 1}'
+    argv = ["subsample", "--data", data, "--out", tmp_path / "none", "--fraction", "0.01"]
+    code, err = run_main(capsys, study.main, argv)
+    assert code == 1 and err == [
+        f"error: --fraction 0.01: draws 0 of the 4 rows of {data}; raise --fraction"
+    ], err
+    assert not (tmp_path / "none" / "meta.json").exists()
