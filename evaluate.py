@@ -26,6 +26,10 @@ Bad input: one line on stderr, exit 1 (bad input) or 2 (usage).
 
 from __future__ import annotations
 
+import shell.early  # noqa: F401  first: a Ctrl-C during the imports below is one line, exit 130
+
+# isort: split
+
 import csv
 import json
 import math

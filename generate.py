@@ -13,6 +13,10 @@ sits above the model: it resolves and loads the checkpoint, builds the prompts a
 
 from __future__ import annotations
 
+import shell.early  # noqa: F401  first: a Ctrl-C during the imports below is one line, exit 130
+
+# isort: split
+
 import json
 import signal
 import sys
@@ -27,7 +31,7 @@ from inference.engine import Engine, GenerateConfig, context_check
 from inference.flags import InferenceFlags, check_new_tokens, load_engine, open_model
 from inference.questions import answer_file, answered_lines, read_questions
 from shell import cli
-from shell.cli import SEEDS, command, log, one_line
+from shell.cli import SEEDS, command, interrupt_handled, log, one_line
 from shell.devices import peak_memory_gib, resolve_device
 from shell.flags import Command, dispatch, flag
 
@@ -292,6 +296,7 @@ def chat_session(engine, tok, pixel_values, num_tiles, cfg, args) -> int:
         except Interrupted as e:
             if e.code != 128 + signal.SIGINT:  # SIGTERM: the session ends
                 raise
+            interrupt_handled()  # answered here: the session's end is not an interrupt's
             print("interrupted: answer stopped (the conversation goes on)", file=sys.stderr)
             history.append((question, e.text))
 

@@ -14,6 +14,10 @@ pixel_values) per Pv:Pl, configurations interleaved across repeats.
 
 from __future__ import annotations
 
+import shell.early  # noqa: F401  first: a Ctrl-C during the imports below is one line, exit 130
+
+# isort: split
+
 import argparse
 import hashlib
 import json

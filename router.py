@@ -19,6 +19,10 @@ Shape legend: aggregate.py's (B samples, Cv ViT width, C LLM width).
 
 from __future__ import annotations
 
+import shell.early  # noqa: F401  first: a Ctrl-C during the imports below is one line, exit 130
+
+# isort: split
+
 import hashlib
 import json
 import math

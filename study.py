@@ -29,6 +29,10 @@ interrupt, a failure or a change of flags the same command goes on where it must
 
 from __future__ import annotations
 
+import shell.early  # noqa: F401  first: a Ctrl-C during the imports below is one line, exit 130
+
+# isort: split
+
 import shlex
 import sys
 from pathlib import Path

@@ -30,6 +30,10 @@ SIGINT / SIGTERM (the current step is abandoned, complete checkpoints stay).
 
 from __future__ import annotations
 
+import shell.early  # noqa: F401  first: a Ctrl-C during the imports below is one line, exit 130
+
+# isort: split
+
 import json
 import shutil
 import sys

@@ -4,7 +4,11 @@ lie or redirect, nothing saved that is not finite, one writer for every output, 
 lives, and flags spelled whole. Each test names the rule it holds; each is small (no model is trained)."""
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -12,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 from cluster_fakes import fake_slurm, sbatch, slurm_log
-from commands import run_main
+from commands import ROOT, run_main
 from judge_fakes import fake_vlmevalkit
 
 import evaluate
@@ -341,3 +345,62 @@ def test_score_out_onto_the_reply_cache_is_refused_and_prompts_are_inputs(tmp_pa
     assert scores and all(
         p.inputs["--vlmevalkit's prompts"] == prompt_file(Path("kit"), "LogicVista") for p in scores
     )
+
+
+# -- rule 2: a Ctrl-C is never an answer ---------------------------------------------------------------------
+
+
+class SwallowsASignal:
+    """Sends this process SIGINT from its __del__: the shell's handler raises Interrupted there, where Python
+    only prints it ("Exception ignored in") and goes on, as it does inside a callback of a model load."""
+
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.filterwarnings(
+    "ignore::pytest.PytestUnraisableExceptionWarning"
+)  # the swallowed Interrupted
+def test_a_signal_swallowed_during_the_model_load_records_no_row(
+    bench, tmp_path, capsys, monkeypatch
+):
+    """A SIGINT while `evaluate.py run` loaded the model left the load half done and unraised: every row was
+    answered (0 new tokens), recorded, and the command exited 0, so a resume kept them. Now a signal received is
+    an interrupt wherever it was swallowed: no row recorded, exit 130 with the interrupt's line."""
+    import inference.flags
+
+    folder, tsv, _, _ = bench
+    real = inference.flags.load_pretrained
+
+    def load_and_swallow(*args, **kw):
+        model = real(*args, **kw)
+        SwallowsASignal()  # collected at once: its __del__ runs here
+        return model
+
+    monkeypatch.setattr(inference.flags, "load_pretrained", load_and_swallow)
+    out = tmp_path / "pred.jsonl"
+    argv = ["run", "--benchmark", "MMMU_DEV_VAL", "--data", tsv, "--model", folder, "--out", out]
+    code, err = run_main(capsys, evaluate.main, [*argv, "--max-new-tokens", 2, "--max-tiles", 1])
+    assert code == 130 and err[-1].startswith("interrupted by SIGINT"), err
+    rows = [x for f in tmp_path.glob("pred.jsonl*") for x in f.read_text().splitlines()]
+    assert rows == [], rows
+
+
+def test_a_ctrl_c_during_the_imports_is_one_line():
+    """A SIGINT during a command's imports (seconds of torch) printed a KeyboardInterrupt traceback: it is one
+    line and exit 130 (shell/early.py, each command's first import)."""
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "evaluate.py"), "report", "x.json"],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    time.sleep(0.5)  # the imports take seconds; shell.early is the first, within milliseconds
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err.splitlines()) == (
+        130,
+        ["interrupted by SIGINT while starting: nothing written"],
+    ), err
