@@ -466,6 +466,8 @@ COMMANDS = {
         export_step,
         "write the ParVL checkpoint of a kept training step, in the layout "
         "of the run's final export (RUN/export), for generate.py, evaluate.py and router.py",
+        # one writer: two exports into one new folder both passed its empty-folder check
+        writes=lambda e: Path(e.out or Path(e.run) / f"export_step_{e.step}"),
         interrupted=lambda e: "the export was abandoned; run it again",
     ),
 }

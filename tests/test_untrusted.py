@@ -404,3 +404,17 @@ def test_a_ctrl_c_during_the_imports_is_one_line():
         130,
         ["interrupted by SIGINT while starting: nothing written"],
     ), err
+
+
+def test_one_export_per_folder(tmp_path, capsys):
+    """Rule 6: two `train.py export` into one new folder at once both passed its empty-folder check and exited 0,
+    the folder holding one of them. An export holds its --out (default RUN/export_step_N) as every writer does:
+    the second is refused in one line before it reads anything."""
+    from shell.outputs import one_writer
+
+    run = tmp_path / "run"
+    for out, argv in ((tmp_path / "new", ["--out", tmp_path / "new"]), (run / "export_step_2", [])):
+        with one_writer(out):
+            code, err = run_main(capsys, train.main, ["export", run, "--step", 2, *argv])
+        assert code == 1 and len(err) == 1 and "another process is writing it" in err[0], err
+        assert not out.exists()
