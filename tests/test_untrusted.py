@@ -418,3 +418,23 @@ def test_one_export_per_folder(tmp_path, capsys):
             code, err = run_main(capsys, train.main, ["export", run, "--step", 2, *argv])
         assert code == 1 and len(err) == 1 and "another process is writing it" in err[0], err
         assert not out.exists()
+
+
+# -- rule 4: one report, one precision -------------------------------------------------------------------
+
+
+def test_a_report_refuses_a_mix_of_dtypes(tmp_path, capsys):
+    """Quantized beside full-precision scores was refused, but fp32 beside bf16 was reported with a best row
+    and no dtype anywhere: refused in one line naming a file of each, nothing written; one dtype passes."""
+    from commands import main_out, write_scores
+
+    fp32 = write_scores(tmp_path / "a", "11", [40.0] * 9, dtype="float32")
+    bf16 = write_scores(tmp_path / "b", "22", [41.0] * 9, pv=2, pl=2, dtype="bfloat16")
+    rc, _, err = main_out(capsys, "report", *fp32, *bf16, "--out", tmp_path / "r")
+    assert rc == 1 and err.count("\n") == 1 and not (tmp_path / "r").exists(), err
+    assert (
+        f"{bf16[0]} was predicted in bfloat16, {fp32[0]} in float32: one report, one precision"
+        in err
+    )
+    more = write_scores(tmp_path / "c", "22", [41.0] * 9, pv=2, pl=2, dtype="float32")
+    assert main_out(capsys, "report", *fp32, *more, "--out", tmp_path / "r")[0] == 0
