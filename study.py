@@ -38,6 +38,7 @@ import sys
 from pathlib import Path
 
 from data.subsample import SubsampleConfig, subsample
+from evaluation.judge import prompt_file
 from evaluation.study_config import Piece, StudyConfig, pairs_of
 from evaluation.study_plan import pieces
 from evaluation.study_run import Plan, execute, launch
@@ -69,10 +70,24 @@ def check_inputs(c: StudyConfig) -> None:
     for path, what in files:
         if path and not Path(path).is_file():
             raise ValueError(f"{what} {path}: no such file (a meta JSON)")
+    check_vlmevalkit(c)
     if missing := [b for b in c.benchmarks if not (Path(c.tsv) / f"{b}.tsv").is_file()]:
         raise ValueError(
             f"--tsv {c.tsv}: no {', '.join(f'{b}.tsv' for b in missing)} there (VLMEvalKit's TSV of "
             f"each of --benchmarks)"
+        )
+
+
+def check_vlmevalkit(c: StudyConfig) -> None:
+    """--vlmevalkit must be a VLMEvalKit checkout: the file each judged benchmark's prompts come from is there
+    (checked at --plan too, where the folder exists: found after the training, it failed the first score)."""
+    if not c.judge_url or not c.vlmevalkit:
+        return
+    files = {prompt_file(Path(c.vlmevalkit), b) for b in c.benchmarks} - {None}
+    if missing := sorted(str(f) for f in files if not f.is_file()):
+        raise ValueError(
+            f"--vlmevalkit {c.vlmevalkit}: not a VLMEvalKit checkout (no {', '.join(missing)}); give the "
+            f"folder of git clone https://github.com/open-compass/VLMEvalKit"
         )
 
 
@@ -103,7 +118,10 @@ def run_piece(c: StudyConfig, plan: Plan, p: Piece, head: str) -> None:
     for o in p.outputs:  # the folders a command writes its files into (score --out needs it)
         o.parent.mkdir(parents=True, exist_ok=True)
     cmd = launch(c, p)
-    log(f"{head}: {shlex.join(cmd)}" + (f" > {p.stdout}" if p.stdout else ""), sys.stdout)
+    log(
+        f"{head}: {shlex.join(cmd)}" + (f" > {shlex.quote(str(p.stdout))}" if p.stdout else ""),
+        sys.stdout,
+    )
     if (code := execute(cmd, p.stdout)) != 0:
         raise ValueError(
             f"{p.name} failed (exit {code}; its own line above); the same study.py command resumes from "
@@ -116,7 +134,11 @@ def run_piece(c: StudyConfig, plan: Plan, p: Piece, head: str) -> None:
 
 def print_plan(c: StudyConfig, todo: list[Piece], statuses: list[tuple[str, str | None]]) -> None:
     for k, (p, (status, why)) in enumerate(zip(todo, statuses), 1):
-        head, redirect = f"[{k}/{len(todo)}] {p.name}", f" > {p.stdout}" if p.stdout else ""
+        # quoted as every path of the command line is: a target with spaces is one word
+        head, redirect = (
+            f"[{k}/{len(todo)}] {p.name}",
+            f" > {shlex.quote(str(p.stdout))}" if p.stdout else "",
+        )
         line = {
             "done": f"done ({p.done})",
             "after": f"done; made again if what {why} leaves changes",
@@ -135,6 +157,10 @@ def print_plan(c: StudyConfig, todo: list[Piece], statuses: list[tuple[str, str 
 def study(c: StudyConfig) -> int:
     if not c.plan:
         check_inputs(c)
+    elif (
+        c.vlmevalkit and Path(c.vlmevalkit).exists()
+    ):  # a plan checks no missing input, but a wrong one
+        check_vlmevalkit(c)
     todo = pieces(c)
     plan = Plan(c, todo)
     # a refused change: before anything runs

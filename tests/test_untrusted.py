@@ -438,3 +438,61 @@ def test_a_report_refuses_a_mix_of_dtypes(tmp_path, capsys):
     )
     more = write_scores(tmp_path / "c", "22", [41.0] * 9, pv=2, pl=2, dtype="float32")
     assert main_out(capsys, "report", *fp32, *more, "--out", tmp_path / "r")[0] == 0
+
+
+# -- rule 8: what --plan can know, it checks --------------------------------------------------------------
+
+PLAN_CASES = [
+    (
+        ["--router-allocation", "1:1"],
+        "--router-allocation 1:1: one branch pair, nothing for a router to choose",
+    ),
+    (
+        ["--reference-model", "1b=I", "1b=I"],
+        "--reference-model 1b=I: given twice (each reference model is one row of Table 1)",
+    ),
+    (["--nodes", "2"], "--nodes: --launcher local never reads it"),
+    (
+        ["--launcher", "slurm", "--nproc-per-node", "4"],
+        "--nproc-per-node: --launcher slurm never reads it",
+    ),
+    (
+        ["--judge-url", "https://api.example.com/v1", "--judge-model", "m", "--vlmevalkit", "K"]
+        + ["--judge-key-env", "UNSET_KEY_46"],
+        "--judge-key-env UNSET_KEY_46: not set, and --judge-url's api.example.com is not this machine",
+    ),
+]
+
+
+@pytest.mark.parametrize("flags, line", PLAN_CASES, ids=[c[0][0] for c in PLAN_CASES])
+def test_plan_refuses_what_would_fail_after_the_training(
+    tmp_path, capsys, monkeypatch, flags, line
+):
+    """Each passed --plan and failed after the training, or was silently ignored: a flag error, exit 2, one line,
+    nothing written."""
+    monkeypatch.delenv("UNSET_KEY_46", raising=False)
+    out = tmp_path / "s"
+    argv = ["--model", "M", "--data", "d.json", "--tsv", "T", "--out", out, "--plan", *flags]
+    code, err = run_main(capsys, study.main, argv)
+    assert code == 2 and len(err) == 1 and line in err[0], err
+    assert not out.exists()
+
+
+def test_plan_checks_the_vlmevalkit_checkout_and_quotes_its_paths(tmp_path, capsys):
+    """A --vlmevalkit that is no VLMEvalKit checkout failed the first score, after the training: --plan names it
+    (exit 1). The plan quotes every path it shows, a redirect target with spaces included; profiling.py --tiles
+    has generate's range at parse."""
+    out = tmp_path / "my study"
+    argv = ["--model", "M", "--data", "d.json", "--tsv", "T", "--out", out, "--plan"]
+    kit = tmp_path / "kit"
+    kit.mkdir()
+    judge = ["--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m", "--vlmevalkit", kit]
+    code, err = run_main(capsys, study.main, [*argv, *judge])
+    assert code == 1 and len(err) == 1, err
+    assert f"--vlmevalkit {kit}: not a VLMEvalKit checkout" in err[0], err
+    assert study.main([str(a) for a in argv]) == 0
+    plan = capsys.readouterr().out.splitlines()
+    redirects = [x.rsplit(" > ", 1)[1] for x in plan if " > " in x]
+    assert redirects and all(r.startswith("'") and r.endswith("'") for r in redirects), redirects
+    code, err = run_main(capsys, profiling.main, ["latency", "--tiles", 10**5])
+    assert code == 2 and "--tiles must be in [0, 65], got 100000" in err[0], err
