@@ -114,6 +114,8 @@ def respond(args: GenerateFlags) -> int:
     done = (
         answered_lines(Path(args.out), rows, Path(args.batch)) if args.batch and args.out else set()
     )
+    # a missing or bad image fails before the model is fetched (a download of gigabytes, or offline never)
+    opened = [open_rgb(path) for path in images]
     # tiles and tokens as the model sees them, and its own tokenizer
     folder, mcfg, tok = open_model(args)
     check_new_tokens(args.max_new_tokens, mcfg)
@@ -130,7 +132,6 @@ def respond(args: GenerateFlags) -> int:
         if images
         else {}
     )
-    opened = [open_rgb(path) for path in images]  # bad images fail before the weights load
     num_tiles = [tile_count(img, **tiling) for img in opened]
     t0 = time.perf_counter()
     prompt = None

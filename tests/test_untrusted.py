@@ -496,3 +496,35 @@ def test_plan_checks_the_vlmevalkit_checkout_and_quotes_its_paths(tmp_path, caps
     assert redirects and all(r.startswith("'") and r.endswith("'") for r in redirects), redirects
     code, err = run_main(capsys, profiling.main, ["latency", "--tiles", 10**5])
     assert code == 2 and "--tiles must be in [0, 65], got 100000" in err[0], err
+
+
+# -- rule 10: a newcomer's first minute --------------------------------------------------------------------
+
+
+def test_a_missing_image_is_said_before_the_model_is_fetched(tmp_path, capsys, monkeypatch):
+    """README's first command names image.png, which a newcomer does not have: the missing image was reported
+    only after the model was fetched (gigabytes; offline, never). The image is opened first: one line, exit 1,
+    and nothing asked of the hub."""
+    import inference.flags
+
+    fetched = []
+    monkeypatch.setattr(
+        inference.flags, "resolve_model", lambda *a, **k: fetched.append(a) or 1 / 0
+    )
+    code, err = run_main(capsys, generate.main, [tmp_path / "image.png", "Describe the image."])
+    assert code == 1 and len(err) == 1 and "image.png" in err[0] and not fetched, err
+
+
+def test_a_benchmark_says_how_to_install_what_it_needs(tmp_path, monkeypatch):
+    """bench/bench_llamacpp.py died with ModuleNotFoundError for `gguf`: without it, llama.cpp's side is skipped
+    in one line that says how to install it (the benchmark's own Skip, which it prints and goes on)."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    monkeypatch.setitem(
+        sys.modules, "gguf", None
+    )  # as if not installed: its import raises ImportError
+    import bench_llamacpp
+
+    with pytest.raises(
+        bench_llamacpp.Skip, match=r"gguf package is not installed \(pip install gguf\)"
+    ):
+        bench_llamacpp.write_gguf(None, tmp_path / "x.gguf", "F32")
