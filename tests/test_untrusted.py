@@ -528,3 +528,34 @@ def test_a_benchmark_says_how_to_install_what_it_needs(tmp_path, monkeypatch):
         bench_llamacpp.Skip, match=r"gguf package is not installed \(pip install gguf\)"
     ):
         bench_llamacpp.write_gguf(None, tmp_path / "x.gguf", "F32")
+
+
+# -- rule 11: every remaining unclear message ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        (
+            'index\tquestion\tanswer\timage\n1\t"torn q\tA\tiVBORw0KGgo\n2\tq2\tB\timg2\n',
+            "cannot read TSV: unexpected end of data (a quoted cell of line 2 never closes: is the file cut "
+            "short?)",
+        ),
+        (
+            "index\tquestion\tanswer\timage\n1\tq\tA\n2\tq2\tB\n",
+            "no row has an image (VLMEvalKit leaves such rows out); 2 row(s) have fewer cells than the "
+            "header's 4, the first on line 2 (3): is the file cut short, or a tab missing?",
+        ),
+    ],
+    ids=["torn quote", "short rows"],
+)
+def test_a_torn_or_short_tsv_says_where(tmp_path, text, line):
+    """A torn quote swallowed the rest of the file into one cell, and short rows lost their image: both said only
+    "no row has an image". Each now names the line and what is wrong with it."""
+    from evaluation.tsv import DataError, read_tsv
+
+    path = tmp_path / "B.tsv"
+    path.write_text(text)
+    with pytest.raises(DataError) as e:
+        read_tsv(path)
+    assert str(e.value) == f"{path}: {line}"
