@@ -3,6 +3,8 @@ with these settings, a Ctrl-C that is never an answer, the answer extractor as a
 lie or redirect, nothing saved that is not finite, one writer for every output, a study that resumes where it
 lives, and flags spelled whole. Each test names the rule it holds; each is small (no model is trained)."""
 
+import errno
+import io
 import json
 import os
 import shutil
@@ -559,3 +561,61 @@ def test_a_torn_or_short_tsv_says_where(tmp_path, text, line):
     with pytest.raises(DataError) as e:
         read_tsv(path)
     assert str(e.value) == f"{path}: {line}"
+
+
+def test_a_plot_of_one_step_without_lr_groups_says_nothing_raw(tmp_path):
+    """A one-step run whose line carries no lr groups got matplotlib's own warning ("No artists with labels found
+    to put in legend") on its plot: the legend is drawn only of what is drawn, and the plot warns nothing."""
+    import warnings
+
+    pytest.importorskip("matplotlib")
+    from training.metrics import plot_run
+
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "loss": 2.0, "grad_norm": 1.0, "lr": 0.001}\n'
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert plot_run(tmp_path).is_file()
+
+
+class BufferedOnAFullDisk(io.StringIO):
+    """A buffered file on a full disk: a write lands in the buffer, every flush fails (ENOSPC, no file name, as
+    the kernel's), and so does the close, which flushes what is left."""
+
+    def flush(self):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def close(self):
+        self.flush()
+
+
+def test_a_full_disk_at_the_close_of_batch_answers_names_the_file(
+    model_dir, tmp_path, capsys, monkeypatch
+):
+    """`generate.py --batch --out` on a full disk: the flush's error named the file, but the close in the finally
+    flushed again and its error, with no file name, replaced it. The close is named as the writes are."""
+    from inference import questions
+
+    batch = tmp_path / "q.jsonl"
+    batch.write_text('{"question": "Hi"}\n')
+    out = tmp_path / "answers.jsonl"
+    monkeypatch.setattr(questions, "open", lambda *a, **k: BufferedOnAFullDisk(), raising=False)
+    argv = ["--batch", batch, "--out", out, "--model", model_dir, "--max-new-tokens", 2]
+    code, err = run_main(capsys, generate.main, argv)
+    assert code == 1 and err[-1] == f"error: {out}: no space left on the device", err
+
+
+def test_a_dcp_failure_is_its_cause_without_a_traceback():
+    """A DCP save failure that is no OSError was printed as DCP's own text, every rank's traceback folded into
+    the line: it is the first rank's failure, named by its type, on one line."""
+    import traceback
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shell.files import os_cause
+
+    e = CheckpointException(
+        "save", {0: (RuntimeError("file write failed"), traceback.extract_stack())}
+    )
+    assert os_cause(e) == "RuntimeError: file write failed"
