@@ -146,6 +146,8 @@ def command(main):
     then exit_process with main's code. Its output never fails on a character its stream cannot encode
     (PYTHONIOENCODING=ascii, a C locale without UTF-8): such a character is written as a backslash escape."""
     _process["main"] = True
+    # the imports are done: shell.early's "while starting" handler gives way to Python's (the job's are shell's)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
