@@ -193,9 +193,8 @@ class Plan:
         """p's status from its file and record as they are now."""
         if not p.done.exists():
             return "run", None
-        if not self.made(
-            p
-        ).is_file():  # made elsewhere, or with other settings: nothing vouches for it
+        # no record: made elsewhere, or with other settings; nothing vouches for the file
+        if not self.made(p).is_file():
             if p.refuse_change:
                 raise ValueError(
                     f"{p.name}: {p.done} is there but not its record {self.made(p)}, so nothing says it was "
@@ -215,14 +214,16 @@ class Plan:
     def read_record(self, p: Piece) -> dict:
         """p's record as saved; one that is not a record (torn, edited) is one line naming it."""
         try:
-            old = json.loads(self.made(p).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            old = e
-        if not isinstance(old, dict) or not {"argv", "flags", "inputs"} <= old.keys():
+            old, why = json.loads(self.made(p).read_text()), "no argv, flags and inputs"
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            old, why = None, f"not JSON: {e}"
+        kinds = {"argv": list, "flags": dict, "inputs": dict}
+        if not isinstance(old, dict) or any(
+            not isinstance(old.get(k), t) for k, t in kinds.items()
+        ):
             raise ValueError(
-                f"{self.made(p)}: not a record study.py wrote ({old if isinstance(old, Exception) else 'no '}"
-                f"{'' if isinstance(old, Exception) else 'argv, flags and inputs'}); restore it from a copy, "
-                f"or remove it and {p.outputs[0]} to make {p.name} again"
+                f"{self.made(p)}: not a record study.py wrote ({why}); restore it from a copy, or remove it "
+                f"and {p.outputs[0]} to make {p.name} again"
             )
         return old
 
