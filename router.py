@@ -115,8 +115,7 @@ class TrainRouterConfig(RouterInputs):
     )
 
     def check(self) -> None:
-        """AdamW multiplies every weight by 1 - lr x weight decay each step: above 1 it flips and grows them
-        (--weight-decay 1e300 saved an all-inf router)."""
+        """AdamW scales every weight by 1 - lr x weight decay a step: above 1 it flips and grows them."""
         if self.lr * self.weight_decay > 1:
             raise ValueError(
                 f"--weight-decay {self.weight_decay:g} at --lr {self.lr:g}: AdamW scales each weight by "
@@ -161,11 +160,7 @@ def train(cfg: TrainRouterConfig) -> int:
     held = [name for name in ROUTER_FILES if (out / name).exists()]
     check_folder(out, "--out")
     if held and not cfg.overwrite:  # one folder, one run (as train.py's run folders)
-        what = (
-            "a router"
-            if "router.safetensors" in held
-            else "a router run that saved no router (a failed or interrupted one)"
-        )
+        what = "a router" if "router.safetensors" in held else "a router run that saved no router"
         raise RouterError(
             f"--out {out} already holds {what} ({', '.join(held)}): pass --overwrite to replace it, "
             f"or pick another --out"
@@ -230,21 +225,14 @@ def train(cfg: TrainRouterConfig) -> int:
 
 
 def check_finite(router: Router, t: dict, cfg: TrainRouterConfig) -> None:
-    """Nothing saved that is not finite: the gates after the last update, and their logits on the first
-    samples (weights near 1e30 are finite, but their logits are not, and always picked pair [0, 0]). The
-    finiteness check in `fit` runs before each update, so the last one is checked here."""
-    bad = next((n for n, p in router.named_parameters() if not torch.isfinite(p).all()), None)
-    if bad is None:
-        k = min(len(t["rows"]), cfg.global_batch)
-        with torch.no_grad():
-            logits_v, logits_l, _ = router(
-                t["image"][:k], t["text"][:k], t["connector"][:k], t["has_image"][:k]
-            )
-        if not bool(torch.isfinite(logits_v).all() and torch.isfinite(logits_l).all()):
-            bad = "logits"
-    if bad is not None:
+    """Nothing saved that is not finite: the gates' logits on the first samples after the last update (`fit`
+    checks before each update); weights near 1e30 are finite, their logits not, and always picked pair [0, 0]."""
+    k = min(len(t["rows"]), cfg.global_batch)
+    with torch.no_grad():
+        logits = router(t["image"][:k], t["text"][:k], t["connector"][:k], t["has_image"][:k])[:2]
+    if not all(bool(torch.isfinite(x).all()) for x in logits):
         raise ValueError(
-            f"step {cfg.steps}: after the last update the router's {bad} are not finite (--lr {cfg.lr:g}, "
+            f"step {cfg.steps}: after the last update the router's logits are not finite (--lr {cfg.lr:g}, "
             f"--weight-decay {cfg.weight_decay:g}); nothing saved as the router: lower --lr"
         )
 
