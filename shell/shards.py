@@ -174,7 +174,9 @@ class FileParts:
         return self.path(k).exists()
 
     def keep(self, k: int, write: Callable[[str], None]) -> None:
-        """write(path) writes unit k's file beside its name; the rename makes it appear whole."""
+        """write(path) writes unit k's file beside its name; the rename makes it appear whole. Nothing made after
+        a signal is kept (cli.check_interrupt)."""
+        check_interrupt()
         with writing(str(self.path(k)) + ".tmp"):  # safetensors' failure too names the file
             write(str(self.path(k)) + ".tmp")
         os.replace(str(self.path(k)) + ".tmp", self.path(k))

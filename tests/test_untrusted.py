@@ -465,3 +465,19 @@ def test_a_dcp_failure_is_its_cause_without_a_traceback():
         "save", {0: (RuntimeError("file write failed"), traceback.extract_stack())}
     )
     assert os_cause(e) == "RuntimeError: file write failed"
+
+
+def test_no_unit_is_kept_after_a_swallowed_signal(tmp_path):
+    """Rule 2 at every writer: a unit file (router.py label's chunks) made after a signal whose Interrupted was
+    swallowed is not kept; the shell's interrupt is raised instead."""
+    from shell.cli import Interrupted, interruptible
+    from shell.shards import FileParts
+
+    (tmp_path / "chunks").mkdir()
+    parts = FileParts(tmp_path / "chunks", "chunk_{:06d}.safetensors")
+    with interruptible() as signals:
+        signals.received.append(signal.SIGINT)  # as on_signal records one whose raise was swallowed
+        signals.armed = False
+        with pytest.raises(Interrupted):
+            parts.keep(0, lambda path: Path(path).write_text("made after the signal"))
+    assert not parts.done(0) and not list(tmp_path.rglob("*.tmp"))
