@@ -438,9 +438,7 @@ def changes_are_made_again_or_refused(
 
     capsys.readouterr()
     before = tree(out)
-    # --train-flags that still keep --router-step 1 (else a flag error of their own, before the records)
-    retrain = "--max-steps 3 --save-every 1 --keep-last 3"
-    for flag, value, then in (("--model", other, model), ("--train-flags", retrain, None)):
+    for flag, value, then in (("--model", other, model), ("--train-flags", "--max-steps 3", None)):
         assert study.main(changed(flag, value)) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"error: train 1x1 was made with {flag} ") and err.count("\n") == 0, (
