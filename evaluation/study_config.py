@@ -286,8 +286,6 @@ def plan_problem(c: StudyConfig) -> str | None:
             f"--router-allocation {c.router_allocation}: one branch pair, nothing for a router to choose; "
             f"pick one of Pv x Pl >= 2 (the paper's 4:4)"
         )
-    if why := router_step_problem(c):
-        return why
     defaults = {f.name: f.default for f in fields(StudyConfig)}
     unread = {"local": ("nodes", "gpus_per_node", "slurm_flags"), "slurm": ("nproc_per_node",)}[
         c.launcher
@@ -304,45 +302,6 @@ def plan_problem(c: StudyConfig) -> str | None:
         return (
             f"--judge-key-env {c.judge_key_env}: not set, and --judge-url's {host} is not this machine; "
             f"export the key in it before the study (its scores come after the training)"
-        )
-    return None
-
-
-def router_step_problem(c: StudyConfig) -> str | None:
-    """A --router-step the router allocation's run will not have, where --train-flags say enough to know: past
-    its --max-steps, or a step train.py never saves (it saves every --save-every steps and the last) or no
-    longer keeps (its newest --keep-last saves). train.py's defaults where a flag is not given (500, 2); a run
-    of one epoch (no --max-steps) has a length the data decides, so only --max-steps' runs are checked."""
-    if not c.router_step:
-        return None
-    words = shlex.split(c.train_flags)
-
-    def given(name: str, default: int) -> int:
-        for k, w in enumerate(words):
-            value = w.split("=", 1)[1] if w.startswith(f"{name}=") else None
-            if w == name and k + 1 < len(words):
-                value = words[k + 1]
-            if value is not None:
-                return int(value) if value.isdigit() else default  # train.py's own check says more
-        return default
-
-    total, every, keep = (
-        given("--max-steps", 0),
-        given("--save-every", 500),
-        given("--keep-last", 2),
-    )
-    if not total or not every:
-        return None
-    saved = sorted({*range(every, total + 1, every), total})
-    step = f"--router-step {c.router_step}"
-    if c.router_step > total:
-        return f"{step}: past the run's --max-steps {total} (--train-flags)"
-    if c.router_step not in saved:
-        return f"{step}: never saved (train.py saves every --save-every {every} steps and step {total}, the last)"
-    if c.router_step not in saved[-keep:]:
-        return (
-            f"{step}: saved, then removed (--keep-last {keep} keeps steps {', '.join(map(str, saved[-keep:]))}); "
-            f'raise it in --train-flags ("--keep-last {len(saved) - saved.index(c.router_step)}")'
         )
     return None
 

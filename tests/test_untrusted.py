@@ -288,19 +288,6 @@ PLAN_CASES = [
     ),
     (["--nodes", "2"], "--nodes: --launcher local never reads it"),
     (
-        ["--router-step", "30", "--train-flags", "--max-steps 20 --save-every 10"],
-        "--router-step 30: past the run's --max-steps 20",
-    ),
-    (
-        ["--router-step", "15", "--train-flags", "--max-steps 20 --save-every 10"],
-        "--router-step 15: never saved (train.py saves every --save-every 10 steps and step 20, the last)",
-    ),
-    (
-        ["--router-step", "10", "--train-flags", "--max-steps 40 --save-every 10"],
-        "--router-step 10: saved, then removed (--keep-last 2 keeps steps 30, 40); raise it in --train-flags "
-        '("--keep-last 4")',
-    ),
-    (
         ["--launcher", "slurm", "--nproc-per-node", "4"],
         "--nproc-per-node: --launcher slurm never reads it",
     ),
