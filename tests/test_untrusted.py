@@ -327,8 +327,11 @@ def test_plan_checks_the_vlmevalkit_checkout_and_quotes_its_paths(tmp_path, caps
     assert f"--vlmevalkit {kit}: not a VLMEvalKit checkout" in err[0], err
     assert study.main([str(a) for a in argv]) == 0
     plan = capsys.readouterr().out.splitlines()
+    # each redirect target one quoted word (whatever follows it on the line)
     redirects = [x.rsplit(" > ", 1)[1] for x in plan if " > " in x]
-    assert redirects and all(r.startswith("'") and r.endswith("'") for r in redirects), redirects
+    assert redirects and all(r.startswith(f"'{out}/") and r.count("'") == 2 for r in redirects), (
+        redirects
+    )
     code, err = run_main(capsys, profiling.main, ["latency", "--tiles", 10**5])
     assert code == 2 and "--tiles must be in [0, 65], got 100000" in err[0], err
 
