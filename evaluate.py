@@ -26,6 +26,10 @@ Bad input: one line on stderr, exit 1 (bad input) or 2 (usage).
 
 from __future__ import annotations
 
+import shell.early  # noqa: F401  first: a Ctrl-C during the imports below is one line, exit 130
+
+# isort: split
+
 import csv
 import json
 import math
@@ -93,11 +97,30 @@ class ScoreConfig:
     )
 
     def check(self) -> None:
-        """The answer extractor's flags (judge.judge_flags_problem): a flag error, exit 2."""
+        """The answer extractor's flags (judge.judge_flags_problem), and its reply cache as the output it is
+        (paid-for replies: --out or --rows-out onto it, the default path included, would replace them): a flag
+        error, exit 2."""
         if why := judge_flags_problem(
             self.judge_url, self.judge_model, self.vlmevalkit, self.judge_key_env
         ):
             raise ValueError(why)
+        cache = self.cache_path()
+        for name, out in (("--out", self.out), ("--rows-out", self.rows_out)):
+            if cache and out and Path(out).resolve() == cache.resolve():
+                raise ValueError(
+                    f"{name} {out}: would write the answer extractor's reply cache {cache}; an output is "
+                    f"never an input: pick another {name}"
+                )
+
+    def cache_path(self) -> Path | None:
+        """Where the answer extractor's replies are cached (--judge-cache, else beside the predictions); None
+        without one."""
+        if not self.judge_url:
+            return None
+        return Path(
+            self.judge_cache
+            or str(self.predictions) + f".judge-{self.judge_model.replace('/', '_')}.jsonl"
+        )
 
 
 @dataclass
@@ -213,14 +236,10 @@ def make_judge(cfg: ScoreConfig) -> Judge | None:
     """The answer extractor --judge-url names (judge.py), its replies cached beside the predictions; None without."""
     if not cfg.judge_url:
         return None  # the flags were checked at parse (ScoreConfig.check)
-    cache = Path(
-        cfg.judge_cache
-        or str(cfg.predictions) + f".judge-{cfg.judge_model.replace('/', '_')}.jsonl"
-    )
     return Judge(
         cfg.judge_url,
         cfg.judge_model,
-        cache,
+        cfg.cache_path(),
         Path(cfg.vlmevalkit),
         cfg.benchmark,
         cfg.judge_key_env,

@@ -13,6 +13,10 @@ sits above the model: it resolves and loads the checkpoint, builds the prompts a
 
 from __future__ import annotations
 
+import shell.early  # noqa: F401  first: a Ctrl-C during the imports below is one line, exit 130
+
+# isort: split
+
 import json
 import signal
 import sys
@@ -27,7 +31,7 @@ from inference.engine import Engine, GenerateConfig, context_check
 from inference.flags import InferenceFlags, check_new_tokens, load_engine, open_model
 from inference.questions import answer_file, answered_lines, read_questions
 from shell import cli
-from shell.cli import SEEDS, command, log, one_line
+from shell.cli import SEEDS, command, interrupt_handled, log, one_line
 from shell.devices import peak_memory_gib, resolve_device
 from shell.flags import Command, dispatch, flag
 
@@ -110,6 +114,8 @@ def respond(args: GenerateFlags) -> int:
     done = (
         answered_lines(Path(args.out), rows, Path(args.batch)) if args.batch and args.out else set()
     )
+    # a missing or bad image fails before the model is fetched (a download of gigabytes, or offline never)
+    opened = [open_rgb(path) for path in images]
     # tiles and tokens as the model sees them, and its own tokenizer
     folder, mcfg, tok = open_model(args)
     check_new_tokens(args.max_new_tokens, mcfg)
@@ -126,7 +132,6 @@ def respond(args: GenerateFlags) -> int:
         if images
         else {}
     )
-    opened = [open_rgb(path) for path in images]  # bad images fail before the weights load
     num_tiles = [tile_count(img, **tiling) for img in opened]
     t0 = time.perf_counter()
     prompt = None
@@ -292,6 +297,7 @@ def chat_session(engine, tok, pixel_values, num_tiles, cfg, args) -> int:
         except Interrupted as e:
             if e.code != 128 + signal.SIGINT:  # SIGTERM: the session ends
                 raise
+            interrupt_handled()  # answered here: the session's end is not an interrupt's
             print("interrupted: answer stopped (the conversation goes on)", file=sys.stderr)
             history.append((question, e.text))
 

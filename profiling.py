@@ -14,6 +14,10 @@ pixel_values) per Pv:Pl, configurations interleaved across repeats.
 
 from __future__ import annotations
 
+import shell.early  # noqa: F401  first: a Ctrl-C during the imports below is one line, exit 130
+
+# isort: split
+
 import argparse
 import hashlib
 import json
@@ -24,6 +28,7 @@ from pathlib import Path
 import torch
 
 from config import PRESETS, ParConfig, ParVLConfig
+from data.processor import MAX_TILES
 from evaluation.flops import ARCHS, BRANCHES, Workload, build_config, profile_params
 from evaluation.latency import (
     paper_layout,
@@ -42,6 +47,9 @@ from shell.cli import SEEDS, command, pyplot
 from shell.devices import resolve_device, resolve_dtype
 from shell.flags import Command, dispatch, flag, reuse_flag
 from shell.outputs import check_file_out, make_folder
+
+# tiles per sample: generate.py's most (--max-tiles, InternVL's 64) and a thumbnail beside them; 0: text only
+TILES = f"[0, {MAX_TILES + 1}]"
 
 
 def print_table(rows: list[dict]) -> None:
@@ -205,7 +213,7 @@ class ParamsConfig(BranchFlags):
     arch: str = flag("1b", "model size preset", choices=sorted(ARCHS))
     all: bool = flag(False, "all nine Pv:Pl in {1,2,4}^2 for --arch")
     json: bool = flag(False, "one JSON object per configuration and line")
-    tiles: int = flag(3, "448 px image tiles, 256 tokens each", range="[0, inf)")
+    tiles: int = flag(3, "448 px image tiles, 256 tokens each", range=TILES)
     text_tokens: int = flag(256, "prompt text tokens", range="[0, inf)")
     response_tokens: int = flag(
         128, "response tokens, scored in the same forward pass", range="[0, inf)"
@@ -230,7 +238,7 @@ class Timed(DeviceFlags):
     """The flags of the timed subcommands (latency, forward), which set their own defaults."""
 
     arch: str = flag("1b", "size preset, random weights", choices=sorted(ARCHS))
-    tiles: int = flag(3, "448 px tiles per sample, 256 tokens each", range="[0, inf)")
+    tiles: int = flag(3, "448 px tiles per sample, 256 tokens each", range=TILES)
     text_tokens: int = flag(256, "non-image tokens per sample", range="[0, inf)")
     warmup: int = flag(3, "untimed calls before the timed ones", range="[0, inf)")
     seed: int = flag(0, "weights and inputs", range=SEEDS)
@@ -299,7 +307,7 @@ class LatencyConfig(BranchFlags, Timed):
 @dataclass
 class ForwardConfig(Timed):
     arch: str = flag("mid", "size preset, random weights", choices=sorted(ARCHS))
-    tiles: int = flag(1, "448 px tiles per sample, 256 tokens each", range="[0, inf)")
+    tiles: int = flag(1, "448 px tiles per sample, 256 tokens each", range=TILES)
     text_tokens: int = flag(128, "non-image tokens per sample", range="[0, inf)")
     warmup: int = flag(1, "untimed calls before the timed ones", range="[0, inf)")
     configs: list[tuple] = flag(

@@ -19,6 +19,10 @@ Shape legend: aggregate.py's (B samples, Cv ViT width, C LLM width).
 
 from __future__ import annotations
 
+import shell.early  # noqa: F401  first: a Ctrl-C during the imports below is one line, exit 130
+
+# isort: split
+
 import hashlib
 import json
 import math
@@ -86,7 +90,8 @@ class TrainRouterConfig(RouterInputs):
         required=True,
         writes=(*ROUTER_FILES, *TRACKER_FILES),
     )
-    hidden: int = flag(256, "gate hidden width", range="[1, inf)")
+    # bounded: the gates' memory grows with it, and 10**7 took 24 GB until the kernel killed the process
+    hidden: int = flag(256, "gate hidden width", range="[1, 65536]")
     tau: float = flag(0.1, "teacher temperature of Eq. E1", range="(0, inf)")
     lr: float = flag(3e-4, "peak AdamW learning rate", range="(0, inf)")
     weight_decay: float = flag(0.0, "AdamW weight decay", range="[0, inf)", shown="0.0")
@@ -108,6 +113,15 @@ class TrainRouterConfig(RouterInputs):
     overwrite: bool = flag(
         False, "replace the router already in --out (its stale eval.json goes too)"
     )
+
+    def check(self) -> None:
+        """AdamW scales every weight by 1 - lr x weight decay a step: above 1 it flips and grows them."""
+        if self.lr * self.weight_decay > 1:
+            raise ValueError(
+                f"--weight-decay {self.weight_decay:g} at --lr {self.lr:g}: AdamW scales each weight by "
+                f"1 - lr x weight decay = {1 - self.lr * self.weight_decay:.3g} a step; keep lr x weight "
+                f"decay at most 1"
+            )
 
 
 @dataclass
@@ -146,8 +160,9 @@ def train(cfg: TrainRouterConfig) -> int:
     held = [name for name in ROUTER_FILES if (out / name).exists()]
     check_folder(out, "--out")
     if held and not cfg.overwrite:  # one folder, one run (as train.py's run folders)
+        what = "a router" if "router.safetensors" in held else "a router run that saved no router"
         raise RouterError(
-            f"--out {out} already holds a router ({', '.join(held)}): pass --overwrite to replace it, "
+            f"--out {out} already holds {what} ({', '.join(held)}): pass --overwrite to replace it, "
             f"or pick another --out"
         )
     tracker = Tracker(cfg.tracker, out)  # a missing package is one line before the model loads
@@ -205,7 +220,21 @@ def train(cfg: TrainRouterConfig) -> int:
         allocation(sizes + f", --global-batch {cfg.global_batch}", "--hidden or --global-batch"),
     ):
         fit(router, optim, sched, t, stream, cfg, rcfg, tracker)
+    check_finite(router, t, cfg)
     return save(router, model, frozen, meta, cfg)
+
+
+def check_finite(router: Router, t: dict, cfg: TrainRouterConfig) -> None:
+    """Nothing saved that is not finite: the gates' logits on the first samples after the last update (`fit`
+    checks before each update); weights near 1e30 are finite, their logits not, and always picked pair [0, 0]."""
+    k = min(len(t["rows"]), cfg.global_batch)
+    with torch.no_grad():
+        logits = router(t["image"][:k], t["text"][:k], t["connector"][:k], t["has_image"][:k])[:2]
+    if not all(bool(torch.isfinite(x).all()) for x in logits):
+        raise ValueError(
+            f"step {cfg.steps}: after the last update the router's logits are not finite (--lr {cfg.lr:g}, "
+            f"--weight-decay {cfg.weight_decay:g}); nothing saved as the router: lower --lr"
+        )
 
 
 def fit(

@@ -30,11 +30,16 @@ interrupt, a failure or a change of flags the same command goes on where it must
 
 from __future__ import annotations
 
+import shell.early  # noqa: F401  first: a Ctrl-C during the imports below is one line, exit 130
+
+# isort: split
+
 import shlex
 import sys
 from pathlib import Path
 
 from data.subsample import SubsampleConfig, subsample
+from evaluation.judge import prompt_file
 from evaluation.study_config import GLOBAL_BATCH, Piece, StudyConfig, pairs_of, train_flag
 from evaluation.study_cost import gpu_hours, piece_flops, samples
 from evaluation.study_plan import pieces
@@ -68,10 +73,24 @@ def check_inputs(c: StudyConfig) -> None:
     for path, what in files:
         if path and not Path(path).is_file():
             raise ValueError(f"{what} {path}: no such file (a meta JSON)")
+    check_vlmevalkit(c)
     if missing := [b for b in c.benchmarks if not (Path(c.tsv) / f"{b}.tsv").is_file()]:
         raise ValueError(
             f"--tsv {c.tsv}: no {', '.join(f'{b}.tsv' for b in missing)} there (VLMEvalKit's TSV of "
             f"each of --benchmarks)"
+        )
+
+
+def check_vlmevalkit(c: StudyConfig) -> None:
+    """--vlmevalkit must be a VLMEvalKit checkout: the file each judged benchmark's prompts come from is there
+    (checked at --plan too, where the folder exists: found after the training, it failed the first score)."""
+    if not c.judge_url or not c.vlmevalkit:
+        return
+    files = {prompt_file(Path(c.vlmevalkit), b) for b in c.benchmarks} - {None}
+    if missing := sorted(str(f) for f in files if not f.is_file()):
+        raise ValueError(
+            f"--vlmevalkit {c.vlmevalkit}: not a VLMEvalKit checkout (no {', '.join(missing)}); give the "
+            f"folder of git clone https://github.com/open-compass/VLMEvalKit"
         )
 
 
@@ -86,19 +105,8 @@ def run_piece(c: StudyConfig, plan: Plan, p: Piece, head: str) -> None:
     """One piece, decided now (what came before it in this call has run): skipped, recorded, or run (what it made
     before moved aside first when it is made again), then recorded."""
     status, why = plan.status(p)
-    if status in ("done", "adopt"):
-        if status == "adopt":
-            plan.save(p)
-        log(
-            f"{head}: done ({p.done}"
-            + (
-                "; made before study.py recorded its pieces: recorded now"
-                if status == "adopt"
-                else ""
-            )
-            + ")",
-            sys.stdout,
-        )
+    if status == "done":
+        log(f"{head}: done ({p.done})", sys.stdout)
         return
     if status == "redo":
         log(
@@ -113,7 +121,10 @@ def run_piece(c: StudyConfig, plan: Plan, p: Piece, head: str) -> None:
     for o in p.outputs:  # the folders a command writes its files into (score --out needs it)
         o.parent.mkdir(parents=True, exist_ok=True)
     cmd = launch(c, p)
-    log(f"{head}: {shlex.join(cmd)}" + (f" > {p.stdout}" if p.stdout else ""), sys.stdout)
+    log(
+        f"{head}: {shlex.join(cmd)}" + (f" > {shlex.quote(str(p.stdout))}" if p.stdout else ""),
+        sys.stdout,
+    )
     if (code := execute(cmd, p.stdout)) != 0:
         raise ValueError(
             f"{p.name} failed (exit {code}; its own line above); the same study.py command resumes from "
@@ -182,10 +193,11 @@ def hours(h: float) -> str:
 def print_plan(c: StudyConfig, todo: list[Piece], statuses: list[tuple[str, str | None]]) -> None:
     flops = prices(c, todo)
     for k, (p, (status, why), f) in enumerate(zip(todo, statuses, flops), 1):
-        head, redirect = f"[{k}/{len(todo)}] {p.name}", f" > {p.stdout}" if p.stdout else ""
+        # quoted as every path of the command line is: a target with spaces is one word
+        head = f"[{k}/{len(todo)}] {p.name}"
+        redirect = f" > {shlex.quote(str(p.stdout))}" if p.stdout else ""
         line = {
             "done": f"done ({p.done})",
-            "adopt": f"done ({p.done}; to be recorded)",
             "after": f"done; made again if what {why} leaves changes",
             "run": f"would run {shlex.join(launch(c, p))}{redirect}",
             "redo": f"would be made again ({why}): {shlex.join(launch(c, p))}{redirect}",
@@ -207,6 +219,8 @@ def study(c: StudyConfig) -> int:
     if not c.plan:
         check_inputs(c)
     check_router_step(c)
+    if c.plan and c.vlmevalkit and Path(c.vlmevalkit).exists():
+        check_vlmevalkit(c)  # a plan checks no missing input, but a wrong one
     todo = pieces(c)
     plan = Plan(c, todo)
     # a refused change: before anything runs
@@ -226,6 +240,8 @@ COMMANDS = {
     None: Command(
         StudyConfig,
         study,
+        # one study per OUT, held for the whole call (a second is refused before its first piece); --plan writes none
+        writes=lambda c: None if c.plan else Path(c.out),
         interrupted=lambda c: "the finished pieces stay; the same command resumes",
     ),
     "subsample": Command(
@@ -233,6 +249,7 @@ COMMANDS = {
         subsample,
         "the study's first piece: a seeded subsample of an SFT collection, its composition "
         "printed as Table S1 (--mixture: stratified)",
+        writes=lambda c: Path(c.out),
         interrupted=lambda c: "meta.json is written last: the same command draws again",
     ),
     "report": Command(

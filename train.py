@@ -30,6 +30,10 @@ SIGINT / SIGTERM (the current step is abandoned, complete checkpoints stay).
 
 from __future__ import annotations
 
+import shell.early  # noqa: F401  first: a Ctrl-C during the imports below is one line, exit 130
+
+# isort: split
+
 import json
 import shutil
 import sys
@@ -476,6 +480,8 @@ COMMANDS = {
         export_step,
         "write the ParVL checkpoint of a kept training step, in the layout "
         "of the run's final export (RUN/export), for generate.py, evaluate.py and router.py",
+        # one writer: two exports into one new folder both passed its empty-folder check
+        writes=lambda e: Path(e.out or Path(e.run) / f"export_step_{e.step}"),
         interrupted=lambda e: "the export was abandoned; run it again",
     ),
 }

@@ -302,8 +302,14 @@ def gguf_name(key: str) -> str:
 
 
 def write_gguf(model: ParVL, path: Path, kind: str) -> None:
-    """The language model's weights as a qwen3 GGUF: F32, or BF16 matrices with F32 norms."""
-    import gguf
+    """The language model's weights as a qwen3 GGUF: F32, or BF16 matrices with F32 norms. The `gguf` package
+    is this benchmark's alone: without it, llama.cpp's side is skipped with how to install it."""
+    try:
+        import gguf
+    except ImportError:
+        raise Skip(
+            "the gguf package is not installed (pip install gguf), which writes llama.cpp's files"
+        ) from None
 
     c = model.cfg.llm
     w = gguf.GGUFWriter(str(path), "qwen3")

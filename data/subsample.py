@@ -285,9 +285,20 @@ def subsample(cfg: SubsampleConfig) -> int:
     (the study's mark that the piece is done)."""
     out = Path(cfg.out)
     check_folder(out, "--out")
+    # a meta.json this command did not write (no subsample.json beside it) is someone's data: never replaced
+    if (out / "meta.json").exists() and not (out / "subsample.json").is_file():
+        raise ValueError(
+            f"--out {out}: holds a meta.json that study.py subsample did not write (no subsample.json "
+            f"beside it); pick another --out"
+        )
     datasets = collection(Path(cfg.data))
     shares = parse_mixture(cfg.mixture) if cfg.mixture else None
     counts = draw(datasets, cfg.fraction, shares, cfg.seed)
+    if not sum(counts.values()):
+        raise ValueError(
+            f"--fraction {cfg.fraction}: draws 0 of the {sum(d['rows'] for d in datasets)} rows of "
+            f"{cfg.data}; raise --fraction"
+        )
     out.mkdir(parents=True, exist_ok=True)
     meta, summary = (
         {},

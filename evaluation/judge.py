@@ -45,9 +45,19 @@ def judge_flags_problem(
     if not url:
         given = [f for f, v in (("--judge-model", model), ("--vlmevalkit", vlmevalkit)) if v]
         return f"{given[0]} is the answer extractor's and needs --judge-url" if given else None
+    # a pasted URL with a space or a line break: http.client would raise it as a traceback
+    if any(c.isspace() or ord(c) < 32 for c in url):
+        return (
+            f"--judge-url {shown(url)!r}: holds a space or a control character; give the URL alone"
+        )
     parts = urllib.parse.urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        return f"--judge-url {url!r}: not an http(s) URL (an OpenAI-compatible base URL, as http://127.0.0.1:8000/v1)"
+        return f"--judge-url {shown(url)!r}: not an http(s) URL (an OpenAI-compatible base URL, as http://127.0.0.1:8000/v1)"
+    if parts.username is not None or parts.password is not None:  # never printed, never sent
+        return (
+            f"--judge-url {shown(url)!r}: carries a user name or password; give the URL without them and "
+            f"the key in --judge-key-env's variable"
+        )
     if not model:
         return f"--judge-url needs --judge-model, the model name sent to it (the paper's: {PAPER_JUDGE})"
     if not vlmevalkit:
@@ -55,6 +65,88 @@ def judge_flags_problem(
     if not key_env or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key_env):
         return f"--judge-key-env {key_env!r}: not the name of an environment variable"
     return None
+
+
+def shown(url: str) -> str:
+    """A URL as a message may print it: a user name or password in it replaced by ***."""
+    parts = urllib.parse.urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urllib.parse.urlunsplit(parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[1]))
+
+
+# the VLMEvalKit file each judged benchmark's prompts are read from (vlmeval/dataset/utils/): inputs of its score
+PROMPT_FILES = {
+    "MMMU_DEV_VAL": "multiple_choice.py",
+    "WeMath": "multiple_choice.py",
+    "MathVista_MINI": "mathvista.py",
+    "MathVision_MINI": "mathv.py",
+    "LogicVista": "logicvista.py",
+}
+
+
+def prompt_file(vlmevalkit: Path, benchmark: str) -> Path | None:
+    """The VLMEvalKit source the answer extractor's prompts for `benchmark` come from (None: not judged); a
+    study makes a score again when it changes."""
+    name = PROMPT_FILES.get(benchmark)
+    return Path(vlmevalkit) / JUDGE_READS[0] / name if name else None
+
+
+def load_cache(path: Path) -> dict[str, str]:
+    """The reply cache, as an output is read back: a link at its path is refused (never followed, nor appended
+    through); a last line torn by a kill mid-append is cut off the file (its request is asked again) rather than
+    appended onto; an entry whose reply is not text (null, a list, NaN) is dropped and asked again."""
+    if path.is_symlink():
+        raise DataError(
+            f"{path}: a link to {os.readlink(path)}, not the reply cache; remove it (the cache is never "
+            f"written through a link)"
+        )
+    if path.exists():
+        data = regular_file(path).read_bytes()  # a FIFO would block the read
+        if data and not data.endswith(b"\n"):
+            with open(path, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+    return {
+        c["key"]: c["reply"]
+        for c in read_jsonl(path)
+        if isinstance(c, dict) and isinstance(c.get("key"), str) and isinstance(c.get("reply"), str)
+    }
+
+
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    """No redirect is followed: urllib would send the Authorization header (the API key) on to whatever origin
+    the endpoint names, and turn the POST into a GET. The 3xx comes back as an HTTPError, said in one line."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+OPENER = urllib.request.build_opener(NoRedirect)
+
+
+def http_error(url: str, e: urllib.error.HTTPError) -> str:
+    """An HTTP error reply in one line: a redirect with where it points (not followed), else the provider's
+    own message when its body carries one ({"error": {"message": ...}})."""
+    if 300 <= e.code < 400:
+        where = urllib.parse.urlsplit(e.headers.get("Location") or "")
+        return (
+            f"judge {shown(url)}: redirected (HTTP {e.code}) to {where.scheme}://{where.hostname}, not "
+            f"followed (the API key would go with it); give the endpoint's own URL as --judge-url"
+        )
+    try:
+        said = error_text(json.loads(e.read(MAX_REPLY)))
+    except (OSError, ValueError, RecursionError):
+        said = None
+    return f"judge {shown(url)}: HTTP {e.code} {e.reason}" + (f": {said}" if said else "")
+
+
+def error_text(reply) -> str | None:
+    """The provider's message in an OpenAI-style error body ({"error": {"message": ...}} or {"error": "..."}),
+    or None for a body that is no error."""
+    if not isinstance(reply, dict) or "error" not in reply:
+        return None
+    err = reply["error"]
+    return " ".join(str(err.get("message", err) if isinstance(err, dict) else err).split())[:300]
 
 
 def upstream_strings(path: Path, function: str) -> dict[str, str]:
@@ -105,7 +197,7 @@ def post(url: str, body: dict, seconds: float | None = None, headers: dict | Non
 
     def fetch() -> None:
         try:
-            with urllib.request.urlopen(req, timeout=seconds) as r:
+            with OPENER.open(req, timeout=seconds) as r:
                 got["reply"] = r.read(MAX_REPLY + 1)  # no more than that is read, nor cached
         except Exception as e:  # handed to the waiting thread, which raises it
             got["error"] = e
@@ -136,9 +228,9 @@ class Judge:
         self.url, self.model, self.cache_path = url.rstrip("/"), model, cache
         # unset or empty: no key sent (a local server needs none)
         self.key = os.environ.get(key_env) or None
-        self.cache = {c["key"]: c["reply"] for c in read_jsonl(cache)}
+        self.cache = load_cache(cache)
         self.calls, self.benchmark = 0, benchmark
-        utils = Path(vlmevalkit) / JUDGE_READS[0]
+        utils = Path(vlmevalkit) / JUDGE_READS[0]  # prompt_file's
         if benchmark in ("MMMU_DEV_VAL", "WeMath"):  # multiple_choice.py extract_answer_from_item
             name = "build_prompt_wemath" if benchmark == "WeMath" else "build_prompt"
             self.mcq = upstream_strings(utils / "multiple_choice.py", name)
@@ -181,10 +273,24 @@ class Judge:
                 reply = post(self.url + "/chat/completions", body, headers=headers)
                 if len(reply) > MAX_REPLY:
                     raise DataError(
-                        f"judge {self.url}: a reply of more than {MAX_REPLY:,} bytes, where an answer "
+                        f"judge {shown(self.url)}: a reply of more than {MAX_REPLY:,} bytes, where an answer "
                         f"is a few; is --judge-url a chat completions endpoint? nothing of it cached"
                     )
-                reply = json.loads(reply)["choices"][0]["message"]["content"]
+                reply = json.loads(reply)
+                if (
+                    said := error_text(reply)
+                ) is not None:  # a 200 that carries the provider's error
+                    raise DataError(
+                        f"judge {shown(self.url)}: the endpoint answered with an error: {said}"
+                    )
+                reply = reply["choices"][0]["message"]["content"]
+                if not isinstance(reply, str):  # null, a list, NaN: no answer, and nothing cached
+                    raise DataError(
+                        f"judge {shown(self.url)}: a reply whose content is {json.dumps(reply)[:60]}, not "
+                        f"text; nothing of it cached"
+                    )
+            except urllib.error.HTTPError as e:
+                raise DataError(http_error(self.url, e)) from None
             except (
                 urllib.error.URLError,
                 OSError,
@@ -193,14 +299,19 @@ class Judge:
                 TypeError,
                 json.JSONDecodeError,
             ) as e:
-                raise DataError(f"judge {self.url}: request failed: {e}") from None
+                raise DataError(f"judge {shown(self.url)}: request failed: {e}") from None
             except RecursionError:  # Python's JSON reader recurses once per level
                 raise DataError(
-                    f"judge {self.url}: the reply is nested deeper than Python's JSON reader goes"
+                    f"judge {shown(self.url)}: the reply is nested deeper than Python's JSON reader goes"
                 ) from None
             self.cache[key], self.calls = reply, self.calls + 1
-            with open(self.cache_path, "a", encoding="utf-8") as f:
-                f.write(json.dumps({"key": key, "reply": reply}, ensure_ascii=False) + "\n")
+            line = json.dumps({"key": key, "reply": reply}, ensure_ascii=False) + "\n"
+            # O_NOFOLLOW: a link planted at the path since load_cache is refused, not appended through
+            fd = os.open(
+                self.cache_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644
+            )
+            with open(fd, "a", encoding="utf-8") as f:
+                f.write(line)
         return self.cache[key]
 
     def __call__(self, kind: str, row: dict, prediction: str):

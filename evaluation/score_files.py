@@ -56,6 +56,7 @@ class Scores:
     steps: dict = field(default_factory=dict)
     judges: dict = field(default_factory=dict)
     quants: dict = field(default_factory=dict)
+    dtypes: dict = field(default_factory=dict)
 
 
 def read_record(name: str, is_reference: bool) -> dict:
@@ -112,6 +113,7 @@ def read_record(name: str, is_reference: bool) -> dict:
         "judge": s.get("judge_model"),
         "reference": is_reference,
         "quant": s.get("quant"),
+        "dtype": s.get("dtype"),
     }
 
 
@@ -158,6 +160,8 @@ def read_scores(files: list[str], reference: list[str] = ()) -> Scores:
         if r["bench"] in JUDGED:
             s.judges.setdefault(r["judge"], r["file"])
         s.quants.setdefault(r["quant"], r["file"])
+        if r["dtype"] is not None:  # a score file from before the predictions recorded it: unknown
+            s.dtypes.setdefault(r["dtype"], r["file"])
         into, key = getattr(s, r["into"]), r["row"]
         s.models[key] = r["checkpoint"]
         if r["bench"] in into.setdefault(key, {}):
@@ -186,7 +190,17 @@ def shared_answer_extractor(scales: list[tuple[str, Scores]]) -> str | None:
 def shared_weight_format(scales: list[tuple[str, Scores]]) -> str | None:
     """The weights' format of every score (--quant of evaluate.py run; None: the checkpoint's own weights); a
     report mixing formats is refused, as one mixing answer extractors: a row of quantized weights beside
-    full-precision ones would put the quantization's error into the comparison of configurations."""
+    full-precision ones would put the quantization's error into the comparison of configurations. So is one
+    mixing dtypes (--dtype: fp32 beside bf16), which no row of the tables shows."""
+    dtypes = {d: f for _, s in scales for d, f in s.dtypes.items()}
+    if (
+        len(dtypes) > 1
+    ):  # fp32 beside bf16 is a precision's difference too, as quantized beside full
+        (a, fa), (b, fb) = list(dtypes.items())[:2]
+        raise DataError(
+            f"{fb} was predicted in {b}, {fa} in {a}: one report, one precision; run them again alike "
+            f"(evaluate.py run --dtype ...)"
+        )
     quants = {q: f for _, s in scales for q, f in s.quants.items()}
     if len(quants) > 1:
         (a, fa), (b, fb) = list(quants.items())[:2]

@@ -4,10 +4,12 @@ study evaluates)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from data.subsample import PAPER_MIXTURE, parse_mixture
 from evaluation.flops import ARCHS
@@ -286,8 +288,14 @@ def flag_problem(c: StudyConfig) -> str | None:
         return f"--scale-model: each scale once, and not --arch {c.arch} (--model's)"
     if unknown := [s for s, _ in refs if s != c.arch and s not in dict(scales)]:
         return f"--reference-model {unknown[0]}=...: no such scale (--arch {c.arch}, or a --scale-model's)"
-    return router_step_problem(c) or judge_flags_problem(
-        c.judge_url, c.judge_model, c.vlmevalkit, c.judge_key_env
+    if twice := next((f"{s}={d}" for k, (s, d) in enumerate(refs) if (s, d) in refs[:k]), None):
+        return (
+            f"--reference-model {twice}: given twice (each reference model is one row of Table 1)"
+        )
+    return (
+        router_step_problem(c)
+        or judge_flags_problem(c.judge_url, c.judge_model, c.vlmevalkit, c.judge_key_env)
+        or plan_problem(c)
     )
 
 
@@ -326,6 +334,36 @@ def router_step_problem(c: StudyConfig) -> str | None:
         return (
             f"--router-step {c.router_step}: train.py saves every {every} steps (--save-every), so step "
             f"{c.router_step} is never written; choose a multiple of {every}"
+        )
+    return None
+
+
+def plan_problem(c: StudyConfig) -> str | None:
+    """What --plan can know before the training and no other check says: a router allocation with one pair (nothing
+    to route), flags the chosen launcher never reads, and the answer extractor's key variable unset for an endpoint
+    off this machine (it would fail at the first score, after all the training)."""
+    pv, pl = (int(x) for x in c.router_allocation.split(":"))
+    if pv * pl < 2:
+        return (
+            f"--router-allocation {c.router_allocation}: one branch pair, nothing for a router to choose; "
+            f"pick one of Pv x Pl >= 2 (the paper's 4:4)"
+        )
+    defaults = {f.name: f.default for f in fields(StudyConfig)}
+    unread = {"local": ("nodes", "gpus_per_node", "slurm_flags"), "slurm": ("nproc_per_node",)}[
+        c.launcher
+    ]
+    if ignored := [n for n in unread if getattr(c, n) != defaults[n]]:
+        flag_ = "--" + ignored[0].replace("_", "-")
+        return f"{flag_}: --launcher {c.launcher} never reads it; drop it, or pick the launcher that does"
+    host = urlsplit(c.judge_url).hostname if c.judge_url else None
+    if (
+        host
+        and host not in ("localhost", "127.0.0.1", "::1")
+        and not os.environ.get(c.judge_key_env)
+    ):
+        return (
+            f"--judge-key-env {c.judge_key_env}: not set, and --judge-url's {host} is not this machine; "
+            f"export the key in it before the study (its scores come after the training)"
         )
     return None
 

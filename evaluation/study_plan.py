@@ -23,6 +23,7 @@ import json
 import re
 from pathlib import Path
 
+from evaluation.judge import prompt_file
 from evaluation.study_config import (
     Model,
     Piece,
@@ -195,6 +196,7 @@ def benchmark_pieces(c: StudyConfig, m: Model) -> list[Piece]:
             out / "score" / m.name / f"{b}.json",
             tsv / f"{b}.tsv",
         )
+        prompt = prompt_file(Path(c.vlmevalkit), b) if c.vlmevalkit else None
         todo.append(
             Piece(
                 f"run {m.name} {b}",
@@ -246,7 +248,9 @@ def benchmark_pieces(c: StudyConfig, m: Model) -> list[Piece]:
                     "--vlmevalkit": c.vlmevalkit,
                     "--judge-key-env": c.judge_key_env,
                 },
-                inputs={"--tsv": data, "predictions": pred},
+                # the prompts the answer extractor is sent: a changed prompt file makes the score again
+                inputs={"--tsv": data, "predictions": pred}
+                | ({"--vlmevalkit's prompts": prompt} if c.judge_url and prompt else {}),
             )
         )
     return todo

@@ -11,9 +11,14 @@ its size and modification time, a folder by its files'). On a later call a piece
     runs, and so does every piece after it that reads what it leaves;
   - refused: a trained run whose record differs (another --model, --train-flags, data): a run is not retrained
     in place, so the study stops before running anything, in one line naming the flag (exit 2) or the file
-    (exit 1);
-  - taken as done: it left its file before study.py recorded its pieces (an older study); recorded now.
+    (exit 1).
+A file without its record (a partial copy, a clean-up of OUT/made/, a --out that already held a meta.json) is
+never taken as made here with these settings: it is made again like a changed piece (moved aside first), and a
+trained run is refused in one line (restore its record, or remove the run to train it again).
 A piece that reads what an earlier piece of this call will make is decided when it is reached.
+
+A record names the study's own files relative to OUT ("$OUT/runs/2x2") and every other path resolved: the same
+study resumes under another spelling of its --out (st1, ./st1, /abs/st1) or from another disk it was moved to.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class Plan:
 
     def __init__(self, c: StudyConfig, todo: list[Piece]):
         self.out, self.prints = Path(c.out), Fingerprints()
+        self.home = self.out.resolve()  # where the study lives, whatever --out's spelling
         self.producer = {str(o): p for p in todo for o in p.outputs}
         self.pending: set[str] = set()  # while planning: the pieces this call will run
         self.changing: dict[
@@ -99,11 +105,40 @@ class Plan:
         )
 
     def record(self, p: Piece) -> dict:
+        return self.comparable(
+            {
+                "argv": p.argv,
+                "flags": p.flags,
+                "inputs": {str(path): self.prints.of(path) for path in p.inputs.values()},
+            }
+        )
+
+    def comparable(self, record: dict) -> dict:
+        """A record with its paths portable: the command line, the flags, the inputs' names (not their
+        fingerprints)."""
         return {
-            "argv": p.argv,
-            "flags": p.flags,
-            "inputs": {str(path): self.prints.of(path) for path in p.inputs.values()},
+            "argv": self.portable(record["argv"]),
+            "flags": self.portable(record["flags"]),
+            "inputs": {self.portable(k): v for k, v in record["inputs"].items()},
         }
+
+    def portable(self, value):
+        """A record's paths as they compare: under OUT relative to it ("$OUT/data/meta.json"), any other path
+        that exists resolved (a relative --model and its absolute spelling are one); every other string as it is.
+        Applied to a record read back too, so a record written before this spelling compares alike."""
+        if isinstance(value, dict):
+            return {k: self.portable(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self.portable(v) for v in value]
+        if not isinstance(value, str) or not value or value.startswith(("-", "$OUT")):
+            return value
+        where = Path(value).resolve()
+        if where == self.home or self.home in where.parents:
+            return "/".join(["$OUT", *where.relative_to(self.home).parts])
+        return str(where) if where.exists() else value
+
+    def key(self, path: Path) -> str:
+        return self.portable(str(path))
 
     def why(self, p: Piece, old: dict, new: dict) -> tuple[str, bool] | None:
         """What changed since p was made, and whether it is a flag; None for nothing."""
@@ -114,12 +149,12 @@ class Plan:
                     True,
                 )
         for label, path in p.inputs.items():
-            if old["inputs"].get(str(path)) != new["inputs"][str(path)]:
+            if old["inputs"].get(self.key(path)) != new["inputs"][self.key(path)]:
                 maker = self.produced_by(path)
                 return (
                     f"what {maker.name} leaves ({path}) changed"
                     if maker
-                    else f"its {label} {path} changed ({old['inputs'].get(str(path))} then)"
+                    else f"its {label} {path} changed ({old['inputs'].get(self.key(path))} then)"
                 ), False
         return (
             ("its command line changed (another study.py)", False)
@@ -128,7 +163,7 @@ class Plan:
         )
 
     def status(self, p: Piece, planning: bool = False) -> tuple[str, str | None]:
-        """("done" | "run" | "redo" | "adopt" | "after", why); a refused change raises. planning: the pieces
+        """("done" | "run" | "redo" | "after", why); a refused change raises. planning: the pieces
         before p that this call runs have not run yet, so a finished piece reading what one of them makes is
         decided when it is reached ("after" it); a trained run after a piece made again is refused now."""
         upstream = [m for m in map(self.produced_by, p.inputs.values()) if m is not None]
@@ -158,9 +193,16 @@ class Plan:
         """p's status from its file and record as they are now."""
         if not p.done.exists():
             return "run", None
+        # no record: made elsewhere, or with other settings; nothing vouches for the file
         if not self.made(p).is_file():
-            return "adopt", None
-        old, new = json.loads(self.made(p).read_text()), self.record(p)
+            if p.refuse_change:
+                raise ValueError(
+                    f"{p.name}: {p.done} is there but not its record {self.made(p)}, so nothing says it was "
+                    f"made with these flags; restore the record (it was copied or cleaned away), or remove "
+                    f"{p.resume or p.outputs[0]} to train it again"
+                )
+            return "redo", f"{p.done} is there without its record {self.made(p)}"
+        old, new = self.comparable(self.read_record(p)), self.record(p)
         if (why := self.why(p, old, new)) is None:
             return "done", None
         if p.refuse_change:
@@ -168,6 +210,22 @@ class Plan:
                 f"{p.name} was made with {why[0]}; {self.refusal(p)}"
             )
         return "redo", why[0]
+
+    def read_record(self, p: Piece) -> dict:
+        """p's record as saved; one that is not a record (torn, edited) is one line naming it."""
+        try:
+            old, why = json.loads(self.made(p).read_text()), "no argv, flags and inputs"
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+            old, why = None, f"not JSON: {e}"
+        kinds = {"argv": list, "flags": dict, "inputs": dict}
+        if not isinstance(old, dict) or any(
+            not isinstance(old.get(k), t) for k, t in kinds.items()
+        ):
+            raise ValueError(
+                f"{self.made(p)}: not a record study.py wrote ({why}); restore it from a copy, or remove it "
+                f"and {p.outputs[0]} to make {p.name} again"
+            )
+        return old
 
     def refusal(self, p: Piece) -> str:
         return (

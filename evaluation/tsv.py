@@ -55,16 +55,21 @@ def tsv_lines(path) -> Iterator[tuple[list[str], dict]]:
     unresolved. The header and every row's cell count are checked as pandas reads them."""
     csv.field_size_limit(sys.maxsize)  # base64 images are far longer than csv's default limit
     regular_file(path)  # a FIFO would block the read
+    read = 0  # the line the last whole row ended on
     try:
         with open(
             path, newline="", encoding="utf-8-sig"
         ) as f:  # -sig: a byte-order mark is not a column name
-            reader = csv.reader(f, delimiter="\t")
+            # strict: a quote opened and never closed (a torn file) is an error, not the rest of the file in
+            # one cell, which left every later row short of its image ("no row has an image")
+            reader = csv.reader(f, delimiter="\t", strict=True)
             header = next(reader, None)
             if header is None:
                 raise DataError(f"{path}: empty file")
             yield header, None
+            read = reader.line_num
             for line in reader:
+                read = reader.line_num
                 if not line:
                     continue
                 # pandas: "Expected N fields in line L, saw M"; never a shifted row
@@ -76,7 +81,12 @@ def tsv_lines(path) -> Iterator[tuple[list[str], dict]]:
                 # a short row: its last cells missing, as pandas reads it
                 line += [""] * (len(header) - len(line))
                 yield header, {k: (None if v in PANDAS_NA else v) for k, v in zip(header, line)}
-    except (OSError, UnicodeDecodeError, csv.Error) as e:
+    except csv.Error as e:
+        raise DataError(
+            f"{path}: cannot read TSV: {e} (a quoted cell of line {read + 1} never closes: is the file cut "
+            f"short?)"
+        ) from None
+    except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read TSV: {e}") from None
 
 
@@ -112,7 +122,9 @@ class Benchmark:
         if not seen:  # nothing to run or score: not a benchmark of no rows
             raise DataError(f"{path}: a header and no rows")
         if not self.order:
-            raise DataError(f"{path}: no row has an image (VLMEvalKit leaves such rows out)")
+            raise DataError(
+                f"{path}: no row has an image (VLMEvalKit leaves such rows out)" + short_rows(path)
+            )
         for ref, first in names.items():
             if ref not in holders:
                 raise DataError(
@@ -132,6 +144,22 @@ class Benchmark:
                 if self.image and is_reference(r["image"]):
                     r["image"] = self.shared[r["image"]]
                 yield r
+
+
+def short_rows(path) -> str:
+    """Where rows lack their last cells (an image column among them), as the words that end the line of a TSV
+    with no image: a cut or hand-edited file, rather than a benchmark without images."""
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f, delimiter="\t")
+        width = len(next(reader))
+        short = [(reader.line_num, len(x)) for x in reader if x and len(x) < width]
+    if not short:
+        return ""
+    line, cells = short[0]
+    return (
+        f"; {len(short)} row(s) have fewer cells than the header's {width}, the first on line {line} "
+        f"({cells}): is the file cut short, or a tab missing?"
+    )
 
 
 def check_columns(path, header: list[str], required: tuple[str, ...]) -> None:

@@ -23,7 +23,7 @@ from data.processor import (
     tile_count,
 )
 from inference.engine import Engine, GenerateConfig, context_check
-from shell.cli import error, hms, log
+from shell.cli import check_interrupt, error, hms, log
 from shell.files import regular_file, write_text, writing
 
 
@@ -130,6 +130,7 @@ def answer_file(
                 }
                 for r, ids in zip(batch, res.tokens)
             ]
+            check_interrupt()  # answers made after a signal are never kept (cli.check_interrupt)
             with writing(out) if out else nullcontext():  # a full disk names the answers file
                 sink.write("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows_out))
                 sink.flush()
@@ -143,8 +144,11 @@ def answer_file(
                 flush=True,
             )
     finally:
-        if out:
-            sink.close()
+        if (
+            out
+        ):  # the close flushes what a failed write left buffered: its full disk names the file too
+            with writing(out):
+                sink.close()
     if (
         out and done and todo and min(r["line"] for r in todo) < max(done)
     ):  # the old file was no prefix

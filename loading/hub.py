@@ -75,10 +75,7 @@ def hub_snapshot(repo: str, revision: str | None) -> Path:
         raise CheckpointError(
             f"{repo}{pin}: {state} the hub cache, and HF_HUB_OFFLINE is set; {elsewhere}"
         )
-    try:
-        log(
-            f"downloading {repo}{pin} into {constants.HF_HUB_CACHE} (once; later runs read it there)"
-        )
+    try:  # huggingface_hub's progress bars show the download; the line after it says where it went
         folder = Path(snapshot_download(repo, **kw))
     except GatedRepoError:
         raise CheckpointError(
@@ -105,6 +102,8 @@ def hub_snapshot(repo: str, revision: str | None) -> Path:
         raise CheckpointError(
             f"{folder}: the cached {repo} is incomplete (no config.json or weights); {elsewhere}"
         )
+    # said once it is true: offline, nothing was downloaded and the error above is the only line
+    log(f"downloaded {repo}{pin} into {folder} (once; later runs read it there)")
     return folder
 
 

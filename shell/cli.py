@@ -146,6 +146,8 @@ def command(main):
     then exit_process with main's code. Its output never fails on a character its stream cannot encode
     (PYTHONIOENCODING=ascii, a C locale without UTF-8): such a character is written as a backslash escape."""
     _process["main"] = True
+    # the imports are done: shell.early's "while starting" handler gives way to Python's (the job's are shell's)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
@@ -178,6 +180,9 @@ def shell(job: Callable[[], int | None], interrupted: Callable[[], str] | None =
         with interruptible() as signals:
             try:
                 code = job() or 0
+                # a signal whose Interrupted was swallowed (raised where Python only prints it: a __del__, a
+                # callback) still ends the command as interrupted, never as done
+                check_interrupt()
                 sys.stdout.flush()  # a closed pipe shows here, not in the interpreter's exit
                 signals.armed = (
                     False  # each path disarms as its last step: a later signal raises nowhere
@@ -307,6 +312,7 @@ def interruptible():
     interrupted (command) then ignores every signal until it has exited with 130 / 143: their default action
     would end it as killed."""
     signals = Signals()
+    _current.append(signals)
 
     def on_signal(signum, frame):
         signals.received.append(signum)
@@ -318,8 +324,29 @@ def interruptible():
     try:
         yield signals
     finally:
+        _current.remove(signals)
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_IGN if signals.received and _process["main"] else handler)
+
+
+_current: list[Signals] = []  # the Signals of the interruptible blocks running now, innermost last
+
+
+def check_interrupt() -> None:
+    """Raise Interrupted if a signal has arrived in the running job (interruptible) although nothing raised it
+    where the job is: its Interrupted was raised where Python only prints an exception and goes on (a
+    __del__, a weakref or C callback), so the job went on with half-done work (a model load cut short that
+    answers every row with 0 tokens). A writer calls it before it records anything: an interrupted row is never
+    recorded, at any moment. Nothing outside an interruptible block."""
+    if _current and _current[-1].received:
+        raise Interrupted(_current[-1].received[0])
+
+
+def interrupt_handled() -> None:
+    """The job has answered the signals received so far (generate.py's chat: Ctrl-C stops one answer and the
+    conversation goes on): check_interrupt no longer raises for them."""
+    if _current:
+        _current[-1].received.clear()
 
 
 class RankError(ValueError):

@@ -100,7 +100,10 @@ def os_cause(e: BaseException, folder: Path | None = None) -> str:
         if isinstance(x, OSError) and x.errno:
             return CAUSES.get(x.errno, os.strerror(x.errno))
         if isinstance(x, dcp_errors()):  # DCP: each rank's failure
-            todo += [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
+            failures = [f[0] if isinstance(f, tuple) else f for f in x.failures.values()]
+            # its text holds every rank's traceback: the first rank's failure speaks for it, on one line
+            e = e if e is not x or not failures else failures[0]
+            todo += failures
         todo += [x.__cause__, x.__context__]
     text = " ".join(str(e).split())  # on one line
     for needle, cause in (

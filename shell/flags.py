@@ -58,7 +58,12 @@ def out_of_range(values, ranges: dict[str, str]) -> str | None:
 
 class OneLineParser(argparse.ArgumentParser):
     """A flag error is one line, not the usage of every flag, and exits 2 (argparse's code); under
-    torchrun only rank 0 prints it (every rank parses the same flags)."""
+    torchrun only rank 0 prints it (every rank parses the same flags). A flag is taken only as spelled
+    whole: argparse's abbreviations (allow_abbrev) are refused, so `--overwr` is no `--overwrite` that a
+    requeue's `--resume` (slurm/parvl.sbatch), or a later flag named alike, would then contradict."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **{"allow_abbrev": False, **kw})
 
     def error(self, message: str):
         error(f"{self.prog}: error: {message} (see --help)")

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
-from shell.cli import barrier, log, rank, world_size
+from shell.cli import barrier, check_interrupt, log, rank, world_size
 from shell.files import writing
 
 T = TypeVar("T")
@@ -112,6 +112,7 @@ class LineParts:
         ):  # a full disk names the part (writing)
 
             def keep(records: list[dict]) -> None:
+                check_interrupt()  # records made after a signal are never kept (a swallowed Interrupted)
                 f.write("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in records))
                 f.flush()
 
@@ -173,7 +174,9 @@ class FileParts:
         return self.path(k).exists()
 
     def keep(self, k: int, write: Callable[[str], None]) -> None:
-        """write(path) writes unit k's file beside its name; the rename makes it appear whole."""
+        """write(path) writes unit k's file beside its name; the rename makes it appear whole. Nothing made after
+        a signal is kept (cli.check_interrupt)."""
+        check_interrupt()
         with writing(str(self.path(k)) + ".tmp"):  # safetensors' failure too names the file
             write(str(self.path(k)) + ".tmp")
         os.replace(str(self.path(k)) + ".tmp", self.path(k))

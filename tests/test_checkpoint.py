@@ -517,7 +517,7 @@ def test_default_model_from_the_hub_cache_offline(model_dir, tmp_path, capsys):
         timeout=120,
     )
     assert res.returncode == 0, res.stderr
-    assert f"loaded {snap}" in res.stderr and "downloading" not in res.stderr
+    assert f"loaded {snap}" in res.stderr and "download" not in res.stderr
     assert generate.main(["Hello?", "--model", str(folder), "--max-new-tokens", "4", "--json"]) == 0
     assert json.loads(res.stdout)["answer"] == json.loads(capsys.readouterr().out)["answer"]
     res = run_python(
@@ -560,10 +560,9 @@ def test_no_network_is_one_error_line(tmp_path):
         timeout=120,
     )
     lines = res.stderr.strip().splitlines()
-    assert res.returncode == 1 and "Traceback" not in res.stderr and len(lines) == 2, res.stderr
-    # the attempt, announced
-    assert lines[0].startswith("downloading OpenGVLab/InternVL3_5-1B into")
-    assert lines[1] == (
+    # issue 46: no "downloading ..." where nothing can be downloaded, the error alone
+    assert res.returncode == 1 and "Traceback" not in res.stderr and len(lines) == 1, res.stderr
+    assert lines[0] == (
         "error: OpenGVLab/InternVL3_5-1B: not in the hub cache and the hub cannot be reached; download "
         "it "
         "where the hub is reachable (hf download OpenGVLab/InternVL3_5-1B --local-dir InternVL3_5-1B) "

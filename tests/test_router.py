@@ -929,11 +929,11 @@ def test_a_full_disk_or_memory_is_one_line(model23, labelled, tmp_path, capsys, 
         )
 
     monkeypatch.setattr(router, "Router", router_that_cannot_allocate)
-    assert run_router(*train, "--hidden", 10**7, "--out", tmp_path / "H") == 1
+    # the range's top (issue 46: 10**7 is a flag error now), with an allocator that cannot serve it
+    assert run_router(*train, "--hidden", 65536, "--out", tmp_path / "H") == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1] == (
-        "error: out of memory at --hidden 10000000 (two gates of 10000000 x 128 weights); lower "
-        "--hidden"
+        "error: out of memory at --hidden 65536 (two gates of 65536 x 128 weights); lower --hidden"
     ), err
 
 
@@ -1094,6 +1094,46 @@ def test_train_stops_on_a_non_finite_loss_and_saves_no_router(model23, labelled,
     assert not (out / "router.safetensors").exists()
     for line in (out / "metrics.jsonl").read_text().splitlines():  # strict JSON: NaN refused
         json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl"))
+
+
+def test_train_saves_nothing_that_is_not_finite(model23, labelled, tmp_path, capsys):
+    """Issue 46, rule 5: `--lr 1e30 --steps 2` saved weights near 1e30 (here one step does) that always picked
+    pair [0, 0] (the check ran before each update, never after the last), and `--weight-decay 1e300` an all-inf
+    router: the first is one line after the last update, exit 1, no router saved; the second and `--hidden
+    10**7` (24 GB until the kernel killed it) are flag errors, exit 2. A rerun is told the run saved no router."""
+    _, labels = labelled
+    out = tmp_path / "R"
+    base = [
+        "train",
+        "--model",
+        model23,
+        "--labels",
+        labels,
+        "--global-batch",
+        4,
+        "--check-samples",
+        0,
+    ]
+    base += ["--warmup-ratio", 0, "--out", out]
+    assert run_router(*base, "--steps", 1, "--lr", "1e30") == 1
+    err = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error")]
+    assert err == [
+        "error: step 1: after the last update the router's logits are not finite (--lr 1e+30, --weight-decay "
+        "0); nothing saved as the router: lower --lr"
+    ], err
+    assert not (out / "router.safetensors").exists()
+    assert run_router(*base, "--steps", 1) == 1
+    assert "already holds a router run that saved no router" in capsys.readouterr().err
+    for flags, line in (
+        (
+            ["--weight-decay", "1e300"],
+            "--weight-decay 1e+300 at --lr 0.0003: AdamW scales each weight",
+        ),
+        (["--hidden", 10**7], "--hidden must be in [1, 65536], got 10000000"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            run_router(*base, *flags)
+        assert e.value.code == 2 and line in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("pv, pl", [(2, 1), (1, 2)])

@@ -867,8 +867,13 @@ def test_an_export_goes_to_a_new_or_empty_folder(run3, model_dir, meta, tmp_path
         (
             export + ["--out", model_dir, "--overwrite"],
             1,
-            f"error: --out {model_dir}: the run's base model "
-            f"{model_dir} is there, which the export reads",
+            f"error: --out {model_dir}: is the run's base model {model_dir}, which the export reads",
+        ),
+        (  # issue 46: said the way round it is, not "the base model is there"
+            export + ["--out", model_dir / "sub", "--overwrite"],
+            1,
+            f"error: --out {model_dir / 'sub'}: lies inside the run's base model {model_dir}, which the "
+            "export reads",
         ),
     ]
     before, base = tree(tmp_path), tree(model_dir)

@@ -742,7 +742,7 @@ def test_the_extractor_key_comes_from_the_environment_only(tmp_path, capsys, mon
             rc == 1
             and out == ""
             and err.count("\n") == 1
-            and "request failed: HTTP Error 401" in err
+            and "HTTP 401 Unauthorized" in err  # the provider's status in one line (issue 46)
         )
         monkeypatch.setenv("MY_JUDGE_KEY", key)
         rc, out, err = main_out(capsys, *argv, "--judge-key-env", "MY_JUDGE_KEY")

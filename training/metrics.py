@@ -314,7 +314,9 @@ def plot_run(run: Path, png: Path | None = None) -> Path:
                 ax.plot(steps, ys, label=label, marker="." if len(steps) < 50 else None)
         if key == "lr":
             ax.set_yscale("log")
-        if len(keys) > 1 or key == "lr":
+        # a legend only of what is drawn: a run whose lines carry no lr groups drew none there, and matplotlib
+        # warned in its own words
+        if (len(keys) > 1 or key == "lr") and ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.grid(alpha=0.3)

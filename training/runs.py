@@ -263,9 +263,16 @@ def check_export_out(out: Path, overwrite: bool, base: Path) -> None:
             f"to a new or empty folder; pick another --out, or pass --overwrite to replace what is there"
         )
     if overlap((out.resolve(), None), (base.resolve(), None)) is not None:
+        where = (
+            f"lies inside the run's base model {base}"
+            if base.resolve() in out.resolve().parents
+            else f"is the run's base model {base}"
+            if out.resolve() == base.resolve()
+            else f"holds the run's base model {base}"
+        )
         raise ValueError(
-            f"--out {out}: the run's base model {base} is there, which the export reads; an output is "
-            f"never an input: pick another --out"
+            f"--out {out}: {where}, which the export reads; an output is never an input: pick another "
+            f"--out"
         )
 
 
