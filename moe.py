@@ -35,6 +35,10 @@ import torch.nn.functional as F
 
 from config import LLMConfig
 
+# torch.nn.functional.grouped_mm is the public name of torch._grouped_mm in newer torch; the project runs on
+# torch 2.11 and newer, where the private name has the same signature
+grouped_mm = getattr(F, "grouped_mm", None) or torch._grouped_mm
+
 
 def route(
     logits: torch.Tensor, k: int, renormalise: bool, dtype: torch.dtype
@@ -54,9 +58,9 @@ def grouped_experts(
     """SwiGLU experts over rows sorted by expert: x [N*K,C], expert e's rows ending at offsets[e] (int32,
     [E]); gate_up [E,2I,C], down [E,C,I]. One grouped product per projection: row group e times its own
     expert's matrix (the transposed views, no copy)."""
-    h = F.grouped_mm(x, gate_up.transpose(1, 2), offs=offsets)  # [N*K,2I]
+    h = grouped_mm(x, gate_up.transpose(1, 2), offs=offsets)  # [N*K,2I]
     gate, up = h.chunk(2, dim=-1)  # [N*K,I] each
-    return F.grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [N*K,C]
+    return grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=offsets)  # [N*K,C]
 
 
 def gathered_experts(
