@@ -236,9 +236,8 @@ def answer(
                     ensure_ascii=False,
                 )
             )
-        raise Interrupted(
-            text, getattr(e, "code", 130) - 128
-        ) from None  # a plain KeyboardInterrupt: SIGINT
+        # a plain KeyboardInterrupt: SIGINT
+        raise Interrupted(text, getattr(e, "code", 130) - 128) from None
     text = tok.answer(res.tokens[0])
     streamed.finish()
     n = len(res.tokens[0])

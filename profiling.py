@@ -113,10 +113,8 @@ def run_forward(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
         for (pv, pl), model in models.items() if args.trace else ():
             trace(lambda: model(ids_BT, pixels), device, Path(args.trace), f"forward_{pv}x{pl}")  # noqa: B023
     rows = []
-    for (
-        (pv, pl),
-        pair,
-    ), ts in times.items():  # GFLOPs: Table S3's count (calflops: no attention products)
+    # GFLOPs: Table S3's count (calflops: no attention products)
+    for ((pv, pl), pair), ts in times.items():
         gflops = (
             args.batch
             * profile_params(args.arch, *((pv, pl) if pair is None else (1, 1)), work)[

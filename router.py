@@ -205,9 +205,8 @@ def train(cfg: TrainRouterConfig) -> int:
     )
     if rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
-        for (
-            name
-        ) in held:  # --overwrite: the old router's files go, its eval.json too (it would be stale)
+        # --overwrite: the old router's files go, its eval.json too (it would be stale)
+        for name in held:
             (out / name).unlink()
         # and its curves; a folder that held no router
         for old in (out / name for name in TRACKER_FILES if held):

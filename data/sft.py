@@ -132,44 +132,13 @@ class SFTData(torch.utils.data.Dataset):
         meta = _read_meta(os.fspath(meta_path))
         self.meta_path = os.path.abspath(meta_path)
         folder = os.path.dirname(self.meta_path)
-        self.datasets = []  # dicts: name, root, path, offsets, lines, kept, repeat, augment, max_tiles
-        for name, m in meta.items():
-            path = os.path.join(folder, m["annotation"])  # join keeps an absolute path as is
-            offsets, lines = _index_lines(path)
-            kept, repeat = repeat_rule(meta_path, name, m, len(offsets))
-            # the meta file's, checked; else the caller's
-            tiles = m.get("max_dynamic_patch", max_tiles)
-            if "max_dynamic_patch" in m and (
-                isinstance(tiles, bool) or not isinstance(tiles, int) or not 1 <= tiles <= MAX_TILES
-            ):
-                raise ValueError(
-                    f"{meta_path}: dataset {name!r} has max_dynamic_patch={tiles!r}, need an integer in "
-                    f"[1, {MAX_TILES}] (the most tiles InternVL's pipelines give)"
-                )
-            root = os.path.join(folder, m["root"])
-            # every image under it would be a "missing_image" bad row, the root unnamed
-            if _link_loop(root):
-                raise ValueError(
-                    f"{meta_path}: dataset {name!r} has root {root}, a symbolic link loop (links that "
-                    f"point at each other, never at a folder)"
-                )
-            self.datasets.append(
-                dict(
-                    name=name,
-                    root=root,
-                    path=path,
-                    offsets=offsets,
-                    lines=lines,
-                    kept=kept,
-                    repeat=repeat,
-                    augment=bool(m.get("data_augment", False)),
-                    max_tiles=tiles,
-                )
-            )
+        # dicts: name, root, path, offsets, lines, kept, repeat, augment, max_tiles
+        self.datasets = [
+            _dataset(meta_path, folder, name, m, max_tiles) for name, m in meta.items()
+        ]
         sizes = [d["kept"] * d["repeat"] for d in self.datasets]
-        self.starts = np.cumsum(
-            [0] + sizes
-        ).tolist()  # global row range of dataset k: starts[k:k+2]
+        # global row range of dataset k: starts[k:k+2]
+        self.starts = np.cumsum([0] + sizes).tolist()
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -373,6 +342,41 @@ def _outcome(s) -> str:
 def _bad_or_good(s) -> "BadRow | str":
     # a BadRow is small; a Sample's tiles need not travel
     return s if isinstance(s, BadRow) else "good"
+
+
+def _dataset(meta_path, folder: str, name: str, m: dict, max_tiles: int) -> dict:
+    """One dataset of the meta file: its annotation file indexed (line offsets), its repeat_time rule, its
+    tile budget (the meta file's max_dynamic_patch, checked; else the caller's) and its image root."""
+    path = os.path.join(folder, m["annotation"])  # join keeps an absolute path as is
+    offsets, lines = _index_lines(path)
+    kept, repeat = repeat_rule(meta_path, name, m, len(offsets))
+    # the meta file's, checked; else the caller's
+    tiles = m.get("max_dynamic_patch", max_tiles)
+    if "max_dynamic_patch" in m and (
+        isinstance(tiles, bool) or not isinstance(tiles, int) or not 1 <= tiles <= MAX_TILES
+    ):
+        raise ValueError(
+            f"{meta_path}: dataset {name!r} has max_dynamic_patch={tiles!r}, need an integer in "
+            f"[1, {MAX_TILES}] (the most tiles InternVL's pipelines give)"
+        )
+    root = os.path.join(folder, m["root"])
+    # every image under it would be a "missing_image" bad row, the root unnamed
+    if _link_loop(root):
+        raise ValueError(
+            f"{meta_path}: dataset {name!r} has root {root}, a symbolic link loop (links that "
+            f"point at each other, never at a folder)"
+        )
+    return dict(
+        name=name,
+        root=root,
+        path=path,
+        offsets=offsets,
+        lines=lines,
+        kept=kept,
+        repeat=repeat,
+        augment=bool(m.get("data_augment", False)),
+        max_tiles=tiles,
+    )
 
 
 def _read_meta(path: str) -> dict:

@@ -205,9 +205,8 @@ def draw(
     each domain's datasets by their rows; a domain with too few rows is refused."""
     total = round(fraction * sum(d["rows"] for d in datasets))
     if shares is None:
-        rng = np.random.default_rng(
-            [seed, 0]
-        )  # the counts' stream; each dataset's rows have their own
+        # the counts' stream; each dataset's rows have their own
+        rng = np.random.default_rng([seed, 0])
         counts = rng.multivariate_hypergeometric([d["rows"] for d in datasets], total)
         return {d["name"]: int(k) for d, k in zip(datasets, counts)}
     per_domain = largest_remainder(total, shares)

@@ -277,9 +277,8 @@ class Judge:
                         f"is a few; is --judge-url a chat completions endpoint? nothing of it cached"
                     )
                 reply = json.loads(reply)
-                if (
-                    said := error_text(reply)
-                ) is not None:  # a 200 that carries the provider's error
+                # a 200 that carries the provider's error
+                if (said := error_text(reply)) is not None:
                     raise DataError(
                         f"judge {shown(self.url)}: the endpoint answered with an error: {said}"
                     )

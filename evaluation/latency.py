@@ -51,9 +51,8 @@ def synthetic_inputs(
     tiles, then filler ids; pixels [B*tiles,3,448,448], one random tile repeated (None without tiles)."""
     assert 0 < cfg.image_token_id <= cfg.llm.vocab_size, (cfg.image_token_id, cfg.llm.vocab_size)
     g = torch.Generator().manual_seed(seed)
-    text = torch.randint(
-        0, cfg.image_token_id, (work.text_tokens,), generator=g
-    ).tolist()  # never the image id
+    # never the image id
+    text = torch.randint(0, cfg.image_token_id, (work.text_tokens,), generator=g).tolist()
     head = min(16, len(text))  # a chat header in front of the image, as in InternVL's prompt
     ids = text[:head] + [cfg.image_token_id] * work.image_tokens(cfg) + text[head:]
     ids_BT = torch.tensor([ids] * batch, device=device)

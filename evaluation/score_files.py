@@ -193,9 +193,8 @@ def shared_weight_format(scales: list[tuple[str, Scores]]) -> str | None:
     full-precision ones would put the quantization's error into the comparison of configurations. So is one
     mixing dtypes (--dtype: fp32 beside bf16), which no row of the tables shows."""
     dtypes = {d: f for _, s in scales for d, f in s.dtypes.items()}
-    if (
-        len(dtypes) > 1
-    ):  # fp32 beside bf16 is a precision's difference too, as quantized beside full
+    # fp32 beside bf16 is a precision's difference too, as quantized beside full
+    if len(dtypes) > 1:
         (a, fa), (b, fb) = list(dtypes.items())[:2]
         raise DataError(
             f"{fb} was predicted in {b}, {fa} in {a}: one report, one precision; run them again alike "

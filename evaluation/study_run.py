@@ -92,9 +92,8 @@ class Plan:
         self.home = self.out.resolve()  # where the study lives, whatever --out's spelling
         self.producer = {str(o): p for p in todo for o in p.outputs}
         self.pending: set[str] = set()  # while planning: the pieces this call will run
-        self.changing: dict[
-            str, str
-        ] = {}  # while planning: piece name -> why it will be made again
+        # while planning: piece name -> why it will be made again
+        self.changing: dict[str, str] = {}
 
     def made(self, p: Piece) -> Path:
         return self.out / "made" / (re.sub(r"[^A-Za-z0-9._-]+", "_", p.name) + ".json")

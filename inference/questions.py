@@ -31,9 +31,8 @@ def read_questions(path: Path) -> list[dict]:
     """The rows of a --batch file: {"line", "image" (as written), "question", "paths"}; every image path
     (relative to the file) must exist. A bad row is one line naming it, before any weights load."""
     try:
-        text = regular_file(path, "--batch").read_text(
-            encoding="utf-8"
-        )  # a FIFO would block the read
+        # a FIFO would block the read
+        text = regular_file(path, "--batch").read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--batch {path}: cannot read ({e})") from None
     rows = []
@@ -144,22 +143,19 @@ def answer_file(
                 flush=True,
             )
     finally:
-        if (
-            out
-        ):  # the close flushes what a failed write left buffered: its full disk names the file too
+        # the close flushes what a failed write left buffered: its full disk names the file too
+        if out:
             with writing(out):
                 sink.close()
-    if (
-        out and done and todo and min(r["line"] for r in todo) < max(done)
-    ):  # the old file was no prefix
+    # the old file was no prefix
+    if out and done and todo and min(r["line"] for r in todo) < max(done):
         ordered = sorted(
             out.read_text(encoding="utf-8").splitlines(keepends=True),
             key=lambda x: json.loads(x)["line"],
         )
         write_text(out, "".join(ordered))
-    if (
-        unreadable
-    ):  # every other row is answered; a rerun with the same --out tries only these again
+    # every other row is answered; a rerun with the same --out tries only these again
+    if unreadable:
         error(
             f"error: {len(unreadable)} of {len(todo)} rows not answered, their images unreadable: {questions} "
             f"line{'s' * (len(unreadable) > 1)} {', '.join(map(str, unreadable))}"

@@ -88,9 +88,8 @@ class Fields:
 
     def int(self, key: str, default=None, low: int = 1) -> int:
         value = self.block.get(key, default)
-        if (
-            isinstance(value, list) and len(value) == 2 and value[0] == value[1]
-        ):  # [448, 448]: a square size
+        # [448, 448]: a square size
+        if isinstance(value, list) and len(value) == 2 and value[0] == value[1]:
             value = value[0]
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise self.bad(key, "a positive integer" if low == 1 else f"an integer >= {low}", value)
@@ -335,9 +334,8 @@ def multimodal_fields(raw: dict, vit: ViTConfig, hf: bool, folder: Path | None) 
             )
     elif isinstance(image_token_id, bool) or not isinstance(image_token_id, int):
         raise top.bad("image_token_id", "an integer (a token id)", image_token_id)
-    ratio = raw.get(
-        "downsample_ratio", 0.5
-    )  # pixel shuffle merges (1/ratio)^2 patches: 1/ratio divides the grid
+    # pixel shuffle merges (1/ratio)^2 patches: 1/ratio divides the grid
+    ratio = raw.get("downsample_ratio", 0.5)
     if (
         isinstance(ratio, bool)
         or not isinstance(ratio, (int, float))
@@ -363,9 +361,8 @@ def multimodal_fields(raw: dict, vit: ViTConfig, hf: bool, folder: Path | None) 
             raw["max_dynamic_patch"],
         )
     template = raw.get("template", "internvl2_5")
-    if (
-        template != "internvl2_5"
-    ):  # the one chat template data/processor.py implements (InternVL3 and 3.5 use it)
+    # the one chat template data/processor.py implements (InternVL3 and 3.5 use it)
+    if template != "internvl2_5":
         raise CheckpointError(
             f"config.json: chat template {template!r} is not supported (internvl2_5)"
         )

@@ -37,9 +37,8 @@ def load_router(path: str | Path, model: ParVL | None = None) -> Router:
     folder = Path(path)
     if not folder.is_dir():
         raise RouterError(f"{folder}: no such router folder")
-    if not (
-        folder / "config.json"
-    ).is_file():  # read_json's line would ask whether it is a checkpoint
+    # read_json's line would ask whether it is a checkpoint
+    if not (folder / "config.json").is_file():
         held = ", ".join(sorted(p.name for p in folder.iterdir())[:5]) or "nothing"
         raise RouterError(
             f"{folder}: not a router folder (it holds {held}; router.py train writes config.json and "

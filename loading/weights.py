@@ -153,9 +153,8 @@ class CheckpointReader:
     def __init__(self, folder: Path, device="cpu", parscale_branches: int = 0):
         rename = parscale_key if parscale_branches else canonical_key
         self.folder, self.device, self.parscale = folder, device, parscale_branches
-        self.parts: dict[
-            str, list[tuple]
-        ] = {}  # canonical key -> [(file, dtype, shape, byte offset)]
+        # canonical key -> [(file, dtype, shape, byte offset)]
+        self.parts: dict[str, list[tuple]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
         for file in checkpoint_files(folder):
             for key, (dtype, shape, offset) in safetensors_header(file).items():

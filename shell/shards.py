@@ -124,9 +124,8 @@ class LineParts:
         renamed onto it; then the parts go. Returns the number of records. Memory holds where each record
         is, not the records: they are copied line by line (the files were read whole by done())."""
         files = [f for f in self.files() if f.exists()]
-        where: dict[
-            str, tuple[int, int, int, int]
-        ] = {}  # key -> (place, file, byte offset, length)
+        # key -> (place, file, byte offset, length)
+        where: dict[str, tuple[int, int, int, int]] = {}
         for n, f in enumerate(files):
             with open(f, "rb") as lines:
                 offset = 0

@@ -35,6 +35,7 @@ def parse_flags(command, argv: list):
 def run_train(*args, nproc: int = 1, check: bool = True, fault: str | None = None):
     """train.py with these flags (under torchrun with nproc > 1); fault: one of tests/faults.py's."""
     script = [str(ROOT / "tests" / "faults.py"), fault] if fault else [str(ROOT / "train.py")]
+    # --standalone: a free port, so runs side by side never clash
     cmd = (
         [
             sys.executable,
@@ -46,7 +47,7 @@ def run_train(*args, nproc: int = 1, check: bool = True, fault: str | None = Non
         ]
         if nproc > 1
         else [sys.executable]
-    ) + [*script, *map(str, args)]  # --standalone: a free port, so runs side by side never clash
+    ) + [*script, *map(str, args)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     if check:

@@ -144,9 +144,8 @@ def test_lora_branches_start_as_internvl_and_are_their_weight_updates(checkpoint
 def test_vit_prefix_attention_equals_explicit():
     torch.manual_seed(0)
     cfg = ViTConfig(hidden_size=32, num_heads=4, intermediate_size=64, num_layers=1)
-    attn = ViTAttention(
-        cfg, branches=3, prefix_len=5
-    ).double()  # fp64: the comparison checks the algorithm
+    # fp64: the comparison checks the algorithm
+    attn = ViTAttention(cfg, branches=3, prefix_len=5).double()
     for p in attn.parameters():
         torch.nn.init.normal_(p)
     N, T, H, D = 2, 7, 4, 8

@@ -580,9 +580,8 @@ def test_a_training_row_that_is_not_unicode_is_a_bad_row(model_dir, tmp_path, ca
 def test_validate_data_lists_bad_rows_capped(model_dir, tmp_path, monkeypatch):
     meta = write_dataset(tmp_path / "d", rows=6, bad=2)
     jsonl = meta.parent / "train.jsonl"
-    with open(
-        jsonl, "a"
-    ) as f:  # a blank line, then a row that is not JSON: named by its line in the file
+    # a blank line, then a row that is not JSON: named by its line in the file
+    with open(jsonl, "a") as f:
         f.write("\n{not json\n")
     before = tree(meta.parent)
     res = train_here(

@@ -131,9 +131,8 @@ def test_training_micro_batch_has_no_host_sync(packed):
     from training.step import micro_loss
 
     cfg = replace(PRESETS["tiny"], par=ParConfig(pv=2, pl=2, vit_prefix_len=8, llm_prefix_len=8))
-    model = TrainedParVL.from_config(
-        cfg, torch.float32, "cuda"
-    ).train()  # micro_loss takes train.py's model
+    # micro_loss takes train.py's model
+    model = TrainedParVL.from_config(cfg, torch.float32, "cuda").train()
     samples = training_samples(cfg)
     batch = pinned(pack_step(samples, 4096, 1, 0)[0] if packed else collate(samples, pad_id=0))
     weight_sum = torch.ones((), device="cuda")
@@ -162,9 +161,8 @@ def test_packed_flex_attention_training_equals_unpacked(pv, pl, device):
     from training.step import micro_loss
 
     cfg = replace(PRESETS["tiny"], par=ParConfig(pv=pv, pl=pl, vit_prefix_len=8, llm_prefix_len=8))
-    model = TrainedParVL.from_config(
-        cfg, torch.float32, device
-    ).train()  # micro_loss takes train.py's model
+    # micro_loss takes train.py's model
+    model = TrainedParVL.from_config(cfg, torch.float32, device).train()
     model.init_branches(std=0.3)
     samples = training_samples(cfg)
 

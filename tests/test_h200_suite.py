@@ -45,9 +45,8 @@ def test_suite_dry_run_writes_every_figure(tmp_path):
         (r["quant"], r["pv"], r["batch"]) for r in quant["rows"]
     ] == [("int8", 1, 1), ("int8", 1, 2), ("int4-g32", 1, 1), ("int4-g32", 1, 2)], quant
     assert list(result["training"]["runs"]) == ["2:2"]  # the dry run trains one configuration
-    for name, run in result["training"][
-        "runs"
-    ].items():  # both steps logged, the figures read back from the run
+    # both steps logged, the figures read back from the run
+    for name, run in result["training"]["runs"].items():
         lines = [
             json.loads(x)
             for x in (tmp_path / f"train_{name.replace(':', 'x')}" / "metrics.jsonl")

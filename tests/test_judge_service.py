@@ -49,9 +49,8 @@ def endpoint():
     """Two servers (the endpoint and another origin), each answering Endpoint.reply; their base URLs."""
     servers = [ThreadingHTTPServer(("127.0.0.1", 0), Endpoint) for _ in range(2)]
     for s in servers:
-        threading.Thread(
-            target=s.serve_forever, args=(0.05,), daemon=True
-        ).start()  # a quick shutdown
+        # a quick shutdown
+        threading.Thread(target=s.serve_forever, args=(0.05,), daemon=True).start()
     Endpoint.seen = []
     yield [f"http://127.0.0.1:{s.server_port}/v1" for s in servers]
     for s in servers:

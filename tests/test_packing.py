@@ -197,9 +197,8 @@ def test_packed_loss_and_gradients_equal_unpacked(model_dir, meta, pv, pl):
     matmul shapes, masked SDPA over other key sets), a few ulps per op through 2+2 layers, so 1e-5
     relative on the loss and the gradient norm, 1e-4 relative (1e-7 absolute) per gradient entry."""
     torch.manual_seed(0)
-    model = load_pretrained(
-        model_dir, pv=pv, pl=pl, model_class=TrainedParVL
-    ).train()  # train mode: text-only batches take a dummy tile
+    # train mode: text-only batches take a dummy tile
+    model = load_pretrained(model_dir, pv=pv, pl=pl, model_class=TrainedParVL).train()
     model.init_branches(std=0.3)
     tok = Tokenizer.from_pretrained(model_dir)
     data = SFTData(meta, tok, max_tiles=2, max_seq_len=32768)

@@ -211,10 +211,8 @@ def test_scope_and_checks():
     ]
     assert not linears and sum(isinstance(m, Int8Linear) for m in model.modules()) == 2 * 7 + 1
     after = model.state_dict()
-    for (
-        k,
-        v,
-    ) in before.items():  # the ViT, connector, aggregators, prefixes, norms, embedding: untouched
+    # the ViT, connector, aggregators, prefixes, norms, embedding: untouched
+    for k, v in before.items():
         assert after[k] is v or torch.equal(after[k], v), k
         assert after[k].dtype == torch.bfloat16, k
     ids = [[5, 9, 301, 7], [11, 12]]  # 300 is the tiny preset's image token

@@ -185,9 +185,7 @@ def test_load_engine_quantizes_the_language_model_only(checkpoint, tmp_path):
         ), k
     quantized = {n for n, m in model.named_modules() if isinstance(m, (Int8Linear, Int4Linear))}
     assert quantized and all(n.startswith("language_model.") for n in quantized)
-    for (
-        name,
-        t,
-    ) in model.state_dict().items():  # everything else: the checkpoint's tensors in --dtype
+    # everything else: the checkpoint's tensors in --dtype
+    for name, t in model.state_dict().items():
         if not any(name.startswith(q + ".") for q in quantized):
             assert t.dtype == torch.bfloat16, name

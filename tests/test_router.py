@@ -191,9 +191,8 @@ def test_labels_equal_single_pair_forwards(model23, labelled):
     text_only = ~t["has_image"]
     # no ViT: same NLL
     assert text_only.any() and torch.equal(t["nll"][text_only, 0], t["nll"][text_only, 1])
-    assert (
-        t["nll"][t["has_image"], 0] != t["nll"][t["has_image"], 1]
-    ).all()  # the vision branches matter
+    # the vision branches matter
+    assert (t["nll"][t["has_image"], 0] != t["nll"][t["has_image"], 1]).all()
 
 
 def test_labels_do_not_depend_on_world_size_and_resume(model23, labelled, tmp_path, monkeypatch):

@@ -901,9 +901,8 @@ def test_metrics_are_json_with_null_for_nan(base_run):
         raise AssertionError(f"{name} in metrics.jsonl")
 
     rows = [json.loads(line, parse_constant=no_nan) for line in text.splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3] and rows[0][
-        "mfu"
-    ] is None  # CPU: no peak FLOPs, so no MFU
+    # CPU: no peak FLOPs, so no MFU
+    assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["mfu"] is None
     assert finite({"a": float("nan"), "b": {"c": float("inf")}, "d": 1.0}) == {
         "a": None,
         "b": {"c": None},

@@ -304,10 +304,8 @@ def test_mathvision_equivalence_1e6_and_no_eval():
     mc = {"index": "2", "choices": "['1', '2', '3']", "answer": "C"}
     assert S.mathvision_check(mc, "The answer is (C)") == (True, "C")
     s = S.score("MathVision_MINI", [free, mc], {"0": "The answer is 0.6", "2": "C"})
-    assert [x["hit"] for x in s.per_row] == [
-        False,
-        True,
-    ] and s.unresolved == 1  # a sentence is not 0.6
+    # a sentence is not 0.6
+    assert [x["hit"] for x in s.per_row] == [False, True] and s.unresolved == 1
 
 
 def test_mathvision_latex_answers_through_latex2sympy(monkeypatch, capsys):

@@ -1739,9 +1739,8 @@ def test_a_folder_read_in_part_refuses_only_outputs_over_that_part(tmp_path, cap
     judge = ["--judge-url", "http://127.0.0.1:9/v1", "--judge-model", "m", "--vlmevalkit", str(kit)]
     plan = ["--model", "M", "--data", "d.json", "--tsv", "T", *judge, "--plan"]
     assert study.main([*plan, "--out", str(kit / "study")]) == 0
-    assert (
-        study.main([*plan, "--out", str(kit / "vlmeval")]) == 0
-    )  # writes vlmeval/data, not dataset
+    # writes vlmeval/data, not dataset
+    assert study.main([*plan, "--out", str(kit / "vlmeval")]) == 0
     capsys.readouterr()
     score = [
         "score",

@@ -48,9 +48,8 @@ from training.step import micro_loss
 
 
 def test_weighted_loss_matches_hand_and_any_split(model_dir, meta):
-    model = load_pretrained(
-        model_dir, pv=2, pl=2, model_class=TrainedParVL
-    ).train()  # train mode: text-only rows take a dummy tile
+    # train mode: text-only rows take a dummy tile
+    model = load_pretrained(model_dir, pv=2, pl=2, model_class=TrainedParVL).train()
     model.init_branches(std=0.3)
     tok = Tokenizer.from_pretrained(model_dir)
     data = SFTData(meta, tok, max_tiles=2, max_seq_len=32768)

@@ -357,9 +357,8 @@ def test_a_benchmark_says_how_to_install_what_it_needs(tmp_path, monkeypatch):
     """bench/bench_llamacpp.py died with ModuleNotFoundError for `gguf`: without it, llama.cpp's side is skipped
     in one line that says how to install it (the benchmark's own Skip, which it prints and goes on)."""
     monkeypatch.syspath_prepend(str(ROOT / "bench"))
-    monkeypatch.setitem(
-        sys.modules, "gguf", None
-    )  # as if not installed: its import raises ImportError
+    # as if not installed: its import raises ImportError
+    monkeypatch.setitem(sys.modules, "gguf", None)
     import bench_llamacpp
 
     with pytest.raises(

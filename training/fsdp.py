@@ -131,10 +131,8 @@ def load_shards(model: ParVL, reader: CheckpointReader, fresh: dict[str, torch.T
     files, cast to fp32 one slice at a time; new branch tensors come from `fresh` (drawn alike on
     every rank). The host holds this rank's shards and one slice in flight, never the checkpoint."""
     world, r = dist.get_world_size(), rank()
-    for (
-        key,
-        t,
-    ) in model.state_dict().items():  # tied lm_head: the same tensor as embed_tokens, filled once
+    # tied lm_head: the same tensor as embed_tokens, filled once
+    for key, t in model.state_dict().items():
         if key not in reader.keys() and key not in fresh:
             continue
         local = t.to_local() if hasattr(t, "to_local") else t

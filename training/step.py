@@ -66,16 +66,14 @@ def micro_loss(model: TrainedParVL, batch, weight_sum: float | torch.Tensor, wor
     by chunk from the final states: loss.chunked_sft_loss), times the world size since FSDP averages
     gradients over ranks. Also returns the branch weights' entropies (nan if none)."""
     ids, labels = to_device(batch.input_ids, device), to_device(batch.labels, device)
-    segments = (
-        None if batch.segment_ids is None else to_device(batch.segment_ids, device)
-    )  # packed rows
+    # packed rows
+    segments = None if batch.segment_ids is None else to_device(batch.segment_ids, device)
     pixels = to_device(batch.pixel_values, device)
     tiles = pixels.shape[0]
     if tiles == 0 and model.cfg.vit is not None:
         size = model.cfg.vit.image_size
-        pixels = torch.zeros(
-            1, 3, size, size, device=device
-        )  # text only: a dummy tile, see ParVL.embed
+        # text only: a dummy tile, see ParVL.embed
+        pixels = torch.zeros(1, 3, size, size, device=device)
     # no padding (e.g. one sample per micro-batch): no mask, so attention keeps the causal fast path
     mask = (
         None
@@ -91,9 +89,10 @@ def micro_loss(model: TrainedParVL, batch, weight_sum: float | torch.Tensor, wor
     )
     nan = torch.full((), float("nan"), device=device)  # a fill, not a host-to-device copy
     w_vision = w_vision if tiles else None  # a dummy tile's weights say nothing
+    # no host sync
     ent = torch.stack(
         [entropy(w.detach()) if w is not None else nan for w in (w_vision, w_language)]
-    )  # no host sync
+    )
     return loss, ent
 
 
@@ -135,9 +134,8 @@ def train_step(model: ParVL, optim, sched, batches: list, cfg, device, s: int) -
         [p for p in model.parameters() if p.requires_grad], cfg.clip
     )
     grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
-    dist.all_reduce(
-        loss_sum
-    )  # the global loss is the ranks' sum over the world size (see micro_loss)
+    # the global loss is the ranks' sum over the world size (see micro_loss)
+    dist.all_reduce(loss_sum)
     _, good, text_tokens, slots, tiles, *bad, loss_value, grad_value = (
         torch.cat(  # the step's one host sync
             [counts, torch.stack([loss_sum / world, grad_norm]).double()]
