@@ -94,7 +94,7 @@ def check_vlmevalkit(c: StudyConfig) -> None:
         )
 
 
-def left_out(c: StudyConfig, report: Piece) -> list[Path]:
+def scores_outside_plan(c: StudyConfig, report: Piece) -> list[Path]:
     """Score files under OUT/score that this plan did not make (an earlier plan's, another --router-allocation's):
     the report leaves them out, and study.py names them."""
     planned = {str(p) for p in report.inputs.values()}
@@ -113,7 +113,7 @@ def run_piece(c: StudyConfig, plan: Plan, p: Piece, head: str) -> None:
             f"{head}: made again ({why}); what it made before is kept in {plan.move_aside(p)}",
             sys.stdout,
         )
-    if p.name == "report" and (others := left_out(c, p)):
+    if p.name == "report" and (others := scores_outside_plan(c, p)):
         log(
             f"{head}: leaves out {len(others)} score file(s) this plan did not make: {' '.join(map(str, others))}",
             sys.stdout,
@@ -205,7 +205,7 @@ def print_plan(c: StudyConfig, todo: list[Piece], statuses: list[tuple[str, str 
         # priced pieces only: those of unknown size are named in the total's line
         cost = f" [{hours(gpu_hours(f, c.mfu, c.peak_tflops))} GPU-h]" if f else ""
         log(f"{head}: {line}{cost}", sys.stdout)
-    if others := left_out(c, next(p for p in todo if p.name == "report")):
+    if others := scores_outside_plan(c, next(p for p in todo if p.name == "report")):
         log(
             f"the report would leave out {len(others)} score file(s) this plan did not make: "
             f"{' '.join(map(str, others))}",
