@@ -31,6 +31,7 @@ The last line of output is one JSON object with every figure.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import resource
@@ -44,7 +45,6 @@ from pathlib import Path
 
 import torch
 import torch._inductor.config
-import transformers
 
 # test helpers, the repo
 sys.path[:0] = [
@@ -53,16 +53,9 @@ sys.path[:0] = [
 ]
 from inputs import random_pixels  # noqa: E402
 from official import (  # noqa: E402
-    IMAGE_SIZE,
-    MAX_POS,
-    PATCH_SIZE,
-    RMS_EPS,
-    ROPE_THETA,
-    TOKENS_PER_TILE,
-    VIT_LN_EPS,
     hf_to_original,
     original_config,
-    randomize_,
+    reference_model,  # noqa: E402
     tokenizer_ids,
     write_safetensors,
 )
@@ -184,28 +177,10 @@ def parse_args(argv=None) -> BenchConfig:
 
 
 def build_reference(cfg: BenchConfig):
-    """transformers' InternVLForConditionalGeneration with the benchmark sizes and random weights."""
-    from transformers import (
-        InternVLConfig,
-        InternVLForConditionalGeneration,
-        InternVLVisionConfig,
-        Qwen3Config,
-    )
-
-    ids = tokenizer_ids("qwen3")
+    """transformers' InternVLForConditionalGeneration with the benchmark sizes and random weights
+    (tests/official.py builds it, as it builds the tests' reference)."""
     heads = cfg.hidden // 64
-    vision = InternVLVisionConfig(
-        **VISION,
-        attention_bias=True,
-        use_qk_norm=False,
-        norm_type="layer_norm",
-        layer_norm_eps=VIT_LN_EPS,
-        hidden_act="gelu",
-        image_size=IMAGE_SIZE,
-        patch_size=PATCH_SIZE,
-        use_mean_pooling=True,
-    )
-    text = Qwen3Config(
+    text = dict(
         hidden_size=cfg.hidden,
         intermediate_size=3 * cfg.hidden,
         num_hidden_layers=cfg.layers,
@@ -213,29 +188,8 @@ def build_reference(cfg: BenchConfig):
         num_key_value_heads=heads // 2,
         head_dim=128,
         vocab_size=cfg.vocab,
-        rms_norm_eps=RMS_EPS,
-        max_position_embeddings=MAX_POS,
-        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
-        hidden_act="silu",
-        tie_word_embeddings=False,
-        bos_token_id=ids["endoftext_id"],
-        eos_token_id=ids["im_end_id"],
     )
-    hf_cfg = InternVLConfig(
-        vision_config=vision.to_dict(),
-        text_config=text.to_dict(),
-        image_token_id=ids["img_context_id"],
-        image_seq_length=TOKENS_PER_TILE,
-        downsample_ratio=0.5,
-        projector_hidden_act="gelu",
-        vision_feature_layer=-1,
-        vision_feature_select_strategy="default",
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(cfg.seed)
-    model = InternVLForConditionalGeneration(hf_cfg).eval()
-    randomize_(model, cfg.seed)
-    return model
+    return reference_model("qwen3", cfg.seed, text_sizes=text, vision_sizes=VISION)
 
 
 def write_checkpoint(ref, folder: Path) -> None:
@@ -558,7 +512,7 @@ def main(argv=None) -> int:
                 "peak_rss_gib": round(peak_gib, 2),
                 "loadavg": [round(load_before, 2), round(load_after, 2)],
                 "torch": torch.__version__,
-                "transformers_version": transformers.__version__,
+                "transformers_version": importlib.metadata.version("transformers"),
                 **{side.replace(" ", "_"): row for side, row in rows.items()},
             }
         )

@@ -131,8 +131,9 @@ def model_vocab_size(family: str) -> int:
     return (tokenizer_ids(family)["vocab_size_tokenizer"] // 128 + 1) * 128
 
 
-def hf_config(family: str):
-    """The transformers `InternVLConfig` of the tiny model (untied everywhere)."""
+def hf_config(family: str, text_sizes: dict | None = None, vision_sizes: dict | None = None):
+    """The transformers `InternVLConfig` of the tiny model (untied everywhere); text_sizes / vision_sizes
+    replace TINY_TEXT's / TINY_VISION's (a benchmark's larger model, vocab_size included)."""
     from transformers import (
         InternVLConfig,
         InternVLVisionConfig,
@@ -143,7 +144,7 @@ def hf_config(family: str):
 
     ids = tokenizer_ids(family)
     vision = InternVLVisionConfig(
-        **TINY_VISION,
+        **(vision_sizes or TINY_VISION),
         **(
             VIT6B_HF
             if is_vit6b(family)
@@ -157,8 +158,10 @@ def hf_config(family: str):
     )
     text_cls = {"qwen3": Qwen3Config, "qwen2": Qwen2Config, "qwen3_moe": Qwen3MoeConfig}
     text = text_cls[text_family(family)](
-        **TINY_TEXT[text_family(family)],
-        vocab_size=model_vocab_size(family),
+        **{
+            "vocab_size": model_vocab_size(family),
+            **(text_sizes or TINY_TEXT[text_family(family)]),
+        },
         rms_norm_eps=RMS_EPS,
         rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
         max_position_embeddings=MAX_POS,
@@ -312,11 +315,19 @@ ARCHITECTURES = {
 
 @functools.cache
 def build_reference(family: str = "qwen3", seed: int = 0):
-    """The transformers reference, eval mode, fp32, with this (family, seed)'s random weights."""
+    """The transformers reference of the tests, eval mode, fp32, with this (family, seed)'s random weights;
+    built once per session."""
+    return reference_model(family, seed)
+
+
+def reference_model(
+    family: str, seed: int, text_sizes: dict | None = None, vision_sizes: dict | None = None
+):
+    """A transformers reference with random weights drawn from `seed` (sizes: see hf_config); not cached."""
     from transformers import InternVLForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = InternVLForConditionalGeneration(hf_config(family)).eval()
+    model = InternVLForConditionalGeneration(hf_config(family, text_sizes, vision_sizes)).eval()
     randomize_(model, seed)
     lm_head, embed = model.lm_head.weight, model.model.language_model.embed_tokens.weight
     assert lm_head.data_ptr() != embed.data_ptr() and not torch.equal(lm_head, embed), (
